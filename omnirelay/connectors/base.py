@@ -1,0 +1,200 @@
+"""The connector contract: move one keyed object between stage processes.
+
+A connector knows keys and bytes, never requests, chunks or models. Every backend
+implements :class:`Connector`:
+
+* ``put(from_stage, to_stage, key, obj) -> PutResult`` — encode ``obj`` and publish it
+  under ``key``. Never raises for transport trouble: a failure is ``PutResult(ok=False,
+  error=...)`` and nothing half-written stays behind. Called on the sender thread, once
+  per chunk.
+* ``get(from_stage, to_stage, key) -> GetResult`` — non-blocking and tri-state:
+  ``READY`` (the object, now consumed: no other reader will get it), ``NOT_YET`` (nothing
+  published under the key yet, try again on the next arrival), ``FAILED`` (the object
+  existed but is unusable — corrupt, wrong schema — it has been consumed and its
+  resources removed; retrying will not help).
+* ``wait_arrivals(to_stage, timeout) -> list[str]`` — block up to ``timeout`` seconds
+  for arrival notices addressed to ``to_stage`` and return the announced keys (may be
+  empty). A notice is a hint: the receiver still calls ``get``.
+* ``cleanup(key)`` — remove the exact key if still published (idempotent).
+* ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (SPEC §2.8).
+* ``reap_consumed() -> int`` — one bounded, rotating pass dropping bookkeeping of keys
+  another process consumed (SPEC §3.5); returns how many were dropped.
+* ``close()`` — release everything still owned; idempotent, synchronous.
+* ``health() -> ConnectorHealth`` — real counters.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from abc import ABC, abstractmethod
+from typing import Any
+
+import msgspec
+
+from omnirelay.errors import InvalidKeyError
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "Connector",
+    "ConnectorHealth",
+    "GetResult",
+    "GetStatus",
+    "PutResult",
+    "REAP_BATCH",
+    "validate_key",
+    "validate_namespace",
+    "is_prefix_match",
+]
+
+#: Keys longer than this (UTF-8 bytes) are refused with a reason. 1,000 characters of
+#: any script (≤ 4,000 bytes) always fit.
+MAX_KEY_BYTES = 8192
+
+#: Keys looked at per ``reap_consumed`` pass (SPEC §3.5).
+REAP_BATCH = 64
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
+
+
+class GetStatus(enum.Enum):
+    READY = "ready"
+    NOT_YET = "not_yet"
+    FAILED = "failed"
+
+
+class PutResult(msgspec.Struct, frozen=True):
+    """Outcome of a put. ``handle`` names the transport resource (for audits)."""
+
+    ok: bool
+    nbytes: int = 0
+    handle: str | None = None
+    error: str | None = None
+
+
+class GetResult(msgspec.Struct, frozen=True):
+    """Outcome of a get. ``obj`` is set only when ``status`` is READY."""
+
+    status: GetStatus
+    obj: Any = None
+    nbytes: int = 0
+    error: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.status is GetStatus.READY
+
+
+class ConnectorHealth(msgspec.Struct):
+    """Counters of one connector instance (this process)."""
+
+    backend: str
+    namespace: str
+    stage_id: int | None
+    status: str = "healthy"
+    num_puts: int = 0
+    num_put_failures: int = 0
+    num_gets: int = 0
+    num_get_failures: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    num_pending_keys: int = 0
+    num_live_objects: int = 0
+    live_bytes: int = 0
+    num_reaped: int = 0
+    num_cleaned: int = 0
+    num_notices_sent: int = 0
+    num_notices_lost: int = 0
+    pool_slots: int = 0
+    pool_bytes: int = 0
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if usable as a transfer key, else raise :class:`InvalidKeyError`."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"transfer key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("transfer key is empty")
+    try:
+        n = len(key.encode("utf-8", "surrogatepass"))
+    except UnicodeError as exc:  # pragma: no cover - surrogatepass accepts every str
+        raise InvalidKeyError(f"transfer key is not encodable: {exc}") from exc
+    if n > MAX_KEY_BYTES:
+        raise InvalidKeyError(
+            f"transfer key is {n} bytes in UTF-8; the limit is {MAX_KEY_BYTES} "
+            "(shorten the external request id)"
+        )
+    return key
+
+
+def validate_namespace(namespace: object) -> str:
+    """A namespace becomes part of every /dev/shm name: keep it short and plain."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise InvalidKeyError(
+            f"namespace {namespace!r} is invalid: use 1-48 characters of letters, digits, "
+            "'_' or '.', starting with a letter or digit"
+        )
+    return namespace
+
+
+def is_prefix_match(key: str, prefix: str) -> bool:
+    """SPEC §2.8: ``key`` is ``prefix`` followed by a decimal integer (and nothing else).
+
+    ``prefix`` is normally ``f"{external_id}_{source_stage}_"``; callers may also pass it
+    without the trailing underscore, in which case the underscore is required in the key.
+    """
+    if not key.startswith(prefix):
+        return False
+    rest = key[len(prefix) :]
+    if not prefix.endswith("_"):
+        if not rest.startswith("_"):
+            return False
+        rest = rest[1:]
+    return rest.isascii() and rest.isdigit()
+
+
+class Connector(ABC):
+    """Abstract connector; see the module docstring for the contract."""
+
+    backend: str = "abstract"
+
+    @abstractmethod
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult: ...
+
+    @abstractmethod
+    def get(self, from_stage: int, to_stage: int, key: str) -> GetResult: ...
+
+    @abstractmethod
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]: ...
+
+    @abstractmethod
+    def cleanup(self, key: str) -> bool:
+        """Remove the exact key if this connector still tracks or published it. Returns
+        True if an object was removed."""
+
+    @abstractmethod
+    def cleanup_prefix(self, prefix: str) -> int:
+        """Remove tracked keys ``prefix + <int>``; returns how many objects were removed."""
+
+    @abstractmethod
+    def reap_consumed(self) -> int: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def health(self) -> ConnectorHealth: ...
+
+    def pending_keys(self) -> list[str]:
+        """Keys this connector put that it still tracks (unconsumed as far as it knows)."""
+        return []
+
+    def __enter__(self) -> Connector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,159 @@
+"""The omnirelay exception hierarchy.
+
+Every error omnirelay raises on purpose is an :class:`OmniRelayError`. Foreign
+exceptions (``OSError``, ``msgspec.DecodeError``, ``yaml.YAMLError`` …) are
+translated at layer boundaries with ``raise X(...) from exc`` and never logged
+and dropped.
+
+::
+
+    OmniRelayError
+    ├── ConfigError                 bad user configuration (YAML, CLI flags, options)
+    │   └── PipelineConfigError     a pipeline file that does not validate (names file/stage/key)
+    ├── PayloadError                the payload layer
+    │   ├── PayloadEncodeError      an object that cannot be put on the wire (unsupported type…)
+    │   └── PayloadDecodeError      bytes that are not a valid payload
+    │       ├── PayloadTruncatedError   fewer bytes than the header promises
+    │       ├── PayloadMagicError       not an omnirelay payload at all
+    │       ├── PayloadVersionError     a wire version this build does not read
+    │       └── PayloadSchemaError      a field the schema does not know, or of the wrong type
+    ├── ConnectorError              the connector layer (raised only where the contract allows:
+    │   │                           put/get report transport trouble as values, not exceptions)
+    │   ├── InvalidKeyError         a transfer key that cannot be used (empty, too long)
+    │   └── ConnectorClosedError    an operation on a closed connector
+    ├── TransferError               the chunk transfer adapter
+    │   ├── SendFailedError         a chunk could not be sent (reason attached)
+    │   ├── ReceiveFailedError      a chunk could not be received or committed
+    │   ├── ReuseRejectedError      an external id reused while its old generation drains
+    │   ├── BackpressureError       the edge byte budget stayed exhausted past its wait bound
+    │   └── ChunkTimeoutError       no chunk arrived within the stall timeout
+    ├── PipelineError               the runtime (engine, orchestrator, workers)
+    │   ├── StageDiedError          a stage worker process exited
+    │   └── RequestFailedError      a request failed; carries the reason
+    └── ModelError                  loading or running a model
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackpressureError",
+    "ChunkTimeoutError",
+    "ConfigError",
+    "ConnectorClosedError",
+    "ConnectorError",
+    "InvalidKeyError",
+    "ModelError",
+    "OmniRelayError",
+    "PayloadDecodeError",
+    "PayloadEncodeError",
+    "PayloadError",
+    "PayloadMagicError",
+    "PayloadSchemaError",
+    "PayloadTruncatedError",
+    "PayloadVersionError",
+    "PipelineConfigError",
+    "PipelineError",
+    "ReceiveFailedError",
+    "RequestFailedError",
+    "ReuseRejectedError",
+    "SendFailedError",
+    "StageDiedError",
+    "TransferError",
+]
+
+
+class OmniRelayError(Exception):
+    """Base class of every error omnirelay raises on purpose."""
+
+
+class ConfigError(OmniRelayError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+class PipelineConfigError(ConfigError):
+    """A pipeline file does not validate. The message names the file, the stage and the key."""
+
+
+class PayloadError(OmniRelayError):
+    """Base of payload schema and wire codec errors."""
+
+
+class PayloadEncodeError(PayloadError):
+    """The object cannot be encoded (unsupported type, object dtype, too large…)."""
+
+
+class PayloadDecodeError(PayloadError):
+    """The bytes are not a valid omnirelay payload."""
+
+
+class PayloadTruncatedError(PayloadDecodeError):
+    """The buffer is shorter than its header says."""
+
+
+class PayloadMagicError(PayloadDecodeError):
+    """The buffer does not start with the omnirelay payload magic."""
+
+
+class PayloadVersionError(PayloadDecodeError):
+    """The buffer was written by a wire version this build cannot read."""
+
+
+class PayloadSchemaError(PayloadDecodeError):
+    """A struct field is unknown or has the wrong type."""
+
+
+class ConnectorError(OmniRelayError):
+    """Base of connector-layer errors."""
+
+
+class InvalidKeyError(ConnectorError):
+    """A transfer key is empty, too long or otherwise unusable."""
+
+
+class ConnectorClosedError(ConnectorError):
+    """The connector was closed."""
+
+
+class TransferError(OmniRelayError):
+    """Base of chunk transfer adapter errors."""
+
+
+class SendFailedError(TransferError):
+    """A chunk could not be sent."""
+
+
+class ReceiveFailedError(TransferError):
+    """A chunk could not be received or committed."""
+
+
+class ReuseRejectedError(TransferError):
+    """An external request id was reused while its previous sender generation still drains."""
+
+
+class BackpressureError(TransferError):
+    """The edge's byte budget of unconsumed data stayed exhausted past the wait bound."""
+
+
+class ChunkTimeoutError(TransferError):
+    """No chunk arrived within the configured stall timeout."""
+
+
+class PipelineError(OmniRelayError):
+    """Base of runtime errors (engine, orchestrator, workers)."""
+
+
+class StageDiedError(PipelineError):
+    """A stage worker process exited while requests were in flight."""
+
+
+class RequestFailedError(PipelineError):
+    """A request failed; ``reason`` says why."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class ModelError(OmniRelayError):
+    """A model could not be loaded or run."""

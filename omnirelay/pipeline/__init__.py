@@ -1,0 +1,1 @@
+"""omnirelay.pipeline."""
