@@ -36,15 +36,15 @@ from omnirelay.errors import InvalidKeyError
 
 __all__ = [
     "MAX_KEY_BYTES",
+    "REAP_BATCH",
     "Connector",
     "ConnectorHealth",
     "GetResult",
     "GetStatus",
     "PutResult",
-    "REAP_BATCH",
+    "is_prefix_match",
     "validate_key",
     "validate_namespace",
-    "is_prefix_match",
 ]
 
 #: Keys longer than this (UTF-8 bytes) are refused with a reason. 1,000 characters of

@@ -1,1 +1,70 @@
-"""omnirelay.processors."""
+"""omnirelay.processors: what the next stage should see (SPEC §5, §6).
+
+One file per role:
+
+* ``base`` — :data:`Payload` and :func:`make_payload`, the one place payloads are built.
+* ``thinker_to_talker`` — prefill and decode embeddings for the Talker (§5.1).
+* ``talker_to_code2wav`` — codec frames in decode windows, codebook-major (§5.2, §5.3).
+* ``code2wav_to_aligner`` — the full waveform for the forced aligner (§5.4).
+* ``decode_window`` — Code2Wav batch building and the streaming trim (§6).
+
+Processors know model semantics and nothing about transports.
+"""
+
+from omnirelay.processors.base import Payload, check_chunk_id, make_payload
+from omnirelay.processors.code2wav_to_aligner import (
+    DEFAULT_SAMPLE_RATE,
+    AlignerInput,
+    build_aligner_input,
+    build_aligner_prompt,
+    extract_waveform,
+    segment_words,
+)
+from omnirelay.processors.decode_window import (
+    chunked_decode,
+    codes_batch_from_flat,
+    split_stream_output,
+    stream_trim,
+    validate_left_context,
+)
+from omnirelay.processors.talker_to_code2wav import (
+    DEFAULT_CODEC_STOP_TOKEN_IDS,
+    CodecStreamState,
+    TalkerToCode2WavConfig,
+    TalkerToCode2WavProcessor,
+    flatten_codebook_major,
+    parse_codec_chunk_ramp,
+    unflatten_codebook_major,
+)
+from omnirelay.processors.thinker_to_talker import (
+    EMBEDDING_LAYER,
+    ThinkerStreamState,
+    ThinkerToTalkerProcessor,
+)
+
+__all__ = [
+    "DEFAULT_CODEC_STOP_TOKEN_IDS",
+    "DEFAULT_SAMPLE_RATE",
+    "EMBEDDING_LAYER",
+    "AlignerInput",
+    "CodecStreamState",
+    "Payload",
+    "TalkerToCode2WavConfig",
+    "TalkerToCode2WavProcessor",
+    "ThinkerStreamState",
+    "ThinkerToTalkerProcessor",
+    "build_aligner_input",
+    "build_aligner_prompt",
+    "check_chunk_id",
+    "chunked_decode",
+    "codes_batch_from_flat",
+    "extract_waveform",
+    "flatten_codebook_major",
+    "make_payload",
+    "parse_codec_chunk_ramp",
+    "segment_words",
+    "split_stream_output",
+    "stream_trim",
+    "unflatten_codebook_major",
+    "validate_left_context",
+]

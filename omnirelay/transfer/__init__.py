@@ -1,1 +1,57 @@
-"""omnirelay.transfer."""
+"""Chunk transfer adapter: per-request chunk streams over one connector (SPEC §4).
+
+Files, one role each:
+
+* ``config.py`` — :class:`TransferConfig` (flat, validated) and its warnings.
+* ``keys.py`` — transfer keys and the internal↔external id map.
+* ``payload_view.py`` — the only place payload flags are read or stamped.
+* ``generation.py`` — :class:`SenderGeneration`, the sender token and its transitions.
+* ``lanes.py`` — :class:`LaneExecutor`: FIFO per lane, parallel across lanes.
+* ``budget.py`` — :class:`ByteBudget`: unconsumed bytes per edge (backpressure).
+* ``events.py`` — plain data for the scheduler/orchestrator and the event mailbox.
+* ``commit.py`` — what a received chunk commits (AR and generation receivers).
+* ``sender.py`` / ``receiver.py`` — the two roles.
+* ``adapter.py`` — :class:`TransferAdapter`, the facade that owns the threads.
+"""
+
+from __future__ import annotations
+
+from omnirelay.transfer.adapter import TransferAdapter
+from omnirelay.transfer.budget import ByteBudget
+from omnirelay.transfer.config import (
+    DEFAULT_STALL_TIMEOUT_S,
+    StallTimeoutDisabledWarning,
+    TransferConfig,
+    TransferConfigWarning,
+)
+from omnirelay.transfer.events import Admission, ChunkInput, FailureKind, TransferEvents, TransferFailure
+from omnirelay.transfer.generation import CancelAction, SenderGeneration
+from omnirelay.transfer.keys import IdMap, key_prefix, make_key
+from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.payload_view import read_flag, stamp_flags
+from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook
+
+__all__ = [
+    "DEFAULT_STALL_TIMEOUT_S",
+    "Admission",
+    "BuildRequest",
+    "ByteBudget",
+    "CancelAction",
+    "ChunkInput",
+    "FailureKind",
+    "IdMap",
+    "LaneExecutor",
+    "Processor",
+    "ReleaseHook",
+    "SenderGeneration",
+    "StallTimeoutDisabledWarning",
+    "TransferAdapter",
+    "TransferConfig",
+    "TransferConfigWarning",
+    "TransferEvents",
+    "TransferFailure",
+    "key_prefix",
+    "make_key",
+    "read_flag",
+    "stamp_flags",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks behind `omnirelay bench` (scripts, never timed unit tests)."""

@@ -1,0 +1,194 @@
+"""``omnirelay check PIPELINE``: validate a pipeline file and print its resolved contracts.
+
+Prints, per stage: id, name, execution type, executor, the resolved ``async_chunk`` and
+why, whether it receives chunks, its processors and final output; per edge
+(``src -> dst``): the contract (chunks or complete input), the connector (backend and
+extras) and the processor; then the any-stage-chunks flag and the final outputs. Exits
+0 when the file validates; otherwise the error (file, stage, key, fix) goes to stderr
+and the exit status is 1 (``omnirelay.cli.main`` prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+from omnirelay.errors import ConfigError
+from omnirelay.pipeline import (
+    FinalOutputType,
+    PipelineConfig,
+    load_pipeline,
+    shipped_pipeline_names,
+)
+
+__all__ = ["build_report", "register", "render_report", "run_check"]
+
+
+def register(sub: Any) -> None:
+    names = ", ".join(shipped_pipeline_names()) or "none"
+    p = sub.add_parser(
+        "check",
+        help="validate a pipeline file and print each stage's and edge's resolved contract",
+        description=(
+            "Load and validate a pipeline (a YAML file, or a shipped name: "
+            f"{names}). Prints, per stage, the resolved async_chunk mode and why, whether "
+            "the stage receives chunks, its processors and final output; per edge, whether "
+            "it carries chunks or a complete input, its connector and processor. Exits 1 "
+            "with an error naming the file, the stage and the key when the pipeline does not "
+            "validate."
+        ),
+    )
+    p.add_argument("pipeline", metavar="PIPELINE", help="path to a pipeline YAML file, or a shipped name")
+    p.add_argument(
+        "--async-chunk",
+        choices=("true", "false"),
+        default=None,
+        help="override the pipeline's async_chunk flag (as `omnirelay serve` would)",
+    )
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON to PATH")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    override = None if args.async_chunk is None else args.async_chunk == "true"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_pipeline(args.pipeline, async_chunk_override=override)
+    for w in caught:
+        print(f"omnirelay check: warning: {w.message}", file=sys.stderr)
+    report = build_report(cfg)
+    render_report(report, sys.stdout)
+    if args.json:
+        path = Path(args.json)
+        try:
+            path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json}: cannot write the report: {exc.strerror or exc}") from exc
+    return 0
+
+
+def build_report(cfg: PipelineConfig) -> dict[str, Any]:
+    """The resolved pipeline as plain data (what ``--json`` writes)."""
+    stages = []
+    for s in cfg.stages:
+        stages.append(
+            {
+                "id": s.id,
+                "name": s.name,
+                "execution_type": s.execution_type.value,
+                "executor": s.executor,
+                "devices": s.devices,
+                "max_num_seqs": s.max_num_seqs,
+                "async_chunk": s.async_chunk,
+                "resolved_async_chunk": cfg.resolved_async_chunk(s),
+                "async_chunk_reason": cfg.async_chunk_reason(s),
+                "receives_chunks": cfg.stage_receives_chunks(s),
+                "receives_chunks_reason": _receives_reason(cfg, s.id),
+                "next_stage_processor": cfg.next_stage_processor(s),
+                "input_builder": cfg.stage_input_builder(s),
+                "final_output": s.final_output,
+                "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
+            }
+        )
+    edges = [
+        {
+            "src": e.src,
+            "dst": e.dst,
+            "label": e.label,
+            "names": f"{cfg.stages[e.src].name} -> {cfg.stages[e.dst].name}",
+            "contract": e.contract.value,
+            "connector": e.connector,
+            "backend": e.backend,
+            "extra": e.extra,
+            "processor": e.processor,
+            "input_builder": e.input_builder,
+        }
+        for e in cfg.edges()
+    ]
+    final_outputs = {
+        t.value: [s.id for s in cfg.stages if s.final_output and s.final_output_type is t]
+        for t in FinalOutputType
+    }
+    return {
+        "name": cfg.name,
+        "source": cfg.source,
+        "description": cfg.description,
+        "async_chunk": cfg.async_chunk,
+        "async_chunk_origin": cfg.async_chunk_origin.value,
+        "any_stage_chunks": cfg.any_stage_chunks(),
+        "namespace": cfg.namespace,
+        "input_wait_timeout_s": cfg.input_wait_timeout_s,
+        "stages": stages,
+        "edges": edges,
+        "final_outputs": {k: v for k, v in final_outputs.items() if v},
+        "final_output_stage_ids": list(cfg.final_output_stage_ids()),
+    }
+
+
+def render_report(report: dict[str, Any], out: TextIO) -> None:
+    """Human-readable form of :func:`build_report`."""
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    w = out.write
+    w(f"pipeline {report['name']}  ({report['source']})\n")
+    if report["description"]:
+        w(f"  {report['description']}\n")
+    origin = _ORIGIN_TEXT.get(report["async_chunk_origin"], report["async_chunk_origin"])
+    w(f"  async_chunk: {str(report['async_chunk']).lower()} ({origin})\n")
+    w(f"  any stage chunks: {yes(report['any_stage_chunks'])}\n")
+    timeout = report["input_wait_timeout_s"]
+    w(f"  input wait timeout: {'disabled' if timeout == 0 else f'{timeout:g} s'}\n")
+    w(f"  namespace: {report['namespace'] or '(chosen per run)'}\n")
+
+    w("\nstages\n")
+    for s in report["stages"]:
+        w(f"  [{s['id']}] {s['name']}: {s['execution_type']}, executor {s['executor']}")
+        w(f", devices {s['devices'] or '(default)'}, max_num_seqs {s['max_num_seqs']}\n")
+        w(f"      async_chunk: {s['async_chunk_reason']}\n")
+        w(f"      receives chunks: {yes(s['receives_chunks'])} ({s['receives_chunks_reason']})\n")
+        if s["next_stage_processor"]:
+            w(f"      next-stage processor: {s['next_stage_processor']}\n")
+        if s["input_builder"] and not s["receives_chunks"] and s["id"] > 0:
+            w(f"      input builder (forwarded input): {s['input_builder']}\n")
+        final = s["final_output_type"] if s["final_output"] else "no (intermediate)"
+        w(f"      final output: {final}\n")
+
+    w("\nedges\n")
+    if not report["edges"]:
+        w("  (none)\n")
+    for e in report["edges"]:
+        extras = ", ".join(f"{k}={v}" for k, v in e["extra"].items())
+        connector = f"{e['connector']} ({e['backend']}{': ' + extras if extras else ''})"
+        if e["contract"] == "chunks":
+            via = f"processor {e['processor']}"
+        else:
+            parts = [f"input builder {e['input_builder'] or '(none: output token ids)'}"]
+            if e["processor"]:
+                parts.insert(0, f"full processor {e['processor']}")
+            via = ", ".join(parts)
+        w(f"  {e['label']}  {e['names']}: {e['contract']}\n")
+        w(f"      connector {connector}; {via}\n")
+
+    w("\nfinal outputs\n")
+    for modality, ids in report["final_outputs"].items():
+        w(f"  {modality}: stage {', '.join(str(i) for i in ids)}\n")
+
+
+_ORIGIN_TEXT = {"default": "the default", "file": "set in the file", "override": "from --async-chunk"}
+
+
+def _receives_reason(cfg: PipelineConfig, stage_id: int) -> str:
+    s = cfg.stages[stage_id]
+    if not s.input_sources:
+        return "entry stage: it takes the client's request"
+    if cfg.stage_receives_chunks(s):
+        return "prewarmed with a placeholder; its chunks arrive while the source runs"
+    if cfg.resolved_async_chunk(s):
+        return "connector_role: sender; the finished source output is forwarded to it"
+    return "async_chunk off; the finished source output is forwarded to it"

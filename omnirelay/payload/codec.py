@@ -1,0 +1,595 @@
+"""The payload wire codec: a msgpack header describing the object tree, then raw tensor regions.
+
+Interface (the connectors are written against exactly this):
+
+* :func:`plan_encode` ``(obj) -> EncodePlan`` — walk ``obj`` once, validate it, encode the
+  header; tensors are only referenced. ``plan.nbytes`` is the exact encoded length.
+* :meth:`EncodePlan.write_into` ``(buf) -> int`` — write the encoding into a writable buffer
+  (a shared-memory slot), one copy per tensor, straight from the (possibly strided) source.
+* :func:`encode` ``(obj) -> bytes`` — plan + write into a fresh buffer.
+* :func:`decode` ``(buf, *, copy=True)`` — rebuild the object; the same struct types come back.
+* :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
+
+Wire layout (version 1, little endian)::
+
+    offset 0   prefix, 20 bytes: magic b"ORLY" | u16 version | u16 flags (0) | u32 header_len | u64 total_len
+    offset 20  header: msgpack array [regions, tree]
+                 regions: [[kind, dtype, shape, offset, nbytes], ...]
+                   kind "torch" (dtype = torch name, e.g. "bfloat16"), "numpy" (dtype = numpy
+                   dtype.str, e.g. "<f4") or "bytes" (dtype "uint8"); offset is relative to
+                   data_start, a multiple of 64, increasing; nbytes = prod(shape) * itemsize
+                 tree: the object, in msgpack, with msgpack extension values for what
+                   msgpack cannot say:
+                   ext 1 = region reference (u32 index into regions),
+                   ext 2 = tuple (msgpack array of its items),
+                   ext 3 = registered struct (msgpack [wire name, {field: value}]; a field
+                           whose value is its default object is omitted)
+                   bytes of 4 KiB or more travel as a "bytes" region, smaller ones inline.
+    zero padding up to data_start = align64(20 + header_len)
+    regions, each at data_start + offset, zero padding between; total_len ends the last one
+    (or the header when there are none).
+
+Plain data supported at any depth: dict (str or int keys), list, tuple, str, int
+(-2**63 .. 2**64-1), float, bool, None, bytes, torch.Tensor, numpy.ndarray (bool, integer,
+float or complex dtypes) and registered structs (:func:`register_struct`). Subclasses of
+str, int and float travel as the base type. Anything else is a
+:class:`~omnirelay.errors.PayloadEncodeError` naming the type and its path in the object.
+Decoding untrusted bytes raises only :class:`~omnirelay.errors.PayloadDecodeError`
+(or a subclass), never an ``IndexError``, ``KeyError`` or ``struct.error``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Annotated, Any, Final, Literal, NamedTuple
+
+import msgspec
+import numpy as np
+import torch
+
+from omnirelay.errors import (
+    PayloadDecodeError,
+    PayloadEncodeError,
+    PayloadMagicError,
+    PayloadSchemaError,
+    PayloadTruncatedError,
+    PayloadVersionError,
+)
+from omnirelay.payload.dtypes import TORCH_BY_DTYPE, TORCH_BY_NAME, TorchDtype, numpy_dtype, numpy_name
+from omnirelay.payload.schema import StructSpec, lookup_struct, struct_spec
+
+__all__ = [
+    "ALIGNMENT",
+    "MAGIC",
+    "PREFIX_SIZE",
+    "WIRE_VERSION",
+    "EncodePlan",
+    "decode",
+    "encode",
+    "peek_total_size",
+    "plan_encode",
+]
+
+MAGIC: Final = b"ORLY"
+WIRE_VERSION: Final = 1
+ALIGNMENT: Final = 64
+_PREFIX = struct.Struct("<4sHHIQ")
+PREFIX_SIZE: Final = _PREFIX.size  # 20
+_U32 = struct.Struct("<I")
+
+_EXT_REGION: Final = 1
+_EXT_TUPLE: Final = 2
+_EXT_STRUCT: Final = 3
+
+#: bytes at least this long travel as a region (one copy) rather than inside the header.
+_BYTES_REGION_MIN: Final = 4096
+#: numpy 1.x supports 32 dimensions; more would encode but not decode everywhere.
+_MAX_DIMS: Final = 32
+_INT_MIN: Final = -(2**63)
+_INT_MAX: Final = 2**64 - 1
+#: Above this many elements, a list of ints is type-checked by msgspec in C.
+_LONG_LIST: Final = 64
+_PLAIN_TYPES: Final = frozenset({str, int, float, bool, type(None)})
+_ZEROS: Final = bytes(ALIGNMENT)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_Ext = msgspec.msgpack.Ext
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
+
+
+# --------------------------------------------------------------------------- header
+
+
+class _Region(msgspec.Struct, array_like=True, frozen=True):
+    kind: Literal["torch", "numpy", "bytes"]
+    dtype: str
+    shape: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=_MAX_DIMS)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Header(msgspec.Struct, array_like=True, frozen=True):
+    regions: list[_Region]
+    tree: msgspec.Raw
+
+
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+class _PathError(Exception):
+    """Raised at the offending leaf; each container on the way up prepends its segment."""
+
+    def __init__(self, tail: str) -> None:
+        super().__init__(tail)
+        self.tail = tail
+        self.segments: list[str] = []  # innermost first
+
+
+def _type_name(tp: type) -> str:
+    return tp.__qualname__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
+
+
+def _check_int(value: int) -> None:
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise _PathError(f": int {value} does not fit in 64 bits (range -2**63 .. 2**64-1)")
+
+
+class _Planner:
+    """One walk over the object: lowers it to msgpack-able values and collects regions.
+
+    With ``strict`` set, the C-level fast paths for flat lists and dicts are off and every
+    int is range-checked where it is; used only to name the path of an out-of-range int.
+    """
+
+    __slots__ = ("data_len", "regions", "sources", "strict")
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.regions: list[_Region] = []
+        self.sources: list[tuple[int, int, Any]] = []  # (offset, nbytes, ndarray | Tensor | bytes)
+        self.data_len = 0
+
+    def lower(self, obj: Any) -> Any:
+        tp = type(obj)
+        if tp is str or tp is float or tp is bool or obj is None:
+            return obj
+        if tp is int:
+            _check_int(obj)
+            return obj
+        if tp is dict:
+            return self._lower_dict(obj)
+        if tp is list:
+            return self._lower_items(obj)
+        if tp is tuple:
+            return _Ext(_EXT_TUPLE, _ENCODER.encode(self._lower_items(obj)))
+        if tp is bytes:
+            if len(obj) >= _BYTES_REGION_MIN:
+                return self._add_region("bytes", "uint8", (len(obj),), len(obj), obj)
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self._add_tensor(obj)
+        if tp is np.ndarray:
+            return self._add_array(obj)
+        spec = struct_spec(tp)
+        if spec is not None:
+            return self._lower_struct(obj, spec)
+        if isinstance(obj, str):
+            return str.__str__(obj)
+        if isinstance(obj, int):
+            return self.lower(int.__index__(obj))
+        if isinstance(obj, float):
+            return float.__float__(obj)
+        raise _PathError(f": {_unsupported(obj)}")
+
+    def _lower_items(self, seq: list[Any] | tuple[Any, ...]) -> list[Any] | tuple[Any, ...]:
+        if not self.strict:
+            if len(seq) > _LONG_LIST and type(seq[0]) is int:
+                try:  # token ids: checked in C; an out-of-range int surfaces at encode
+                    return msgspec.convert(seq, list[int], strict=True)
+                except msgspec.ValidationError:
+                    pass
+            if set(map(type, seq)) <= _PLAIN_TYPES:
+                return seq  # msgpack encodes list and tuple alike
+        out = []
+        for i, item in enumerate(seq):
+            try:
+                out.append(self.lower(item))
+            except _PathError as exc:
+                exc.segments.append(f"[{i}]")
+                raise
+        return out
+
+    def _lower_dict(self, d: dict[Any, Any]) -> dict[Any, Any]:
+        if not self.strict and set(map(type, d)) <= {str} and set(map(type, d.values())) <= _PLAIN_TYPES:
+            return d
+        out = {}
+        for key, value in d.items():
+            kt = type(key)
+            if kt is not str and kt is not int:
+                if isinstance(key, str):
+                    key = str.__str__(key)
+                elif isinstance(key, int) and kt is not bool:
+                    key = int.__index__(key)
+                else:
+                    raise _PathError(f": dict key {key!r} has type {_type_name(kt)}; keys must be str or int")
+            if type(key) is int:
+                try:
+                    _check_int(key)
+                except _PathError as exc:
+                    exc.segments.append(f"[{key}] (key)")
+                    raise
+            try:
+                out[key] = self.lower(value)
+            except _PathError as exc:
+                exc.segments.append(f"[{key!r}]")
+                raise
+        return out
+
+    def _lower_struct(self, obj: Any, spec: StructSpec) -> _Ext:
+        fields = {}
+        for field in spec.fields:
+            value = getattr(obj, field.name)
+            if value is field.default:
+                continue
+            try:
+                err = field.check(value)
+                if err is not None:
+                    raise _PathError(err)
+                fields[field.name] = self.lower(value)
+            except _PathError as exc:
+                exc.segments.append(f".{field.name}")
+                raise
+        return _Ext(_EXT_STRUCT, _ENCODER.encode((spec.name, fields)))
+
+    def _add_tensor(self, t: torch.Tensor) -> _Ext:
+        info = TORCH_BY_DTYPE.get(t.dtype)
+        if info is None:
+            raise _PathError(f": unsupported torch dtype {t.dtype}")
+        if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+            raise _PathError(f": only dense tensors travel (got layout {t.layout}); use .to_dense()")
+        if t.dim() > _MAX_DIMS:
+            raise _PathError(f": tensor has {t.dim()} dimensions, at most {_MAX_DIMS} travel")
+        if t.requires_grad:
+            t = t.detach()
+        if t.is_conj():  # a lazy conjugate has no memory of its own to copy from
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        shape = tuple(t.shape)
+        nbytes = t.numel() * info.itemsize
+        if t.is_cpu:
+            try:
+                src: Any = t.numpy() if info.int_view is None else t.view(info.int_view).numpy()
+            except (RuntimeError, TypeError) as exc:
+                raise _PathError(f": cannot read tensor memory: {exc}") from exc
+        elif t.device.type == "meta":
+            raise _PathError(": tensor on the meta device has no data")
+        else:
+            src = t  # device → host straight into the destination in write_into
+        return self._add_region("torch", info.name, shape, nbytes, src)
+
+    def _add_array(self, a: np.ndarray[Any, Any]) -> _Ext:
+        name = numpy_name(a.dtype)
+        if name is None:
+            raise _PathError(
+                f": unsupported numpy dtype {a.dtype} (only bool, integer, float and complex arrays "
+                "travel; object, string, void, structured and datetime arrays do not)"
+            )
+        if a.ndim > _MAX_DIMS:
+            raise _PathError(f": array has {a.ndim} dimensions, at most {_MAX_DIMS} travel")
+        return self._add_region("numpy", name, a.shape, a.nbytes, a)
+
+    def _add_region(self, kind: Any, dtype: str, shape: tuple[int, ...], nbytes: int, src: Any) -> _Ext:
+        offset = _align(self.data_len)
+        index = len(self.regions)
+        self.regions.append(_Region(kind, dtype, shape, offset, nbytes))
+        self.sources.append((offset, nbytes, src))
+        self.data_len = offset + nbytes
+        return _Ext(_EXT_REGION, _U32.pack(index))
+
+
+def _unsupported(obj: Any) -> str:
+    tp = type(obj)
+    name = _type_name(tp)
+    if isinstance(obj, msgspec.Struct):
+        return f"unsupported type {name} (a msgspec.Struct that is not registered; see register_struct)"
+    if isinstance(obj, np.ndarray):
+        return f"unsupported type {name} (an ndarray subclass; pass np.asarray(x))"
+    if isinstance(obj, np.generic):
+        return f"unsupported type {name} (a numpy scalar; pass .item() or a 0-d array)"
+    if isinstance(obj, bytearray | memoryview):
+        return f"unsupported type {name} (pass bytes(x))"
+    for base in (dict, list, tuple):
+        if isinstance(obj, base):
+            return f"unsupported type {name} (a {base.__name__} subclass; pass {base.__name__}(x))"
+    return f"unsupported type {name}"
+
+
+class EncodePlan:
+    """An encoding ready to be written: the header bytes plus references to tensor memory.
+
+    Built by :func:`plan_encode`; copies no tensor data. The referenced tensors must not
+    change until :meth:`write_into` has run. ``nbytes`` is the exact encoded length.
+    """
+
+    __slots__ = ("_data_start", "_head", "_sources", "nbytes")
+
+    def __init__(self, head: bytes, data_start: int, sources: list[tuple[int, int, Any]], nbytes: int):
+        self._head = head
+        self._data_start = data_start
+        self._sources = sources
+        self.nbytes = nbytes
+
+    @property
+    def num_regions(self) -> int:
+        return len(self._sources)
+
+    def write_into(self, buf: Any) -> int:
+        """Write bytes ``[0, nbytes)`` of the encoding into ``buf``; return ``nbytes``.
+
+        ``buf`` is any writable buffer of at least ``nbytes`` bytes (a ``bytearray``, a
+        ``memoryview`` of one, an ``mmap`` slice). Each tensor is copied once, from its
+        own (possibly strided, possibly device) memory; padding is zeroed so that no
+        earlier contents of a reused buffer leak. Safe to call more than once.
+        """
+        mv = memoryview(buf)
+        if mv.readonly:
+            raise PayloadEncodeError("write_into needs a writable buffer")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = self.nbytes
+        if mv.nbytes < n:
+            raise PayloadEncodeError(f"buffer of {mv.nbytes} bytes is too small for {n} bytes of payload")
+        head = self._head
+        pos = len(head)
+        mv[:pos] = head
+        if not self._sources:
+            return n
+        dst = np.frombuffer(mv, dtype=np.uint8, count=n)
+        for offset, nbytes, src in self._sources:
+            start = self._data_start + offset
+            if start > pos:
+                mv[pos:start] = _ZEROS[: start - pos]
+            end = start + nbytes
+            if nbytes:
+                if isinstance(src, np.ndarray):
+                    np.copyto(dst[start:end].view(src.dtype).reshape(src.shape), src, casting="no")
+                elif isinstance(src, torch.Tensor):
+                    torch.from_numpy(dst[start:end]).view(src.dtype).view(src.shape).copy_(src)
+                else:
+                    mv[start:end] = src
+            pos = end
+        return n
+
+
+def plan_encode(obj: Any) -> EncodePlan:
+    """Validate ``obj`` and prepare its encoding. Raises :class:`PayloadEncodeError`."""
+    try:
+        try:
+            return _plan(obj, strict=False)
+        except OverflowError:
+            # An int beyond 64 bits slipped through a fast path: walk again to name it.
+            return _plan(obj, strict=True)
+    except _PathError as exc:
+        raise PayloadEncodeError(f"payload{''.join(reversed(exc.segments))}{exc.tail}") from None
+    except RecursionError:
+        raise PayloadEncodeError(
+            "payload: nested too deeply to encode (or it contains a reference cycle)"
+        ) from None
+    except OverflowError as exc:  # not expected: the strict walk names every oversized int
+        raise PayloadEncodeError(f"payload: {exc}") from exc
+
+
+def _plan(obj: Any, *, strict: bool) -> EncodePlan:
+    planner = _Planner(strict)
+    tree = planner.lower(obj)
+    header = _ENCODER.encode((planner.regions, tree))
+    if len(header) > 0xFFFFFFFF:
+        raise PayloadEncodeError(f"payload header of {len(header)} bytes exceeds the u32 header_len")
+    head_end = PREFIX_SIZE + len(header)
+    data_start = _align(head_end)
+    total = data_start + planner.data_len if planner.regions else head_end
+    head = _PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header), total) + header
+    return EncodePlan(head, data_start, planner.sources, total)
+
+
+def encode(obj: Any) -> bytes:
+    """Encode ``obj`` into a new ``bytes``. Raises :class:`PayloadEncodeError`."""
+    plan = plan_encode(obj)
+    out = bytearray(plan.nbytes)
+    plan.write_into(out)
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _byte_view(buf: Any) -> memoryview:
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _read_prefix(mv: memoryview) -> tuple[int, int]:
+    """Validate the prefix; return ``(header_len, total_len)``."""
+    if len(mv) < PREFIX_SIZE:
+        if bytes(mv[:4]) != MAGIC[: len(mv)]:
+            raise PayloadMagicError(f"not an omnirelay payload: starts with {bytes(mv[:4])!r}")
+        raise PayloadTruncatedError(
+            f"buffer of {len(mv)} bytes is shorter than the {PREFIX_SIZE}-byte prefix"
+        )
+    magic, version, flags, header_len, total = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        raise PayloadMagicError(f"not an omnirelay payload: starts with {magic!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise PayloadVersionError(f"payload wire version {version}; this build reads version {WIRE_VERSION}")
+    if flags:
+        raise PayloadDecodeError(f"payload has unknown flags 0x{flags:04x}")
+    if total < PREFIX_SIZE + header_len:
+        raise PayloadDecodeError(
+            f"total_len {total} is shorter than the prefix and the {header_len}-byte header"
+        )
+    return header_len, total
+
+
+def peek_total_size(buf: Any) -> int:
+    """The total encoded length, from the prefix alone (magic, version and flags checked)."""
+    return _read_prefix(_byte_view(buf))[1]
+
+
+def decode(buf: Any, *, copy: bool = True) -> Any:
+    """Rebuild the object encoded at the start of ``buf`` (extra trailing bytes are ignored).
+
+    With ``copy=True`` every tensor and array owns its memory. With ``copy=False`` they are
+    views on ``buf`` and the caller keeps ``buf`` alive and unchanged while they are used;
+    when ``buf`` is read-only (``bytes``) numpy views are read-only and torch tensors are
+    copied (torch cannot wrap read-only memory). Raises :class:`PayloadDecodeError`.
+    """
+    mv = _byte_view(buf)
+    header_len, total = _read_prefix(mv)
+    if len(mv) < total:
+        raise PayloadTruncatedError(f"buffer holds {len(mv)} bytes; the payload is {total} bytes")
+    head_end = PREFIX_SIZE + header_len
+    try:
+        header = _HEADER_DECODER.decode(mv[PREFIX_SIZE:head_end])
+    except msgspec.DecodeError as exc:
+        raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
+    reader = _Reader(mv[:total], header.regions, _align(head_end), copy)
+    try:
+        return msgspec.msgpack.decode(header.tree, ext_hook=reader.ext_hook)
+    except msgspec.DecodeError as exc:
+        raise PayloadDecodeError(f"malformed payload object tree: {exc}") from exc
+    except RecursionError:
+        raise PayloadDecodeError("payload object tree is nested too deeply") from None
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        # Values msgspec cannot turn into Python objects (e.g. an unhashable map key).
+        raise PayloadDecodeError(f"cannot rebuild payload object tree: {exc}") from exc
+
+
+class _RegionInfo(NamedTuple):
+    kind: str
+    start: int  # absolute
+    nbytes: int
+    shape: tuple[int, ...]
+    torch_dtype: TorchDtype | None
+    np_dtype: np.dtype[Any] | None
+
+
+class _Reader:
+    """Per-decode state: the validated region table and the ``ext_hook`` that uses it."""
+
+    __slots__ = ("copy", "mv", "regions", "whole")
+
+    def __init__(self, mv: memoryview, regions: list[_Region], data_start: int, copy: bool) -> None:
+        self.mv = mv
+        self.copy = copy
+        self.regions = [_check_region(i, r, data_start, len(mv)) for i, r in enumerate(regions)]
+        for i in range(1, len(self.regions)):
+            prev, cur = self.regions[i - 1], self.regions[i]
+            if cur.start < prev.start + prev.nbytes:
+                raise PayloadDecodeError(f"region {i} overlaps region {i - 1}")
+        self.whole = np.frombuffer(mv, dtype=np.uint8) if self.regions else None
+
+    def ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_REGION:
+            if len(data) != _U32.size:
+                raise PayloadDecodeError(f"region reference of {len(data)} bytes, expected {_U32.size}")
+            (index,) = _U32.unpack(data)
+            if index >= len(self.regions):
+                raise PayloadDecodeError(f"reference to region {index}; the table has {len(self.regions)}")
+            return self._build(self.regions[index])
+        if code == _EXT_TUPLE:
+            items = msgspec.msgpack.decode(data, ext_hook=self.ext_hook)
+            if type(items) is not list:
+                raise PayloadDecodeError(f"tuple record holds {type(items).__name__}, expected an array")
+            return tuple(items)
+        if code == _EXT_STRUCT:
+            record = msgspec.msgpack.decode(data, ext_hook=self.ext_hook)
+            if not (
+                type(record) is list
+                and len(record) == 2
+                and type(record[0]) is str
+                and type(record[1]) is dict
+            ):
+                raise PayloadDecodeError("struct record is not [name, {field: value}]")
+            return _build_struct(record[0], record[1])
+        raise PayloadDecodeError(f"unknown msgpack extension type {code}")
+
+    def _build(self, r: _RegionInfo) -> Any:
+        assert self.whole is not None  # Invariant: a region exists, so whole was mapped
+        src = self.whole[r.start : r.start + r.nbytes]
+        if r.kind == "bytes":
+            return src.tobytes()
+        if r.kind == "numpy":
+            assert r.np_dtype is not None
+            if r.nbytes == 0:
+                return np.empty(r.shape, r.np_dtype)
+            return (src.copy() if self.copy else src).view(r.np_dtype).reshape(r.shape)
+        info = r.torch_dtype
+        assert info is not None
+        if r.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8).view(info.dtype).reshape(r.shape)
+        if self.copy or not src.flags.writeable:
+            src = src.copy()  # numpy's allocator: huge pages for big regions, unlike torch.empty
+        if info.np_dtype is not None:
+            return torch.from_numpy(src.view(info.np_dtype).reshape(r.shape))
+        return torch.from_numpy(src).view(info.dtype).reshape(r.shape)
+
+
+def _check_region(i: int, r: _Region, data_start: int, total: int) -> _RegionInfo:
+    torch_dtype: TorchDtype | None = None
+    np_dtype: np.dtype[Any] | None = None
+    if r.kind == "torch":
+        torch_dtype = TORCH_BY_NAME.get(r.dtype)
+        if torch_dtype is None:
+            raise PayloadDecodeError(f"region {i}: unknown torch dtype {r.dtype!r}")
+        itemsize = torch_dtype.itemsize
+    elif r.kind == "numpy":
+        np_dtype = numpy_dtype(r.dtype)
+        if np_dtype is None:
+            raise PayloadDecodeError(f"region {i}: unknown or unsupported numpy dtype {r.dtype!r}")
+        itemsize = np_dtype.itemsize
+    else:  # "bytes": the header decoder admits no other kind
+        if r.dtype != "uint8" or len(r.shape) != 1:
+            raise PayloadDecodeError(f"region {i}: a bytes region must be uint8 and 1-d")
+        itemsize = 1
+    # Bound the shape even when it holds a 0: torch and numpy compute strides from it.
+    if math.prod(max(d, 1) for d in r.shape) * itemsize > 2**62:
+        raise PayloadDecodeError(f"region {i}: shape {r.shape} is too large")
+    if math.prod(r.shape) * itemsize != r.nbytes:
+        raise PayloadDecodeError(
+            f"region {i}: {r.nbytes} bytes do not match shape {r.shape} of {r.dtype} ({itemsize} bytes each)"
+        )
+    if r.offset % ALIGNMENT:
+        raise PayloadDecodeError(f"region {i}: offset {r.offset} is not a multiple of {ALIGNMENT}")
+    start = data_start + r.offset
+    if start + r.nbytes > total:
+        raise PayloadDecodeError(
+            f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
+        )
+    return _RegionInfo(r.kind, start, r.nbytes, r.shape, torch_dtype, np_dtype)
+
+
+def _build_struct(name: str, fields: dict[Any, Any]) -> Any:
+    spec = lookup_struct(name)
+    if spec is None:
+        raise PayloadSchemaError(f"unknown struct type {name!r}")
+    for key, value in fields.items():
+        field = spec.by_name.get(key) if type(key) is str else None
+        if field is None:
+            raise PayloadSchemaError(f"unknown field {key!r} for struct {name}")
+        err = field.check(value)
+        if err is not None:
+            raise PayloadSchemaError(f"{name}.{key}{err}")
+    try:
+        return spec.cls(**fields)
+    except TypeError as exc:  # a required field is missing
+        raise PayloadSchemaError(f"cannot build {name}: {exc}") from exc

@@ -1,0 +1,356 @@
+"""The typed pipeline config (SPEC §1) and the queries every layer asks of it.
+
+Data (frozen ``msgspec`` structs, so a validated config can cross to stage workers on
+the control plane):
+
+* :class:`PipelineConfig` — name, pipeline ``async_chunk`` flag, namespace, input wait
+  timeout, named :class:`ConnectorSpec` s, and the :class:`StageConfig` list.
+* :class:`StageConfig` — one stage: execution type, executor, sources, final output,
+  the ``async_chunk`` tri-state, processor hooks, connector, scheduler settings and
+  :class:`SamplingConfig`.
+* :class:`Edge` — one resolved ``src -> dst`` edge (contract, connector, processors).
+
+Queries (methods of :class:`PipelineConfig`; side-effect free):
+
+* :meth:`~PipelineConfig.resolved_async_chunk` — the one resolver (SPEC §1.2).
+* :meth:`~PipelineConfig.any_stage_chunks` — ``any(resolved)`` (§1.4).
+* :meth:`~PipelineConfig.stage_receives_chunks` — prewarm / forward / receiver predicate (§1.5).
+* :meth:`~PipelineConfig.next_stage_processor`, :meth:`~PipelineConfig.stage_input_builder` (§1.6).
+* :meth:`~PipelineConfig.edge_contract`, :meth:`~PipelineConfig.edges` (§1.3).
+* :meth:`~PipelineConfig.final_output_stage_ids`, :meth:`~PipelineConfig.final_stage_id` (§2.2).
+
+Construction validates values and topology (:func:`omnirelay.pipeline.validate.validate_pipeline`);
+the shape of user input (unknown keys, types) is checked earlier, by
+:mod:`omnirelay.pipeline.parse`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from omnirelay.errors import ConfigError
+from omnirelay.pipeline.resolve import explain_stage_async_chunk, resolve_stage_async_chunk
+from omnirelay.pipeline.validate import validate_pipeline
+
+__all__ = [
+    "CONNECTOR_BACKENDS",
+    "DEFAULT_CONNECTOR_NAME",
+    "DEFAULT_INPUT_WAIT_TIMEOUT_S",
+    "DEFAULT_MAX_NUM_SEQS",
+    "ConnectorRole",
+    "ConnectorSpec",
+    "Edge",
+    "EdgeContract",
+    "ExecutionType",
+    "FinalOutputType",
+    "FlagOrigin",
+    "PipelineConfig",
+    "SamplingConfig",
+    "StageConfig",
+]
+
+#: Connector backends a pipeline file may name (DESIGN.md §1; network backends later).
+CONNECTOR_BACKENDS = ("shm", "inproc")
+#: Name of the connector a stage uses when it names none; an ``shm`` connector without
+#: extras unless the file defines a connector of this name.
+DEFAULT_CONNECTOR_NAME = "default"
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_INPUT_WAIT_TIMEOUT_S = 600.0
+
+
+class ExecutionType(enum.StrEnum):
+    """How a stage runs (SPEC §1.1)."""
+
+    AR = "ar"  # autoregressive: one token (or frame) per step
+    GENERATION = "generation"  # one-shot: prefill the whole input, emit an output
+
+
+class FinalOutputType(enum.StrEnum):
+    """The modality a final-output stage gives the client."""
+
+    TEXT = "text"
+    AUDIO = "audio"
+    TIMESTAMPS = "timestamps"
+
+
+class ConnectorRole(enum.StrEnum):
+    """An explicit role of a stage on its connector; ``SENDER`` never receives chunks (§1.5)."""
+
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+class EdgeContract(enum.StrEnum):
+    """What an edge carries (SPEC §1.3)."""
+
+    CHUNKS = "chunks"  # incremental handoff over the connector while the source runs
+    COMPLETE_INPUT = "complete input"  # the orchestrator forwards the finished output
+
+
+class FlagOrigin(enum.StrEnum):
+    """Where the pipeline ``async_chunk`` flag came from (shown by ``omnirelay check``)."""
+
+    DEFAULT = "default"
+    FILE = "file"
+    OVERRIDE = "override"
+
+
+class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-stage sampling defaults; ``None`` leaves the executor's default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A named connector: the backend and the extras passed through to the edge's users.
+
+    ``extra`` is read by the connector and by the processors of the edges that use it
+    (for example ``initial_codec_chunk_frames``, ``codec_chunk_frames`` and
+    ``codec_left_context_frames`` of the Talker → Code2Wav processor, SPEC §5.2).
+    """
+
+    backend: str = "shm"
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One stage of a pipeline.
+
+    Processor hooks (names in the processor registry, SPEC §1.1/§1.6):
+    ``chunk_processor`` builds the next stage's per-step chunk payload; ``full_processor``
+    the full payload; ``input_builder`` (orchestrator side) turns finished source outputs
+    into this stage's input; ``sync_input_builder`` replaces ``input_builder`` when this
+    stage's resolved ``async_chunk`` is off.
+
+    ``connector`` names the connector of this stage's *input* edges (``None``: the
+    pipeline's ``default_connector``); both ends of an edge use it.
+    """
+
+    id: int
+    name: str
+    execution_type: ExecutionType
+    executor: str
+    executor_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    input_sources: tuple[int, ...] = ()
+    final_output: bool = False
+    final_output_type: FinalOutputType | None = None
+    async_chunk: bool | None = None
+    chunk_processor: str | None = None
+    full_processor: str | None = None
+    input_builder: str | None = None
+    sync_input_builder: str | None = None
+    connector: str | None = None
+    connector_role: ConnectorRole | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    async_scheduling: bool = True
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    devices: str | None = None
+    async_chunk_prewarm_prompt_len: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``stage 1 (talker)``: how messages name this stage."""
+        return f"stage {self.id} ({self.name})"
+
+
+class Edge(msgspec.Struct, frozen=True, kw_only=True):
+    """One resolved edge ``src -> dst`` (built by :meth:`PipelineConfig.edges`)."""
+
+    src: int
+    dst: int
+    contract: EdgeContract
+    connector: str
+    backend: str
+    extra: dict[str, Any]
+    #: The source's next-stage processor (§1.6): the chunk producer on a chunk edge, else
+    #: the full producer (may be ``None``: the orchestrator forwards the output).
+    processor: str | None
+    #: The destination's input builder the orchestrator calls to forward the finished
+    #: output (§1.6, §2.5); ``None`` on a chunk edge, which is never forwarded.
+    input_builder: str | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A validated pipeline. Build it with :func:`omnirelay.pipeline.load_pipeline`.
+
+    Invariant (checked at construction): stage ids are 0, 1, 2… in list order and
+    stage *k* reads stage *k − 1* (every pipeline in scope is linear, SPEC §1.1), so a
+    stage id is also its index in :attr:`stages`.
+    """
+
+    name: str
+    stages: tuple[StageConfig, ...]
+    async_chunk: bool = True
+    async_chunk_origin: FlagOrigin = FlagOrigin.DEFAULT
+    namespace: str | None = None
+    #: Stall deadline of a request waiting for input (SPEC §4.10); 0 disables it.
+    input_wait_timeout_s: float = DEFAULT_INPUT_WAIT_TIMEOUT_S
+    connectors: dict[str, ConnectorSpec] = msgspec.field(default_factory=dict)
+    default_connector: str = DEFAULT_CONNECTOR_NAME
+    description: str = ""
+    #: The file this config came from (``<dict>`` when built in memory); errors name it.
+    source: str = "<dict>"
+
+    def __post_init__(self) -> None:
+        validate_pipeline(self)
+
+    # -- lookup -------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage(self, stage: StageConfig | int) -> StageConfig:
+        """The stage with this id (or the stage itself)."""
+        if isinstance(stage, StageConfig):
+            return stage
+        if type(stage) is not int or not 0 <= stage < len(self.stages):
+            raise ConfigError(
+                f"pipeline {self.name!r} has no stage {stage!r}; its stage ids are 0..{len(self.stages) - 1}"
+            )
+        return self.stages[stage]
+
+    def connector_spec(self, name: str) -> ConnectorSpec:
+        """The named connector; :data:`DEFAULT_CONNECTOR_NAME` is ``shm`` unless defined."""
+        spec = self.connectors.get(name)
+        if spec is not None:
+            return spec
+        if name == DEFAULT_CONNECTOR_NAME:
+            return ConnectorSpec()
+        raise ConfigError(
+            f"pipeline {self.name!r} has no connector {name!r}; defined: {sorted(self.connectors)}"
+        )
+
+    def input_connector(self, stage: StageConfig | int) -> str:
+        """Name of the connector of ``stage``'s input edges."""
+        s = self.stage(stage)
+        return s.connector if s.connector is not None else self.default_connector
+
+    def consumer_ids(self, stage: StageConfig | int) -> tuple[int, ...]:
+        """Ids of the stages that read ``stage``'s output."""
+        sid = self.stage(stage).id
+        return tuple(s.id for s in self.stages if sid in s.input_sources)
+
+    # -- async_chunk (SPEC §1.2–§1.6) -----------------------------------------------
+
+    def resolved_async_chunk(self, stage: StageConfig | int) -> bool:
+        """THE resolver of a stage's mode; every consumer of the flag calls this."""
+        s = self.stage(stage)
+        return resolve_stage_async_chunk(self.async_chunk, s.async_chunk, num_stages=len(self.stages))
+
+    def async_chunk_reason(self, stage: StageConfig | int) -> str:
+        """Why :meth:`resolved_async_chunk` says what it says (for ``omnirelay check``, logs)."""
+        s = self.stage(stage)
+        return explain_stage_async_chunk(
+            self.async_chunk,
+            s.async_chunk,
+            num_stages=len(self.stages),
+            pipeline_origin=str(self.async_chunk_origin),
+        )
+
+    def any_stage_chunks(self) -> bool:
+        """``any(resolved)`` over all stages — never read off stage 0 (SPEC §1.4)."""
+        return any(self.resolved_async_chunk(s) for s in self.stages)
+
+    def stage_receives_chunks(self, stage: StageConfig | int) -> bool:
+        """Resolved on, has an input, and not an explicit ``sender`` (SPEC §1.5).
+
+        Decides prewarm, whether finished upstream outputs are forwarded instead, and
+        whether the stage's adapter registers receivers.
+        """
+        s = self.stage(stage)
+        return (
+            bool(s.input_sources)
+            and self.resolved_async_chunk(s)
+            and s.connector_role is not ConnectorRole.SENDER
+        )
+
+    def next_stage_processor(self, stage: StageConfig | int) -> str | None:
+        """The chunk producer when resolved on and declared, else the full producer (§1.6)."""
+        s = self.stage(stage)
+        if self.resolved_async_chunk(s) and s.chunk_processor is not None:
+            return s.chunk_processor
+        return s.full_processor
+
+    def stage_input_builder(self, stage: StageConfig | int) -> str | None:
+        """``sync_input_builder`` when resolved off and declared, else ``input_builder`` (§1.6)."""
+        s = self.stage(stage)
+        if not self.resolved_async_chunk(s) and s.sync_input_builder is not None:
+            return s.sync_input_builder
+        return s.input_builder
+
+    def edge_contract(self, src: StageConfig | int, dst: StageConfig | int) -> EdgeContract:
+        """``chunks`` when the source produces chunks in its resolved mode, else ``complete input``.
+
+        Validation guarantees that a chunk edge's consumer receives chunks and that a
+        chunk-receiving stage only reads chunk edges.
+        """
+        s, d = self.stage(src), self.stage(dst)
+        if s.id not in d.input_sources:
+            raise ConfigError(f"pipeline {self.name!r} has no edge {s.id} -> {d.id}")
+        if s.chunk_processor is not None and self.resolved_async_chunk(s):
+            return EdgeContract.CHUNKS
+        return EdgeContract.COMPLETE_INPUT
+
+    def edges(self) -> tuple[Edge, ...]:
+        """Every edge in stage order, resolved."""
+        out = []
+        for d in self.stages:
+            name = self.input_connector(d)
+            spec = self.connector_spec(name)
+            for src in d.input_sources:
+                contract = self.edge_contract(src, d)
+                out.append(
+                    Edge(
+                        src=src,
+                        dst=d.id,
+                        contract=contract,
+                        connector=name,
+                        backend=spec.backend,
+                        extra=dict(spec.extra),
+                        processor=self.next_stage_processor(src),
+                        input_builder=(
+                            self.stage_input_builder(d) if contract is EdgeContract.COMPLETE_INPUT else None
+                        ),
+                    )
+                )
+        return tuple(out)
+
+    # -- final outputs (SPEC §2.2) ----------------------------------------------------
+
+    def final_output_stage_ids(self, modalities: Iterable[str] | None = None) -> tuple[int, ...]:
+        """Final-output stages whose type was requested; unknown modalities are ignored,
+        and when none is left (or ``None``), every final-output stage."""
+        finals = [s for s in self.stages if s.final_output]
+        if isinstance(modalities, str):  # one modality, not an iterable of letters
+            modalities = (modalities,)
+        wanted = set(modalities or ())
+        chosen = [s.id for s in finals if s.final_output_type is not None and s.final_output_type in wanted]
+        return tuple(chosen) if chosen else tuple(s.id for s in finals)
+
+    def final_stage_id(self, modalities: Iterable[str] | None = None) -> int:
+        """The highest of :meth:`final_output_stage_ids` (fallback: the last stage)."""
+        ids = self.final_output_stage_ids(modalities)
+        return max(ids) if ids else self.stages[-1].id
+
+    # -- derived configs ------------------------------------------------------------------
+
+    def with_async_chunk(self, value: bool) -> PipelineConfig:
+        """A validated copy with the pipeline flag overridden (like ``--async-chunk``)."""
+        if type(value) is not bool:
+            raise ConfigError(f"async_chunk override must be True or False, got {value!r}")
+        return msgspec.structs.replace(self, async_chunk=value, async_chunk_origin=FlagOrigin.OVERRIDE)

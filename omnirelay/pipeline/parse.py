@@ -1,0 +1,410 @@
+"""Pipeline YAML (or an in-memory mapping) → a validated :class:`PipelineConfig`.
+
+* :func:`load_pipeline` — a file path or a shipped name → config.
+* :func:`parse_pipeline` — already-parsed data (a mapping) → config.
+
+This module checks the *shape* of user input: unknown keys (with a "did you mean"),
+types, strict booleans (``true``/``false`` only: not ``0``/``1``, not ``"false"``, not
+``yes``), and the ``async_chunk`` tri-state. Values and topology are checked when the
+:class:`PipelineConfig` is constructed (:mod:`omnirelay.pipeline.validate`); executor
+and processor names only against a registry, when one is given. Every error is a
+:class:`PipelineConfigError` naming the file, the stage (id and name) and the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, TypeVar
+
+from omnirelay.errors import ConfigError
+from omnirelay.pipeline.config import (
+    DEFAULT_INPUT_WAIT_TIMEOUT_S,
+    ConnectorRole,
+    ConnectorSpec,
+    ExecutionType,
+    FinalOutputType,
+    FlagOrigin,
+    PipelineConfig,
+    SamplingConfig,
+    StageConfig,
+)
+from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
+from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.pipeline.yamlfile import parse_yaml, read_pipeline_text
+
+__all__ = ["PIPELINE_KEYS", "SAMPLING_KEYS", "STAGE_KEYS", "load_pipeline", "parse_pipeline"]
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def load_pipeline(
+    path_or_name: str | os.PathLike[str],
+    *,
+    async_chunk_override: bool | None = None,
+    registry: ComponentRegistry | None = None,
+) -> PipelineConfig:
+    """Load and validate a pipeline file, or a shipped pipeline by name (``qwen3-omni-tiny``).
+
+    ``async_chunk_override`` replaces the file's pipeline ``async_chunk`` flag before
+    validation (the CLI's ``--async-chunk``). With ``registry``, executor and processor
+    names must be registered in it. Emits :class:`PipelineConfigWarning` for settings
+    that load but are likely mistakes.
+    """
+    source, text = read_pipeline_text(path_or_name)
+    data = parse_yaml(text, source)
+    return parse_pipeline(data, source=source, async_chunk_override=async_chunk_override, registry=registry)
+
+
+def parse_pipeline(
+    data: object,
+    *,
+    source: str = "<dict>",
+    async_chunk_override: bool | None = None,
+    registry: ComponentRegistry | None = None,
+) -> PipelineConfig:
+    """Validate already-parsed pipeline data (see :func:`load_pipeline`)."""
+    if async_chunk_override is not None and type(async_chunk_override) is not bool:
+        raise ConfigError(
+            f"the async_chunk override must be True, False or None, got {async_chunk_override!r}"
+        )
+    if data is None:
+        raise config_error(
+            source, None, None, "the file is empty", "write a mapping with at least 'name' and 'stages'"
+        )
+    if not isinstance(data, Mapping):
+        raise config_error(
+            source,
+            None,
+            None,
+            f"the top level must be a mapping (key: value), got {_describe(data)}",
+            "start the file with 'name: ...' and 'stages:' at the top level",
+        )
+    ctx = _Ctx(source, None)
+    ctx.check_keys(data, PIPELINE_KEYS, "pipeline")
+    pending_warnings: list[str] = []
+
+    kwargs: dict[str, Any] = {"source": source}
+    kwargs["name"] = ctx.string(data, "name")
+    if "description" in data:
+        kwargs["description"] = ctx.string(data, "description")
+    if "namespace" in data:
+        kwargs["namespace"] = ctx.optional_string(data, "namespace")
+    if "default_connector" in data:
+        kwargs["default_connector"] = ctx.string(data, "default_connector")
+    if async_chunk_override is not None:
+        kwargs["async_chunk"] = async_chunk_override
+        kwargs["async_chunk_origin"] = FlagOrigin.OVERRIDE
+        if "async_chunk" in data:
+            ctx.strict_bool(data, "async_chunk")  # still reject a malformed file value
+    elif "async_chunk" in data:
+        kwargs["async_chunk"] = ctx.strict_bool(data, "async_chunk")
+        kwargs["async_chunk_origin"] = FlagOrigin.FILE
+    if "input_wait_timeout_s" in data:
+        timeout = ctx.number(data, "input_wait_timeout_s", fix="use seconds, e.g. 600, or 0 to disable")
+        kwargs["input_wait_timeout_s"] = timeout
+        if timeout == 0:
+            pending_warnings.append(
+                f"{source}: input_wait_timeout_s is 0, which disables the input deadline: a request "
+                "whose input never arrives waits forever (default: "
+                f"{DEFAULT_INPUT_WAIT_TIMEOUT_S:g} s)"
+            )
+    if "connectors" in data:
+        kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
+    stages_raw = data.get("stages")
+    if "stages" not in data:
+        ctx.fail("stages", "the key is missing", "list the stages under 'stages:'")
+    if not isinstance(stages_raw, list):
+        ctx.fail(
+            "stages",
+            f"expected a list of stages, got {_describe(stages_raw)}",
+            "write 'stages:' then '- id: 0' …",
+        )
+    kwargs["stages"] = tuple(_parse_stage(source, index, raw) for index, raw in enumerate(stages_raw))
+
+    cfg = PipelineConfig(**kwargs)
+    if registry is not None:
+        registry.check_pipeline(cfg)
+    for message in pending_warnings:
+        warnings.warn(PipelineConfigWarning(message), stacklevel=3)
+    return cfg
+
+
+def _parse_connectors(ctx: _Ctx, raw: object) -> dict[str, ConnectorSpec]:
+    if not isinstance(raw, Mapping):
+        ctx.fail(
+            "connectors",
+            f"expected a mapping of connector names to specs, got {_describe(raw)}",
+            "write 'connectors:' then 'name: {backend: shm, extra: {...}}'",
+        )
+    out: dict[str, ConnectorSpec] = {}
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not name:
+            ctx.fail(
+                "connectors", f"connector names must be non-empty strings, got {name!r}", "use a plain name"
+            )
+        sub = _Ctx(ctx.source, f"connector {name!r}")
+        if not isinstance(spec, Mapping):
+            sub.fail(
+                None,
+                f"expected a mapping, got {_describe(spec)}",
+                "write 'backend: shm' and optional 'extra:'",
+            )
+        sub.check_keys(spec, CONNECTOR_KEYS, "connector")
+        kwargs: dict[str, Any] = {}
+        if "backend" in spec:
+            kwargs["backend"] = sub.string(spec, "backend")
+        if "extra" in spec:
+            kwargs["extra"] = sub.plain_mapping(spec, "extra")
+        out[name] = ConnectorSpec(**kwargs)
+    return out
+
+
+def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
+    ctx = _Ctx(source, _stage_label(index, raw))
+    if not isinstance(raw, Mapping):
+        ctx.fail(
+            None, f"expected a mapping, got {_describe(raw)}", "write each stage as '- id: N' with its keys"
+        )
+    ctx.check_keys(raw, STAGE_KEYS, "stage")
+    kw: dict[str, Any] = {
+        "id": ctx.integer(raw, "id"),
+        "name": ctx.string(raw, "name"),
+        "execution_type": ctx.choice(raw, "execution_type", ExecutionType),
+        "executor": ctx.string(raw, "executor"),
+    }
+    readers: dict[str, Callable[[Mapping[Any, Any], str], Any]] = {
+        "executor_args": ctx.plain_mapping,
+        "input_sources": lambda m, k: tuple(ctx.int_list(m, k)),
+        "final_output": ctx.strict_bool,
+        "final_output_type": lambda m, k: ctx.choice(m, k, FinalOutputType, optional=True),
+        "async_chunk": ctx.tri_bool,
+        "chunk_processor": ctx.optional_string,
+        "full_processor": ctx.optional_string,
+        "input_builder": ctx.optional_string,
+        "sync_input_builder": ctx.optional_string,
+        "connector": ctx.optional_string,
+        "connector_role": lambda m, k: ctx.choice(m, k, ConnectorRole, optional=True),
+        "max_num_seqs": ctx.integer,
+        "max_num_batched_tokens": lambda m, k: ctx.integer(m, k, optional=True),
+        "async_scheduling": ctx.strict_bool,
+        "sampling": lambda m, k: _parse_sampling(ctx, m[k]),
+        "devices": ctx.optional_string,
+        "async_chunk_prewarm_prompt_len": lambda m, k: ctx.integer(m, k, optional=True),
+    }
+    for key, read in readers.items():
+        if key in raw:
+            kw[key] = read(raw, key)
+    return StageConfig(**kw)
+
+
+def _parse_sampling(ctx: _Ctx, raw: object) -> SamplingConfig:
+    if not isinstance(raw, Mapping):
+        ctx.fail(
+            "sampling",
+            f"expected a mapping, got {_describe(raw)}",
+            "write e.g. 'sampling: {temperature: 0.9}'",
+        )
+    sub = _Ctx(ctx.source, ctx.where, prefix="sampling.")
+    sub.check_keys(raw, SAMPLING_KEYS, "sampling")
+    kw: dict[str, Any] = {}
+    if "temperature" in raw:
+        kw["temperature"] = sub.number(raw, "temperature", optional=True, fix="use e.g. 0.9")
+    if "top_p" in raw:
+        kw["top_p"] = sub.number(raw, "top_p", optional=True, fix="use e.g. 0.95")
+    for key in ("top_k", "seed", "max_tokens"):
+        if key in raw:
+            kw[key] = sub.integer(raw, key, optional=True)
+    if "stop_token_ids" in raw:
+        kw["stop_token_ids"] = tuple(sub.int_list(raw, "stop_token_ids"))
+    return SamplingConfig(**kw)
+
+
+#: Keys a pipeline file may use at each level (unknown keys are errors).
+PIPELINE_KEYS = (
+    "name",
+    "description",
+    "async_chunk",
+    "namespace",
+    "input_wait_timeout_s",
+    "default_connector",
+    "connectors",
+    "stages",
+)
+STAGE_KEYS = tuple(StageConfig.__struct_fields__)
+SAMPLING_KEYS = tuple(SamplingConfig.__struct_fields__)
+CONNECTOR_KEYS = tuple(ConnectorSpec.__struct_fields__)
+
+
+class _Ctx:
+    """Typed readers for one place in the file; every failure names file, place and key."""
+
+    def __init__(self, source: str, where: str | None, prefix: str = "") -> None:
+        self.source = source
+        self.where = where
+        self.prefix = prefix
+
+    def fail(self, key: str | None, problem: str, fix: str) -> NoReturn:
+        raise config_error(self.source, self.where, None if key is None else self.prefix + key, problem, fix)
+
+    def check_keys(self, mapping: Mapping[Any, Any], known: tuple[str, ...], what: str) -> None:
+        for key in mapping:
+            if not isinstance(key, str):
+                self.fail(
+                    str(key),
+                    f"keys must be strings, got {_describe(key)}",
+                    f"use the {what} keys: {', '.join(known)}",
+                )
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                self.fail(key, f"unknown {what} key", f"{hint}known {what} keys: {', '.join(known)}")
+
+    def _missing(self, key: str, what: str) -> NoReturn:
+        self.fail(key, "the key is missing", f"add '{key}:' ({what})")
+
+    def string(self, m: Mapping[Any, Any], key: str) -> str:
+        if key not in m:
+            self._missing(key, "a string")
+        value = m[key]
+        if not isinstance(value, str) or not value:
+            self.fail(
+                key,
+                f"expected a non-empty string, got {_describe(value)}",
+                f"write {key}: <text>, quoted if needed",
+            )
+        return value
+
+    def optional_string(self, m: Mapping[Any, Any], key: str) -> str | None:
+        value = m[key]
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            self.fail(
+                key,
+                f"expected a non-empty string or null, got {_describe(value)}",
+                f'write {key}: "<text>" (quote numbers), or remove the key',
+            )
+        return value
+
+    def strict_bool(self, m: Mapping[Any, Any], key: str) -> bool:
+        value = m[key]
+        if type(value) is not bool:
+            self.fail(
+                key, f"expected true or false, got {_describe(value)}", _bool_fix(key, value, tri=False)
+            )
+        return value
+
+    def tri_bool(self, m: Mapping[Any, Any], key: str) -> bool | None:
+        value = m[key]
+        if value is not None and type(value) is not bool:
+            self.fail(
+                key, f"expected true, false or null, got {_describe(value)}", _bool_fix(key, value, tri=True)
+            )
+        return value
+
+    def integer(self, m: Mapping[Any, Any], key: str, *, optional: bool = False) -> Any:
+        if key not in m:
+            self._missing(key, "an int")
+        value = m[key]
+        if value is None and optional:
+            return None
+        if type(value) is not int:
+            self.fail(
+                key,
+                f"expected an int, got {_describe(value)}",
+                f"write {key}: <int> (no quotes, no decimal point)",
+            )
+        return value
+
+    def number(self, m: Mapping[Any, Any], key: str, *, fix: str, optional: bool = False) -> Any:
+        value = m[key]
+        if value is None and optional:
+            return None
+        if type(value) not in (int, float):
+            self.fail(key, f"expected a number, got {_describe(value)}", fix)
+        return float(value)
+
+    def int_list(self, m: Mapping[Any, Any], key: str) -> list[int]:
+        value = m[key]
+        if not isinstance(value, list) or any(type(v) is not int for v in value):
+            self.fail(key, f"expected a list of ints, got {_describe(value)}", f"write {key}: [1, 2]")
+        return list(value)
+
+    def choice(
+        self,
+        m: Mapping[Any, Any],
+        key: str,
+        enum_cls: type[E],
+        *,
+        optional: bool = False,
+    ) -> Any:
+        if key not in m:
+            self._missing(key, " | ".join(str(e.value) for e in enum_cls))
+        value = m[key]
+        if value is None and optional:
+            return None
+        choices = [str(e.value) for e in enum_cls]
+        if not isinstance(value, str) or value not in choices:
+            self.fail(
+                key,
+                f"expected one of {', '.join(choices)}, got {_describe(value)}",
+                f"write {key}: {choices[0]}",
+            )
+        return enum_cls(value)
+
+    def plain_mapping(self, m: Mapping[Any, Any], key: str) -> dict[str, Any]:
+        value = m[key]
+        if not isinstance(value, Mapping):
+            self.fail(key, f"expected a mapping, got {_describe(value)}", f"write {key}: {{name: value}}")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            self.fail(key, f"keys must be strings, got {bad[0]!r}", "quote the key or rename it")
+        return dict(value)
+
+
+def _stage_label(index: int, raw: object) -> str:
+    """``stage 1 (talker)`` when id and name read well, else ``stages[1] (…)``."""
+    sid = raw.get("id") if isinstance(raw, Mapping) else None
+    name = raw.get("name") if isinstance(raw, Mapping) else None
+    head = f"stage {sid}" if type(sid) is int else f"stages[{index}]"
+    return f"{head} ({name})" if isinstance(name, str) and name else f"{head} (unnamed)"
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, int):
+        return f"the int {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, list):
+        return f"a list ({_short(value)})"
+    if isinstance(value, Mapping):
+        return f"a mapping ({_short(value)})"
+    return f"a {type(value).__name__} ({_short(value)})"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_TRUTHY = {"true", "yes", "on", "y", "1"}
+_FALSY = {"false", "no", "off", "n", "0"}
+
+
+def _bool_fix(key: str, value: object, *, tri: bool) -> str:
+    inherit = ", or null / no key to inherit the pipeline flag" if tri else ""
+    guess = str(value).strip().lower() if isinstance(value, str | int) else ""
+    if guess in _TRUTHY or guess in _FALSY:
+        word = "true" if guess in _TRUTHY else "false"
+        return f"write {key}: {word} (a YAML boolean, no quotes){inherit}"
+    return f"write {key}: true or {key}: false (YAML booleans, no quotes){inherit}"

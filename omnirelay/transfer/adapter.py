@@ -1,0 +1,396 @@
+"""The chunk transfer adapter of one stage process: the facade that owns the threads.
+
+Scheduler surface (all non-blocking, no I/O; STYLE 5 — the scheduler stays a pure state
+machine that feeds commands in and drains plain data out):
+
+* ``save_async(internal_id, external_id, output, ...) -> Admission`` — enqueue one chunk.
+* ``load_async(internal_id, external_id) -> bool`` (alias ``request_chunk``) — wait for the
+  request's next chunk; False when it is a no-op (already waiting, chunk ready, exhausted).
+* ``poll_events() -> TransferEvents`` — ready chunks (ownership handed over), failures,
+  stall timeouts. ``wait_events(timeout)`` blocks until there is something to drain.
+* ``is_upstream_exhausted(id)``, ``is_segment_finished(id)``, ``is_waiting_for_chunk(id)``,
+  ``has_active_sender(external_id)``, ``is_draining(external_id)`` — queries.
+* ``finish_requests(ids)`` / ``cleanup(internal_id, external_id=None)`` /
+  ``cleanup_receiver(internal_id)`` / ``cleanup_sender(external_id)`` — release.
+
+Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailure]}``.
+Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
+
+Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
+also runs the idle reap pass) and a pool of receive workers (one lane per internal id)
+whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
+announced entries (plus a slow fallback pass over all of them). See ``sender.py`` for how
+cleanup stays ordered before a reused id's puts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from omnirelay.connectors.base import Connector
+from omnirelay.errors import TransferError
+from omnirelay.transfer.budget import ByteBudget
+from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.events import Admission, EventBox, TransferEvents, TransferFailure
+from omnirelay.transfer.keys import IdMap
+from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.payload_view import default_empty_payload
+from omnirelay.transfer.receiver import LoadEntry, PollOutcome, ReceiveSide
+from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook, SendSide
+
+__all__ = ["TransferAdapter"]
+
+
+def _identity_processor(request: BuildRequest) -> Any:
+    return request.output
+
+
+class TransferAdapter:
+    """Per-request chunk streams over one connector; see the module docstring."""
+
+    def __init__(
+        self,
+        connector: Connector,
+        config: TransferConfig,
+        *,
+        processor: Processor | None = None,
+        release_hook: ReleaseHook | None = None,
+        empty_payload: Callable[[bool, bool], Any] = default_empty_payload,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._connector = connector
+        self._clock = clock
+        self._stop = threading.Event()
+        self._close_lock = threading.Lock()
+        self._is_closed = False
+        self._errors_lock = threading.Lock()
+        self._num_errors = 0
+        self._last_error: str | None = None
+        self._box = EventBox(config.max_undrained_failures)
+        self._ids = IdMap()
+        self._budget = ByteBudget(config.edge_budget_bytes)
+        # Serializes the reap routine only (no state behind it); held across the reap I/O
+        # so that flush() can run one complete pass after the queues are idle.
+        self._housekeeping_mutex = threading.Lock()
+        self._send_lanes: LaneExecutor | None = None
+        self._sender: SendSide | None = None
+        if config.is_sender:
+            self._send_lanes = LaneExecutor(
+                f"omnirelay-send-s{config.stage_id}",
+                config.num_send_workers,
+                on_error=self._note_error,
+                after_task=lambda: self._housekeep(False),
+                on_idle=lambda: self._housekeep(False),
+                idle_interval_s=config.reap_interval_s,
+            )
+            self._sender = SendSide(
+                connector=connector,
+                config=config,
+                lanes=self._send_lanes,
+                budget=self._budget,
+                box=self._box,
+                clock=clock,
+                processor=processor or _identity_processor,
+                empty_payload=empty_payload,
+                release_hook=release_hook,
+                on_terminal_sent=self.cleanup,
+                housekeep=self._housekeep,
+                is_stopping=self._stop.is_set,
+            )
+        self._receiver: ReceiveSide | None = None
+        self._recv_lanes: LaneExecutor | None = None
+        self._next_fallback = clock() + config.fallback_poll_s  # read and written by the leader only
+        if config.is_receiver:
+            self._receiver = ReceiveSide(connector=connector, config=config, box=self._box, clock=clock)
+            self._recv_lanes = LaneExecutor(
+                f"omnirelay-recv-s{config.stage_id}",
+                config.num_recv_workers,
+                on_error=self._note_error,
+                source=self._arrival_pass,
+            )
+        # Every map the threads read exists by now (SPEC §4.2).
+        for lanes in (self._send_lanes, self._recv_lanes):
+            if lanes is not None:
+                lanes.start()
+
+    # ----------------------------------------------------------------- send side
+
+    def _require_sender(self) -> SendSide:
+        if self._sender is None:
+            raise TransferError(f"stage {self.config.stage_id} has no send edge (send_to_stage is not set)")
+        if self._is_closed:
+            raise TransferError("the transfer adapter is closed")
+        return self._sender
+
+    def save_async(
+        self,
+        internal_id: str,
+        external_id: str,
+        output: Any,
+        *,
+        context: Any = None,
+        is_finished: bool = False,
+        is_segment_finished: bool = False,
+        num_confirmed_tokens: int | None = None,
+        segment_generation: int | None = None,
+    ) -> Admission:
+        """Enqueue one chunk of ``external_id`` (scheduler thread; never blocks on I/O).
+
+        ``is_finished`` marks the request's terminal chunk (end of stream downstream);
+        ``is_segment_finished`` a segment end of a streaming session. ``context`` is the
+        caller's snapshot of the request, passed to the processor. ``num_confirmed_tokens``
+        (committed tokens) drops a preempted request's recomputed chunks; a
+        ``segment_generation`` older than the current one is dropped. A rejection records a
+        failure for ``internal_id`` (drained by ``poll_events``).
+        """
+        sender = self._require_sender()
+        self._ids.set(internal_id, external_id)  # before the task can finish and clean it up
+        return sender.admit(
+            internal_id,
+            external_id,
+            output,
+            context=context,
+            is_finished=is_finished,
+            is_segment_finished=is_segment_finished,
+            num_confirmed_tokens=num_confirmed_tokens,
+            segment_generation=segment_generation,
+        )
+
+    def has_active_sender(self, external_id: str) -> bool:
+        return self._sender is not None and self._sender.has_active_sender(external_id)
+
+    def is_draining(self, external_id: str) -> bool:
+        """True while a cancelled generation of ``external_id`` drains (reuse is refused)."""
+        return self._sender is not None and self._sender.is_draining(external_id)
+
+    def cleanup_sender(self, external_id: str, internal_id: str | None = None) -> None:
+        """Cancel the sender generation of ``external_id`` (SPEC §4.5); returns at once."""
+        if self._sender is not None:
+            self._sender.cleanup_sender(external_id, internal_id)
+
+    def sender_generation(self, external_id: str) -> dict[str, Any] | None:
+        """The generation's fields, for tests and debugging."""
+        return None if self._sender is None else self._sender.generation(external_id)
+
+    # ----------------------------------------------------------------- receive side
+
+    def load_async(self, internal_id: str, external_id: str) -> bool:
+        """Wait for the next chunk of ``internal_id`` (scheduler thread; enqueue only)."""
+        if self._receiver is None or self._is_closed:
+            return False
+        self._ids.set(internal_id, external_id)
+        entry = self._receiver.register(internal_id, external_id)
+        if entry is None:
+            return False
+        self._dispatch(entry)
+        return True
+
+    request_chunk = load_async
+
+    def is_waiting_for_chunk(self, internal_id: str) -> bool:
+        return self._receiver is not None and self._receiver.is_registered(internal_id)
+
+    def is_upstream_exhausted(self, internal_id: str) -> bool:
+        return self._receiver is not None and self._receiver.is_upstream_exhausted(internal_id)
+
+    def is_segment_finished(self, internal_id: str) -> bool:
+        return self._receiver is not None and self._receiver.is_segment_finished(internal_id)
+
+    def cleanup_receiver(self, internal_id: str) -> None:
+        if self._receiver is not None:
+            self._receiver.cleanup_receiver(internal_id)
+
+    def _dispatch(self, entry: LoadEntry) -> None:
+        """Queue a poll of ``entry`` on its request's lane (never runs it on the caller)."""
+        assert self._recv_lanes is not None
+        self._recv_lanes.submit(entry.internal_id, lambda: self._poll(entry))
+
+    def _poll(self, entry: LoadEntry) -> None:
+        assert self._receiver is not None
+        while self._receiver.poll(entry) is PollOutcome.REPOLL and not self._stop.is_set():
+            pass  # an empty chunk moved the counter on; the next one may be there already
+
+    def _arrival_pass(self) -> None:
+        """One wait for arrival notices, by the receive pool's current leader.
+
+        Polls only the entries whose key was announced; every ``fallback_poll_s`` all of
+        them (covers lost notices). An idle waiting request costs nothing in between.
+        """
+        receiver = self._receiver
+        assert receiver is not None
+        try:
+            keys = self._connector.wait_arrivals(self.config.stage_id, self.config.arrival_wait_s)
+        except Exception as exc:
+            if self._stop.is_set():
+                return
+            self._note_error(exc)
+            keys = []
+            self._stop.wait(self.config.arrival_wait_s)  # don't spin on a broken connector
+        now = self._clock()
+        is_fallback = now >= self._next_fallback
+        if is_fallback:
+            self._next_fallback = now + self.config.fallback_poll_s
+        if keys or is_fallback:
+            for entry in receiver.entries_to_poll(keys, include_all=is_fallback):
+                self._dispatch(entry)
+
+    # ----------------------------------------------------------------- scheduler
+
+    def poll_events(self) -> TransferEvents:
+        """Drain what happened since the last tick (scheduler thread, once per tick)."""
+        ready, failed = self._box.drain()
+        timed_out: tuple[TransferFailure, ...] = ()
+        if self._receiver is not None:
+            timeouts = self._receiver.collect_timeouts()
+            for f in timeouts:
+                self._box.record_external(f)
+            timed_out = tuple(timeouts)
+        return TransferEvents(ready=ready, failed=failed, timed_out=timed_out)
+
+    def wait_events(self, timeout: float | None) -> bool:
+        """Block until a ready chunk or a failure is there to drain; False on timeout."""
+        return self._box.wait(timeout)
+
+    def take_external_failures(self) -> dict[str, list[TransferFailure]]:
+        """Failures keyed by external id, for the orchestrator (drains them)."""
+        return self._box.take_external()
+
+    def cleanup(self, internal_id: str, external_id: str | None = None) -> None:
+        """Release everything of one request: receiver state, then its sender generation.
+
+        Undrained events of the request go too: the scheduler no longer tracks it.
+        """
+        mapped = self._ids.pop(internal_id)
+        ext = external_id if external_id is not None else (mapped if mapped is not None else internal_id)
+        self.cleanup_receiver(internal_id)
+        self._box.discard_request(internal_id)
+        self.cleanup_sender(ext, internal_id)
+
+    def finish_requests(self, internal_ids: Iterable[str]) -> None:
+        """The scheduler finished (or aborted) these requests: release each of them."""
+        for iid in internal_ids:
+            self.cleanup(iid)
+
+    # ----------------------------------------------------------------- housekeeping
+
+    def _housekeep(self, blocking: bool) -> None:
+        """One reap pass and budget reconciliation (SPEC §3.5: also when the loop is idle)."""
+        if not self._housekeeping_mutex.acquire(blocking=blocking):
+            return  # another worker is doing it right now
+        try:
+            snapshot = self._budget.snapshot()  # before pending_keys(): see budget.py
+            self._connector.reap_consumed()
+            if snapshot:
+                self._budget.release_absent(snapshot, set(self._connector.pending_keys()))
+        except Exception as exc:
+            self._note_error(exc)
+        finally:
+            self._housekeeping_mutex.release()
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until no send or receive task is queued or running, then run one reap pass.
+
+        Returns False on timeout. Waits on conditions, never sleeps.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for lanes in (self._send_lanes, self._recv_lanes):
+            if lanes is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not lanes.wait_idle(left):
+                return False
+        if self._sender is not None and not self._is_closed:
+            self._housekeep(True)
+        return True
+
+    def kick(self) -> None:
+        """Wake every waiter to re-check its clock (after advancing an injected clock)."""
+        self._budget.notify()
+        self._box.notify()
+
+    def _note_error(self, exc: BaseException) -> None:
+        with self._errors_lock:
+            self._num_errors += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+
+    # ----------------------------------------------------------------- observability
+
+    def health(self) -> dict[str, Any]:
+        with self._errors_lock:
+            errors = {"num_errors": self._num_errors, "last_error": self._last_error}
+        try:
+            connector = self._connector.health().to_dict()
+        except Exception as exc:
+            connector = {"status": "unhealthy", "last_error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "status": "closed" if self._is_closed else "healthy",
+            "stage_id": self.config.stage_id,
+            "send_to_stage": self.config.send_to_stage,
+            "receive_from_stage": self.config.receive_from_stage,
+            "send_queue": None if self._send_lanes is None else self._send_lanes.stats(),
+            "recv_queue": None if self._recv_lanes is None else self._recv_lanes.stats(),
+            "sender": None if self._sender is None else self._sender.stats(),
+            "receiver": None if self._receiver is None else self._receiver.stats(),
+            "budget": self._budget.stats(),
+            "events": self._box.stats(),
+            "num_id_mappings": len(self._ids),
+            **errors,
+            "connector": connector,
+        }
+
+    def leak_state(self) -> dict[str, Any]:
+        """Every non-empty per-request map; ``{}`` when the adapter holds no request state."""
+        out: dict[str, Any] = {}
+        if self._sender is not None:
+            out.update(self._sender.leak_state())
+        if self._receiver is not None:
+            out.update(self._receiver.leak_state())
+        for name, lanes in (("send_lanes", self._send_lanes), ("recv_lanes", self._recv_lanes)):
+            if lanes is not None and (busy := lanes.lanes()):
+                out[name] = busy
+        ids = self._ids.snapshot()
+        if ids:
+            out["id_mapping"] = ids
+        out.update(self._budget.leak_state())
+        out.update(self._box.leak_state())
+        return out
+
+    # ----------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Stop the threads (join), drop queued work, close the connector. Idempotent."""
+        with self._close_lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+        self._stop.set()
+        self._budget.notify()
+        alive: list[str] = []
+        for lanes in (self._send_lanes, self._recv_lanes):
+            if lanes is not None:
+                alive += lanes.stop(self.config.shutdown_join_s)
+        if alive:
+            self._note_error(TransferError(f"threads still running after shutdown: {', '.join(alive)}"))
+        try:
+            self._connector.close()  # releases every object this stage still owns
+        except Exception as exc:
+            self._note_error(exc)
+        if self._sender is not None:
+            self._sender.clear()
+        if self._receiver is not None:
+            self._receiver.clear()
+        self._budget.clear()
+        self._ids.clear()
+        self._box.clear()
+
+    close = shutdown
+
+    def __enter__(self) -> TransferAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

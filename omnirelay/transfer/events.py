@@ -1,0 +1,219 @@
+"""Plain data the adapter hands to the scheduler and the orchestrator, and its mailbox.
+
+* :class:`ChunkInput` — one committed chunk of one request (SPEC §4.8), handed over once.
+* :class:`TransferFailure` — a request failed in the transfer layer; carries both ids and a
+  reason. :meth:`TransferFailure.error` gives the matching :class:`TransferError`.
+* :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,
+  stall timeouts.
+* :class:`Admission` — the value ``save_async`` returns.
+* :class:`EventBox` — the thread-safe mailbox the background threads fill.
+
+Failures are kept twice: by internal id for the stage scheduler (drained by
+``poll_events``) and by external id for the orchestrator (drained by
+``take_external_failures``), so each side drains its own copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from omnirelay.errors import (
+    BackpressureError,
+    ChunkTimeoutError,
+    ReceiveFailedError,
+    ReuseRejectedError,
+    SendFailedError,
+    TransferError,
+)
+
+__all__ = ["Admission", "ChunkInput", "EventBox", "FailureKind", "TransferEvents", "TransferFailure"]
+
+
+class Admission(enum.Enum):
+    """What ``save_async`` did with a chunk."""
+
+    ENQUEUED = "enqueued"
+    #: Stale (older segment generation, or tokens below the watermark): dropped, no failure.
+    DROPPED = "dropped"
+    #: Refused; a :class:`TransferFailure` was recorded for the request.
+    REJECTED = "rejected"
+
+
+class FailureKind(enum.Enum):
+    SEND_FAILED = "send_failed"
+    RECEIVE_FAILED = "receive_failed"
+    REUSE_REJECTED = "reuse_rejected"
+    BACKPRESSURE = "backpressure"
+    TIMEOUT = "timeout"
+
+
+_ERRORS: dict[FailureKind, type[TransferError]] = {
+    FailureKind.SEND_FAILED: SendFailedError,
+    FailureKind.RECEIVE_FAILED: ReceiveFailedError,
+    FailureKind.REUSE_REJECTED: ReuseRejectedError,
+    FailureKind.BACKPRESSURE: BackpressureError,
+    FailureKind.TIMEOUT: ChunkTimeoutError,
+}
+
+
+class TransferFailure(msgspec.Struct, frozen=True):
+    """One request failed in the transfer layer. Crosses processes (to the orchestrator)."""
+
+    internal_id: str
+    external_id: str
+    kind: FailureKind
+    reason: str
+    stage_id: int
+
+    def error(self) -> TransferError:
+        return _ERRORS[self.kind](
+            f"request {self.external_id!r} (internal {self.internal_id!r}) at stage {self.stage_id}: "
+            f"{self.reason}"
+        )
+
+
+class ChunkInput(msgspec.Struct, frozen=True):
+    """A committed chunk, handed to the scheduler once (ownership moves with it).
+
+    AR receivers get ``payload`` (the scheduler applies it as a pending prompt update).
+    Generation receivers get ``prompt_token_ids`` and the merged ``additional_information``;
+    each such chunk is a fresh one-shot prefill (``num_computed_tokens`` resets to 0).
+    """
+
+    internal_id: str
+    external_id: str
+    chunk_id: int
+    is_finished: bool
+    is_segment_finished: bool
+    payload: Any = None
+    prompt_token_ids: list[int] | None = None
+    additional_information: dict[str, Any] | None = None
+
+
+class TransferEvents(msgspec.Struct, frozen=True):
+    """What the scheduler drains at one tick."""
+
+    ready: tuple[ChunkInput, ...] = ()
+    failed: tuple[TransferFailure, ...] = ()
+    timed_out: tuple[TransferFailure, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.ready or self.failed or self.timed_out)
+
+
+class EventBox:
+    """Ready chunks and failure records waiting to be drained; wakes ``wait`` callers.
+
+    Its lock is a leaf: no other lock is taken while it is held.
+    """
+
+    def __init__(self, max_external: int) -> None:
+        self._cv = threading.Condition()
+        self._ready: dict[str, ChunkInput] = {}
+        self._failed: dict[str, list[TransferFailure]] = {}
+        self._external: dict[str, list[TransferFailure]] = {}
+        self._external_order: deque[str] = deque()
+        self._max_external = max_external
+        self.num_external_dropped = 0
+        self.num_by_kind: dict[str, int] = {}
+
+    def publish_ready(self, item: ChunkInput) -> None:
+        with self._cv:
+            # Invariant: one undrained chunk per request (registration refuses a second one).
+            assert item.internal_id not in self._ready, item.internal_id
+            self._ready[item.internal_id] = item
+            self._cv.notify_all()
+
+    def has_ready(self, internal_id: str) -> bool:
+        with self._cv:
+            return internal_id in self._ready
+
+    def record(self, failure: TransferFailure) -> None:
+        """A failure for both the scheduler (by internal id) and the orchestrator."""
+        with self._cv:
+            self._failed.setdefault(failure.internal_id, []).append(failure)
+            self._record_external_locked(failure)
+            self._cv.notify_all()
+
+    def record_external(self, failure: TransferFailure) -> None:
+        """A failure the scheduler already has (a timeout it collected): orchestrator only."""
+        with self._cv:
+            self._record_external_locked(failure)
+
+    def _record_external_locked(self, failure: TransferFailure) -> None:
+        self._external.setdefault(failure.external_id, []).append(failure)
+        self._external_order.append(failure.external_id)
+        while len(self._external_order) > self._max_external:
+            ext = self._external_order.popleft()
+            lst = self._external.get(ext)
+            if lst:
+                lst.pop(0)
+                self.num_external_dropped += 1
+                if not lst:
+                    del self._external[ext]
+        self.num_by_kind[failure.kind.value] = self.num_by_kind.get(failure.kind.value, 0) + 1
+
+    def discard_request(self, internal_id: str) -> None:
+        """The scheduler no longer tracks the request: drop its undrained chunk and failures."""
+        with self._cv:
+            self._ready.pop(internal_id, None)
+            self._failed.pop(internal_id, None)
+
+    def drain(self) -> tuple[tuple[ChunkInput, ...], tuple[TransferFailure, ...]]:
+        with self._cv:
+            ready = tuple(self._ready.values())
+            failed = tuple(f for lst in self._failed.values() for f in lst)
+            self._ready.clear()
+            self._failed.clear()
+            return ready, failed
+
+    def take_external(self) -> dict[str, list[TransferFailure]]:
+        with self._cv:
+            out, self._external = self._external, {}
+            self._external_order.clear()
+            return out
+
+    def notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until a ready chunk or a failure is there to drain; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._ready or self._failed), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "num_ready": len(self._ready),
+                "num_undrained_failures": sum(len(v) for v in self._failed.values()),
+                "num_undrained_external_failures": len(self._external_order),
+                "num_external_dropped": self.num_external_dropped,
+                "num_failures_by_kind": dict(self.num_by_kind),
+            }
+
+    def leak_state(self) -> dict[str, Any]:
+        with self._cv:
+            out: dict[str, Any] = {}
+            if self._ready:
+                out["ready"] = list(self._ready)
+            if self._failed:
+                out["undrained_failures"] = {k: [f.reason for f in v] for k, v in self._failed.items()}
+            if self._external:
+                out["undrained_external_failures"] = {
+                    k: [f.reason for f in v] for k, v in self._external.items()
+                }
+            return out
+
+    def clear(self) -> None:
+        with self._cv:
+            self._ready.clear()
+            self._failed.clear()
+            self._external.clear()
+            self._external_order.clear()

@@ -1,0 +1,71 @@
+"""Transfer keys and the internal↔external request id mapping (SPEC §4.1, DESIGN §3).
+
+* :func:`make_key` — ``f"{external_id}_{source_stage}_{chunk_id}"``, the connector key of
+  one chunk. Keys of one (external id, source stage) differ only in the chunk id, and
+  cleanup always names exact keys (never a prefix), so ``task`` never touches ``task_1``.
+* :func:`key_prefix` — ``f"{external_id}_{source_stage}_"`` for ``cleanup_prefix``.
+* :class:`IdMap` — internal id → external id of the requests this adapter knows, so a
+  cleanup by internal id finds the sender state keyed by external id.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from omnirelay.connectors.base import validate_key
+from omnirelay.errors import InvalidKeyError
+
+__all__ = ["IdMap", "check_external_id", "key_prefix", "make_key"]
+
+
+def make_key(external_id: str, source_stage: int, chunk_id: int) -> str:
+    """The connector key of chunk ``chunk_id`` of ``external_id`` sent by ``source_stage``."""
+    return f"{external_id}_{source_stage}_{chunk_id}"
+
+
+def key_prefix(external_id: str, source_stage: int) -> str:
+    """Prefix of every key of ``external_id`` sent by ``source_stage`` (for ``cleanup_prefix``)."""
+    return f"{external_id}_{source_stage}_"
+
+
+def check_external_id(external_id: object, source_stage: int) -> str:
+    """External ids come from clients: refuse (InvalidKeyError) one that cannot form a key.
+
+    Checks the longest key this id can form with a 20-digit chunk id.
+    """
+    if not isinstance(external_id, str) or not external_id:
+        raise InvalidKeyError(f"external request id must be a non-empty str, got {external_id!r}")
+    validate_key(make_key(external_id, source_stage, 10**19))
+    return external_id
+
+
+class IdMap:
+    """Internal → external ids. Written by admission and registration, removed by cleanup."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._external: dict[str, str] = {}
+
+    def set(self, internal_id: str, external_id: str) -> None:
+        with self._lock:
+            self._external[internal_id] = external_id
+
+    def get(self, internal_id: str) -> str | None:
+        with self._lock:
+            return self._external.get(internal_id)
+
+    def pop(self, internal_id: str) -> str | None:
+        with self._lock:
+            return self._external.pop(internal_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._external)
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._external)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._external.clear()

@@ -1,0 +1,297 @@
+"""The receive side: registrations, polls, commit and ready publication (SPEC §4.6–§4.8).
+
+* :meth:`ReceiveSide.register` (scheduler thread, via ``load_async``) — create a
+  :class:`LoadEntry` for the request's next chunk and index it by its key.
+* :meth:`ReceiveSide.entries_to_poll` (arrival thread) — the entries whose key was
+  announced, or all of them on the slow fallback pass; each is marked queued once.
+* :meth:`ReceiveSide.poll` (a receive worker) — ``connector.get`` outside the lock, then
+  under the lock: the identity check and the commit.
+* :meth:`ReceiveSide.cleanup_receiver` — drop every per-request map entry. No tombstones:
+  a late result is rejected because its entry is no longer *the* registered object.
+
+A registration lives until its chunk is committed (or the request is cleaned); a new one is
+needed for the next chunk. Per request the receiver keeps: the registration, the get
+counter, the merged runtime info (generation receivers), the exhausted and
+segment-finished marks — all removed by ``cleanup_receiver``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from omnirelay.connectors.base import Connector, GetResult, GetStatus
+from omnirelay.errors import InvalidKeyError
+from omnirelay.transfer.commit import PreparedChunk, is_empty_nonterminal, merge_runtime_info, prepare_chunk
+from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.events import ChunkInput, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.keys import check_external_id, make_key
+
+__all__ = ["LoadEntry", "PollOutcome", "ReceiveSide"]
+
+
+class LoadEntry:
+    """One registration: "request X waits for chunk N". Compared by identity only."""
+
+    __slots__ = ("chunk_id", "external_id", "internal_id", "is_queued", "is_timeout_reported", "key", "since")
+
+    def __init__(self, internal_id: str, external_id: str, chunk_id: int, key: str, since: float) -> None:
+        self.internal_id = internal_id
+        self.external_id = external_id
+        self.chunk_id = chunk_id
+        self.key = key
+        #: Start of the stall clock (registration, or the last arrival).
+        self.since = since
+        #: A poll of this entry is queued and not yet started (dedupes notices).
+        self.is_queued = False
+        self.is_timeout_reported = False
+
+    def __repr__(self) -> str:
+        return f"LoadEntry({self.internal_id!r}, key={self.key!r})"
+
+
+class PollOutcome(enum.Enum):
+    DONE = "done"  # committed, failed, or stale: the entry needs no more polls
+    WAIT = "wait"  # not there yet: wait for its notice
+    REPOLL = "repoll"  # an empty chunk moved the counter on: poll the next key now
+
+
+class ReceiveSide:
+    """Registrations of one adapter; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        connector: Connector,
+        config: TransferConfig,
+        box: EventBox,
+        clock: Callable[[], float],
+    ) -> None:
+        assert config.receive_from_stage is not None
+        self._connector = connector
+        self._stage = config.stage_id
+        self._from_stage = config.receive_from_stage
+        self._kind = config.receiver_kind
+        self._stall_timeout_s = config.stall_timeout_s
+        self._box = box
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, LoadEntry] = {}
+        self._by_key: dict[str, LoadEntry] = {}
+        self._num_received: dict[str, int] = {}  # the get counter, by internal id
+        self._runtime_info: dict[str, dict[str, Any]] = {}
+        self._exhausted: set[str] = set()
+        self._segment_finished: set[str] = set()
+        self._counts: dict[str, int] = dict.fromkeys(
+            ("num_registered", "num_polls", "num_committed", "num_empty_chunks", "num_stale_results",
+             "num_failed", "num_timeouts"),
+            0,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------- registration
+
+    def register(self, internal_id: str, external_id: str) -> LoadEntry | None:
+        """SPEC §4.7 ``load_async``; returns the new entry to poll once, or None (no-op).
+
+        No-op when the request is already registered, has an undrained ready chunk, or its
+        upstream is exhausted (no chunk will ever come).
+        """
+        try:
+            check_external_id(external_id, self._from_stage)
+        except InvalidKeyError as exc:
+            self._record(internal_id, str(external_id), FailureKind.RECEIVE_FAILED, str(exc))
+            return None
+        with self._lock:
+            if internal_id in self._entries or internal_id in self._exhausted:
+                return None
+            if self._box.has_ready(internal_id):
+                return None
+            chunk_id = self._num_received.get(internal_id, 0)
+            key = make_key(external_id, self._from_stage, chunk_id)
+            entry = LoadEntry(internal_id, external_id, chunk_id, key, self._clock())
+            entry.is_queued = True  # the caller polls it once: a notice may predate the entry
+            self._entries[internal_id] = entry
+            self._by_key[key] = entry
+            self._counts["num_registered"] += 1
+            return entry
+
+    def entries_to_poll(self, keys: Iterable[str], *, include_all: bool) -> list[LoadEntry]:
+        """Entries to poll now: those whose key was announced (all on a fallback pass)."""
+        with self._lock:
+            if include_all:
+                candidates: Iterable[LoadEntry] = list(self._entries.values())
+            else:
+                candidates = [e for k in keys if (e := self._by_key.get(k)) is not None]
+            out = [e for e in candidates if not e.is_queued]
+            for e in out:
+                e.is_queued = True
+            return out
+
+    def is_registered(self, internal_id: str) -> bool:
+        with self._lock:
+            return internal_id in self._entries
+
+    def is_upstream_exhausted(self, internal_id: str) -> bool:
+        with self._lock:
+            return internal_id in self._exhausted
+
+    def is_segment_finished(self, internal_id: str) -> bool:
+        with self._lock:
+            return internal_id in self._segment_finished
+
+    # ----------------------------------------------------------------- poll and commit
+
+    def poll(self, entry: LoadEntry) -> PollOutcome:
+        """One get for ``entry``, on a receive worker. The get runs outside the lock."""
+        with self._lock:
+            if self._entries.get(entry.internal_id) is not entry:
+                return PollOutcome.DONE  # stale: cleaned (and maybe re-registered) meanwhile
+            entry.is_queued = False
+            key = entry.key
+            self._counts["num_polls"] += 1
+        try:
+            result = self._connector.get(self._from_stage, self._stage, key)
+        except Exception as exc:  # the contract says get never raises: fail, don't spin
+            result = GetResult(GetStatus.FAILED, error=f"connector.get raised {type(exc).__name__}: {exc}")
+        if result.status is GetStatus.NOT_YET:
+            return PollOutcome.WAIT
+        prepared: PreparedChunk | None = None
+        reason = None
+        if result.status is GetStatus.READY:
+            try:
+                prepared = prepare_chunk(self._kind, result.obj)
+            except (TypeError, ValueError, AttributeError) as exc:
+                reason = f"chunk {key!r} violates the payload contract: {exc}"
+        else:
+            reason = f"chunk {key!r} could not be received: {result.error or 'no reason given'}"
+        with self._lock:
+            if self._entries.get(entry.internal_id) is not entry:
+                # Cleanup is a commit barrier: the consumed data is dropped, no state recreated.
+                self._counts["num_stale_results"] += 1
+                return PollOutcome.DONE
+            if prepared is None:
+                self._unregister_locked(entry)
+                self._counts["num_failed"] += 1
+            else:
+                return self._commit_locked(entry, prepared)
+        assert reason is not None
+        self._record(entry.internal_id, entry.external_id, FailureKind.RECEIVE_FAILED, reason)
+        return PollOutcome.DONE
+
+    def _commit_locked(self, entry: LoadEntry, chunk: PreparedChunk) -> PollOutcome:
+        """SPEC §4.8, under the lock, after the identity check."""
+        iid = entry.internal_id
+        self._num_received[iid] = entry.chunk_id + 1  # consumed from the transport either way
+        if chunk.is_finished:
+            self._exhausted.add(iid)
+        if chunk.is_segment_finished:
+            self._segment_finished.add(iid)
+        else:
+            self._segment_finished.discard(iid)
+        info: dict[str, Any] | None = None
+        if chunk.fields is not None:
+            info = merge_runtime_info(self._runtime_info.get(iid), chunk)
+            self._runtime_info[iid] = info
+            if is_empty_nonterminal(chunk):
+                # Not ready: stay registered for the next key; the arrival resets the stall clock.
+                del self._by_key[entry.key]
+                entry.chunk_id += 1
+                entry.key = make_key(entry.external_id, self._from_stage, entry.chunk_id)
+                entry.since = self._clock()
+                entry.is_queued = True
+                self._by_key[entry.key] = entry
+                self._counts["num_empty_chunks"] += 1
+                return PollOutcome.REPOLL
+        self._unregister_locked(entry)
+        self._counts["num_committed"] += 1
+        self._box.publish_ready(
+            ChunkInput(
+                internal_id=iid,
+                external_id=entry.external_id,
+                chunk_id=entry.chunk_id,
+                is_finished=chunk.is_finished,
+                is_segment_finished=chunk.is_segment_finished,
+                payload=chunk.payload if chunk.fields is None else None,
+                prompt_token_ids=chunk.prompt_token_ids,
+                additional_information=info,
+            )
+        )
+        return PollOutcome.DONE
+
+    def _unregister_locked(self, entry: LoadEntry) -> None:
+        del self._entries[entry.internal_id]
+        if self._by_key.get(entry.key) is entry:
+            del self._by_key[entry.key]
+
+    # ----------------------------------------------------------------- timeouts, cleanup
+
+    def collect_timeouts(self) -> list[TransferFailure]:
+        """Registrations stalled past the timeout, each reported once (scheduler tick)."""
+        if self._stall_timeout_s <= 0:
+            return []
+        now = self._clock()
+        out: list[TransferFailure] = []
+        with self._lock:
+            for e in self._entries.values():
+                if not e.is_timeout_reported and now - e.since >= self._stall_timeout_s:
+                    e.is_timeout_reported = True
+                    self._counts["num_timeouts"] += 1
+                    out.append(
+                        TransferFailure(
+                            e.internal_id,
+                            e.external_id,
+                            FailureKind.TIMEOUT,
+                            f"no chunk {e.key!r} arrived within the stall timeout of "
+                            f"{self._stall_timeout_s:g} s",
+                            self._stage,
+                        )
+                    )
+        return out
+
+    def cleanup_receiver(self, internal_id: str) -> None:
+        """Drop every trace of the request (idempotent); any poll in flight loses identity."""
+        with self._lock:
+            entry = self._entries.get(internal_id)
+            if entry is not None:
+                self._unregister_locked(entry)
+            self._num_received.pop(internal_id, None)
+            self._runtime_info.pop(internal_id, None)
+            self._exhausted.discard(internal_id)
+            self._segment_finished.discard(internal_id)
+            self._box.discard_request(internal_id)
+
+    def _record(self, internal_id: str, external_id: str, kind: FailureKind, reason: str) -> None:
+        self._box.record(TransferFailure(internal_id, external_id, kind, reason, self._stage))
+
+    # ----------------------------------------------------------------- introspection
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "num_registrations": len(self._entries),
+                "num_exhausted": len(self._exhausted),
+                **self._counts,
+            }
+
+    def leak_state(self) -> dict[str, Any]:
+        with self._lock:
+            maps: dict[str, Any] = {
+                "registrations": sorted(self._entries),
+                "registrations_by_key": sorted(self._by_key),
+                "get_counters": dict(self._num_received),
+                "runtime_info": sorted(self._runtime_info),
+                "upstream_exhausted": sorted(self._exhausted),
+                "segment_finished": sorted(self._segment_finished),
+            }
+            return {k: v for k, v in maps.items() if v}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._by_key.clear()
+            self._num_received.clear()
+            self._runtime_info.clear()
+            self._exhausted.clear()
+            self._segment_finished.clear()

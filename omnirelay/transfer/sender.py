@@ -1,0 +1,417 @@
+"""The send side: admission, send tasks, generations and their cleanup (SPEC §4.3–§4.5).
+
+* :meth:`SendSide.admit` (scheduler thread, via ``save_async``) — decide under the lock,
+  queue a task on the external id's lane; never any I/O.
+* :meth:`SendSide._run` (a send worker) — build the payload, wait for budget, put, apply
+  the result; connector I/O and the processor never run under the lock.
+* :meth:`SendSide.cleanup_sender` — cancel the external id's generation (SPEC §4.5 rows).
+
+Ordering: every task of one external id — data tasks of every generation and the cleanup
+task of a retiring generation — goes to the same lane of a :class:`LaneExecutor`, which
+runs a lane's tasks one at a time in submission order. A generation is retired (its cleanup
+queued, its token dropped) under the sender lock, and a later generation can only be
+admitted after the token is gone, also under the lock; so its puts queue behind the
+cleanup, and a put already started has finished before the cleanup runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from omnirelay.connectors.base import Connector, PutResult
+from omnirelay.errors import InvalidKeyError
+from omnirelay.transfer.budget import ByteBudget, edge_name
+from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.generation import CancelAction, SenderGeneration
+from omnirelay.transfer.keys import check_external_id, make_key
+from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.payload_view import read_flag, stamp_flags
+
+__all__ = ["BuildRequest", "Processor", "ReleaseHook", "SendSide"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BuildRequest:
+    """What the processor sees for one chunk (on a send worker, outside every lock)."""
+
+    internal_id: str
+    external_id: str
+    #: The stage output of this step, as given to ``save_async``.
+    output: Any
+    #: The caller's snapshot of the request (must not be mutated after ``save_async``).
+    context: Any
+    #: SPEC §4.4 step 3: a segment end or the request's end.
+    is_finished: bool
+    is_request_finished: bool
+    is_segment_finished: bool
+    #: Successful puts of this request on this edge so far: the chunk id this payload is
+    #: put under (processors cross-check it against the payloads they built).
+    chunk_id: int
+
+
+#: Builds the payload of one chunk; ``None`` means "nothing to send this step".
+Processor = Callable[[BuildRequest], Any]
+#: Called with ``(external_id, "segment" | "request")`` when per-segment or per-request
+#: sender state must be dropped (processor caches: first chunk, frame history…).
+ReleaseHook = Callable[[str, str], None]
+
+_Failure = tuple[FailureKind, str]
+_SKIP: _Failure = (FailureKind.SEND_FAILED, "")  # sentinel: the task lost its right to run
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SendTask:
+    gen: SenderGeneration
+    internal_id: str
+    external_id: str
+    output: Any
+    context: Any
+    is_terminal: bool
+    is_segment_end: bool
+
+
+class SendSide:
+    """Sender generations of one adapter; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        connector: Connector,
+        config: TransferConfig,
+        lanes: LaneExecutor,
+        budget: ByteBudget,
+        box: EventBox,
+        clock: Callable[[], float],
+        processor: Processor,
+        empty_payload: Callable[[bool, bool], Any],
+        release_hook: ReleaseHook | None,
+        on_terminal_sent: Callable[[str, str], None],
+        housekeep: Callable[[bool], None],
+        is_stopping: Callable[[], bool],
+    ) -> None:
+        assert config.send_to_stage is not None
+        self._connector = connector
+        self._config = config
+        self._stage = config.stage_id
+        self._to_stage = config.send_to_stage
+        self._edge = (config.stage_id, config.send_to_stage)
+        self._lanes = lanes
+        self._budget = budget
+        self._box = box
+        self._clock = clock
+        self._processor = processor
+        self._empty_payload = empty_payload
+        self._release_hook = release_hook
+        self._on_terminal_sent = on_terminal_sent
+        self._housekeep = housekeep
+        self._is_stopping = is_stopping
+        self._lock = threading.Lock()
+        self._gens: dict[str, SenderGeneration] = {}
+        self._counts: dict[str, int] = dict.fromkeys(
+            ("num_admitted", "num_dropped", "num_rejected", "num_puts", "num_put_failures",
+             "num_discarded", "num_cleanup_tasks", "num_keys_cleaned", "num_cleanup_errors"),
+            0,
+        )  # fmt: skip
+        self.last_error: str | None = None
+
+    # ----------------------------------------------------------------- admission
+
+    def admit(
+        self,
+        internal_id: str,
+        external_id: str,
+        output: Any,
+        *,
+        context: Any,
+        is_finished: bool,
+        is_segment_finished: bool,
+        num_confirmed_tokens: int | None,
+        segment_generation: int | None,
+    ) -> Admission:
+        """SPEC §4.3 step 4, under the sender lock; queues the task on the id's lane."""
+        try:
+            check_external_id(external_id, self._stage)
+        except InvalidKeyError as exc:
+            self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, str(exc))
+            return Admission.REJECTED
+        failure: _Failure | None = None
+        with self._lock:
+            g = self._gens.get(external_id)
+            if g is not None:
+                if g.cancelled:
+                    failure = (
+                        FailureKind.REUSE_REJECTED,
+                        f"external id {external_id!r} was reused while the previous sender generation "
+                        f"(request {g.internal_id!r}) still drains; resubmit once it is released",
+                    )
+                elif g.internal_id != internal_id:
+                    failure = (
+                        FailureKind.REUSE_REJECTED,
+                        f"external id {external_id!r} is in use by request {g.internal_id!r}",
+                    )
+                elif g.has_failed:
+                    failure = (FailureKind.SEND_FAILED, "an earlier chunk of this request failed to send")
+                elif g.is_terminal_admitted:
+                    failure = (
+                        FailureKind.SEND_FAILED,
+                        "a chunk was saved after the request's terminal chunk",
+                    )
+                elif segment_generation is not None and segment_generation < g.segment_generation:
+                    self._counts["num_dropped"] += 1
+                    return Admission.DROPPED
+                elif (
+                    not is_segment_finished
+                    and num_confirmed_tokens is not None
+                    and g.watermark is not None
+                    and num_confirmed_tokens < g.watermark
+                ):
+                    self._counts["num_dropped"] += 1  # preempted request recomputing sent tokens
+                    return Admission.DROPPED
+            if failure is None:
+                if g is None:
+                    g = self._gens[external_id] = SenderGeneration(external_id, internal_id)
+                if segment_generation is not None and segment_generation > g.segment_generation:
+                    g.segment_generation = segment_generation
+                g.admit(
+                    is_terminal=is_finished,
+                    is_segment_end=is_segment_finished,
+                    confirmed=num_confirmed_tokens,
+                )
+                task = _SendTask(
+                    g, internal_id, external_id, output, context, is_finished, is_segment_finished
+                )
+                self._lanes.submit(external_id, functools.partial(self._run, task))
+                self._counts["num_admitted"] += 1
+            else:
+                self._counts["num_rejected"] += 1
+        if failure is not None:
+            self._record(internal_id, external_id, *failure)
+            return Admission.REJECTED
+        return Admission.ENQUEUED
+
+    def has_active_sender(self, external_id: str) -> bool:
+        with self._lock:
+            g = self._gens.get(external_id)
+            return g is not None and g.is_active
+
+    def is_draining(self, external_id: str) -> bool:
+        """A cancelled generation still owns the id: a new request with it is refused."""
+        with self._lock:
+            g = self._gens.get(external_id)
+            return g is not None and g.cancelled
+
+    # ----------------------------------------------------------------- send task
+
+    def _is_current_locked(self, task: _SendTask) -> bool:
+        return self._gens.get(task.external_id) is task.gen
+
+    def _run(self, task: _SendTask) -> None:
+        """One data task, on a send worker (SPEC §4.4)."""
+        g = task.gen
+        with self._lock:
+            may_run = self._is_current_locked(task) and g.may_run(is_terminal=task.is_terminal)
+            chunk_id = g.num_sent
+            if may_run:
+                g.start()
+            else:
+                self._counts["num_discarded"] += 1
+        if not may_run:
+            self._finish_task(task)
+            return
+        try:
+            try:
+                failure, delivered = self._send(task, chunk_id)
+            except Exception as exc:  # a bug below: fail the request with the reason, keep the worker
+                failure, delivered = (
+                    (FailureKind.SEND_FAILED, f"send task raised {type(exc).__name__}: {exc}"),
+                    False,
+                )
+            if failure is not None:
+                with self._lock:
+                    g.fail()
+                self._record(task.internal_id, task.external_id, *failure)
+            elif delivered:
+                self._on_terminal_sent(task.internal_id, task.external_id)  # SPEC §4.4 step 9
+        finally:  # whatever happened (even BaseException), restore the token's invariants
+            self._finish_task(task)
+
+    def _send(self, task: _SendTask, chunk_id: int) -> tuple[_Failure | None, bool]:
+        """Build, wait for budget, put. Returns (failure, terminal delivered)."""
+        g = task.gen
+        request = BuildRequest(
+            task.internal_id,
+            task.external_id,
+            task.output,
+            task.context,
+            task.is_terminal or task.is_segment_end,
+            task.is_terminal,
+            task.is_segment_end,
+            chunk_id,
+        )
+        try:
+            payload = self._processor(request)
+        except Exception as exc:
+            return (FailureKind.SEND_FAILED, f"the processor raised {type(exc).__name__}: {exc}"), False
+        if payload is None:
+            if not request.is_finished:
+                return None, False  # nothing to send this step
+            payload = self._empty_payload(task.is_terminal, task.is_segment_end)
+        try:
+            stamp_flags(payload, finished=task.is_terminal, segment_finished=task.is_segment_end)
+        except (TypeError, ValueError, AttributeError) as exc:
+            return (FailureKind.SEND_FAILED, f"cannot stamp the finish flags: {exc}"), False
+        waited = self._wait_for_budget(task)
+        if waited is _SKIP:
+            return None, False
+        if waited is not None:
+            return waited, False
+        with self._lock:
+            if not (self._is_current_locked(task) and g.may_run(is_terminal=task.is_terminal)):
+                return None, False  # cancelled while building (SPEC §4.4 step 6)
+            put_id = g.before_put()
+        key = make_key(task.external_id, self._stage, put_id)
+        try:
+            result = self._connector.put(self._stage, self._to_stage, key, payload)
+        except Exception as exc:  # the contract says put never raises; treat it as a failed put
+            result = PutResult(ok=False, error=f"connector.put raised {type(exc).__name__}: {exc}")
+        if not result.ok:
+            with self._lock:
+                self._counts["num_put_failures"] += 1
+            return (
+                FailureKind.SEND_FAILED,
+                f"put of {key!r} failed: {result.error or 'no reason given'}",
+            ), False
+        self._budget.add(key, self._edge, result.nbytes)
+        with self._lock:
+            self._counts["num_puts"] += 1
+            honored = g.put_succeeded(is_terminal=task.is_terminal)
+        if task.is_segment_end and self._release_hook is not None:
+            self._release_hook(task.external_id, "segment")
+        try:
+            says_finished = read_flag(payload, "finished")
+        except ValueError:
+            says_finished = False
+        return None, honored and task.is_terminal and says_finished
+
+    def _wait_for_budget(self, task: _SendTask) -> _Failure | None:
+        """Wait (bounded) while the edge holds more unconsumed bytes than its budget."""
+        if not self._budget.is_over(self._edge):
+            return None
+        deadline = self._clock() + self._config.backpressure_wait_s
+        while True:
+            self._housekeep(True)  # learn about consumption now, not at the next idle pass
+            if not self._budget.is_over(self._edge):
+                return None
+            with self._lock:
+                if not (self._is_current_locked(task) and task.gen.may_run(is_terminal=task.is_terminal)):
+                    return _SKIP
+            if self._is_stopping():
+                return (FailureKind.SEND_FAILED, "the adapter shut down while the chunk waited for budget")
+            if self._clock() >= deadline:
+                used = self._budget.used(self._edge)
+                return (
+                    FailureKind.BACKPRESSURE,
+                    f"edge {edge_name(self._edge)} held {used} unconsumed bytes (budget "
+                    f"{self._budget.limit_bytes}) for {self._config.backpressure_wait_s:g} s; "
+                    "the consumer is not keeping up",
+                )
+            self._budget.wait(self._config.reap_interval_s)
+
+    def _finish_task(self, task: _SendTask) -> None:
+        """SPEC §4.4 step 10: the 'terminal task ends' row, then the 'any task finally' row."""
+        g = task.gen
+        hooks: list[str] = []
+        with self._lock:
+            if task.is_terminal and g.end_terminal() and self._is_current_locked(task):
+                self._cancel_locked(g, hooks)  # the deferred cleanup_sender
+            if self._is_current_locked(task) and g.end_task():
+                self._retire_locked(g, hooks)
+        self._call_release(hooks)
+
+    # ----------------------------------------------------------------- cleanup
+
+    def cleanup_sender(self, external_id: str, internal_id: str | None = None) -> None:
+        """Cancel ``external_id``'s generation (SPEC §4.5). Never waits for I/O.
+
+        With ``internal_id``, a generation owned by another request (a newer one that
+        reuses the id) is left alone.
+        """
+        hooks: list[str] = []
+        with self._lock:
+            g = self._gens.get(external_id)
+            if g is None:
+                hooks.append(external_id)  # no token: clear the sender maps only
+            elif internal_id is None or g.internal_id == internal_id:
+                self._cancel_locked(g, hooks)
+        self._call_release(hooks)
+
+    def _cancel_locked(self, g: SenderGeneration, hooks: list[str]) -> None:
+        if g.cancel() is CancelAction.RETIRE:
+            self._retire_locked(g, hooks)
+
+    def _retire_locked(self, g: SenderGeneration, hooks: list[str]) -> None:
+        # Invariant: the cleanup task is queued on the id's lane before the token is dropped,
+        # so any later generation's put of this id queues behind it.
+        assert self._gens.get(g.external_id) is g
+        n = g.keys_to_clean()
+        if n:
+            self._lanes.submit(g.external_id, functools.partial(self._run_cleanup, g.external_id, n))
+        del self._gens[g.external_id]
+        hooks.append(g.external_id)
+
+    def _run_cleanup(self, external_id: str, num_keys: int) -> None:
+        """Remove the exact keys ``{ext}_{stage}_{0..n-1}`` of a retired generation."""
+        keys = [make_key(external_id, self._stage, i) for i in range(num_keys)]
+        errors: list[str] = []
+        for key in keys:
+            try:
+                self._connector.cleanup(key)
+            except Exception as exc:
+                errors.append(f"cleanup of {key!r} raised {type(exc).__name__}: {exc}")
+        self._budget.release(keys)
+        with self._lock:
+            self._counts["num_cleanup_tasks"] += 1
+            self._counts["num_keys_cleaned"] += num_keys
+            self._counts["num_cleanup_errors"] += len(errors)
+            if errors:
+                self.last_error = errors[-1]
+
+    def _call_release(self, external_ids: list[str]) -> None:
+        if self._release_hook is not None:
+            for ext in external_ids:
+                self._release_hook(ext, "request")
+
+    def _record(self, internal_id: str, external_id: str, kind: FailureKind, reason: str) -> None:
+        self._box.record(TransferFailure(internal_id, external_id, kind, reason, self._stage))
+
+    # ----------------------------------------------------------------- introspection
+
+    def generation(self, external_id: str) -> dict[str, Any] | None:
+        """A copy of the generation's fields (tests, debugging)."""
+        with self._lock:
+            g = self._gens.get(external_id)
+            if g is None:
+                return None
+            return {name: getattr(g, name) for name in SenderGeneration.__slots__}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "num_generations": len(self._gens),
+                "num_in_flight": sum(1 for g in self._gens.values() if g.in_flight),
+                **self._counts,
+                "last_error": self.last_error,
+            }
+
+    def leak_state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"sender_generations": {k: repr(g) for k, g in self._gens.items()}} if self._gens else {}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._gens.clear()

@@ -1,0 +1,28 @@
+"""Shared fixtures: a fresh namespace per test and the leak audit every test ends with."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+_COUNTER = itertools.count()
+
+
+def shm_entries(namespace: str) -> list[str]:
+    prefix = f"omnirelay-{namespace}-"
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def assert_no_shm_leaks(namespace: str) -> None:
+    left = shm_entries(namespace)
+    assert not left, f"/dev/shm objects left in namespace {namespace!r}: {left[:10]}"
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace unique to this test; audited for leaks when the test ends."""
+    ns = f"t{os.getpid()}x{next(_COUNTER)}"
+    yield ns
+    assert_no_shm_leaks(ns)

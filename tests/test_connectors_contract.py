@@ -1,0 +1,232 @@
+"""The connector contract (DESIGN.md §8, SPEC §3.1), run against every backend."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from omnirelay.connectors import Connector, GetStatus, create_connector
+from tests.conftest import shm_entries
+
+BACKENDS = ["shm", "inproc"]
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request: pytest.FixtureRequest, namespace: str) -> Iterator[tuple[Connector, Connector]]:
+    """A producer connector of stage 1 and a consumer connector of stage 2."""
+    prod = create_connector(request.param, namespace=namespace, stage_id=1)
+    cons = create_connector(request.param, namespace=namespace, stage_id=2)
+    yield prod, cons
+    prod.close()
+    cons.close()
+    assert prod.pending_keys() == []
+
+
+def test_put_get_round_trip_consumes(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    obj = {"codes": torch.arange(16 * 50).reshape(16, 50), "meta": {"finished": True}, "t": (1, "a")}
+    res = prod.put(1, 2, "R_1_0", obj)
+    assert res.ok and res.nbytes > 0 and res.error is None
+    got = cons.get(1, 2, "R_1_0")
+    assert got.status is GetStatus.READY and got.nbytes == res.nbytes
+    assert torch.equal(got.obj["codes"], obj["codes"]) and got.obj["t"] == (1, "a")
+    assert got.obj["meta"] == {"finished": True}
+    again = cons.get(1, 2, "R_1_0")
+    assert again.status is GetStatus.NOT_YET and again.obj is None
+
+
+def test_get_missing_is_not_yet(pair: tuple[Connector, Connector]) -> None:
+    _, cons = pair
+    assert cons.get(1, 2, "nothing_1_0").status is GetStatus.NOT_YET
+
+
+def test_wait_arrivals_names_the_key(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    assert cons.wait_arrivals(2, timeout=0) == []
+    assert prod.put(1, 2, "A_1_0", {"x": 1}).ok
+    assert prod.put(1, 2, "B_1_0", {"x": 2}).ok
+    seen: list[str] = []
+    while len(seen) < 2:
+        seen += cons.wait_arrivals(2, timeout=5)
+    assert sorted(seen) == ["A_1_0", "B_1_0"]
+    for k in seen:
+        assert cons.get(1, 2, k).is_ready
+
+
+def test_wait_arrivals_wakes_a_blocked_receiver(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    cons.wait_arrivals(2, timeout=0)  # make sure it listens
+    got: list[str] = []
+    started = threading.Event()
+
+    def receiver() -> None:
+        started.set()
+        while not got:
+            got.extend(cons.wait_arrivals(2, timeout=10))
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    started.wait()
+    assert prod.put(1, 2, "W_1_0", b"hello").ok
+    t.join(timeout=10)
+    assert got == ["W_1_0"]
+    assert cons.get(1, 2, "W_1_0").obj == b"hello"
+
+
+def test_cleanup_exact_and_idempotent(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    assert prod.put(1, 2, "R_1_0", {"a": 1}).ok
+    assert prod.put(1, 2, "R_1_1", {"a": 2}).ok
+    assert prod.cleanup("R_1_0") is True
+    assert prod.cleanup("R_1_0") is False
+    assert prod.cleanup("R_1") is False  # never a prefix
+    assert cons.get(1, 2, "R_1_0").status is GetStatus.NOT_YET
+    assert cons.get(1, 2, "R_1_1").obj == {"a": 2}
+    assert prod.cleanup("R_1_1") is False  # consumed already
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+
+
+def test_cleanup_prefix_never_touches_a_sibling(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    for k in ("task_1_0", "task_1_1", "task_1_1_0", "task_1_1_1", "task_10_0"):
+        assert prod.put(1, 2, k, {"k": k}).ok
+    assert prod.cleanup_prefix("task_1_") == 2  # task_1_0, task_1_1 (ids "task")
+    assert cons.get(1, 2, "task_1_1_0").obj == {"k": "task_1_1_0"}  # sibling id "task_1" intact
+    assert prod.cleanup_prefix("task_1_1_") == 1  # id "task_1": only its remaining key
+    assert cons.get(1, 2, "task_10_0").obj == {"k": "task_10_0"}
+    assert prod.cleanup_prefix("task_1_") == 0  # idempotent
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+
+
+def test_reap_rotation_drops_consumed_behind_unread(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    unread = [f"U{i}_1_0" for i in range(200)]
+    consumed = [f"C{i}_1_0" for i in range(50)]
+    for k in unread + consumed:
+        assert prod.put(1, 2, k, i := {"v": 1}).ok, i
+    for k in consumed:
+        assert cons.get(1, 2, k).is_ready
+    passes = 0
+    while len(prod.pending_keys()) > len(unread):
+        prod.reap_consumed()
+        passes += 1
+        assert passes <= 10, "consumed keys starve behind unread ones"
+    assert sorted(prod.pending_keys()) == sorted(unread)
+    assert prod.cleanup_prefix("U") == 0  # "U" + int only: no key matches without the separator
+    for k in unread:
+        assert prod.cleanup(k)
+
+
+def test_close_is_idempotent_and_releases_everything(
+    pair: tuple[Connector, Connector], namespace: str
+) -> None:
+    prod, cons = pair
+    for i in range(5):
+        assert prod.put(1, 2, f"R_1_{i}", torch.zeros(1000)).ok
+    prod.close()
+    prod.close()
+    assert prod.pending_keys() == []
+    assert cons.get(1, 2, "R_1_0").status is GetStatus.NOT_YET
+    assert prod.put(1, 2, "R_1_9", 1).ok is False
+    assert shm_entries(namespace) == [] or prod.backend == "inproc"
+
+
+def test_health_counts(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    assert prod.put(1, 2, "H_1_0", torch.zeros(256, dtype=torch.float32)).ok
+    assert prod.put(1, 2, "H_1_1", torch.zeros(256, dtype=torch.float32)).ok
+    h = prod.health()
+    assert h.num_puts == 2 and h.num_pending_keys == 2 and h.num_live_objects == 2
+    assert h.live_bytes >= 2 * 1024 and h.bytes_put == h.live_bytes and h.status == "healthy"
+    assert cons.get(1, 2, "H_1_0").is_ready
+    assert cons.health().num_gets == 1 and cons.health().bytes_got > 1024
+    prod.reap_consumed()
+    h = prod.health()
+    assert h.num_pending_keys == 1 and h.num_reaped == 1
+    assert prod.cleanup("H_1_1")
+    assert prod.health().live_bytes == 0
+    assert prod.health().to_dict()["num_cleaned"] == 1
+
+
+def test_same_key_is_not_clobbered_while_unread(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    assert prod.put(1, 2, "D_1_0", {"gen": 1}).ok
+    second = prod.put(1, 2, "D_1_0", {"gen": 2})
+    assert not second.ok and "already published" in (second.error or "")
+    assert cons.get(1, 2, "D_1_0").obj == {"gen": 1}
+    assert prod.put(1, 2, "D_1_0", {"gen": 3}).ok  # consumed: the key may be reused
+    assert cons.get(1, 2, "D_1_0").obj == {"gen": 3}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ünïcødé-请求-🎵_1_0",
+        "a/b/../../etc/passwd_1_0",
+        "..",
+        "nul\x00byte_1_0",
+        "x" * 1000,
+        "語" * 1000,
+        " spaces and\nnewlines ",
+    ],
+)
+def test_untrusted_keys_are_safe(pair: tuple[Connector, Connector], namespace: str, key: str) -> None:
+    prod, cons = pair
+    res = prod.put(1, 2, key, {"k": key})
+    assert res.ok, res.error
+    for name in shm_entries(namespace):
+        assert name.startswith(f"omnirelay-{namespace}-") and "/" not in name and len(name) < 255
+    got = cons.get(1, 2, key)
+    assert got.is_ready and got.obj == {"k": key}
+
+
+def test_bad_input_is_refused_with_a_reason(pair: tuple[Connector, Connector], namespace: str) -> None:
+    prod, cons = pair
+    before = shm_entries(namespace)
+    for key, obj, words in [
+        ("", {"a": 1}, "empty"),
+        ("x" * 100_000, {"a": 1}, "limit"),
+        ("S_1_0", {1, 2, 3}, "set"),
+        ("S_1_1", {"nested": [object()]}, "object"),
+        ("S_1_2", np.array([object()], dtype=object), "object"),
+        (123, {"a": 1}, "str"),
+    ]:
+        res = prod.put(1, 2, key, obj)  # type: ignore[arg-type]
+        assert not res.ok and res.error and words in res.error, (key, res.error)
+    assert shm_entries(namespace) == before  # nothing half-written
+    assert prod.pending_keys() == []
+    assert prod.health().num_put_failures == 6
+    got = cons.get(1, 2, "")
+    assert got.status is GetStatus.FAILED and "empty" in (got.error or "")
+
+
+def test_concurrent_readers_exactly_one_wins(pair: tuple[Connector, Connector]) -> None:
+    prod, cons = pair
+    n_keys, n_threads = 50, 4
+    for i in range(n_keys):
+        assert prod.put(1, 2, f"K{i}_1_0", i).ok
+    barrier = threading.Barrier(n_threads)
+    wins: list[list[int]] = [[] for _ in range(n_threads)]
+
+    def reader(slot_: int) -> None:
+        barrier.wait()
+        for i in range(n_keys):
+            got = cons.get(1, 2, f"K{i}_1_0")
+            assert got.status in (GetStatus.READY, GetStatus.NOT_YET)
+            if got.is_ready:
+                wins[slot_].append(got.obj)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(v for w in wins for v in w) == list(range(n_keys))
+    prod.reap_consumed()
+    assert prod.pending_keys() == []

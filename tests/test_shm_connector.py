@@ -1,0 +1,221 @@
+"""shm backend specifics: cross-process transfer, exclusive claims, corruption, ENOSPC,
+crash reclamation. Every test ends with the namespace leak audit (conftest)."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import signal
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.connectors import GetStatus, create_connector, names, slot
+from omnirelay.connectors.shm import ShmConnector
+from omnirelay.connectors.sweep import sweep
+from tests.conftest import shm_entries
+
+CTX = mp.get_context("spawn")
+
+
+def _producer(namespace: str, n: int, published: Any, release: Any) -> None:
+    conn = create_connector("shm", namespace=namespace, stage_id=1, sweep_on_start=False)
+    for i in range(n):
+        assert conn.put(1, 2, f"P_1_{i}", {"i": i, "t": torch.full((64,), i)}).ok
+    published.set()
+    release.wait(60)
+    conn.close()
+
+
+def _reader(namespace: str, key: str, barrier: Any, out: Any) -> None:
+    conn = create_connector("shm", namespace=namespace, stage_id=2, listen=False, sweep_on_start=False)
+    barrier.wait(60)
+    got = conn.get(1, 2, key)
+    out.put((got.status.value, got.obj))
+    conn.close()
+
+
+def _consume_all(namespace: str, keys: list[str], done: Any) -> None:
+    conn = create_connector("shm", namespace=namespace, stage_id=2, listen=False, sweep_on_start=False)
+    for k in keys:
+        assert conn.get(1, 2, k).is_ready
+    conn.close()
+    done.set()
+
+
+def test_cross_process_stream_with_notices(namespace: str) -> None:
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    published, release = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_producer, args=(namespace, 20, published, release))
+    p.start()
+    try:
+        seen: list[str] = []
+        while len(seen) < 20:
+            seen += cons.wait_arrivals(2, timeout=30)
+        assert sorted(seen) == sorted(f"P_1_{i}" for i in range(20))
+        for i in range(20):
+            got = cons.get(1, 2, f"P_1_{i}")
+            assert got.is_ready and got.obj["i"] == i and torch.equal(got.obj["t"], torch.full((64,), i))
+    finally:
+        release.set()
+        p.join(60)
+        cons.close()
+    assert p.exitcode == 0
+
+
+def test_two_reader_processes_exactly_one_ready(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    assert prod.put(1, 2, "RACE_1_0", {"v": 42}).ok
+    barrier, out = CTX.Barrier(2), CTX.Queue()
+    readers = [CTX.Process(target=_reader, args=(namespace, "RACE_1_0", barrier, out)) for _ in range(2)]
+    for r in readers:
+        r.start()
+    results = [out.get(timeout=60) for _ in readers]
+    for r in readers:
+        r.join(60)
+    statuses = sorted(s for s, _ in results)
+    assert statuses == ["not_yet", "ready"], results
+    assert [o for s, o in results if s == "ready"] == [{"v": 42}]
+    assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    prod.close()
+
+
+def test_idle_reap_drains_after_consumption_elsewhere(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    keys = [f"I{i}_1_0" for i in range(100)]
+    for k in keys:
+        assert prod.put(1, 2, k, {"k": k}).ok
+    done = CTX.Event()
+    c = CTX.Process(target=_consume_all, args=(namespace, keys, done))
+    c.start()
+    assert done.wait(60)
+    c.join(60)
+    passes = 0
+    while prod.pending_keys():
+        prod.reap_consumed()  # what the adapter's idle send loop does
+        passes += 1
+        assert passes <= 3
+    assert prod.health().live_bytes == 0
+    prod.close()
+
+
+def test_garbage_object_fails_consumed_and_removed(namespace: str) -> None:
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    path = os.path.join("/dev/shm", names.key_name(namespace, "BAD_1_0"))
+    with open(path, "wb") as f:
+        f.write(b"\x00garbage" * 100)
+    got = cons.get(1, 2, "BAD_1_0")
+    assert got.status is GetStatus.FAILED and "not an omnirelay object" in (got.error or "")
+    assert not os.path.exists(path)
+    assert cons.get(1, 2, "BAD_1_0").status is GetStatus.NOT_YET
+    assert cons.health().num_get_failures == 1
+    cons.close()
+
+
+def test_corrupt_payload_fails_and_slot_returns_to_pool(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert prod.put(1, 2, "C_1_0", {"t": torch.ones(100)}).ok
+    path = os.path.join("/dev/shm", names.key_name(namespace, "C_1_0"))
+    with open(path, "r+b") as f:
+        hdr = f.read(slot.HEADER_SIZE)
+        key_len = struct.unpack_from("<I", hdr, 12)[0]
+        f.seek(slot.payload_offset(key_len))
+        f.write(b"NOPE")  # break the payload magic
+    got = cons.get(1, 2, "C_1_0")
+    assert got.status is GetStatus.FAILED and "corrupt payload" in (got.error or "")
+    assert not os.path.exists(path)
+    assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    assert prod.put(1, 2, "C_1_1", {"ok": True}).ok  # the slot is reusable
+    assert cons.get(1, 2, "C_1_1").obj == {"ok": True}
+    prod.close()
+    cons.close()
+
+
+def test_enospc_put_fails_and_leaves_nothing(namespace: str) -> None:
+    def full_allocator(path: str, size: int) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    prod = ShmConnector(namespace, 1, allocator=full_allocator)
+    res = prod.put(1, 2, "F_1_0", torch.zeros(1 << 16))
+    assert not res.ok and "no space left in /dev/shm" in (res.error or "")
+    assert shm_entries(namespace) == [] and prod.pending_keys() == []
+    assert prod.health().num_put_failures == 1 and prod.health().last_error
+    prod.close()
+
+
+def _dead_pid() -> int:
+    p = CTX.Process(target=os.getpid)
+    p.start()
+    p.join()
+    assert p.pid is not None
+    return p.pid
+
+
+def test_slot_claimed_by_a_dead_consumer_is_reclaimed(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    assert prod.put(1, 2, "Z_1_0", {"z": 1}).ok
+    # Simulate a consumer that renamed the key away, wrote CLAIMED, then died.
+    path = os.path.join("/dev/shm", names.key_name(namespace, "Z_1_0"))
+    with open(path, "r+b") as f:
+        buf = bytearray(f.read(slot.HEADER_SIZE))
+        slot.write_claim(buf, _dead_pid(), 1)
+        f.seek(0)
+        f.write(buf)
+    os.unlink(path)
+    assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    prod.close()
+
+
+def test_sigkilled_producer_is_swept_live_owner_kept(namespace: str) -> None:
+    live = create_connector("shm", namespace=namespace, stage_id=1)
+    for i in range(3):
+        assert live.put(1, 2, f"LIVE_1_{i}", {"i": i}).ok
+    published, release = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_producer, args=(namespace, 10, published, release))
+    p.start()
+    assert published.wait(60)
+    os.kill(p.pid or 0, signal.SIGKILL)
+    p.join(60)
+    before = sweep(namespace)
+    dead = [o for o in before.objects if o.owner_alive is False]
+    assert len([o for o in dead if o.kind == "object"]) == 10
+    assert {o.key for o in dead if o.kind == "object"} == {f"P_1_{i}" for i in range(10)}
+    report = sweep(namespace, reclaim=True)
+    assert len([o for o in report.reclaimed if o.kind == "object"]) == 10
+    assert all(o.owner_pid == p.pid for o in report.reclaimed)
+    left = sweep(namespace)
+    assert all(o.owner_alive for o in left.objects)
+    assert len([o for o in left.objects if o.kind == "object"]) == 3
+    cons = create_connector("shm", namespace=namespace, stage_id=2)  # its startup sweep is harmless
+    for i in range(3):
+        assert cons.get(1, 2, f"LIVE_1_{i}").obj == {"i": i}
+    live.close()
+    cons.close()
+
+
+def test_names_are_prefixed_and_fixed_length(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    assert prod.put(1, 2, "../" * 300, {"x": 1}).ok
+    entries = shm_entries(namespace)
+    assert entries and all(e.startswith(f"omnirelay-{namespace}-") and len(e) < 120 for e in entries)
+    objs = [o for o in sweep(namespace).objects if o.kind == "object"]
+    assert [o.key for o in objs] == ["../" * 300]  # recoverable for audits
+    prod.close()
+
+
+def test_invalid_namespace_and_options_are_rejected() -> None:
+    from omnirelay.errors import ConfigError, ConnectorError
+
+    for ns in ("", "a-b", "a/b", "x" * 100, "../x"):
+        with pytest.raises(ConnectorError):
+            create_connector("shm", namespace=ns)
+    with pytest.raises(ConnectorError, match="unknown shm connector option"):
+        create_connector("shm", namespace="ok", bogus=1)
+    with pytest.raises(ConnectorError, match="pool_max_slots"):
+        create_connector("shm", namespace="ok", pool_max_slots=-1)
+    with pytest.raises(ConfigError, match="unknown connector backend"):
+        create_connector("nccl", namespace="ok")

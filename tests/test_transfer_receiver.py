@@ -1,0 +1,368 @@
+"""Receive side of the transfer adapter: registrations, identity checks, commit, wakeups.
+
+Interleavings are forced with gates inside the fake connector's get; the stall clock is a
+fake clock. Every test ends with the leak audit.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.transfer import FailureKind, StallTimeoutDisabledWarning
+from tests.transfer_fakes import (
+    FakeClock,
+    Gate,
+    collect,
+    failed_for,
+    make_pipeline,
+    ready_for,
+    wait_until,
+)
+
+
+def send(p: Any, iid: str, ext: str, payload: Any, *, finished: bool = False, **kw: Any) -> None:
+    p.sender.save_async(iid, ext, payload, is_finished=finished, **kw)
+
+
+def receive(p: Any, iid: str, ext: str) -> Any:
+    assert p.receiver.load_async(iid, ext)
+    (chunk,) = collect(p.receiver, ready_for(iid)).ready
+    return chunk
+
+
+# --------------------------------------------------------------------- SPEC §8 item 5
+
+
+@pytest.mark.parametrize("reregister", [False, True])
+def test_late_result_after_cleanup_recreates_nothing(reregister: bool) -> None:
+    with make_pipeline() as p:
+        send(p, "s1", "R", {"c": 0}, finished=True)
+        assert p.sender.flush()
+        gate = Gate("get R_0_0")
+        p.recv_conn.get_gates["R_0_0"] = gate
+        assert p.receiver.load_async("i1", "R")
+        gate.wait_started()  # the get is in flight
+        p.receiver.cleanup_receiver("i1")
+        if reregister:
+            assert p.receiver.load_async("i1", "R")  # a new entry for the same internal id
+        gate.release()
+        assert p.receiver.flush()
+        assert p.recv_conn.num_gets["R_0_0"] == (2 if reregister else 1)
+        assert p.receiver.poll_events().is_empty  # the late chunk was dropped
+        state = p.receiver.leak_state()
+        assert "get_counters" not in state and "runtime_info" not in state
+        assert "upstream_exhausted" not in state and "ready" not in state
+        if reregister:
+            assert state["registrations"] == ["i1"] and state["registrations_by_key"] == ["R_0_0"]
+            assert p.receiver.is_waiting_for_chunk("i1")
+        else:
+            assert "registrations" not in state
+        assert not p.receiver.is_upstream_exhausted("i1")
+        assert p.receiver.health()["receiver"]["num_stale_results"] == 1
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+# --------------------------------------------------------------------- SPEC §8 item 6
+
+
+def test_many_receiver_cleanups_leave_no_residue() -> None:
+    with make_pipeline() as p:
+        for i in range(2000):
+            iid, ext = f"i{i}", f"E{i}"
+            if i % 4 == 0:  # a chunk is there: the cleanup races the get and the commit
+                send(p, f"s{i}", ext, {"i": i}, finished=True)
+            p.receiver.load_async(iid, ext)
+            p.receiver.cleanup_receiver(iid)
+            assert p.receiver.poll_events().ready == ()  # every request so far is cleaned
+        assert p.sender.flush() and p.receiver.flush()
+        assert p.receiver.poll_events().is_empty
+        p.receiver.finish_requests([f"i{i}" for i in range(2000)])
+        assert p.receiver.leak_state() == {}
+        for i in range(0, 2000, 4):  # unread terminals: released by id
+            p.send_conn.cleanup_prefix(f"E{i}_0_")
+        p.audit()
+
+
+# --------------------------------------------------------------------- cleanup racing a commit
+
+
+def test_cleanup_after_commit_before_drain_withdraws_the_chunk() -> None:
+    with make_pipeline() as p:
+        send(p, "s1", "R", {"c": 0}, finished=True)
+        assert p.sender.flush()
+        assert p.receiver.load_async("i1", "R")
+        assert p.receiver.flush()  # committed and published, not drained
+        assert p.receiver.is_upstream_exhausted("i1")
+        p.receiver.cleanup_receiver("i1")
+        assert p.receiver.poll_events().is_empty
+        assert not p.receiver.is_upstream_exhausted("i1")
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_cleanup_racing_commit_never_publishes_after_it_returns() -> None:
+    with make_pipeline() as p:
+        for i in range(500):
+            iid, ext = f"i{i}", f"E{i}"
+            send(p, f"s{i}", ext, {"i": i}, finished=True)
+            barrier = threading.Barrier(2)
+
+            def register(iid: str = iid, ext: str = ext, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                p.receiver.load_async(iid, ext)
+
+            t = threading.Thread(target=register)
+            t.start()
+            barrier.wait()
+            p.receiver.cleanup_receiver(iid)
+            t.join()
+            p.receiver.cleanup_receiver(iid)
+            assert p.receiver.flush()
+            ev = p.receiver.poll_events()
+            assert iid not in {c.internal_id for c in ev.ready}, "a chunk outlived its cleanup"
+        p.receiver.finish_requests([f"i{i}" for i in range(500)])
+        for i in range(500):
+            p.send_conn.cleanup_prefix(f"E{i}_0_")
+        p.audit()
+
+
+# --------------------------------------------------------------------- SPEC §8 item 9 and §10.6
+
+
+def test_corrupt_chunk_fails_the_request_fast_with_the_reason() -> None:
+    clock = FakeClock()
+    with make_pipeline(clock=clock) as p:
+        p.recv_conn.corrupt.add("R_0_0")
+        send(p, "s1", "R", {"c": 0})
+        assert p.receiver.load_async("i1", "R")
+        acc = collect(p.receiver, failed_for("i1"))  # no clock advance: not a timeout
+        (failure,) = acc.failed
+        assert failure.kind is FailureKind.RECEIVE_FAILED and "corrupt payload" in failure.reason
+        assert type(failure.error()).__name__ == "ReceiveFailedError"
+        assert not p.receiver.is_waiting_for_chunk("i1")
+        assert p.store.live_keys() == []  # consumed: the object is gone
+        assert p.receiver.take_external_failures()["R"] == [failure]
+        p.receiver.finish_requests(["i1"])
+        p.sender.finish_requests(["s1"])
+        p.audit()
+
+
+def test_payload_contract_violation_fails_fast() -> None:
+    with make_pipeline() as p:
+        # A processor that streams its own finish flag (kept by the sender) gets it wrong.
+        send(p, "s1", "R", {"meta": {"codec_streaming": True, "finished": torch.tensor([True, False])}})
+        assert p.receiver.load_async("i1", "R")
+        (failure,) = collect(p.receiver, failed_for("i1")).failed
+        assert failure.kind is FailureKind.RECEIVE_FAILED and "exactly one element" in failure.reason
+        p.receiver.take_external_failures()
+        p.receiver.finish_requests(["i1"])
+        p.sender.finish_requests(["s1"])
+        p.audit()
+
+
+# --------------------------------------------------------------------- commit semantics (SPEC §4.8)
+
+
+def test_generation_receiver_commit() -> None:
+    with make_pipeline(receiver_kw={"receiver_kind": "generation"}) as p:
+        send(p, "s1", "R", {"codes": {"audio": torch.tensor([1, 2, 3])}, "meta": {"left_context_size": 0}})
+        send(p, "s1", "R", {"speaker": "ethan", "codes": {"ref": torch.tensor([7])}})  # empty, not final
+        send(p, "s1", "R", {"codes": {"audio": torch.zeros(16, 4, dtype=torch.long)}})
+        send(p, "s1", "R", {"codes": {}}, is_segment_finished=True)
+        send(p, "s1", "R", None, finished=True)
+
+        c0 = receive(p, "i1", "R")
+        assert c0.chunk_id == 0 and c0.prompt_token_ids == [1, 2, 3] and c0.payload is None
+        info0 = c0.additional_information
+        assert "audio" not in info0["codes"] and info0["meta"]["left_context_size"] == 0
+        assert "finished" not in info0["meta"]
+
+        c2 = receive(p, "i1", "R")  # chunk 1 was empty and non-terminal: consumed, not ready
+        assert c2.chunk_id == 2 and c2.prompt_token_ids == [0]
+        info2 = c2.additional_information
+        assert info2["codes"]["audio"].shape == (16, 4) and info2["speaker"] == "ethan"
+        assert info2["codes"]["ref"].tolist() == [7] and info2["meta"]["left_context_size"] == 0
+
+        c3 = receive(p, "i1", "R")  # an empty segment end still runs
+        assert c3.prompt_token_ids == [0] and c3.is_segment_finished
+        assert p.receiver.is_segment_finished("i1")
+
+        c4 = receive(p, "i1", "R")
+        assert c4.is_finished and c4.prompt_token_ids == [] and not c4.is_segment_finished
+        assert p.receiver.is_upstream_exhausted("i1") and not p.receiver.is_segment_finished("i1")
+        assert not p.receiver.load_async("i1", "R")
+        assert p.receiver.health()["receiver"]["num_empty_chunks"] == 1
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_generation_receiver_replace_flag_starts_from_empty_info() -> None:
+    with make_pipeline(receiver_kw={"receiver_kind": "generation"}) as p:
+        send(p, "s1", "R", {"codes": {"audio": [5, 6]}, "speaker": "a"})
+        send(
+            p,
+            "s1",
+            "R",
+            {"codes": {"audio": [7]}, "meta": {"replace_runtime_additional_information": True}},
+            finished=True,
+        )
+        assert receive(p, "i1", "R").prompt_token_ids == [5, 6]
+        c1 = receive(p, "i1", "R")
+        assert c1.prompt_token_ids == [7] and "speaker" not in c1.additional_information
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_ar_receiver_commit_hands_the_payload_over() -> None:
+    with make_pipeline() as p:
+        embed = torch.arange(6.0).reshape(2, 3)
+        send(p, "s1", "R", {"embed": embed, "ids": [1, 2]}, is_segment_finished=True)
+        send(p, "s1", "R", {"embed": embed + 1, "ids": [3]})
+        send(p, "s1", "R", None, finished=True)
+        c0 = receive(p, "i1", "R")
+        assert torch.equal(c0.payload["embed"], embed) and c0.payload["ids"] == [1, 2]
+        assert c0.is_segment_finished and not c0.is_finished
+        assert c0.prompt_token_ids is None and c0.additional_information is None
+        assert p.receiver.is_segment_finished("i1")
+        c1 = receive(p, "i1", "R")
+        assert torch.equal(c1.payload["embed"], embed + 1)
+        assert not p.receiver.is_segment_finished("i1")  # a new segment started
+        c2 = receive(p, "i1", "R")
+        assert c2.is_finished and c2.payload == {"meta": {"finished": True, "is_segment_finished": False}}
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_ar_receiver_reads_a_whole_stream_in_order() -> None:
+    with make_pipeline() as p:
+        for i in range(5):
+            send(p, "s1", "R", {"ids": [i]}, is_segment_finished=i == 2)
+        send(p, "s1", "R", None, finished=True)
+        chunks = [receive(p, "i1", "R") for _ in range(6)]
+        assert [c.chunk_id for c in chunks] == list(range(6))
+        assert [c.payload["ids"] for c in chunks[:5]] == [[0], [1], [2], [3], [4]]
+        assert [c.is_segment_finished for c in chunks] == [False, False, True, False, False, False]
+        assert chunks[-1].is_finished and p.receiver.is_upstream_exhausted("i1")
+        p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_load_async_is_a_noop_while_registered_or_ready() -> None:
+    with make_pipeline() as p:
+        assert p.receiver.load_async("i1", "R")
+        assert not p.receiver.load_async("i1", "R")  # already waiting
+        send(p, "s1", "R", {"c": 0})
+        send(p, "s1", "R", {"c": 1})
+        assert p.receiver.wait_events(10.0)  # published, not drained
+        assert not p.receiver.load_async("i1", "R")  # one undrained chunk per request
+        (c0,) = p.receiver.poll_events().ready
+        assert c0.payload["c"] == 0
+        assert receive(p, "i1", "R").payload["c"] == 1
+        p.receiver.finish_requests(["i1"])
+        p.sender.finish_requests(["s1"])
+        p.audit()
+
+
+# --------------------------------------------------------------------- wakeups (SPEC §10.5)
+
+
+def test_only_announced_entries_are_polled_and_fallback_covers_lost_notices() -> None:
+    clock = FakeClock()
+    with make_pipeline(clock=clock, receiver_kw={"fallback_poll_s": 0.5}) as p:
+        idle = [f"idle{i}" for i in range(20)]
+        for iid in idle:
+            assert p.receiver.load_async(iid, iid.upper())
+        assert p.receiver.flush()
+        send(p, "s1", "T", {"t": 1}, finished=True)
+        receive(p, "t1", "T")
+        assert p.receiver.flush()
+        # Idle entries cost one get at registration and nothing since.
+        assert all(p.recv_conn.num_gets[f"{iid.upper()}_0_0"] == 1 for iid in idle)
+
+        p.send_conn.lose_notices = True
+        assert p.receiver.load_async("u1", "U")
+        assert p.receiver.flush()
+        send(p, "s2", "U", {"u": 1}, finished=True)
+        assert p.sender.flush()
+        assert p.receiver.poll_events().is_empty  # no notice, no fallback yet: not polled
+        assert p.recv_conn.num_gets["U_0_0"] == 1
+        clock.advance(0.6)  # the next arrival wait ends with a fallback pass over every entry
+        (u,) = collect(p.receiver, ready_for("u1")).ready
+        assert u.payload["u"] == 1
+        assert p.receiver.flush()
+        assert all(p.recv_conn.num_gets[f"{iid.upper()}_0_0"] >= 2 for iid in idle)
+        p.receiver.finish_requests([*idle, "t1", "u1"])
+        p.audit()
+
+
+def test_one_requests_slow_get_does_not_delay_another_requests_chunk() -> None:
+    with make_pipeline(receiver_kw={"num_recv_workers": 2}) as p:
+        gate = Gate("big decode of A")
+        p.recv_conn.get_gates["A_0_0"] = gate
+        send(p, "sa", "A", {"data": b"\0" * (1 << 20)}, finished=True)
+        assert p.sender.flush()
+        assert p.receiver.load_async("ra", "A")
+        gate.wait_started()  # one receive worker is stuck in A's get
+        send(p, "sb", "B", {"codec": [1, 2]}, finished=True)
+        assert receive(p, "rb", "B").payload["codec"] == [1, 2]
+        assert not gate.is_released
+        gate.release()
+        (a,) = collect(p.receiver, ready_for("ra")).ready
+        assert len(a.payload["data"]) == 1 << 20
+        p.receiver.finish_requests(["ra", "rb"])
+        p.audit()
+
+
+# --------------------------------------------------------------------- stall timeout (SPEC §4.10)
+
+
+def test_stall_timeout_reports_once_with_the_reason() -> None:
+    clock = FakeClock()
+    with make_pipeline(clock=clock) as p:
+        assert p.receiver.load_async("w1", "W")
+        clock.advance(599.0)
+        assert p.receiver.poll_events().is_empty
+        clock.advance(2.0)
+        ev = p.receiver.poll_events()
+        (t,) = ev.timed_out
+        assert t.internal_id == "w1" and t.kind is FailureKind.TIMEOUT and "600 s" in t.reason
+        assert type(t.error()).__name__ == "ChunkTimeoutError"
+        assert p.receiver.poll_events().is_empty  # reported once
+        assert p.receiver.take_external_failures() == {"W": [t]}
+        p.receiver.finish_requests(["w1"])
+        p.audit()
+
+
+def test_arrival_resets_the_stall_clock() -> None:
+    clock = FakeClock()
+    with make_pipeline(clock=clock, receiver_kw={"receiver_kind": "generation"}) as p:
+        assert p.receiver.load_async("w1", "W")
+        clock.advance(500.0)
+        send(p, "s1", "W", {"speaker": "x"})  # empty non-terminal chunk: an arrival, not ready
+        wait_until(lambda: p.receiver.health()["receiver"]["num_empty_chunks"] == 1, "empty chunk taken")
+        assert p.receiver.is_waiting_for_chunk("w1")
+        clock.advance(500.0)
+        assert p.receiver.poll_events().is_empty  # 500 s since the arrival, not 1000
+        clock.advance(101.0)
+        assert len(p.receiver.poll_events().timed_out) == 1
+        p.receiver.take_external_failures()
+        p.receiver.finish_requests(["w1"])
+        p.sender.finish_requests(["s1"])
+        p.audit()
+
+
+def test_zero_stall_timeout_disables_it_with_a_warning() -> None:
+    clock = FakeClock()
+    with pytest.warns(StallTimeoutDisabledWarning):
+        p = make_pipeline(clock=clock, receiver_kw={"stall_timeout_s": 0})
+    with p:
+        assert p.receiver.load_async("w1", "W")
+        clock.advance(1e9)
+        assert p.receiver.poll_events().is_empty
+        p.receiver.finish_requests(["w1"])
+        p.audit()

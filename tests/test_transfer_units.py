@@ -1,0 +1,365 @@
+"""Unit tests of the transfer adapter's parts: config, keys, payload view, commit, the
+generation token's transition table, lanes, budget, events, and the public surface."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+import omnirelay.transfer as transfer
+from omnirelay.errors import ConfigError, InvalidKeyError
+from omnirelay.transfer import (
+    ByteBudget,
+    CancelAction,
+    LaneExecutor,
+    SenderGeneration,
+    StallTimeoutDisabledWarning,
+    TransferConfig,
+    key_prefix,
+    make_key,
+    read_flag,
+    stamp_flags,
+)
+from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, prepare_chunk
+from omnirelay.transfer.events import EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.keys import IdMap, check_external_id
+from tests.transfer_fakes import Gate
+
+# --------------------------------------------------------------------- config
+
+
+def test_config_defaults() -> None:
+    c = TransferConfig(stage_id=1, send_to_stage=2, receive_from_stage=0)
+    assert c.stall_timeout_s == 600.0 and c.is_sender and c.is_receiver
+    assert not TransferConfig(stage_id=0).is_receiver
+
+
+def test_zero_stall_timeout_warns() -> None:
+    with pytest.warns(StallTimeoutDisabledWarning, match="disabled"):
+        TransferConfig(stage_id=0, stall_timeout_s=0)
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, math.nan, math.inf, "600", True, None, [600]])
+def test_bad_stall_timeouts_are_rejected(value: Any) -> None:
+    with pytest.raises(ConfigError, match="stall_timeout_s"):
+        TransferConfig(stage_id=0, stall_timeout_s=value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stage_id", -1),
+        ("stage_id", 1.0),
+        ("send_to_stage", 0),
+        ("receive_from_stage", 0),
+        ("receiver_kind", "talker"),
+        ("edge_budget_bytes", 0),
+        ("backpressure_wait_s", -1),
+        ("num_send_workers", 0),
+        ("num_recv_workers", 0),
+        ("arrival_wait_s", 0),
+        ("fallback_poll_s", math.inf),
+        ("reap_interval_s", "fast"),
+        ("max_undrained_failures", False),
+    ],
+)
+def test_bad_config_values_name_the_field(field: str, value: Any) -> None:
+    kw: dict[str, Any] = {"stage_id": 0, field: value}
+    with pytest.raises(ConfigError, match=field):
+        TransferConfig(**kw)
+
+
+def test_config_from_mapping_rejects_unknown_keys() -> None:
+    assert TransferConfig.from_mapping({"stage_id": 2, "receive_from_stage": 1}).receive_from_stage == 1
+    with pytest.raises(ConfigError, match="stall_timeout"):
+        TransferConfig.from_mapping({"stage_id": 0, "stall_timeout": 5})
+    with pytest.raises(ConfigError, match="stage_id"):
+        TransferConfig.from_mapping({})
+
+
+# --------------------------------------------------------------------- keys
+
+
+def test_keys_and_ids() -> None:
+    assert make_key("req-1", 1, 0) == "req-1_1_0"
+    assert key_prefix("task", 1) == "task_1_"
+    assert make_key("task_1", 1, 0) != make_key("task", 1, 10)  # "task_1_1_0" vs "task_1_10"
+    assert check_external_id("ok", 0) == "ok"
+    with pytest.raises(InvalidKeyError):
+        check_external_id("", 0)
+    with pytest.raises(InvalidKeyError, match="shorten"):
+        check_external_id("x" * 9000, 0)
+    m = IdMap()
+    m.set("i", "E")
+    assert m.get("i") == "E" and len(m) == 1 and m.pop("i") == "E" and m.pop("i") is None
+
+
+# --------------------------------------------------------------------- payload view
+
+
+class _Meta(msgspec.Struct, kw_only=True):
+    finished: Any = None
+    is_segment_finished: Any = None
+    codec_streaming: bool | None = None
+
+
+class _Payload(msgspec.Struct, kw_only=True):
+    codes: Any = None
+    meta: _Meta | None = None
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"meta": {"finished": True}}, True),
+        ({"meta": {"finished": torch.tensor([True])}}, True),
+        ({"meta": {"finished": torch.tensor(False)}}, False),
+        ({"meta": {"finished": np.array([1])}}, True),
+        ({"meta": {}}, False),
+        ({}, False),
+        (None, False),
+        (_Payload(meta=_Meta(finished=torch.tensor([True]))), True),
+        (_Payload(meta=_Meta(finished=False)), False),
+        (_Payload(), False),
+    ],
+)
+def test_read_flag_accepts_structs_dicts_bools_and_one_element_tensors(payload: Any, expected: bool) -> None:
+    assert read_flag(payload, "finished") is expected
+
+
+def test_read_flag_rejects_multi_element_flags() -> None:
+    with pytest.raises(ValueError, match="exactly one element"):
+        read_flag({"meta": {"finished": torch.tensor([True, True])}}, "finished")
+
+
+def test_stamp_flags() -> None:
+    d = stamp_flags({"codes": 1}, finished=True, segment_finished=False)
+    assert d["meta"] == {"finished": True, "is_segment_finished": False}
+    kept = stamp_flags(
+        {"meta": {"finished": False, "codec_streaming": True, "is_segment_finished": True}},
+        finished=True,
+        segment_finished=False,
+    )
+    assert kept["meta"]["finished"] is False and kept["meta"]["is_segment_finished"] is True
+    overwritten = stamp_flags({"meta": {"finished": False}}, finished=True, segment_finished=False)
+    assert overwritten["meta"]["finished"] is True
+    s = stamp_flags(_Payload(), finished=True, segment_finished=True)
+    assert isinstance(s.meta, _Meta) and s.meta.finished is True and s.meta.is_segment_finished is True
+    with pytest.raises(TypeError, match="without a meta"):
+        stamp_flags(object(), finished=True, segment_finished=False)
+
+
+# --------------------------------------------------------------------- commit (pure)
+
+
+def test_prepare_generation_chunk_shapes() -> None:
+    one_d = prepare_chunk("generation", {"codes": {"audio": torch.tensor([4, 5])}})
+    assert one_d.prompt_token_ids == [4, 5] and one_d.fields == {"codes": {}}
+    two_d = prepare_chunk("generation", {"codes": {"audio": torch.ones(2, 3)}})
+    assert two_d.prompt_token_ids == [0] and two_d.fields is not None and "audio" in two_d.fields["codes"]
+    empty_2d = prepare_chunk("generation", {"codes": {"audio": torch.ones(16, 0)}})
+    assert empty_2d.prompt_token_ids == [] and is_empty_nonterminal(empty_2d)
+    listed = prepare_chunk("generation", {"codes": {"audio": [1, 2]}})
+    assert listed.prompt_token_ids == [1, 2]
+    missing = prepare_chunk("generation", {"speaker": "x"})
+    assert missing.prompt_token_ids == [] and is_empty_nonterminal(missing)
+    seg = prepare_chunk("generation", {"meta": {"is_segment_finished": True}})
+    assert seg.prompt_token_ids == [0] and not is_empty_nonterminal(seg)
+    struct = prepare_chunk("generation", _Payload(codes={"audio": [9]}, meta=_Meta(finished=True)))
+    assert struct.prompt_token_ids == [9] and struct.is_finished
+    with pytest.raises(ValueError, match="empty payload"):
+        prepare_chunk("ar", {})
+    with pytest.raises(TypeError, match=r"codes\.audio"):
+        prepare_chunk("generation", {"codes": {"audio": "abc"}})
+
+
+def test_merge_runtime_info() -> None:
+    first = prepare_chunk(
+        "generation",
+        {
+            "codes": {"audio": [1], "ref": 5},
+            "meta": {"finished": False, "left_context_size": 3},
+            "speaker": "a",
+        },
+    )
+    info = merge_runtime_info(None, first)
+    assert info == {"codes": {"ref": 5}, "meta": {"left_context_size": 3}, "speaker": "a"}
+    second = prepare_chunk("generation", {"meta": {"finished": True, "first_audio": True}, "speaker": "b"})
+    merged = merge_runtime_info(info, second)
+    assert merged == {
+        "codes": {"ref": 5},
+        "meta": {"left_context_size": 3, "first_audio": True},
+        "speaker": "b",
+    }
+    assert info["speaker"] == "a"  # never mutated
+    replace = prepare_chunk(
+        "generation", {"codes": {"audio": [2]}, "meta": {"replace_runtime_additional_information": True}}
+    )
+    assert "speaker" not in merge_runtime_info(merged, replace)
+
+
+# --------------------------------------------------------------------- generation token (SPEC §4.5 table)
+
+
+def _gen(**flags: Any) -> SenderGeneration:
+    g = SenderGeneration("R", "r")
+    for k, v in flags.items():
+        setattr(g, k, v)
+    return g
+
+
+def test_generation_transition_table() -> None:
+    # admit terminal: sets the fence
+    g = _gen()
+    g.admit(is_terminal=True, is_segment_end=False, confirmed=None)
+    assert g.terminal_pending and g.is_terminal_admitted
+    # admit while draining / failed / after terminal: refused by precondition
+    for bad in (_gen(cancelled=True), _gen(has_failed=True), _gen(is_terminal_admitted=True)):
+        with pytest.raises(AssertionError):
+            bad.admit(is_terminal=False, is_segment_end=False, confirmed=None)
+    # task start: current ∧ ¬failed ∧ (terminal ∨ ¬cancelled)
+    assert _gen().may_run(is_terminal=False)
+    assert not _gen(cancelled=True).may_run(is_terminal=False)
+    assert _gen(cancelled=True).may_run(is_terminal=True)
+    assert not _gen(has_failed=True).may_run(is_terminal=True)
+    g = _gen()
+    g.start()
+    assert g.in_flight
+    with pytest.raises(AssertionError):
+        g.start()
+    # before put counts the in-flight key
+    g = _gen(in_flight=True, num_sent=3)
+    assert g.before_put() == 3 and g.num_puts == 4
+    with pytest.raises(AssertionError):
+        _gen().before_put()
+    # put ok: terminal → terminal_sent; honored unless cancelled non-terminal w/o pending terminal
+    g = _gen(in_flight=True)
+    assert g.put_succeeded(is_terminal=True) and g.terminal_sent and g.num_sent == 1
+    g = _gen(in_flight=True, cancelled=True)
+    assert not g.put_succeeded(is_terminal=False) and g.num_sent == 0
+    g = _gen(in_flight=True, cancelled=True, terminal_pending=True)
+    assert g.put_succeeded(is_terminal=False) and g.num_sent == 1  # terminal takes the next key
+    # cleanup_sender rows
+    g = _gen(terminal_pending=True)
+    assert g.cancel() is CancelAction.DEFER and g.cancelled and g.cleanup_deferred
+    g = _gen(in_flight=True)
+    assert g.cancel() is CancelAction.WAIT and g.cancelled and not g.cleanup_deferred
+    assert _gen().cancel() is CancelAction.RETIRE
+    # terminal task ends: releases the fence, reports a deferred cleanup once
+    g = _gen(terminal_pending=True, cleanup_deferred=True)
+    assert g.end_terminal() and not g.terminal_pending and not g.cleanup_deferred
+    with pytest.raises(AssertionError):
+        g.end_terminal()
+    # any task finally: retire iff cancelled ∧ ¬terminal_pending
+    assert _gen(in_flight=True, cancelled=True).end_task()
+    assert not _gen(in_flight=True, cancelled=True, terminal_pending=True).end_task()
+    assert not _gen(in_flight=True).end_task()
+    # cleanup keys: exact count, never a successful terminal, always a failed one
+    assert _gen(num_puts=3).keys_to_clean() == 3
+    assert _gen(num_puts=3, terminal_sent=True).keys_to_clean() == 0
+    assert _gen(num_puts=0).keys_to_clean() == 0
+    with pytest.raises(AssertionError):
+        _gen(in_flight=True, num_puts=1).keys_to_clean()
+
+
+def test_generation_watermark_and_segments() -> None:
+    g = _gen()
+    g.admit(is_terminal=False, is_segment_end=False, confirmed=7)
+    assert g.watermark == 7
+    g.admit(is_terminal=False, is_segment_end=True, confirmed=9)
+    assert g.watermark is None and g.segment_generation == 1
+
+
+# --------------------------------------------------------------------- lanes
+
+
+def test_lanes_serial_per_lane_parallel_across_lanes() -> None:
+    errors: list[BaseException] = []
+    lanes = LaneExecutor("t", 2, on_error=errors.append)
+    lanes.start()
+    try:
+        gate = Gate("lane A")
+        order: list[str] = []
+        lanes.submit("A", gate.enter)
+        lanes.submit("A", lambda: order.append("A1"))
+        gate.wait_started()
+        done_b = threading.Event()
+        lanes.submit("B", lambda: (order.append("B0"), done_b.set()))
+        assert done_b.wait(10)  # B ran while A's first task was blocked
+        assert order == ["B0"]  # A's second task waits for A's first
+        gate.release()
+        assert lanes.wait_idle(10)
+        assert order == ["B0", "A1"] and lanes.lanes() == [] and errors == []
+        lanes.submit("C", lambda: 1 / 0)
+        assert lanes.wait_idle(10)
+        assert len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
+    finally:
+        assert lanes.stop(5) == []
+    assert lanes.stop(5) == []  # idempotent
+    assert not lanes.submit("A", lambda: None)
+
+
+def test_lanes_keep_submission_order_under_load() -> None:
+    lanes = LaneExecutor("t", 4, on_error=lambda e: None)
+    lanes.start()
+    seen: dict[int, list[int]] = {k: [] for k in range(8)}
+    for i in range(400):
+        lanes.submit(i % 8, lambda i=i: seen[i % 8].append(i))
+    assert lanes.wait_idle(10)
+    lanes.stop(5)
+    for k, values in seen.items():
+        assert values == list(range(k, 400, 8))
+
+
+# --------------------------------------------------------------------- budget, events
+
+
+def test_budget_reconciliation_never_releases_a_put_newer_than_the_snapshot() -> None:
+    b = ByteBudget(100)
+    edge = (0, 1)
+    b.add("k0", edge, 60)
+    snap = b.snapshot()
+    b.release(["k0"])
+    b.add("k0", edge, 70)  # the same key published again after the snapshot
+    assert b.release_absent(snap, present=set()) == 0  # different record: kept
+    assert b.used(edge) == 70 and not b.is_over(edge)
+    b.add("k1", edge, 40)
+    assert b.is_over(edge)
+    assert b.release_absent(b.snapshot(), present={"k1"}) == 1
+    assert b.used(edge) == 40
+    assert b.stats()["edges"] == {"0->1": {"pending_bytes": 40, "pending_keys": 1}}
+    b.release(["k1"])
+    assert b.leak_state() == {} and b.stats()["edges"] == {}
+
+
+def test_event_box_keeps_failures_for_both_sides_and_bounds_the_external_copy() -> None:
+    box = EventBox(max_external=2)
+    fs = [TransferFailure(f"i{n}", "E", FailureKind.SEND_FAILED, f"r{n}", 0) for n in range(3)]
+    for f in fs:
+        box.record(f)
+    _, failed = box.drain()
+    assert failed == tuple(fs)
+    assert box.take_external() == {"E": fs[1:]} and box.num_external_dropped == 1
+    box.record(fs[0])
+    box.discard_request("i0")
+    assert box.drain() == ((), ())
+    box.take_external()
+    assert box.leak_state() == {}
+
+
+# --------------------------------------------------------------------- public surface
+
+
+def test_public_exports() -> None:
+    assert sorted(transfer.__all__) == sorted(set(transfer.__all__))
+    for name in transfer.__all__:
+        assert hasattr(transfer, name), name
+    assert {"TransferAdapter", "TransferConfig", "TransferEvents", "Admission", "ChunkInput"} <= set(
+        transfer.__all__
+    )
