@@ -1,0 +1,151 @@
+"""The contracts between a stage engine, its executor and the process layer.
+
+Three parties, three surfaces (everything here is plain data):
+
+* **Executor** (``omnirelay.models`` or the toy executors): runs one batched step of a
+  model. ``Executor.step(batch) -> list[ItemResult]``. It owns per-request model state
+  (KV caches) keyed by internal id and frees it in ``release``.
+* **StageEngine** (``omnirelay.engine``): one stage in one process — scheduler + executor
+  + transfer adapter. Driven by the worker loop: ``add_request``, ``abort``, ``release``,
+  ``step() -> list[StageOutput]``, ``has_work()``, ``wait_for_work(timeout)``,
+  ``health()``, ``shutdown()``.
+* **Control plane** (``omnirelay.orchestrator``): moves :class:`StageRequest` from the
+  front process to a stage worker and :class:`StageOutput` back. Tensors never travel
+  on it except the final client-visible outputs (text ids, audio), encoded with the
+  payload codec.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = [
+    "BatchItem",
+    "Executor",
+    "ItemResult",
+    "SamplingParams",
+    "StageEngineProtocol",
+    "StageOutput",
+    "StageRequest",
+]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class StageRequest(msgspec.Struct, kw_only=True):
+    """What the orchestrator submits to one stage for one request."""
+
+    request_id: str  # external id (whole pipeline)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    is_placeholder: bool = False  # a prewarm placeholder of a chunk-receiving stage
+    #: full input forwarded from the previous stage (non-chunk edge), payload-codec encodable
+    inputs: Any = None
+    #: the highest stage this request needs; a stage >= final_stage_id sends no chunks
+    final_stage_id: int = 0
+    stream: bool = True
+    extras: dict[str, Any] = {}
+
+
+class StageOutput(msgspec.Struct, kw_only=True):
+    """What a stage reports for one request after a step (client-visible part only)."""
+
+    request_id: str  # external id
+    stage_id: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    token_ids: list[int] = []  # new token ids this step (AR stages)
+    text: str | None = None  # new text this step, if the executor detokenizes
+    audio: Any = None  # new waveform samples this step (1-D float32 tensor), generation stages
+    sample_rate: int | None = None
+    error: str | None = None
+    metrics: dict[str, float] = {}
+
+
+class BatchItem(msgspec.Struct, kw_only=True):
+    """One request's share of a batched executor step."""
+
+    internal_id: str
+    external_id: str
+    #: token ids to compute this step: the (rest of the) prompt on prefill, else the last token
+    input_token_ids: list[int]
+    #: all tokens so far (prompt + output), for executors that need the context
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    is_prefill: bool
+    sampling: SamplingParams
+    #: runtime info committed from upstream chunks (talker conditioning, codec codes …)
+    additional_information: dict[str, Any] | None = None
+    #: a full input forwarded by the orchestrator (non-chunk edge)
+    inputs: Any = None
+
+
+class ItemResult(msgspec.Struct, kw_only=True):
+    """The executor's result for one :class:`BatchItem`."""
+
+    internal_id: str
+    #: sampled token ids (AR: normally one per step); empty for generation stages
+    token_ids: list[int] = []
+    #: the executor decided the request is done (EOS, codec stop) — the scheduler also
+    #: applies max_tokens and stop_token_ids
+    finished: bool = False
+    #: client-visible output of this step (text, audio samples)
+    text: str | None = None
+    audio: Any = None
+    sample_rate: int | None = None
+    #: what the next stage's processor consumes (hidden states, codec frame …); handed to
+    #: ``TransferAdapter.save_async(output=...)``; None = nothing for downstream this step
+    next_stage_output: Any = None
+    compute_s: float = 0.0  # model compute time spent on this item (for overhead metrics)
+
+
+@runtime_checkable
+class Executor(Protocol):
+    execution_type: str  # "ar" | "generation"
+    supports_batching: bool
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """Run one step for every item; results in the same order. Called on the stage's
+        engine thread only."""
+        ...
+
+    def release(self, internal_id: str) -> None:
+        """Free the request's model state (KV cache …). Idempotent."""
+        ...
+
+
+class StageEngineProtocol(Protocol):
+    stage_id: int
+
+    def add_request(self, request: StageRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> None:
+        """No stage needs the request any more: drop every transfer object it still owns
+        (``cleanup_prefix``) and any request state (idempotent)."""
+        ...
+
+    def step(self) -> list[StageOutput]: ...
+
+    def has_work(self) -> bool: ...
+
+    def wait_for_work(self, timeout: float) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def leak_state(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
