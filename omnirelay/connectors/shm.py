@@ -112,6 +112,7 @@ class ShmOptions:
 @dataclass(eq=False)
 class _Slot:
     name: str
+    path: str
     size: int
     mm: mmap.mmap
     payload_len: int = 0
@@ -161,6 +162,8 @@ class ShmConnector(Connector):
         except TypeError as exc:
             raise ConnectorError(f"unknown shm connector option: {exc}") from exc
         self._dir = self.options.shm_dir
+        self._kprefix = os.path.join(self._dir, f"{names.PREFIX}{self.namespace}-k-")
+        self._notice_addrs: dict[int, bytes] = {}
         self._allocator = allocator
         self._owner = names.self_owner()
         self._lock = threading.Lock()  # producer books: pending, free pool, counters
@@ -218,7 +221,8 @@ class ShmConnector(Connector):
         except OSError as exc:
             reason = "no space left in /dev/shm" if exc.errno == errno.ENOSPC else f"cannot allocate: {exc}"
             return self._put_failed(key, f"{reason} (needed {need} bytes)")
-        published = names.key_name(self.namespace, key)
+        khash = names.key_hash(key)
+        published = f"{names.PREFIX}{self.namespace}-k-{khash}"
         try:
             self._publish_seq += 1
             slot.write_publish_header(
@@ -236,7 +240,7 @@ class ShmConnector(Connector):
             with memoryview(sl.mm) as mv:
                 plan.write_into(mv[off : off + plan.nbytes])
             slot.write_state(sl.mm, slot.PUBLISHED)
-            os.link(os.path.join(self._dir, sl.name), os.path.join(self._dir, published))
+            os.link(sl.path, self._kprefix + khash)
         except BaseException as exc:
             slot.write_state(sl.mm, slot.FREE)
             self._release(sl)
@@ -276,8 +280,9 @@ class ShmConnector(Connector):
             self._slot_seq += 1
             name = names.slot_name(self.namespace, self._owner, self._slot_seq)
         size = _slot_size(need)
-        mm = self._allocator(os.path.join(self._dir, name), size)
-        sl = _Slot(name=name, size=size, mm=mm)
+        path = os.path.join(self._dir, name)
+        mm = self._allocator(path, size)
+        sl = _Slot(name=name, path=path, size=size, mm=mm)
         with self._lock:
             self._busy.add(sl)
         return sl
@@ -305,7 +310,7 @@ class ShmConnector(Connector):
         except ValueError:
             pass  # already closed
         try:
-            os.unlink(os.path.join(self._dir, sl.name))
+            os.unlink(sl.path)
         except FileNotFoundError:
             pass
         try:
@@ -315,7 +320,10 @@ class ShmConnector(Connector):
 
     def _notify(self, to_stage: int, key_bytes: bytes) -> None:
         try:
-            self._send_sock.sendto(key_bytes, notice_address(self.namespace, to_stage))
+            addr = self._notice_addrs.get(to_stage)
+            if addr is None:
+                addr = self._notice_addrs[to_stage] = notice_address(self.namespace, to_stage)
+            self._send_sock.sendto(key_bytes, addr)
             sent = True
         except OSError:
             sent = False  # no listener yet, or its queue is full: the fallback poll covers it
@@ -388,12 +396,11 @@ class ShmConnector(Connector):
         if self._closed:
             return self._get_failed("connector is closed")
         khash = names.key_hash(key)
-        published = os.path.join(self._dir, f"{names.PREFIX}{self.namespace}-k-{khash}")
+        published = self._kprefix + khash
         with self._lock:
             self._claim_seq += 1
-            claim = os.path.join(
-                self._dir, names.claim_name(self.namespace, self._owner, khash, self._claim_seq)
-            )
+            seq = self._claim_seq
+        claim = os.path.join(self._dir, names.claim_name(self.namespace, self._owner, khash, seq))
         try:
             os.rename(published, claim)  # Invariant: exactly one reader wins this rename.
         except FileNotFoundError:
@@ -401,18 +408,18 @@ class ShmConnector(Connector):
         except OSError as exc:
             return self._get_failed(f"cannot claim {key!r}: {exc}")
         try:
-            fd = os.open(claim, os.O_RDWR)
-        except OSError as exc:
-            _unlink_quiet(claim)
-            return self._get_failed(f"claimed {key!r} but cannot open it: {exc}")
-        try:
-            _unlink_quiet(claim)
-            st = os.fstat(fd)
-            mp = self._map(fd, st)
+            st = os.stat(claim)
+            mp = self._cached_map(st)
+            if mp is None:
+                fd = os.open(claim, os.O_RDWR)
+                try:
+                    mp = self._map(fd, st)
+                finally:
+                    os.close(fd)
         except (OSError, ValueError) as exc:
             return self._get_failed(f"claimed {key!r} but cannot map it: {exc}")
         finally:
-            os.close(fd)
+            _unlink_quiet(claim)
         try:
             return self._consume(mp, key)
         finally:
@@ -459,15 +466,20 @@ class ShmConnector(Connector):
             self._c.last_error = reason
         return GetResult(GetStatus.FAILED, error=reason)
 
+    def _cached_map(self, st: os.stat_result) -> _Mapping | None:
+        """A pinned cached mapping of the file ``st`` describes, or None. The cache holds
+        the mapping, so the inode (and its number) cannot be reused while cached."""
+        with self._map_lock:
+            mp = self._maps.get((st.st_dev, st.st_ino))
+            if mp is None or mp.size != st.st_size or mp.retired:
+                return None
+            self._maps.move_to_end((st.st_dev, st.st_ino))
+            mp.users += 1
+            return mp
+
     def _map(self, fd: int, st: os.stat_result) -> _Mapping:
         ident = (st.st_dev, st.st_ino)
         size = st.st_size
-        with self._map_lock:
-            mp = self._maps.get(ident)
-            if mp is not None and mp.size == size and not mp.retired:
-                self._maps.move_to_end(ident)
-                mp.users += 1
-                return mp
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         mp = _Mapping(mm=mm, size=size, users=1)
         evict: list[_Mapping] = []
