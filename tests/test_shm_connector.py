@@ -219,3 +219,41 @@ def test_invalid_namespace_and_options_are_rejected() -> None:
         create_connector("shm", namespace="ok", pool_max_slots=-1)
     with pytest.raises(ConfigError, match="unknown connector backend"):
         create_connector("nccl", namespace="ok")
+
+
+def test_notice_overflow_is_signalled_not_silently_lost(namespace: str) -> None:
+    """Linux queues only a few datagrams per socket (net.unix.max_dgram_qlen, 10 by
+    default): when notices overflow, the receiver is told to poll everything."""
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        qlen = int(f.read())
+    n = qlen + 20
+    for i in range(n):
+        assert prod.put(1, 2, f"O_1_{i}", i).ok
+    first = cons.wait_arrivals(2, timeout=0)
+    assert len(first) < n  # some notices did not fit
+    assert prod.health().num_notices_lost == n - len(first)
+    prod.reap_consumed()  # room again: the overflow marker goes out
+    second = cons.wait_arrivals(2, timeout=5)
+    assert second.overflowed is True
+    for i in range(n):  # what a receiver does on overflow: poll every key it waits for
+        assert cons.get(1, 2, f"O_1_{i}").obj == i
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_two_connectors_of_one_namespace_in_one_process(namespace: str) -> None:
+    a = create_connector("shm", namespace=namespace, stage_id=1)
+    b = create_connector("shm", namespace=namespace, stage_id=2)
+    c = create_connector("shm", namespace=namespace, stage_id=3)
+    assert a.put(1, 2, "X_1_0", {"from": "a"}).ok
+    assert b.put(2, 3, "X_2_0", {"from": "b"}).ok  # distinct slot files, no name clash
+    assert b.get(1, 2, "X_1_0").obj == {"from": "a"}
+    assert c.get(2, 3, "X_2_0").obj == {"from": "b"}
+    for conn in (a, b, c):
+        conn.reap_consumed()
+        assert conn.pending_keys() == []
+        conn.close()

@@ -37,6 +37,7 @@ from omnirelay.errors import InvalidKeyError
 __all__ = [
     "MAX_KEY_BYTES",
     "REAP_BATCH",
+    "Arrivals",
     "Connector",
     "ConnectorHealth",
     "GetResult",
@@ -55,6 +56,14 @@ MAX_KEY_BYTES = 8192
 REAP_BATCH = 64
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
+
+
+class Arrivals(list[str]):
+    """Keys announced to a stage (a plain list), plus ``overflowed``: True when some
+    notices could not be delivered (the receiver's queue was full) — the receiver should
+    then poll every key it waits for, not only the announced ones."""
+
+    overflowed: bool = False
 
 
 class GetStatus(enum.Enum):
@@ -169,7 +178,8 @@ class Connector(ABC):
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult: ...
 
     @abstractmethod
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]: ...
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
+        """Keys announced for ``to_stage`` (an :class:`Arrivals`), waiting up to ``timeout``."""
 
     @abstractmethod
     def cleanup(self, key: str) -> bool:

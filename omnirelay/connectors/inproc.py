@@ -15,6 +15,7 @@ from typing import Any
 
 from omnirelay.connectors.base import (
     REAP_BATCH,
+    Arrivals,
     Connector,
     ConnectorHealth,
     GetResult,
@@ -142,7 +143,7 @@ class InprocConnector(Connector):
             self.hub.arrivals.setdefault(to_stage, deque()).append(key)
             self.hub.cond.notify_all()
 
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         if self._closed:
             raise ConnectorError("connector is closed")
         hub = self.hub
@@ -150,7 +151,7 @@ class InprocConnector(Connector):
             q = hub.arrivals.setdefault(to_stage, deque())
             if not q and timeout != 0:
                 hub.cond.wait_for(lambda: bool(q) or self._closed, timeout)
-            keys = list(q)
+            keys = Arrivals(q)
             q.clear()
             return keys
 

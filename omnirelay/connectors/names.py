@@ -110,7 +110,7 @@ def key_name(namespace: str, key: str) -> str:
     return f"{PREFIX}{namespace}-k-{key_hash(key)}"
 
 
-def slot_name(namespace: str, owner: OwnerId, n: int) -> str:
+def slot_name(namespace: str, owner: OwnerId, n: int | str) -> str:
     return f"{PREFIX}{namespace}-s-{owner}-{n}"
 
 

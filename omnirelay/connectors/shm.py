@@ -22,8 +22,10 @@ Beyond the reference (DESIGN.md §7):
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -35,6 +37,7 @@ from typing import Any
 from omnirelay.connectors import names, slot
 from omnirelay.connectors.base import (
     REAP_BATCH,
+    Arrivals,
     Connector,
     ConnectorHealth,
     GetResult,
@@ -50,6 +53,9 @@ from omnirelay.payload import codec
 __all__ = ["ShmConnector", "ShmOptions", "default_allocator", "notice_address"]
 
 _MIN_SLOT = 16 << 10
+_INSTANCES = itertools.count(1)
+#: An empty datagram: "notices were lost, poll everything you wait for" (keys are never empty).
+_OVERFLOW_MARKER = b""
 _MiB = 1 << 20
 
 
@@ -166,6 +172,8 @@ class ShmConnector(Connector):
         self._notice_addrs: dict[int, bytes] = {}
         self._allocator = allocator
         self._owner = names.self_owner()
+        self._instance = next(_INSTANCES)  # several connectors of one namespace in one process
+        self._overflow: set[int] = set()  # stages whose notice queue overflowed; marker owed
         self._lock = threading.Lock()  # producer books: pending, free pool, counters
         self._pending: OrderedDict[str, _Slot] = OrderedDict()
         self._free: list[_Slot] = []
@@ -278,7 +286,7 @@ class ShmConnector(Connector):
                 self._busy.add(best)
                 return best
             self._slot_seq += 1
-            name = names.slot_name(self.namespace, self._owner, self._slot_seq)
+            name = names.slot_name(self.namespace, self._owner, f"{self._instance}.{self._slot_seq}")
         size = _slot_size(need)
         path = os.path.join(self._dir, name)
         mm = self._allocator(path, size)
@@ -319,23 +327,45 @@ class ShmConnector(Connector):
             pass  # a view is still alive somewhere; the mapping goes with it
 
     def _notify(self, to_stage: int, key_bytes: bytes) -> None:
+        """Announce a key to the target stage. A full receiver queue (Linux queues only
+        ``net.unix.max_dgram_qlen`` datagrams, 10 by default) is remembered, and an overflow
+        marker is sent as soon as there is room, so the receiver polls everything once."""
+        addr = self._notice_addrs.get(to_stage)
+        if addr is None:
+            addr = self._notice_addrs[to_stage] = notice_address(self.namespace, to_stage)
+        if to_stage in self._overflow:
+            self._send_overflow_marker(to_stage)
         try:
-            addr = self._notice_addrs.get(to_stage)
-            if addr is None:
-                addr = self._notice_addrs[to_stage] = notice_address(self.namespace, to_stage)
             self._send_sock.sendto(key_bytes, addr)
             sent = True
+        except BlockingIOError:
+            sent = False
+            with self._lock:
+                self._overflow.add(to_stage)
         except OSError:
-            sent = False  # no listener yet, or its queue is full: the fallback poll covers it
+            sent = False  # nobody listens yet: a new receiver polls on registration
         with self._lock:
             if sent:
                 self._c.num_notices_sent += 1
             else:
                 self._c.num_notices_lost += 1
 
+    def _send_overflow_marker(self, to_stage: int) -> None:
+        addr = self._notice_addrs.get(to_stage) or notice_address(self.namespace, to_stage)
+        try:
+            self._send_sock.sendto(_OVERFLOW_MARKER, addr)
+        except BlockingIOError:
+            return  # still full: try again on the next put or reap
+        except OSError:
+            pass  # the receiver is gone; nothing to tell
+        with self._lock:
+            self._overflow.discard(to_stage)
+
     def reap_consumed(self) -> int:
         """One bounded rotating pass over pending keys (SPEC §3.5), syscall-free: a consumed
         object's slot reads FREE in our own mapping."""
+        for stage in list(self._overflow):
+            self._send_overflow_marker(stage)
         reclaimed: list[_Slot] = []
         with self._lock:
             for _ in range(min(REAP_BATCH, len(self._pending))):
@@ -552,24 +582,22 @@ class ShmConnector(Connector):
             self._listen[stage] = sock
             return sock
 
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         if self._closed:
             raise ConnectorError("connector is closed")
         sock = self._bind(to_stage)
-        import select
-
         keys = self._drain(sock)
-        if keys or timeout == 0:
+        if keys or keys.overflowed or timeout == 0:
             return keys
         try:
             ready, _, _ = select.select([sock], [], [], timeout)
         except (OSError, ValueError):
-            return []  # closed under us
-        return self._drain(sock) if ready else []
+            return keys  # closed under us
+        return self._drain(sock) if ready else keys
 
     @staticmethod
-    def _drain(sock: socket.socket) -> list[str]:
-        keys: list[str] = []
+    def _drain(sock: socket.socket) -> Arrivals:
+        keys = Arrivals()
         while True:
             try:
                 data = sock.recv(65536)
@@ -577,7 +605,10 @@ class ShmConnector(Connector):
                 return keys
             except OSError:
                 return keys
-            keys.append(data.decode("utf-8", "surrogatepass"))
+            if data == _OVERFLOW_MARKER:
+                keys.overflowed = True
+            else:
+                keys.append(data.decode("utf-8", "surrogatepass"))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -17,7 +17,6 @@ Three parties, three surfaces (everything here is plain data):
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -147,5 +146,3 @@ class StageEngineProtocol(Protocol):
     def leak_state(self) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
-
-

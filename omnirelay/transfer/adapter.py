@@ -231,7 +231,8 @@ class TransferAdapter:
             keys = []
             self._stop.wait(self.config.arrival_wait_s)  # don't spin on a broken connector
         now = self._clock()
-        is_fallback = now >= self._next_fallback
+        # A lost notice (the connector says its queue overflowed) means: poll everything now.
+        is_fallback = now >= self._next_fallback or bool(getattr(keys, "overflowed", False))
         if is_fallback:
             self._next_fallback = now + self.config.fallback_poll_s
         if keys or is_fallback:
@@ -251,9 +252,14 @@ class TransferAdapter:
             timed_out = tuple(timeouts)
         return TransferEvents(ready=ready, failed=failed, timed_out=timed_out)
 
-    def wait_events(self, timeout: float | None) -> bool:
-        """Block until a ready chunk or a failure is there to drain; False on timeout."""
-        return self._box.wait(timeout)
+    def wait_events(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
+        """Block until a ready chunk or a failure is there to drain; False on timeout.
+
+        ``wake_if`` (optional) also ends the wait when it returns True; it is re-checked
+        whenever :meth:`kick` is called, so a stage engine can wait for chunk events and
+        its own commands on one condition. It runs under the event lock: cheap, lock-free.
+        """
+        return self._box.wait(timeout, wake_if)
 
     def take_external_failures(self) -> dict[str, list[TransferFailure]]:
         """Failures keyed by external id, for the orchestrator (drains them)."""

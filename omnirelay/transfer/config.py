@@ -94,7 +94,7 @@ class TransferConfig:
     #: Longest block in ``connector.wait_arrivals`` (bounds shutdown latency too).
     arrival_wait_s: float = 0.1
     #: Period of the slow poll of every registered entry that covers lost notices.
-    fallback_poll_s: float = 0.5
+    fallback_poll_s: float = 2.0
     #: Period of the idle send loop's reap pass (SPEC §3.5: reap also when idle).
     reap_interval_s: float = 0.1
     #: Failures kept for the orchestrator until drained; the oldest are dropped (counted) past it.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -183,10 +184,16 @@ class EventBox:
         with self._cv:
             self._cv.notify_all()
 
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until a ready chunk or a failure is there to drain; False on timeout."""
+    def wait(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
+        """Wait until a ready chunk or a failure is there to drain, or ``wake_if()`` holds
+        (re-checked on :meth:`notify`); False on timeout.
+
+        ``wake_if`` runs under this box's lock: it must be cheap and take no lock.
+        """
         with self._cv:
-            return self._cv.wait_for(lambda: bool(self._ready or self._failed), timeout)
+            if wake_if is None:
+                return self._cv.wait_for(lambda: bool(self._ready or self._failed), timeout)
+            return self._cv.wait_for(lambda: bool(self._ready or self._failed) or wake_if(), timeout)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:

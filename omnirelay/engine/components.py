@@ -1,0 +1,133 @@
+"""How registered names become an executor and a chunk processor for one stage.
+
+The convention (used by :mod:`omnirelay.engine.toy`; model packages follow it):
+
+* ``registry.executors[name]`` is a factory called as ``factory(**stage.executor_args)``
+  that returns an :class:`~omnirelay.engine.interfaces.Executor` (the convention of
+  ``omnirelay.models.register_executors`` too);
+* ``registry.processors[name]`` is a factory ``(stage, pipeline) -> Processor``, where a
+  :data:`~omnirelay.transfer.Processor` builds one chunk's payload from a
+  :class:`~omnirelay.transfer.BuildRequest` (its ``context`` is a
+  :class:`~omnirelay.engine.request.RequestSnapshot`). A factory may instead return an
+  object with ``build(BuildRequest)`` and ``release(external_id, kind)``; then
+  ``release`` becomes the adapter's release hook (per-request processor state).
+
+:func:`build_stage_components` applies it to a stage and checks what comes back;
+:func:`create_stage_engine` also opens the stage's connector and builds the engine (what a
+worker process needs, in one call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omnirelay.engine.interfaces import Executor
+from omnirelay.engine.stage_roles import resolve_stage_roles
+from omnirelay.errors import ConfigError
+from omnirelay.pipeline.config import PipelineConfig, StageConfig
+from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.transfer import Processor, ReleaseHook, TransferConfig
+
+if TYPE_CHECKING:
+    from omnirelay.engine.engine import StageEngine
+
+__all__ = [
+    "ExecutorFactory",
+    "ProcessorFactory",
+    "StageComponents",
+    "build_stage_components",
+    "create_stage_engine",
+]
+
+
+class ExecutorFactory(Protocol):
+    def __call__(self, **executor_args: Any) -> Executor: ...
+
+
+class ProcessorFactory(Protocol):
+    def __call__(self, stage: StageConfig, pipeline: PipelineConfig) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageComponents:
+    executor: Executor
+    #: The chunk producer of a sending stage (None: not a sender, or the identity).
+    processor: Processor | None
+    release_hook: ReleaseHook | None
+
+
+def build_stage_components(
+    registry: ComponentRegistry, pipeline: PipelineConfig, stage: StageConfig | int
+) -> StageComponents:
+    """The executor and (for a chunk-sending stage) the chunk processor of ``stage``."""
+    s = pipeline.stage(stage)
+    executor = registry.executors.get(s.executor)(**dict(s.executor_args))
+    if not isinstance(executor, Executor):
+        raise ConfigError(
+            f"{s.label}: executor factory {s.executor!r} returned {type(executor).__name__}, "
+            "which lacks execution_type / supports_batching / step / release"
+        )
+    processor: Processor | None = None
+    hook: ReleaseHook | None = None
+    name = pipeline.next_stage_processor(s)
+    if resolve_stage_roles(pipeline, s).is_sender and name is not None:
+        built = registry.processors.get(name)(s, pipeline)
+        build = getattr(built, "build", None)
+        if callable(build):
+            processor = build
+            release = getattr(built, "release", None)
+            hook = release if callable(release) else None
+        elif callable(built):
+            processor = built
+        else:
+            raise ConfigError(f"{s.label}: processor factory {name!r} returned a non-callable {built!r}")
+    return StageComponents(executor, processor, hook)
+
+
+def create_stage_engine(
+    pipeline: PipelineConfig,
+    stage: StageConfig | int,
+    registry: ComponentRegistry,
+    *,
+    namespace: str | None = None,
+    transfer_config: TransferConfig | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> StageEngine:
+    """Executor, chunk processor, connector (only for a stage with a chunk edge: the
+    backend of the connector its edges name) and the :class:`StageEngine` of ``stage``.
+
+    ``namespace`` defaults to the pipeline's; it is required when the stage has a chunk edge.
+    """
+    from omnirelay.connectors import create_connector
+    from omnirelay.engine.engine import StageEngine
+
+    s = pipeline.stage(stage)
+    parts = build_stage_components(registry, pipeline, s)
+    roles = resolve_stage_roles(pipeline, s)
+    connector = None
+    if roles.connector_name is not None:
+        ns = namespace if namespace is not None else pipeline.namespace
+        if ns is None:
+            raise ConfigError(
+                f"{s.label} sends or receives chunks: give the pipeline (or this call) a namespace"
+            )
+        backend = pipeline.connector_spec(roles.connector_name).backend
+        connector = create_connector(backend, namespace=ns, stage_id=s.id)
+    try:
+        return StageEngine(
+            s,
+            pipeline,
+            parts.executor,
+            connector,
+            processor=parts.processor,
+            transfer_config=transfer_config,
+            clock=clock,
+            release_hook=parts.release_hook,
+        )
+    except BaseException:
+        if connector is not None:
+            connector.close()
+        raise

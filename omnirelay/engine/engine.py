@@ -1,0 +1,573 @@
+"""The stage engine: scheduler + executor + transfer adapter of one stage, one tick at a time.
+
+:class:`StageEngine` implements :class:`~omnirelay.engine.interfaces.StageEngineProtocol`.
+
+Threads. ``step`` / ``has_work`` / ``wait_for_work`` run on the stage's engine thread (the
+worker loop, :func:`omnirelay.engine.loop.run_stage_loop`). ``add_request``, ``abort``,
+``release``, ``wake`` and ``shutdown`` may be called from any thread: they only append a
+command to the inbox and wake the engine thread; the next ``step`` applies the commands
+first, so aborts and releases land at step boundaries. The adapter's send workers report
+a retired sender generation through the release hook, which also goes to the inbox.
+
+One tick (``step``)::
+
+    apply commands (add / abort / release / sender retired)
+    events = adapter.poll_events()                   # ready chunks, failures, stall timeouts
+    sched = scheduler.schedule(events)               # pure
+    adapter.load_async(...) for the requests that parked
+    results = executor.step(batch) for each batch    # one call per tick when batching
+    update = scheduler.update_from_output(sched, results)
+    adapter.save_async(...) for each step's next_stage_output, and the terminal at finish,
+        only when the request's final_stage_id > this stage (a text-only request never puts)
+    -> StageOutputs (streamed per step, or once at the finish when ``stream`` is false)
+
+Waiting. ``wait_for_work`` blocks on one condition (the adapter's event box, or the
+engine's own when it has no adapter) that a ready chunk, a transfer failure or a command
+wakes. Parked requests are never polled by the engine; an idle stage wakes only when
+something arrives or the caller's timeout ends.
+
+Ownership at the finish of a request:
+
+* normal finish after a terminal chunk was admitted: only the receive side is released
+  here; the adapter cleans the send side itself once the terminal is put, then its
+  generation retires (release hook) and the engine drops the request's last entry;
+* abort, failure, or nothing sent: ``adapter.cleanup(internal, external)`` at once;
+* ``release(request_id)``: all of the above, then — once no sender generation of the id
+  is left — ``connector.cleanup_prefix("{id}_{stage}_")`` for chunks nobody read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from omnirelay.connectors.base import Connector
+from omnirelay.engine.admission import admission_problem, stage_sampling
+from omnirelay.engine.generation_scheduler import GenerationScheduler
+from omnirelay.engine.interfaces import Executor, StageOutput, StageRequest
+from omnirelay.engine.request import Request, RequestStatus, make_internal_id
+from omnirelay.engine.scheduler import ARScheduler
+from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
+from omnirelay.engine.stage_output import OutputBuilder
+from omnirelay.engine.stage_roles import StageRoles, resolve_stage_roles
+from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
+from omnirelay.transfer import (
+    Admission,
+    Processor,
+    ReleaseHook,
+    TransferAdapter,
+    TransferConfig,
+    TransferEvents,
+)
+from omnirelay.transfer.keys import key_prefix
+
+__all__ = ["StageEngine"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Add:
+    request: StageRequest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Release:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SenderRetired:
+    request_id: str
+
+
+_Command = _Add | _Abort | _Release | _SenderRetired
+
+
+class StageEngine:
+    """One stage in one process; see the module docstring."""
+
+    def __init__(
+        self,
+        stage_config: StageConfig | int,
+        pipeline_config: PipelineConfig,
+        executor: Executor,
+        connector: Connector | None,
+        *,
+        processor: Processor | None = None,
+        transfer_config: TransferConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        release_hook: ReleaseHook | None = None,
+    ) -> None:
+        stage = pipeline_config.stage(stage_config)
+        self.stage_id = stage.id
+        self.stage = stage
+        self.pipeline = pipeline_config
+        self.roles: StageRoles = resolve_stage_roles(pipeline_config, stage)
+        if str(executor.execution_type) != str(stage.execution_type):
+            raise ConfigError(
+                f"{stage.label}: executor {type(executor).__name__} has execution_type "
+                f"{executor.execution_type!r} but the stage is {str(stage.execution_type)!r}"
+            )
+        self._executor = executor
+        self._clock = clock
+        self._user_release_hook = release_hook
+        self._connector = connector
+        scheduler_cls: type[BaseScheduler] = (
+            GenerationScheduler if stage.execution_type is ExecutionType.GENERATION else ARScheduler
+        )
+        self._scheduler: BaseScheduler = scheduler_cls(
+            stage_id=stage.id,
+            max_num_seqs=stage.max_num_seqs,
+            receives_chunks=self.roles.receive_from_stage is not None,
+            supports_batching=bool(executor.supports_batching),
+            max_num_batched_tokens=stage.max_num_batched_tokens,
+            clock=clock,
+        )
+        # Inbox: commands from any thread (exists before the adapter's threads start). ``_cond`` guards it, ``_watch`` and ``_is_closed``.
+        self._cond = threading.Condition()
+        self._inbox: deque[_Command] = deque()
+        self._watch: set[str] = set()  # external ids whose sender retirement we wait for
+        self._is_closed = False
+        self._is_wake_pending = False
+        self._adapter: TransferAdapter | None = None
+        if self.roles.has_transfer:
+            if connector is None:
+                raise ConfigError(
+                    f"{stage.label} sends or receives chunks ({self.roles}); it needs a connector"
+                )
+            config = self.roles.transfer_config(
+                stage, pipeline_config, transfer_config, receiver_kind=scheduler_cls.receiver_kind
+            )
+            self._adapter = TransferAdapter(
+                connector, config, processor=processor, release_hook=self._on_sender_released, clock=clock
+            )
+        elif transfer_config is not None:
+            raise ConfigError(f"{stage.label} has no chunk edge; it takes no transfer_config")
+        # Engine-thread state (guarded by ``_step_lock`` for readers on other threads).
+        self._step_lock = threading.RLock()
+        self._live: dict[str, str] = {}  # external id -> internal id of its live request
+        self._sending: dict[str, str] = {}  # finished, terminal admitted, generation not retired
+        self._pending_prefix: set[str] = set()  # released ids awaiting their prefix cleanup
+        self._outputs = OutputBuilder(stage.id)
+        self._seq = 0
+        self._counts: dict[str, int] = dict.fromkeys(
+            ("num_steps", "num_executor_calls", "num_items", "max_batch_size", "num_executor_errors",
+             "num_release_errors", "num_outputs", "num_added", "num_rejected", "num_aborted",
+             "num_released", "num_prefix_cleanups", "num_keys_released", "num_saves",
+             "num_transfer_failures", "num_idle_waits", "num_wakeups"),
+            0,
+        )  # fmt: skip
+        self._finish_counts: dict[str, int] = {}
+        self.last_error: str | None = None
+
+    # ----------------------------------------------------------------- commands (any thread)
+
+    def add_request(self, request: StageRequest) -> None:
+        """Queue a request; the next ``step`` admits it (or answers with an error output)."""
+        self._post(_Add(request))
+
+    def abort(self, request_id: str) -> None:
+        """Abort the live request with this external id at the next step boundary; its
+        final output has ``finish_reason="abort"``. No-op for an unknown id."""
+        self._post(_Abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """No stage needs the request any more: drop its state here (silently aborting it
+        if still live) and every transfer object this stage still owns for it. Idempotent."""
+        self._post(_Release(request_id))
+
+    def wake(self) -> None:
+        """End the current (or the next) ``wait_for_work`` early, for example so the worker
+        loop sees its stop flag."""
+        with self._cond:
+            self._is_wake_pending = True
+        self._notify()
+
+    def _post(self, command: _Command) -> None:
+        with self._cond:
+            if self._is_closed:
+                raise PipelineError(f"stage {self.stage_id} engine is shut down")
+            self._inbox.append(command)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._adapter is not None:
+            self._adapter.kick()
+        else:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _has_commands(self) -> bool:
+        # Lock-free on purpose: it runs under the adapter's event lock (see wait_for_work).
+        return bool(self._inbox) or self._is_closed or self._is_wake_pending
+
+    def _on_sender_released(self, external_id: str, kind: str) -> None:
+        """The adapter's release hook (send worker or engine thread)."""
+        if self._user_release_hook is not None:
+            self._user_release_hook(external_id, kind)
+        if kind != "request":
+            return
+        with self._cond:
+            if external_id not in self._watch:
+                return
+            self._watch.discard(external_id)
+            self._inbox.append(_SenderRetired(external_id))
+        self._notify()
+
+    # ----------------------------------------------------------------- waiting (engine thread)
+
+    def has_work(self) -> bool:
+        """Would ``step`` do anything now? Parked requests waiting for chunks don't count."""
+        if self._inbox or self._scheduler.has_work():
+            return True
+        return self._adapter is not None and self._adapter.wait_events(0)
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until there is work or ``timeout`` seconds passed; True if there is work.
+
+        Wakes on a command, a ready chunk or a transfer failure — never on a timer of its
+        own. Stall timeouts are collected by ``step``, so call ``step`` at least every
+        timeout (the worker loop does).
+        """
+        if self.has_work():
+            return True
+        self._counts["num_idle_waits"] += 1
+        if self._adapter is not None:
+            woke = self._adapter.wait_events(timeout, wake_if=self._has_commands)
+        else:
+            with self._cond:
+                woke = self._cond.wait_for(self._has_commands, timeout)
+        if woke:
+            self._counts["num_wakeups"] += 1
+        self._is_wake_pending = False
+        return woke or self.has_work()
+
+    # ----------------------------------------------------------------- the tick
+
+    def step(self) -> list[StageOutput]:
+        """Apply commands, run one scheduler tick and its executor calls; the outputs."""
+        with self._step_lock:
+            if self._is_closed:
+                return []
+            self._counts["num_steps"] += 1
+            outputs: list[StageOutput] = []
+            for command in self._take_commands():
+                self._apply_command(command, outputs)
+            events = self._poll_transfer(outputs)
+            sched = self._scheduler.schedule(events)
+            self._load(sched.chunk_loads)
+            for request in sched.finished:
+                self._finish(request, None, outputs)
+            if sched.batches:
+                results: list[Any] = []
+                for batch in sched.batches:
+                    self._counts["num_executor_calls"] += 1
+                    self._counts["num_items"] += len(batch)
+                    self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
+                    try:
+                        results.append(self._executor.step(list(batch)))
+                    except Exception as exc:  # fails this batch's requests, not the stage
+                        self._counts["num_executor_errors"] += 1
+                        self.last_error = f"executor: {type(exc).__name__}: {exc}"
+                        results.append(exc)
+                update = self._scheduler.update_from_output(sched, results)
+                self._load(update.chunk_loads)
+                for u in update.updates:
+                    self._apply_update(u, outputs)
+            self._counts["num_outputs"] += len(outputs)
+            return outputs
+
+    def _take_commands(self) -> list[_Command]:
+        with self._cond:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        return commands
+
+    def _apply_command(self, command: _Command, outputs: list[StageOutput]) -> None:
+        if isinstance(command, _Add):
+            self._apply_add(command.request, outputs)
+        elif isinstance(command, _Abort):
+            iid = self._live.get(command.request_id)
+            request = None if iid is None else self._scheduler.abort(iid)
+            if request is not None:
+                self._counts["num_aborted"] += 1
+                self._finish(request, None, outputs)
+        elif isinstance(command, _Release):
+            self._apply_release(command.request_id)
+        else:
+            self._settle_sender(command.request_id)
+
+    def _apply_add(self, sr: StageRequest, outputs: list[StageOutput]) -> None:
+        ext = sr.request_id
+        sampling = stage_sampling(self.stage, sr.sampling)
+        problem = admission_problem(
+            sr, sampling, stage=self.stage, roles=self.roles, is_active=ext in self._live
+        )
+        if problem is not None:
+            self._counts["num_rejected"] += 1
+            outputs.append(self._outputs.rejected(ext, problem))
+            return
+        self._seq += 1
+        request = Request(
+            internal_id=make_internal_id(ext, self.stage_id, self._seq),
+            external_id=ext,
+            stage_id=self.stage_id,
+            prompt_token_ids=list(sr.prompt_token_ids),
+            sampling=sampling,
+            arrival_time=self._clock(),
+            is_placeholder=sr.is_placeholder,
+            inputs=sr.inputs,
+            final_stage_id=sr.final_stage_id,
+            stream=sr.stream,
+        )
+        self._live[ext] = request.internal_id
+        self._counts["num_added"] += 1
+        self._scheduler.add_request(request)
+
+    def _apply_release(self, ext: str) -> None:
+        self._counts["num_released"] += 1
+        iid = self._live.get(ext)
+        if iid is not None:
+            request = self._scheduler.abort(iid)
+            assert request is not None, iid
+            self._cleanup(request, terminal_admitted=False)  # silent: nobody waits for it
+        adapter = self._adapter
+        if adapter is None or not self.roles.is_sender:
+            return
+        sending = self._sending.get(ext)
+        if sending is not None:
+            adapter.cleanup(sending, ext)  # cancel; a queued terminal still goes out first
+        self._pending_prefix.add(ext)
+        with self._cond:
+            self._watch.add(ext)
+        if adapter.sender_generation(ext) is None:
+            self._settle_sender(ext)
+        # else: the generation's retirement (release hook) settles it, after its last put
+
+    def _settle_sender(self, ext: str) -> None:
+        """A sender generation of ``ext`` retired: what waited for it may proceed."""
+        gen = None if self._adapter is None else self._adapter.sender_generation(ext)
+        sending = self._sending.get(ext)
+        if sending is not None and (gen is None or gen["internal_id"] != sending):
+            del self._sending[ext]  # its terminal is out (or dropped): nothing more to say
+        if gen is not None:
+            return  # a newer generation of a reused id: its own retirement settles the rest
+        with self._cond:
+            self._watch.discard(ext)
+        if ext in self._pending_prefix:
+            self._pending_prefix.discard(ext)
+            assert self._connector is not None
+            self._counts["num_prefix_cleanups"] += 1
+            self._counts["num_keys_released"] += self._connector.cleanup_prefix(
+                key_prefix(ext, self.stage_id)
+            )
+
+    def _poll_transfer(self, outputs: list[StageOutput]) -> TransferEvents | None:
+        adapter = self._adapter
+        if adapter is None:
+            return None
+        events = adapter.poll_events()
+        adapter.take_external_failures()  # the engine reports failures through its outputs
+        for f in (*events.failed, *events.timed_out):
+            self._counts["num_transfer_failures"] += 1
+            if f.internal_id in self._scheduler.requests:
+                continue  # the scheduler fails it this tick
+            if self._sending.get(f.external_id) == f.internal_id:
+                # The request finished here but its chunks did not get out: say so.
+                outputs.append(self._outputs.late_error(f.external_id, describe_failure(f)))
+                self._finish_counts["error"] = self._finish_counts.get("error", 0) + 1
+            adapter.cleanup(f.internal_id, f.external_id)
+        return events
+
+    def _load(self, loads: tuple[ChunkLoad, ...]) -> None:
+        if loads:
+            assert self._adapter is not None
+            for iid, ext in loads:
+                self._adapter.load_async(iid, ext)
+
+    # ----------------------------------------------------------------- results
+
+    def _apply_update(self, update: RequestUpdate, outputs: list[StageOutput]) -> None:
+        request = update.request
+        problem = self._save(update)
+        if not request.is_finished:
+            out = self._outputs.step(update)
+            if out is not None:
+                outputs.append(out)
+            return
+        self._finish(request, update, outputs, problem=problem)
+
+    def _save(self, update: RequestUpdate) -> str | None:
+        """``save_async`` this step's output (and the terminal at the finish) when a later
+        stage needs this request. Returns why a terminal could not be admitted."""
+        request = update.request
+        adapter = self._adapter
+        if adapter is None or not self.roles.is_sender or request.final_stage_id <= self.stage_id:
+            return None  # SPEC §10.8: no consumer, no chunk
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return None  # no terminal: the cleanup cancels the generation
+        is_terminal = request.is_finished
+        if not is_terminal and (update.next_stage_output is None or update.is_recompute):
+            return None
+        ext = request.external_id
+        if is_terminal:
+            with self._cond:
+                self._watch.add(ext)  # before the terminal can retire the generation
+        self._counts["num_saves"] += 1
+        admission = adapter.save_async(
+            request.internal_id,
+            ext,
+            update.next_stage_output,
+            context=request.snapshot(update.new_token_ids),
+            is_finished=is_terminal,
+        )
+        if not is_terminal:
+            return None  # a rejection is recorded as a failure: the next tick fails the request
+        if admission is Admission.ENQUEUED:
+            self._sending[ext] = request.internal_id
+            return None
+        with self._cond:
+            self._watch.discard(ext)
+        draining = (
+            " (its external id still drains from an earlier request)" if adapter.is_draining(ext) else ""
+        )
+        return f"the terminal chunk for stage {self.roles.send_to_stage} was {admission.value}{draining}"
+
+    def _finish(
+        self,
+        request: Request,
+        update: RequestUpdate | None,
+        outputs: list[StageOutput],
+        problem: str | None = None,
+    ) -> None:
+        """A request left the scheduler: its final output, then its resources."""
+        terminal_admitted = problem is None and request.external_id in self._sending
+        if terminal_admitted:
+            assert self._sending[request.external_id] == request.internal_id
+        reason = "error" if problem is not None else (request.status.finish_reason or "error")
+        self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
+        outputs.append(self._outputs.final(request, update, error=problem))
+        self._cleanup(request, terminal_admitted=terminal_admitted)
+
+    def _cleanup(self, request: Request, *, terminal_admitted: bool) -> None:
+        iid, ext = request.internal_id, request.external_id
+        if self._live.get(ext) == iid:
+            del self._live[ext]
+        self._outputs.drop(iid)
+        try:
+            self._executor.release(iid)
+        except Exception as exc:
+            self._counts["num_release_errors"] += 1
+            self.last_error = f"executor.release({iid!r}): {type(exc).__name__}: {exc}"
+        if self._adapter is not None:
+            if terminal_admitted:
+                self._adapter.cleanup_receiver(iid)  # the send side cleans up after the terminal
+            else:
+                self._adapter.cleanup(iid, ext)
+
+    # ----------------------------------------------------------------- operations
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the adapter's queues are idle and reap consumed keys until no
+        progress is made (tests, audits). False on timeout."""
+        if self._adapter is None:
+            return True
+        deadline = time.monotonic() + timeout
+        previous = None
+        while True:
+            if not self._adapter.flush(max(0.0, deadline - time.monotonic())):
+                return False
+            pending = len(self._connector.pending_keys()) if self._connector is not None else 0
+            if pending == 0 or pending == previous:
+                return True
+            previous = pending
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "closed" if self._is_closed else "healthy",
+            "stage_id": self.stage_id,
+            "stage": self.stage.name,
+            "execution_type": str(self.stage.execution_type),
+            "send_to_stage": self.roles.send_to_stage,
+            "receive_from_stage": self.roles.receive_from_stage,
+            "supports_batching": bool(self._executor.supports_batching),
+            "scheduler": self._scheduler.stats(),
+            "num_live": len(self._live),
+            "num_sending": len(self._sending),
+            "num_finished_by_reason": dict(self._finish_counts),
+            **self._counts,
+            "last_error": self.last_error,
+            "transfer": None if self._adapter is None else self._adapter.health(),
+        }
+
+    def leak_state(self) -> dict[str, Any]:
+        """Every non-empty per-request map of the engine, its executor and its adapter."""
+        with self._step_lock:
+            out: dict[str, Any] = {f"scheduler.{k}": v for k, v in self._scheduler.leak_state().items()}
+            with self._cond:
+                inbox = [repr(c) for c in self._inbox]
+                watch = sorted(self._watch)
+            maps: dict[str, Any] = {
+                "live": dict(self._live),
+                "sending": dict(self._sending),
+                "pending_prefix_release": sorted(self._pending_prefix),
+                "watch": watch,
+                "inbox": inbox,
+                "outputs": self._outputs.leak_state(),
+            }
+            out.update({k: v for k, v in maps.items() if v})
+            executor_leaks = getattr(self._executor, "leak_state", None)
+            if callable(executor_leaks) and (leaks := executor_leaks()):
+                out["executor"] = leaks
+            if self._adapter is not None:
+                out.update({f"transfer.{k}": v for k, v in self._adapter.leak_state().items()})
+            return out
+
+    def shutdown(self) -> None:
+        """Drop every request (executor state released), stop the adapter's threads and
+        close the connector. Idempotent; wakes a waiting engine thread."""
+        with self._cond:
+            if self._is_closed:
+                return
+            self._is_closed = True
+            self._inbox.clear()
+            self._watch.clear()
+        self._notify()
+        with self._step_lock:
+            for iid in list(self._scheduler.requests):
+                request = self._scheduler.abort(iid)
+                assert request is not None
+                try:
+                    self._executor.release(iid)
+                except Exception as exc:
+                    self._counts["num_release_errors"] += 1
+                    self.last_error = f"executor.release({iid!r}): {type(exc).__name__}: {exc}"
+            self._live.clear()
+            self._sending.clear()
+            self._pending_prefix.clear()
+            self._outputs.clear()
+        if self._adapter is not None:
+            self._adapter.shutdown()  # closes the connector: releases what it still owns
+        elif self._connector is not None:
+            self._connector.close()
+
+    close = shutdown
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    def __enter__(self) -> StageEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

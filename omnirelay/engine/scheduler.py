@@ -1,0 +1,93 @@
+"""The autoregressive (AR) scheduler: many requests at once, decode steps batched.
+
+Per tick (see :mod:`omnirelay.engine.scheduler_base` for the queues and the tick):
+
+* every RUNNING request that is runnable gets one item — a prefill of its prompt on its
+  first step (or of everything after a preemption), then a decode of its last token;
+* with ``supports_batching`` all items go in **one** executor call, else one call each;
+  at most ``max_num_seqs`` requests hold a slot, and ``max_num_batched_tokens`` (when set)
+  bounds the input tokens of one tick (always at least one item);
+* a chunk-receiving stage (a Talker) needs one committed chunk per step until its
+  upstream is exhausted (SPEC §4.9): after each step it parks in WAITING_FOR_CHUNK,
+  keeping its slot, and the chunk's payload becomes the next step's
+  ``additional_information`` (consumed once). Once exhausted it decodes on its own.
+
+Stops (in this order, per sampled token): a token in ``stop_token_ids`` (kept in the
+output) → FINISHED_STOPPED; ``max_tokens`` reached → FINISHED_LENGTH; tokens past either
+are dropped. Then the executor's own ``finished`` → FINISHED_STOPPED.
+"""
+
+from __future__ import annotations
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.engine.request import Request, RequestStatus
+from omnirelay.engine.scheduler_base import BaseScheduler, RequestUpdate
+from omnirelay.transfer.events import ChunkInput
+
+__all__ = ["ARScheduler"]
+
+
+class ARScheduler(BaseScheduler):
+    receiver_kind = "ar"
+
+    def _attach(self, request: Request, chunk: ChunkInput) -> None:
+        request.attach_ar_chunk(chunk.payload, is_finished=chunk.is_finished)
+
+    def _make_item(self, request: Request) -> BatchItem:
+        all_ids = request.all_token_ids
+        is_prefill = request.num_steps == 0 or request.is_recompute
+        return BatchItem(
+            internal_id=request.internal_id,
+            external_id=request.external_id,
+            input_token_ids=all_ids[request.num_computed_tokens :],
+            all_token_ids=all_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            is_prefill=is_prefill,
+            sampling=request.sampling,
+            additional_information=request.additional_information,
+            inputs=request.inputs,
+        )
+
+    def _apply_result(self, request: Request, item: BatchItem, result: ItemResult) -> RequestUpdate:
+        is_recompute = request.is_recompute
+        request.is_recompute = False
+        request.num_computed_tokens = request.num_tokens  # every input of the step is computed
+        sampling = request.sampling
+        kept: list[int] = []
+        status: RequestStatus | None = None
+        for token in result.token_ids:
+            kept.append(int(token))
+            if token in sampling.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            if len(request.output_token_ids) + len(kept) >= sampling.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        if status is None and result.finished:
+            status = RequestStatus.FINISHED_STOPPED
+        now = self._clock()
+        if kept:
+            request.output_token_ids.extend(kept)
+            if request.first_token_time is None:
+                request.first_token_time = now
+        if status is not None:
+            request.finish(status, now)
+        return RequestUpdate(
+            request,
+            new_token_ids=tuple(kept),
+            text=result.text,
+            audio=result.audio,
+            sample_rate=result.sample_rate,
+            next_stage_output=result.next_stage_output,
+            is_recompute=is_recompute,
+            compute_s=result.compute_s,
+        )
+
+    def preempt(self, internal_id: str) -> Request:
+        """Take a RUNNING request's slot (between ticks). The engine must then call
+        ``executor.release``; the request recomputes everything when readmitted (it goes
+        to the front of the waiting queue). Its recompute step sends nothing downstream."""
+        request = self._running.pop(internal_id)
+        request.preempt()
+        self._waiting.appendleft(request)
+        return request
