@@ -257,3 +257,43 @@ def test_two_connectors_of_one_namespace_in_one_process(namespace: str) -> None:
         conn.reap_consumed()
         assert conn.pending_keys() == []
         conn.close()
+
+
+class _PreemptingLock:
+    """Wraps a connector's lock; runs ``hook`` right after the next release (forces an
+    interleaving between a lookup under the lock and the I/O that follows it)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.hook: Any = None
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = self.inner.__exit__(*exc)
+        hook, self.hook = self.hook, None
+        if hook:
+            hook()
+        return result
+
+
+def test_cleanup_never_removes_a_recycled_slots_new_object(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert prod.put(1, 2, "A_1_0", {"v": 1}).ok
+    lock = _PreemptingLock(prod._lock)  # type: ignore[attr-defined]
+    prod._lock = lock  # type: ignore[attr-defined]
+
+    def others() -> None:  # a reader takes A, the slot is recycled for B
+        assert cons.get(1, 2, "A_1_0").status is GetStatus.READY
+        assert prod.reap_consumed() == 1
+        assert prod.put(1, 2, "B_1_0", {"v": 2}).ok
+
+    lock.hook = others
+    assert prod.cleanup("A_1_0") is False  # A was consumed; B must be untouched
+    assert cons.get(1, 2, "B_1_0").obj == {"v": 2}
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()

@@ -366,3 +366,19 @@ def test_zero_stall_timeout_disables_it_with_a_warning() -> None:
         assert p.receiver.poll_events().is_empty
         p.receiver.finish_requests(["w1"])
         p.audit()
+
+
+def test_cleanup_receiver_alone_drops_the_id_mapping() -> None:
+    """SPEC §4.6: cleanup_receiver removes the id mapping too (no per-id residue)."""
+    from omnirelay.connectors import create_connector
+    from omnirelay.transfer import TransferAdapter, TransferConfig
+
+    conn = create_connector("inproc", namespace="rcvmap", stage_id=2)
+    adapter = TransferAdapter(conn, TransferConfig(stage_id=2, receive_from_stage=1))
+    try:
+        assert adapter.load_async("r1", "R1")
+        adapter.cleanup_receiver("r1")
+        assert adapter.flush(10)  # the registration's first poll has run and seen no entry
+        assert adapter.leak_state() == {}
+    finally:
+        adapter.shutdown()

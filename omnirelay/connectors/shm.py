@@ -121,6 +121,7 @@ class _Slot:
     path: str
     size: int
     mm: mmap.mmap
+    ino: int = 0
     payload_len: int = 0
     key: str | None = None
     published_name: str | None = None
@@ -290,7 +291,13 @@ class ShmConnector(Connector):
         size = _slot_size(need)
         path = os.path.join(self._dir, name)
         mm = self._allocator(path, size)
-        sl = _Slot(name=name, path=path, size=size, mm=mm)
+        try:
+            ino = os.stat(path).st_ino
+        except OSError:
+            mm.close()
+            _unlink_quiet(path)
+            raise
+        sl = _Slot(name=name, path=path, size=size, mm=mm, ino=ino)
         with self._lock:
             self._busy.add(sl)
         return sl
@@ -391,19 +398,41 @@ class ShmConnector(Connector):
         return names.owner_alive(names.OwnerId(hdr.claimer_pid, hdr.claimer_start))
 
     def cleanup(self, key: str) -> bool:
-        """Remove ``key`` if we published it and nobody claimed it yet. Idempotent."""
+        """Retract ``key`` if this connector published it and nobody claimed it yet.
+
+        Claims the key's name exactly like a reader does (one ``rename`` to a private
+        name), then finds the slot by inode — so a slot recycled for another key in the
+        meantime is never touched, and a reader that won the name keeps its object.
+        Idempotent; returns True if an object was removed.
+        """
         with self._lock:
-            sl = self._pending.get(key)
-        if sl is None or sl.published_name is None:
-            return False
+            if key not in self._pending:
+                return False
+            self._claim_seq += 1
+            seq = self._claim_seq
+        khash = names.key_hash(key)
+        claim = os.path.join(self._dir, names.claim_name(self.namespace, self._owner, khash, seq))
         try:
-            os.unlink(os.path.join(self._dir, sl.published_name))
+            os.rename(self._kprefix + khash, claim)
         except FileNotFoundError:
-            return False  # a consumer claimed it first: it frees the slot, reap picks it up
-        with self._lock:
-            if self._pending.get(key) is sl:
-                del self._pending[key]
-            self._c.num_cleaned += 1
+            return False  # a reader claimed it first: it frees the slot, reap picks it up
+        try:
+            ino = os.stat(claim).st_ino
+            with self._lock:
+                sl = self._pending.get(key)
+                if sl is None or sl.ino != ino:
+                    sl = None  # not our object under this name: give the name back
+                else:
+                    del self._pending[key]
+                    self._c.num_cleaned += 1
+            if sl is None:
+                try:
+                    os.link(claim, self._kprefix + khash)
+                except FileExistsError:
+                    pass
+                return False
+        finally:
+            _unlink_quiet(claim)
         slot.write_state(sl.mm, slot.FREE)
         self._release(sl)
         return True

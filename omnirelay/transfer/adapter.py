@@ -201,8 +201,13 @@ class TransferAdapter:
         return self._receiver is not None and self._receiver.is_segment_finished(internal_id)
 
     def cleanup_receiver(self, internal_id: str) -> None:
+        """Drop the request's receiver state and (SPEC §4.6) its id mapping — unless its
+        sender generation still needs the mapping to report failures by internal id."""
         if self._receiver is not None:
             self._receiver.cleanup_receiver(internal_id)
+        ext = self._ids.get(internal_id)
+        if ext is not None and not (self._sender is not None and self._sender.has_active_sender(ext)):
+            self._ids.pop(internal_id)
 
     def _dispatch(self, entry: LoadEntry) -> None:
         """Queue a poll of ``entry`` on its request's lane (never runs it on the caller)."""

@@ -1,0 +1,441 @@
+"""The Qwen3-Omni Talker executor: one codec frame of Q codebooks per step.
+
+* :class:`TalkerExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
+  Talker stage (``execution_type = "ar"``). Each step of a request consumes what the
+  engine committed from the Thinker (``BatchItem.additional_information``: a Thinker →
+  Talker payload, SPEC §5.1), runs the Talker decoder for the first codebook, then the
+  code predictor for the other ``Q − 1``. ``release(id)`` frees the request.
+* :func:`create_talker` — the registry factory: ``create_talker(**executor_args)``.
+
+Step semantics (the reference model's ``generate``, split into steps):
+
+* **first step** — needs chunk 0 (or a complete input in ``BatchItem.inputs`` with the
+  same layout). Its prefill is the user turn (text embeddings projected, multimodal
+  positions from the accept-layer hidden states) followed by the 9-row assistant
+  bootstrap: the turn header, 4 × TTS pad, TTS BOS and the first text token, summed with
+  the codec rows (no-think, think BOS/EOS, speaker, codec pad, codec BOS).
+* **later steps** — input = sum of the previous frame's codec embeddings + the next
+  text row: the next Thinker token of the queue, else TTS EOS once the Thinker has
+  finished, else TTS pad. The engine runs one Talker step per committed chunk until the
+  Thinker is exhausted (SPEC §4.9), which keeps text and codec in lockstep — then the
+  steps equal the reference's one-shot ``generate`` exactly (tested). A step with an
+  empty queue before the Thinker finished (an engine that does not keep lockstep) falls
+  back to TTS pad and is counted in ``num_starved_steps``.
+* **codes** — the first codebook is sampled with the request's sampling parameters from
+  the codec ids ``[0, codebook_size)`` plus codec EOS; the residual codebooks come from
+  the code predictor (greedy when the request is greedy, else top-k 50 / top-p 0.8 as
+  the reference). Codec EOS finishes the request (``finished=True``).
+
+``ItemResult.token_ids`` is ``[first codebook]``; ``next_stage_output`` is the frame
+``[1, Q]`` (int64, CPU) for the Talker → Code2Wav processor — on the EOS step the frame
+``[EOS, 0, …]``, which that processor's stop filter drops. Decode steps of all requests
+run as one batched forward pass (:class:`~omnirelay.models.kv.KVPool`); the code
+predictor runs batched over every request of the step. A preempted Talker request cannot
+be recomputed (its Thinker input was consumed): that is an error, not a silent restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
+from omnirelay.errors import ModelError
+from omnirelay.models.kv import KVPool, cache_keyword
+from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.sampling import make_generator, sample_rows, suppress
+from omnirelay.models.talker_input import ThinkerChunk, assistant_start, parse_payload, user_positions
+
+__all__ = [
+    "CODE_PREDICTOR_TOP_K",
+    "CODE_PREDICTOR_TOP_P",
+    "DEFAULT_SPEAKER",
+    "TalkerExecutor",
+    "TalkerSpec",
+    "create_talker",
+]
+
+#: The reference samples the residual codebooks with these (when the Talker samples).
+CODE_PREDICTOR_TOP_K = 50
+CODE_PREDICTOR_TOP_P = 0.8
+DEFAULT_SPEAKER = "ethan"
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerSpec:
+    """The token ids the Talker's input layout uses (from the checkpoint's config)."""
+
+    im_start_token_id: int
+    assistant_token_id: int
+    user_token_id: int
+    multimodal_token_ids: frozenset[int]
+    codec_eos_token_id: int
+    codec_pad_id: int
+    codec_bos_id: int
+    codec_nothink_id: int
+    codec_think_bos_id: int
+    codec_think_eos_id: int
+    speaker_ids: dict[str, int]
+    num_code_groups: int
+    codebook_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> TalkerSpec:
+        talker, thinker = config.talker_config, config.thinker_config
+        return cls(
+            im_start_token_id=int(config.im_start_token_id),
+            assistant_token_id=int(config.assistant_token_id),
+            user_token_id=int(config.user_token_id),
+            multimodal_token_ids=frozenset(
+                int(t) for t in (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
+            ),
+            codec_eos_token_id=int(talker.codec_eos_token_id),
+            codec_pad_id=int(talker.codec_pad_id),
+            codec_bos_id=int(talker.codec_bos_id),
+            codec_nothink_id=int(talker.codec_nothink_id),
+            codec_think_bos_id=int(talker.codec_think_bos_id),
+            codec_think_eos_id=int(talker.codec_think_eos_id),
+            speaker_ids={str(k).lower(): int(v) for k, v in (talker.speaker_id or {}).items()},
+            num_code_groups=int(talker.num_code_groups),
+            codebook_size=int(talker.code_predictor_config.vocab_size),
+        )
+
+
+@dataclass(slots=True)
+class _Sequence:
+    generator: torch.Generator
+    tts_eos: torch.Tensor  # [1, H] (Talker width)
+    tts_pad: torch.Tensor
+    text_rows: deque[torch.Tensor] = field(default_factory=deque)  # [1, H] each
+    is_upstream_finished: bool = False
+    is_eos_fed: bool = False
+    is_finished: bool = False
+    #: summed codec embeddings of the last frame [1, H]: the next step's input (plus text)
+    codec_embed: torch.Tensor | None = None
+    num_frames: int = 0
+    num_starved_steps: int = 0
+
+
+class TalkerExecutor:
+    """Runs the Talker and its code predictor for a batch of requests."""
+
+    execution_type = "ar"
+    supports_batching = True
+
+    def __init__(self, model: Any, spec: TalkerSpec) -> None:
+        self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._decoder = model.model
+        self._cache_kw = cache_keyword(self._decoder)
+        self._predictor_cache_kw = cache_keyword(model.code_predictor.model)
+        self._codec_embedding = model.get_input_embeddings()
+        self._predictor = model.code_predictor
+        self._vocab = int(model.config.text_config.vocab_size)
+        if not spec.codebook_size <= spec.codec_eos_token_id < self._vocab:
+            raise ModelError(
+                f"codec EOS {spec.codec_eos_token_id} must lie in the Talker's special ids "
+                f"[{spec.codebook_size}, {self._vocab})"
+            )
+        self._kv = KVPool()
+        self._seqs: dict[str, _Sequence] = {}
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint) -> TalkerExecutor:
+        return cls(checkpoint.load_talker(), TalkerSpec.from_config(checkpoint.config))
+
+    @property
+    def num_codebooks(self) -> int:
+        return self.spec.num_code_groups
+
+    # ----------------------------------------------------------------- Executor
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """One codec frame per item (engine thread)."""
+        if len({item.internal_id for item in batch}) != len(batch):
+            raise ModelError("a batch lists the same request twice")
+        try:
+            with torch.inference_mode():
+                return self._step(batch)
+        except BaseException:
+            # A failed step fails its requests: leave none of them half-updated.
+            for item in batch:
+                self.release(item.internal_id)
+            raise
+
+    def release(self, internal_id: str) -> None:
+        """Free the request's KV cache and queued Thinker rows (idempotent)."""
+        self._kv.drop(internal_id)
+        self._seqs.pop(internal_id, None)
+
+    def num_live_requests(self) -> int:
+        return len(self._seqs)
+
+    def num_starved_steps(self, internal_id: str) -> int:
+        seq = self._seqs.get(internal_id)
+        return 0 if seq is None else seq.num_starved_steps
+
+    # ----------------------------------------------------------------- one step
+
+    def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        hidden: dict[str, torch.Tensor] = {}  # last hidden state [1, H]
+        compute: dict[str, float] = {}
+        decodes: list[tuple[BatchItem, _Sequence]] = []
+        for item in batch:
+            seq = self._seqs.get(item.internal_id)
+            if seq is None:
+                t0 = time.perf_counter()
+                hidden[item.internal_id] = self._prefill(item)
+                compute[item.internal_id] = time.perf_counter() - t0
+            else:
+                if seq.is_finished:
+                    raise ModelError(f"request {item.internal_id!r}: stepped after its codec EOS")
+                self._absorb(item, seq)
+                decodes.append((item, seq))
+        if decodes:
+            t0 = time.perf_counter()
+            hidden.update(self._decode(decodes))
+            share = (time.perf_counter() - t0) / len(decodes)
+            for item, _ in decodes:
+                compute[item.internal_id] = share
+
+        t0 = time.perf_counter()
+        seqs = [self._seqs[item.internal_id] for item in batch]
+        last = torch.cat([hidden[item.internal_id] for item in batch], dim=0)  # [B, H]
+        logits = self.model.codec_head(last).float()
+        # Only codec ids and codec EOS are speech; the other special ids are input markers.
+        suppress(logits, self.spec.codebook_size, self._vocab, keep=(self.spec.codec_eos_token_id,))
+        params = [item.sampling for item in batch]
+        gens = [seq.generator for seq in seqs]
+        first = sample_rows(logits, params, gens)
+        speaking = [b for b, token in enumerate(first) if token != self.spec.codec_eos_token_id]
+        frames = torch.zeros((len(batch), self.num_codebooks), dtype=torch.long)
+        frames[:, 0] = torch.tensor(first, dtype=torch.long)
+        if speaking:
+            idx = torch.tensor(speaking, device=self.device)
+            codes, codec_embed = self._predict_residuals(
+                last.index_select(0, idx),
+                [first[b] for b in speaking],
+                [params[b] for b in speaking],
+                [gens[b] for b in speaking],
+            )
+            frames[speaking] = codes.cpu()
+            for row, b in enumerate(speaking):
+                seqs[b].codec_embed = codec_embed[row : row + 1]
+                seqs[b].num_frames += 1
+        share = (time.perf_counter() - t0) / len(batch)
+
+        results = []
+        for b, (item, seq) in enumerate(zip(batch, seqs)):
+            is_eos = first[b] == self.spec.codec_eos_token_id
+            seq.is_finished = is_eos
+            results.append(
+                ItemResult(
+                    internal_id=item.internal_id,
+                    token_ids=[first[b]],
+                    finished=is_eos,
+                    next_stage_output=frames[b : b + 1].clone(),
+                    compute_s=compute[item.internal_id] + share,
+                )
+            )
+        return results
+
+    # ----------------------------------------------------------------- prefill
+
+    def _prefill(self, item: BatchItem) -> torch.Tensor:
+        """First step of a request: build its conditioning and run the prefill."""
+        rid = item.internal_id
+        payload = item.additional_information if item.additional_information is not None else item.inputs
+        if payload is None:
+            raise ModelError(
+                f"request {rid!r}: the Talker's first step has no Thinker input (chunk 0); "
+                "a Talker request cannot be recomputed after preemption — its Thinker chunks were consumed"
+            )
+        chunk = parse_payload(payload, rid)
+        if not chunk.is_prefill:
+            raise ModelError(
+                f"request {rid!r}: the Talker's first input must be the Thinker's chunk 0 "
+                "(embed.prefill, hidden_states.output, ids); got a decode chunk"
+            )
+        if item.additional_information is None and item.inputs is not None and not chunk.is_finished:
+            # A complete input forwarded by the orchestrator is the whole Thinker output.
+            chunk = _finished(chunk)
+        embeds, seq = self._conditioning(rid, chunk, item.sampling)
+        cache = self._kv.prefill_cache(rid)
+        n = embeds.shape[1]
+        positions = torch.arange(n, device=self.device).view(1, 1, n).expand(4, 1, n)
+        out = self._decoder(
+            inputs_embeds=embeds, position_ids=positions, **{self._cache_kw: cache}, use_cache=True
+        )
+        self._kv.store(rid, cache)
+        self._seqs[rid] = seq
+        return out.last_hidden_state[:, -1]
+
+    def _conditioning(
+        self, rid: str, chunk: ThinkerChunk, sampling: SamplingParams
+    ) -> tuple[torch.Tensor, _Sequence]:
+        """The prefill embeddings [1, L, H] and the request's state (trailing text queued)."""
+        spec = self.spec
+        assert chunk.prefill_embed is not None and chunk.prefill_hidden is not None
+        assert chunk.tts_bos is not None and chunk.tts_eos is not None and chunk.tts_pad is not None
+        embed = chunk.prefill_embed.to(self.device, self.dtype)
+        hidden = chunk.prefill_hidden.to(self.device, self.dtype)
+        prompt = chunk.prompt_ids
+        rows = embed.shape[0]
+        start = assistant_start(prompt, spec.im_start_token_id, spec.assistant_token_id)
+        if start is None:
+            raise ModelError(
+                f"request {rid!r}: the Thinker prompt has no '<|im_start|>assistant' turn; the Talker needs the "
+                "chat layout (see omnirelay.models.tokenizer.encode_chat_prompt)"
+            )
+        speaker = (chunk.speaker or DEFAULT_SPEAKER).lower()
+        if speaker not in spec.speaker_ids:
+            raise ModelError(
+                f"request {rid!r}: unknown speaker {speaker!r}; known: {sorted(spec.speaker_ids)}"
+            )
+        project = self.model.text_projection
+        tts = project(torch.cat([chunk.tts_bos, chunk.tts_eos, chunk.tts_pad]).to(self.device, self.dtype))
+        tts_bos, tts_eos, tts_pad = tts[0:1], tts[1:2], tts[2:3]
+
+        # User turns: text positions from the embeddings, multimodal ones from the hidden states.
+        users = [p for p in user_positions(prompt, spec.im_start_token_id, spec.user_token_id) if p < rows]
+        parts = []
+        if users:
+            idx = torch.tensor(users, device=self.device)
+            is_mm = torch.tensor([prompt[p] in spec.multimodal_token_ids for p in users], device=self.device)
+            user_rows = project(embed.index_select(0, idx))
+            if bool(is_mm.any()):
+                mm_rows = self.model.hidden_projection(hidden.index_select(0, idx))
+                user_rows = torch.where(is_mm.unsqueeze(-1), mm_rows, user_rows)
+            parts.append(user_rows)
+
+        # The assistant turn: header (3 rows), 4 × pad, BOS, first text token; + codec rows.
+        assistant = project(embed[start:])
+        seq = _Sequence(generator=make_generator(sampling.seed), tts_eos=tts_eos, tts_pad=tts_pad)
+        if assistant.shape[0] >= 4:
+            first_text = assistant[3:4]
+            seq.text_rows.extend(assistant[r : r + 1] for r in range(4, assistant.shape[0]))
+        else:
+            # The Thinker ended before its first token was fed back: speak nothing but EOS.
+            first_text, seq.is_eos_fed = tts_eos, True
+        header = assistant[:3]
+        if header.shape[0] < 3:
+            header = torch.cat([header, tts_pad.expand(3 - header.shape[0], -1)])
+        text_part = torch.cat([header, tts_pad.expand(4, -1), tts_bos, first_text])
+        codec_ids = torch.tensor(
+            [
+                spec.codec_nothink_id,
+                spec.codec_think_bos_id,
+                spec.codec_think_eos_id,
+                spec.speaker_ids[speaker],
+                spec.codec_pad_id,
+                spec.codec_bos_id,
+            ],
+            device=self.device,
+        )
+        codec_part = torch.cat([torch.zeros_like(header), self._codec_embedding(codec_ids)])
+        parts.append(text_part + codec_part)
+        if chunk.decode_embed is not None:
+            self._queue_text(seq, chunk.decode_embed)
+        seq.is_upstream_finished = chunk.is_finished
+        return torch.cat(parts).unsqueeze(0), seq
+
+    # ----------------------------------------------------------------- decode
+
+    def _absorb(self, item: BatchItem, seq: _Sequence) -> None:
+        """Queue the Thinker rows of the chunk committed for this step (if any)."""
+        payload = item.additional_information
+        if payload is None:
+            return
+        chunk = parse_payload(payload, item.internal_id)
+        if chunk.is_prefill:
+            raise ModelError(
+                f"request {item.internal_id!r}: a second chunk 0 arrived after the Talker started"
+            )
+        if chunk.decode_embed is not None:
+            self._queue_text(seq, chunk.decode_embed)
+        if chunk.is_finished:
+            seq.is_upstream_finished = True
+
+    def _queue_text(self, seq: _Sequence, rows: torch.Tensor) -> None:
+        projected = self.model.text_projection(rows.to(self.device, self.dtype))
+        seq.text_rows.extend(projected[r : r + 1] for r in range(projected.shape[0]))
+
+    def _next_text(self, seq: _Sequence) -> torch.Tensor:
+        if seq.text_rows:
+            return seq.text_rows.popleft()
+        if seq.is_upstream_finished and not seq.is_eos_fed:
+            seq.is_eos_fed = True
+            return seq.tts_eos
+        if not seq.is_upstream_finished:
+            seq.num_starved_steps += 1
+        return seq.tts_pad
+
+    def _decode(self, decodes: list[tuple[BatchItem, _Sequence]]) -> dict[str, torch.Tensor]:
+        ids = [item.internal_id for item, _ in decodes]
+        rows = []
+        for _, seq in decodes:
+            assert seq.codec_embed is not None
+            rows.append(seq.codec_embed + self._next_text(seq))
+        embeds = torch.cat(rows).unsqueeze(1)  # [B, 1, H]
+        cache, mask, positions = self._kv.decode_batch(ids)
+        b = len(ids)
+        out = self._decoder(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions.view(1, b, 1).expand(4, b, 1),
+            **{self._cache_kw: cache},
+            use_cache=True,
+        )
+        self._kv.commit_decode(ids)
+        last = out.last_hidden_state[:, -1]
+        return {rid: last[r : r + 1] for r, rid in enumerate(ids)}
+
+    # ----------------------------------------------------------------- code predictor
+
+    def _predict_residuals(
+        self,
+        hidden: torch.Tensor,
+        first: list[int],
+        params: list[SamplingParams],
+        gens: list[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codebooks 1..Q-1 for each row; returns the frames [B, Q] and the summed codec
+        embeddings [B, H] of each frame (the next step's codec input)."""
+        predictor = self._predictor
+        first_t = torch.tensor(first, dtype=torch.long, device=self.device)
+        first_embed = self._codec_embedding(first_t).unsqueeze(1)  # [B, 1, H]
+        total = first_embed.squeeze(1).clone()
+        codes = [first_t]
+        step_input = torch.cat([hidden.unsqueeze(1), first_embed], dim=1)
+        cache = DynamicCache()
+        for group in range(self.num_codebooks - 1):
+            out = predictor.model(
+                inputs_embeds=step_input, **{self._predictor_cache_kw: cache}, use_cache=True
+            )
+            logits = predictor.lm_head[group](out.last_hidden_state[:, -1]).float()
+            sampled = sample_rows(
+                logits, params, gens, top_k=CODE_PREDICTOR_TOP_K, top_p=CODE_PREDICTOR_TOP_P, temperature=1.0
+            )
+            token = torch.tensor(sampled, dtype=torch.long, device=self.device)
+            codes.append(token)
+            step_input = predictor.model.codec_embedding[group](token).unsqueeze(1)
+            total = total + step_input.squeeze(1)
+        return torch.stack(codes, dim=1), total
+
+
+def _finished(chunk: ThinkerChunk) -> ThinkerChunk:
+    from dataclasses import replace
+
+    return replace(chunk, is_finished=True)
+
+
+def create_talker(**executor_args: Any) -> TalkerExecutor:
+    """Registry factory of ``qwen3_omni.talker`` (keys: see :class:`ModelArgs`)."""
+    return TalkerExecutor.from_checkpoint(open_checkpoint(ModelArgs.from_executor_args(executor_args)))

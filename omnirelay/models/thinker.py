@@ -1,0 +1,275 @@
+"""The Qwen3-Omni Thinker executor: autoregressive text, plus what the Talker consumes.
+
+* :class:`ThinkerExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
+  Thinker stage (``execution_type = "ar"``). ``step(batch)`` runs every prefill item on
+  its own and **all decode items in one batched forward pass**; ``release(id)`` frees a
+  request's KV cache and sampler.
+* :func:`create_thinker` — the registry factory: ``create_thinker(**executor_args)``.
+
+Per step and request the result carries the sampled token, its text delta, ``finished``
+on an end-of-turn token, and ``next_stage_output`` — exactly the keyword arguments of
+:meth:`ThinkerToTalkerProcessor.step <omnirelay.processors.ThinkerToTalkerProcessor.step>`
+besides ``chunk_id``/``finished``::
+
+    {"hidden_layers": {0: embeddings [n, H], accept_hidden_layer: hidden states [n, H]},
+     "token_ids": all ids so far, including the token sampled this step,
+     "tts_bos": [1, H], "tts_eos": [1, H], "tts_pad": [1, H]}
+
+for the ``n`` positions computed this step (the prompt on prefill, the last token on
+decode), on the CPU. Batching: each request's KV lives in a :class:`~omnirelay.models.kv.KVPool`;
+a decode step stacks the requests' caches left-padded into one batch (reused as is
+while the batch is unchanged), so a request decodes the same tokens alone or batched.
+Text-only prompts; audio/image/video inputs of the Thinker are not wired here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.errors import ModelError
+from omnirelay.models.kv import KVPool, cache_keyword
+from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.sampling import make_generator, sample_rows, suppress
+from omnirelay.models.tokenizer import IncrementalDetokenizer
+
+__all__ = ["ThinkerExecutor", "create_thinker"]
+
+
+@dataclass(slots=True)
+class _Sequence:
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+
+
+class ThinkerExecutor:
+    """Runs the Thinker's text model for a batch of requests; see the module docstring."""
+
+    execution_type = "ar"
+    supports_batching = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        accept_hidden_layer: int,
+        tts_token_ids: tuple[int, int, int],
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
+        self.tokenizer = tokenizer
+        # The text decoder: ``model.model.language_model`` (transformers >= 5.2x) or
+        # ``model.model`` itself (earlier 5.x, where the encoders hang off the Thinker).
+        self._text = getattr(model.model, "language_model", model.model)
+        self._cache_kw = cache_keyword(self._text)
+        self._lm_head = model.lm_head
+        num_layers = int(self._text.config.num_hidden_layers)
+        if not 0 <= accept_hidden_layer <= num_layers:
+            raise ModelError(
+                f"accept_hidden_layer {accept_hidden_layer} is outside the Thinker's hidden states 0..{num_layers}"
+            )
+        self.accept_hidden_layer = accept_hidden_layer
+        self._layers = sorted({0, accept_hidden_layer})
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        vocab = int(self._text.config.vocab_size)
+        # Rows past the tokenizer are padding of the embedding matrix, never text.
+        self._num_text_ids = min(vocab, len(tokenizer))
+        with torch.inference_mode():
+            ids = torch.tensor(tts_token_ids, dtype=torch.long, device=self.device)
+            rows = self._text.embed_tokens(ids).detach().to("cpu")
+        self._tts = {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
+        self._kv = KVPool()
+        self._seqs: dict[str, _Sequence] = {}
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint) -> ThinkerExecutor:
+        """Load the Thinker part and the tokenizer of ``checkpoint``."""
+        config = checkpoint.config
+        tokenizer = checkpoint.load_tokenizer()
+        model = checkpoint.load_thinker()
+        eos = {int(config.im_end_token_id)}
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        if isinstance(endoftext, int) and endoftext >= 0 and endoftext != tokenizer.unk_token_id:
+            eos.add(endoftext)
+        return cls(
+            model,
+            tokenizer,
+            accept_hidden_layer=int(config.talker_config.accept_hidden_layer),
+            tts_token_ids=(
+                int(config.tts_bos_token_id),
+                int(config.tts_eos_token_id),
+                int(config.tts_pad_token_id),
+            ),
+            eos_token_ids=frozenset(eos),
+        )
+
+    # ----------------------------------------------------------------- Executor
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """One step for every item (engine thread): prefills one by one, decodes batched."""
+        if len({item.internal_id for item in batch}) != len(batch):
+            raise ModelError("a batch lists the same request twice")
+        try:
+            with torch.inference_mode():
+                return self._step(batch)
+        except BaseException:
+            # A failed step fails its requests: leave none of them half-updated.
+            for item in batch:
+                self.release(item.internal_id)
+            raise
+
+    def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        results: dict[str, ItemResult] = {}
+        decodes: list[BatchItem] = []
+        for item in batch:
+            if self._is_decode(item):
+                decodes.append(item)
+            else:
+                results[item.internal_id] = self._prefill(item)
+        if decodes:
+            results.update(self._decode(decodes))
+        return [results[item.internal_id] for item in batch]
+
+    def release(self, internal_id: str) -> None:
+        """Free the request's KV cache and sampler (idempotent)."""
+        self._kv.drop(internal_id)
+        self._seqs.pop(internal_id, None)
+
+    def num_live_requests(self) -> int:
+        """Requests holding state (for leak audits)."""
+        return len(self._seqs)
+
+    # ----------------------------------------------------------------- steps
+
+    def _is_decode(self, item: BatchItem) -> bool:
+        return (
+            item.internal_id in self._seqs
+            and len(item.input_token_ids) == 1
+            and item.num_computed_tokens > 0
+            and self._kv.length(item.internal_id) == item.num_computed_tokens
+        )
+
+    def _prefill(self, item: BatchItem) -> ItemResult:
+        """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
+        rid = item.internal_id
+        past = item.num_computed_tokens
+        if past == 0:
+            self.release(rid)  # a fresh start (or a full recompute) drops old state
+        elif rid not in self._seqs or self._kv.length(rid) < past:
+            raise ModelError(
+                f"request {rid!r}: the engine reports {past} computed tokens but the Thinker "
+                f"holds {self._kv.length(rid)}; it was released or never prefilled"
+            )
+        else:
+            self._kv.truncate(rid, past)
+        if not item.input_token_ids:
+            raise ModelError(f"request {rid!r}: nothing to compute (empty input_token_ids)")
+        seq = self._seqs.get(rid)
+        if seq is None:
+            seq = _Sequence(
+                generator=make_generator(item.sampling.seed),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
+            )
+            self._seqs[rid] = seq
+        t0 = time.perf_counter()
+        ids = torch.tensor([item.input_token_ids], dtype=torch.long, device=self.device)
+        n = ids.shape[1]
+        positions = torch.arange(past, past + n, device=self.device).view(1, 1, n).expand(4, 1, n)
+        cache = self._kv.prefill_cache(rid)
+        out = self._text(
+            input_ids=ids,
+            position_ids=positions,
+            **{self._cache_kw: cache},
+            use_cache=True,
+            output_hidden_states=self._layers,
+        )
+        self._kv.store(rid, cache)
+        if past + n < len(item.all_token_ids):
+            # Part of a chunked prefill: nothing is sampled until the prompt is complete.
+            return ItemResult(
+                internal_id=rid,
+                next_stage_output=self._stage_output(out.hidden_states, 0, list(item.all_token_ids)),
+                compute_s=time.perf_counter() - t0,
+            )
+        logits = self._logits(out.last_hidden_state[:, -1])
+        (token,) = sample_rows(logits, [item.sampling], [seq.generator])
+        compute_s = time.perf_counter() - t0
+        return self._result(item, seq, token, out.hidden_states, 0, compute_s)
+
+    def _decode(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        """One new token for each item, in one forward pass."""
+        t0 = time.perf_counter()
+        ids = [item.internal_id for item in items]
+        tokens = torch.tensor(
+            [[item.input_token_ids[0]] for item in items], dtype=torch.long, device=self.device
+        )
+        cache, mask, positions = self._kv.decode_batch(ids)
+        b = len(items)
+        out = self._text(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions.view(1, b, 1).expand(4, b, 1),
+            **{self._cache_kw: cache},
+            use_cache=True,
+            output_hidden_states=self._layers,
+        )
+        self._kv.commit_decode(ids)
+        logits = self._logits(out.last_hidden_state[:, -1])
+        seqs = [self._seqs[i] for i in ids]
+        sampled = sample_rows(logits, [item.sampling for item in items], [s.generator for s in seqs])
+        share = (time.perf_counter() - t0) / b
+        return {
+            item.internal_id: self._result(item, seq, token, out.hidden_states, row, share)
+            for row, (item, seq, token) in enumerate(zip(items, seqs, sampled))
+        }
+
+    # ----------------------------------------------------------------- helpers
+
+    def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(last_hidden).float()
+        return suppress(logits, self._num_text_ids, logits.shape[-1])
+
+    def _result(
+        self,
+        item: BatchItem,
+        seq: _Sequence,
+        token: int,
+        hidden_states: tuple[torch.Tensor | None, ...],
+        row: int,
+        compute_s: float,
+    ) -> ItemResult:
+        finished = token in self.eos_token_ids
+        text = seq.detokenizer.push([token])
+        if finished:
+            text += seq.detokenizer.flush()
+        return ItemResult(
+            internal_id=item.internal_id,
+            token_ids=[token],
+            finished=finished,
+            text=text or None,
+            next_stage_output=self._stage_output(hidden_states, row, [*item.all_token_ids, token]),
+            compute_s=compute_s,
+        )
+
+    def _stage_output(
+        self, hidden_states: tuple[torch.Tensor | None, ...], row: int, token_ids: list[int]
+    ) -> dict[str, Any]:
+        layers: dict[int, torch.Tensor] = {}
+        for layer in self._layers:
+            rows = hidden_states[layer]
+            assert rows is not None, f"hidden state {layer} was not captured"
+            layers[layer] = rows[row].detach().to("cpu")
+        return {"hidden_layers": layers, "token_ids": token_ids, **self._tts}
+
+
+def create_thinker(**executor_args: Any) -> ThinkerExecutor:
+    """Registry factory of ``qwen3_omni.thinker`` (keys: see :class:`ModelArgs`)."""
+    return ThinkerExecutor.from_checkpoint(open_checkpoint(ModelArgs.from_executor_args(executor_args)))

@@ -1,0 +1,191 @@
+"""Code2Wav executor: streaming decode over the 4/29/50/50 schedule has exactly the
+whole-utterance samples and matches the whole decode when the left context covers the
+decoder's receptive field; complete inputs use the chunked decode; bad codes fail."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.engine.interfaces import Executor
+from omnirelay.errors import ModelError
+from omnirelay.models import Checkpoint
+from omnirelay.models.code2wav import (
+    SAMPLE_RATE,
+    Code2WavExecutor,
+    frames_of_context_needed,
+    measure_receptive_field,
+)
+from omnirelay.processors import TalkerToCode2WavConfig, TalkerToCode2WavProcessor
+from tests.test_models_support import item, single_thread, tiny_dir
+
+Q = 16
+U = 1920
+EOS = 2150
+TOL = 1e-5
+DEPLOY = TalkerToCode2WavConfig(
+    initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    yield from single_thread()
+
+
+@pytest.fixture(scope="module")
+def code2wav() -> Code2WavExecutor:
+    return Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+
+
+def random_frames(num_frames: int, seed: int) -> torch.Tensor:
+    """[T, Q] codec frames as the Talker emits them (one row per step)."""
+    return torch.randint(0, 2048, (num_frames, Q), generator=torch.Generator().manual_seed(seed))
+
+
+def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list[dict[str, Any]]:
+    """What the Talker → Code2Wav processor sends for these frames, one frame per Talker
+    step, and a last step that samples codec EOS (finished; its frame is no audio)."""
+    processor = TalkerToCode2WavProcessor(config)
+    state = processor.new_state()
+    steps = [(frames[t : t + 1], False) for t in range(frames.shape[0])]
+    steps.append((torch.tensor([[EOS] + [0] * (Q - 1)]), True))
+    out: list[dict[str, Any]] = []
+    for frame, finished in steps:
+        payload = processor.step(state, frame, chunk_id=len(out), finished=finished)
+        if payload is not None:
+            out.append(payload)
+    return out
+
+
+def chunk_item(rid: str, payload: dict[str, Any]) -> Any:
+    """The generation scheduler's item for one committed chunk (SPEC §4.8: 1-D codes are
+    the prompt; meta without ``finished`` is the runtime info)."""
+    codes = payload.get("codes", {}).get("audio")
+    ids = [] if codes is None else codes.tolist()
+    meta = {k: v for k, v in payload["meta"].items() if k != "finished"}
+    return item(rid, input_ids=ids, info={"meta": meta})
+
+
+def stream(
+    executor: Code2WavExecutor, frames: torch.Tensor, config: TalkerToCode2WavConfig
+) -> tuple[list[Any], Any]:
+    payloads = chunk_payloads(frames, config)
+    schedule = [
+        (p["codes"]["audio"].numel() // Q if "codes" in p else 0, p["meta"]["left_context_size"])
+        for p in payloads
+    ]
+    pieces = [executor.step([chunk_item("r", p)])[0].audio for p in payloads]
+    return schedule, torch.cat(pieces)
+
+
+def whole(executor: Code2WavExecutor, frames: torch.Tensor) -> torch.Tensor:
+    return executor.decode(frames.T.unsqueeze(0))[0, 0]
+
+
+def test_is_an_executor(code2wav: Code2WavExecutor) -> None:
+    assert isinstance(code2wav, Executor)
+    assert code2wav.execution_type == "generation" and code2wav.supports_batching
+    assert (code2wav.num_codebooks, code2wav.upsample, code2wav.sample_rate) == (Q, U, SAMPLE_RATE)
+
+
+def test_tiny_decoder_receptive_field_is_covered_by_the_first_chunk(code2wav: Code2WavExecutor) -> None:
+    lookback, holdback = measure_receptive_field(code2wav.model)
+    assert 0 < holdback < U  # the causal decoder holds samples back at a window's edge
+    assert lookback > 0
+    # The smallest left context that decodes exactly: less than the first chunk's 4 frames.
+    assert frames_of_context_needed(lookback, holdback, U) == 2
+
+
+def test_streaming_4_29_50_50_matches_the_whole_utterance(code2wav: Code2WavExecutor) -> None:
+    frames = random_frames(130, seed=1)
+    schedule, streamed = stream(code2wav, frames, DEPLOY)
+    assert schedule == [(4, 0), (29, 4), (50, 25), (50, 25), (50, 25), (50, 25), (26, 25)]
+    reference = whole(code2wav, frames)
+    assert reference.shape[0] == 130 * U - measure_receptive_field(code2wav.model)[1]
+    assert streamed.shape == reference.shape  # exactly the whole-utterance sample count
+    assert float(reference.std()) > 0.05  # a real signal, not silence
+    assert float((streamed - reference).abs().max()) < TOL  # nothing duplicated, nothing lost
+
+
+def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Code2WavExecutor) -> None:
+    frames = random_frames(60, seed=2)
+    short = TalkerToCode2WavConfig(
+        initial_codec_chunk_frames=1, codec_chunk_frames=25, codec_left_context_frames=1
+    )
+    schedule, streamed = stream(code2wav, frames, short)
+    assert [left for _, left in schedule] == [0, 1, 1, 1]
+    reference = whole(code2wav, frames)
+    assert streamed.shape == reference.shape
+    error = (streamed - reference).abs()
+    assert float(error.max()) > 10 * TOL  # the comparison notices missing context …
+    # … and only near chunk boundaries: away from them every sample is exact.
+    starts = [0, 1 * U, 26 * U, 51 * U]
+    near = torch.zeros_like(error, dtype=torch.bool)
+    for s in starts:
+        near[max(0, s - U) : s + 2 * U] = True
+    assert float(error[~near].max()) < TOL
+
+
+def test_stream_ending_on_a_boundary_gets_a_terminal_with_no_frames(code2wav: Code2WavExecutor) -> None:
+    frames = random_frames(29, seed=3)
+    payloads = chunk_payloads(frames, DEPLOY)
+    assert "codes" not in payloads[-1] and payloads[-1]["meta"]["finished"]
+    (res,) = code2wav.step([chunk_item("r", payloads[-1])])
+    assert res.audio.shape == (0,) and res.sample_rate == SAMPLE_RATE
+    _, streamed = stream(code2wav, frames, DEPLOY)
+    assert float((streamed - whole(code2wav, frames)).abs().max()) < TOL
+
+
+def test_windows_of_several_streams_decode_in_one_batch(code2wav: Code2WavExecutor) -> None:
+    windows = [
+        chunk_payloads(random_frames(n, seed=n), DEPLOY)[k] for n, k in ((60, 2), (30, 1), (3, 0), (54, 2))
+    ]
+    items = [chunk_item(f"r{i}", p) for i, p in enumerate(windows)]
+    batched = Code2WavExecutor(code2wav.model, max_decode_batch=4).step(items)
+    for it, res in zip(items, batched):
+        (alone,) = code2wav.step([it])
+        assert res.internal_id == it.internal_id
+        assert res.audio.shape == alone.audio.shape
+        assert float((res.audio - alone.audio).abs().max()) < TOL
+        assert res.compute_s > 0
+
+
+def test_complete_input_uses_the_chunked_decode(code2wav: Code2WavExecutor) -> None:
+    frames = random_frames(130, seed=4)
+    reference = whole(code2wav, frames)
+    pieces = Code2WavExecutor(code2wav.model, chunk_frames=40, chunk_left_context=25)
+    flat = frames.T.reshape(-1).tolist()
+    for it in (
+        item("flat", input_ids=flat),  # codebook-major ids as the prompt
+        item("info", input_ids=[0], info={"codes": {"audio": frames.T}}),  # [Q, T] in the runtime info
+        item("fwd", input_ids=[0], inputs={"codes": frames.T.unsqueeze(0)}),  # forwarded [1, Q, T]
+    ):
+        (res,) = pieces.step([it])
+        assert res.audio.shape == reference.shape, it.internal_id
+        assert float((res.audio - reference).abs().max()) < TOL, it.internal_id
+    # Two complete inputs of different lengths in one batch, each cropped to its frames.
+    short = random_frames(50, seed=5)
+    a, b = pieces.step([item("a", input_ids=flat), item("b", input_ids=short.T.reshape(-1).tolist())])
+    assert float((a.audio - reference).abs().max()) < TOL
+    assert float((b.audio - whole(code2wav, short)).abs().max()) < TOL
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"input_ids": list(range(17))}, "not a multiple of Q=16"),
+        ({"input_ids": [2150] * 16}, r"must lie in \[0, 2048\)"),
+        (
+            {"input_ids": [0], "info": {"codes": {"audio": torch.zeros((5, Q), dtype=torch.long)}}},
+            "codebook-major",
+        ),
+        ({"input_ids": [1] * 32, "info": {"meta": {"left_context_size": 3}}}, "left_context_size"),
+    ],
+)
+def test_bad_codes_are_errors(code2wav: Code2WavExecutor, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        code2wav.step([item("bad", **kwargs)])
