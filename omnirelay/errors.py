@@ -29,7 +29,8 @@ and dropped.
     │   └── ChunkTimeoutError       no chunk arrived within the stall timeout
     ├── PipelineError               the runtime (engine, orchestrator, workers)
     │   ├── StageDiedError          a stage worker process exited
-    │   └── RequestFailedError      a request failed; carries the reason
+    │   ├── RequestFailedError      a request failed; carries the reason
+    │   └── InvalidRequestError     a client's request is malformed (also a ValueError)
     └── ModelError                  loading or running a model
 """
 
@@ -42,6 +43,7 @@ __all__ = [
     "ConnectorClosedError",
     "ConnectorError",
     "InvalidKeyError",
+    "InvalidRequestError",
     "ModelError",
     "OmniRelayError",
     "PayloadDecodeError",
@@ -153,6 +155,11 @@ class RequestFailedError(PipelineError):
         super().__init__(f"request {request_id!r} failed: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+class InvalidRequestError(PipelineError, ValueError):
+    """A request a client submitted is malformed (bad id, prompt, modalities, sampling);
+    the message says what was wrong and how to fix it. Nothing was started."""
 
 
 class ModelError(OmniRelayError):

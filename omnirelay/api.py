@@ -1,0 +1,413 @@
+"""The Python API: start a pipeline, submit requests, stream their outputs, shut down.
+
+::
+
+    from omnirelay.api import Pipeline
+
+    with Pipeline.start("toy-3stage") as pipe:                 # one worker process per stage
+        handle = pipe.submit([1, 2, 3], modalities=["text", "audio"])
+        for out in handle:                                     # or: async for out in handle
+            print(out.stage_id, out.modality, out.token_ids, out.audio)
+        print(pipe.health())
+    # shut down: no processes, no /dev/shm objects left
+
+:class:`Pipeline` runs the front-side :class:`~omnirelay.orchestrator.Orchestrator` on
+an asyncio event loop in a thread of its own, so the API works the same from plain
+threads and from any event loop (a server's): ``submit`` and ``abort`` never block;
+``health``/``leak_state``/``shutdown`` block (their ``*_async`` forms await).
+
+Request ids are untrusted input: a str of 1–256 characters without control characters
+(:func:`validate_request_id`); anything else is an :class:`InvalidRequestError` that
+says so, and nothing is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import os
+import secrets
+import threading
+import unicodedata
+import uuid
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from omnirelay.connectors.base import validate_namespace
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.errors import ConfigError, InvalidKeyError, InvalidRequestError, PipelineError
+from omnirelay.orchestrator.handle import RequestHandle
+from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
+from omnirelay.orchestrator.router import (
+    InputBuilder,
+    PipelineRequest,
+    Router,
+    requested_modalities,
+)
+from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY
+from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
+
+__all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "validate_request_id"]
+
+MAX_REQUEST_ID_LEN = 256
+
+T = TypeVar("T")
+_NAMESPACE_COUNTER = itertools.count()
+
+
+def validate_request_id(request_id: object) -> str:
+    """Return ``request_id`` if it is usable, else raise :class:`InvalidRequestError`.
+
+    Usable: a ``str`` of 1–256 characters, none of them a control character (C0/C1,
+    DEL) or a lone surrogate. Ids become parts of transfer keys and log lines.
+    """
+    if not isinstance(request_id, str):
+        raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
+    if not request_id:
+        raise InvalidRequestError("request_id is empty; pass a non-empty id or None for a generated one")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError(
+            f"request_id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_LEN}"
+        )
+    for i, ch in enumerate(request_id):
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            raise InvalidRequestError(
+                f"request_id contains a control character {ch!r} at position {i}; use printable characters"
+            )
+    return request_id
+
+
+def _validate_prompt(prompt_token_ids: object) -> list[int] | None:
+    if prompt_token_ids is None:
+        return None
+    if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
+        raise InvalidRequestError(
+            f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}"
+            " (pass text= for a text prompt)"
+        )
+    ids = list(prompt_token_ids)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidRequestError(f"prompt_token_ids[{i}] must be an int >= 0, got {t!r}")
+    return ids
+
+
+class Pipeline:
+    """A running pipeline: one worker process per stage and the front-side orchestrator.
+
+    Build it with :meth:`start`; see the module docstring.
+    """
+
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        *,
+        tokenizer: Callable[[str], list[int]] | None,
+    ) -> None:
+        # Use Pipeline.start(): it builds these in the right order.
+        self._orch = orchestrator
+        self._loop = loop
+        self._thread = thread
+        self._tokenizer = tokenizer
+        self._precheck = Router(orchestrator.config)  # pure queries only (plan, checks)
+        self._lock = threading.Lock()
+        self._active: set[str] = set()
+        self._is_closed = False
+        self._report: ShutdownReport | None = None
+        self._shutdown_lock = threading.Lock()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (p := ref()) is not None and p.shutdown()
+        atexit.register(self._atexit)
+
+    # -- start ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        pipeline: str | os.PathLike[str] | PipelineConfig,
+        *,
+        namespace: str | None = None,
+        engine_factory: str = DEFAULT_ENGINE_FACTORY,
+        input_builders: Mapping[int, InputBuilder] | None = None,
+        tokenizer: Callable[[str], list[int]] | None = None,
+        async_chunk_override: bool | None = None,
+        registry: ComponentRegistry | None = None,
+        startup_timeout_s: float = 120.0,
+        idle_wait_s: float = 1.0,
+        wait_slice_s: float = 0.01,
+    ) -> Pipeline:
+        """Load the pipeline, spawn its workers, wait until every engine is built.
+
+        ``pipeline``: a YAML path, a shipped name (``qwen3-omni-tiny``) or a config.
+        ``namespace``: the /dev/shm namespace (default: the file's, else a fresh one);
+        objects of dead owners in it are reclaimed first. ``engine_factory``:
+        ``"module:function"`` building a stage engine in a worker (default: the real
+        one). ``input_builders``: per stage id, the orchestrator-side builder of a
+        forwarded input (default: :func:`omnirelay.orchestrator.factory.build_input_builders`).
+        ``tokenizer``: turns ``submit(text=...)`` into ids. ``idle_wait_s``: an idle
+        worker's longest wait (it ticks its engine once after each, for stall timeouts);
+        ``wait_slice_s``: the wait slices of an engine without ``wake()``. Raises
+        :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
+        """
+        if isinstance(pipeline, PipelineConfig):
+            if async_chunk_override is not None:
+                pipeline = pipeline.with_async_chunk(async_chunk_override)
+            config = pipeline
+        else:
+            config = load_pipeline(pipeline, async_chunk_override=async_chunk_override, registry=registry)
+        ns = (
+            namespace
+            or config.namespace
+            or f"p{os.getpid()}x{next(_NAMESPACE_COUNTER)}{secrets.token_hex(2)}"
+        )
+        try:
+            validate_namespace(ns)
+        except InvalidKeyError as exc:
+            raise ConfigError(str(exc)) from exc
+        if input_builders is None:
+            from omnirelay.orchestrator.factory import build_input_builders
+
+            input_builders = build_input_builders(config)
+        orch = Orchestrator(
+            config,
+            namespace=ns,
+            engine_factory=engine_factory,
+            input_builders=input_builders,
+            startup_timeout_s=startup_timeout_s,
+            idle_wait_s=idle_wait_s,
+            wait_slice_s=wait_slice_s,
+        )
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)
+        thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(orch.start(), loop).result()
+        except BaseException:
+            _stop_loop(loop, thread)
+            raise
+        return cls(orch, loop, thread, tokenizer=tokenizer)
+
+    @classmethod
+    async def start_async(cls, pipeline: str | os.PathLike[str] | PipelineConfig, **kwargs: Any) -> Pipeline:
+        """:meth:`start` without blocking the caller's event loop (a server's startup)."""
+        return await asyncio.to_thread(cls.start, pipeline, **kwargs)
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self._orch.config
+
+    @property
+    def namespace(self) -> str:
+        return self._orch.namespace
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted whose last output has not been delivered yet."""
+        with self._lock:
+            return len(self._active)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        modalities: Sequence[str] | str | None = None,
+        sampling: SamplingParams | Mapping[int, SamplingParams] | None = None,
+        request_id: str | None = None,
+        inputs: Any = None,
+        extras: Mapping[str, Any] | None = None,
+    ) -> RequestHandle:
+        """Start one request; never blocks. Returns its :class:`RequestHandle`.
+
+        ``modalities``: the outputs wanted (``["text"]``, ``["text", "audio"]`` …; None or
+        none known: every final output). ``sampling``: one :class:`SamplingParams` for
+        stage 0, or ``{stage_id: SamplingParams}``; other stages use their config's
+        defaults. ``inputs``: a full input for stage 0 (for example prompt embeddings).
+        Raises :class:`InvalidRequestError` for a malformed request (nothing started).
+        """
+        rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
+        ids = _validate_prompt(prompt_token_ids)
+        req_extras = dict(extras or {})
+        if text is not None:
+            if ids is not None:
+                raise InvalidRequestError("pass prompt_token_ids or text, not both")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+            if self._tokenizer is None:
+                raise InvalidRequestError(
+                    "this pipeline was started without a tokenizer; pass prompt_token_ids, "
+                    "or Pipeline.start(..., tokenizer=...)"
+                )
+            ids = _validate_prompt(self._tokenizer(text))
+            req_extras.setdefault("prompt_text", text)
+        request = PipelineRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            modalities=requested_modalities(modalities),
+            sampling=self._sampling(sampling),
+            inputs=inputs,
+            extras=req_extras,
+        )
+        self._precheck.check_admissible(request)
+        handle = RequestHandle(rid, abort=self.abort, on_done=self._forget)
+        with self._lock:
+            if self._is_closed:
+                raise PipelineError("the pipeline is shut down; start a new one")
+            if rid in self._active:
+                raise InvalidRequestError(
+                    f"request id {rid!r} is already in flight; wait for it to finish or abort it first"
+                )
+            self._active.add(rid)
+        try:
+            self._loop.call_soon_threadsafe(self._orch.admit, request, handle)
+        except RuntimeError:  # shut down between the check above and here
+            self._forget(rid)
+            raise PipelineError("the pipeline is shut down; start a new one") from None
+        return handle
+
+    def _sampling(
+        self, sampling: SamplingParams | Mapping[int, SamplingParams] | None
+    ) -> dict[int, SamplingParams]:
+        if sampling is None:
+            return {}
+        if isinstance(sampling, SamplingParams):
+            return {0: sampling}
+        if not isinstance(sampling, Mapping):
+            raise InvalidRequestError(
+                f"sampling must be a SamplingParams or a {{stage_id: SamplingParams}} mapping, got {sampling!r}"
+            )
+        out: dict[int, SamplingParams] = {}
+        for sid, params in sampling.items():
+            if isinstance(sid, bool) or not isinstance(sid, int) or not 0 <= sid < self.config.num_stages:
+                raise InvalidRequestError(
+                    f"sampling has a key {sid!r}; use stage ids 0..{self.config.num_stages - 1}"
+                )
+            if not isinstance(params, SamplingParams):
+                raise InvalidRequestError(f"sampling[{sid}] must be a SamplingParams, got {params!r}")
+            out[sid] = params
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._active.discard(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its handle ends with ``finish_reason == "abort"``. Never blocks;
+        an id not in flight is a no-op."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
+        if self._is_closed:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._orch.abort, request_id)
+        except RuntimeError:  # the loop closed under us: shut down, nothing to abort
+            pass
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def _call(self, coro: Any, timeout_s: float | None = None) -> Any:
+        if self._is_closed:
+            coro.close()
+            raise PipelineError("the pipeline is shut down")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    async def _call_async(self, coro: Any) -> Any:
+        if self._is_closed:
+            coro.close()
+            raise PipelineError("the pipeline is shut down")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def health(self, timeout_s: float = 2.0) -> PipelineHealth:
+        """Per stage: alive, pid, exit code, requests held, queue depth, engine health."""
+        result: PipelineHealth = self._call(self._orch.health(timeout_s))
+        return result
+
+    async def health_async(self, timeout_s: float = 2.0) -> PipelineHealth:
+        result: PipelineHealth = await self._call_async(self._orch.health(timeout_s))
+        return result
+
+    def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:
+        """Each live stage's books (``{"worker": ..., "engine": engine.leak_state()}``),
+        taken once its in-flight cleanup settled (at most ``settle_s``). Every release
+        sent before this call has been applied when it returns. For audits and tests."""
+        result: dict[int, dict[str, Any]] = self._call(self._orch.leak_state(timeout_s, settle_s))
+        return result
+
+    def pids(self) -> dict[int, int | None]:
+        """Worker pids by stage id."""
+        return {st.stage_id: st.pid for st in self._orch._stages}
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 10.0) -> ShutdownReport:
+        """Fail what is in flight, stop every worker, close the control plane, sweep the
+        namespace. Idempotent: later calls return the first report."""
+        with self._shutdown_lock:
+            if self._report is not None:
+                return self._report
+            with self._lock:
+                self._is_closed = True
+            try:
+                fut = asyncio.run_coroutine_threadsafe(self._orch.shutdown(timeout_s), self._loop)
+                self._report = fut.result()
+            finally:
+                _stop_loop(self._loop, self._thread)
+                atexit.unregister(self._atexit)
+            return self._report
+
+    async def shutdown_async(self, timeout_s: float = 10.0) -> ShutdownReport:
+        """:meth:`shutdown` without blocking the caller's event loop."""
+        return await asyncio.to_thread(self.shutdown, timeout_s)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._is_closed else "running"
+        return f"Pipeline({self.config.name!r}, namespace={self.namespace!r}, {state})"
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:
+            pass
+    if thread is not threading.current_thread():
+        thread.join()

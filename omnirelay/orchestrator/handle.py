@@ -1,0 +1,199 @@
+"""The client's end of one request: :class:`RequestHandle` and :class:`RequestResult`.
+
+The orchestrator thread delivers :class:`RequestOutput` s into a handle; one consumer
+reads them from any thread, synchronously (``for out in handle``) or from any event
+loop (``async for out in handle``). The last output has ``finished=True``:
+
+* a normal end (``finish_reason`` "stop" / "length" …) is yielded, then iteration stops;
+* an abort (``finish_reason == "abort"``) is yielded, then iteration stops;
+* a failure (``finish_reason == "error"``) raises :class:`RequestFailedError` with the
+  reason (which names the stage) instead of being yielded.
+
+:meth:`RequestHandle.result` / :meth:`RequestHandle.result_async` read everything and
+return a :class:`RequestResult` (text token ids, text, the waveform concatenated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnirelay.errors import PipelineError, RequestFailedError
+from omnirelay.orchestrator.router import RequestOutput
+
+__all__ = ["RequestHandle", "RequestResult"]
+
+
+@dataclass
+class RequestResult:
+    """Every output of one request, with the per-modality views tests and tools want."""
+
+    request_id: str
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[-1].finish_reason if self.outputs else None
+
+    @property
+    def is_aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+    def token_ids(self, modality: str = "text") -> list[int]:
+        """Token ids of the outputs of ``modality`` (stage order kept), concatenated."""
+        return [t for o in self.outputs if o.modality == modality for t in o.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text or "" for o in self.outputs if o.modality == "text")
+
+    @property
+    def audio(self) -> torch.Tensor | None:
+        """The waveform: every audio piece concatenated (None when no audio came)."""
+        pieces = [
+            torch.as_tensor(o.audio).reshape(-1)
+            for o in self.outputs
+            if o.modality == "audio" and o.audio is not None
+        ]
+        return torch.cat(pieces) if pieces else None
+
+    @property
+    def sample_rate(self) -> int | None:
+        rates = [o.sample_rate for o in self.outputs if o.modality == "audio" and o.sample_rate]
+        return rates[-1] if rates else None
+
+
+class RequestHandle:
+    """Outputs of one request as they stream; one consumer; see the module docstring."""
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        abort: Callable[[str], None] | None = None,
+        on_done: Callable[[str], None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._abort = abort
+        self._on_done = on_done
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[RequestOutput] = deque()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._is_delivered = False  # the terminal output arrived (producer side)
+        self._is_exhausted = False  # the consumer read the terminal output
+
+    # -- producer side (orchestrator thread) ----------------------------------------------
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Hand one output to the consumer; called by the orchestrator only."""
+        with self._cond:
+            if self._is_delivered:
+                return  # nothing follows the terminal output
+            self._items.append(output)
+            if output.finished:
+                self._is_delivered = True
+            waiters, self._async_waiters = self._async_waiters, []
+            self._cond.notify_all()
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, fut)
+            except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
+                pass
+        if output.finished and self._on_done is not None:
+            self._on_done(self.request_id)
+
+    # -- consumer side ----------------------------------------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request ended (the terminal output arrived; it may be unread)."""
+        with self._cond:
+            return self._is_delivered
+
+    def abort(self) -> None:
+        """Abort the request (no-op once it ended)."""
+        if self._abort is None:
+            raise PipelineError("this handle is not attached to a pipeline")
+        self._abort(self.request_id)
+
+    def _take(self) -> RequestOutput | None:
+        # Caller holds the lock. None: nothing yet. Raises StopIteration at the end.
+        if self._items:
+            out = self._items.popleft()
+            if out.finished:
+                self._is_exhausted = True
+                if out.finish_reason == "error":
+                    raise RequestFailedError(self.request_id, out.error or "unknown error")
+            return out
+        if self._is_exhausted:
+            raise StopIteration
+        return None
+
+    def next_output(self, timeout: float | None = None) -> RequestOutput:
+        """Block for the next output. StopIteration at the end; TimeoutError on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                out = self._take()
+                if out is not None:
+                    return out
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no output of request {self.request_id!r} within {timeout} s")
+                self._cond.wait(remaining)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return self.next_output()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                try:
+                    out = self._take()
+                except StopIteration:
+                    raise StopAsyncIteration from None
+                if out is not None:
+                    return out
+                fut: asyncio.Future[None] = loop.create_future()
+                self._async_waiters.append((loop, fut))
+            await fut
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Read every remaining output (blocking); raises RequestFailedError on failure."""
+        res = RequestResult(self.request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                res.outputs.append(self.next_output(remaining))
+            except StopIteration:
+                return res
+
+    async def result_async(self) -> RequestResult:
+        """Read every remaining output; raises RequestFailedError on failure."""
+        res = RequestResult(self.request_id)
+        async for out in self:
+            res.outputs.append(out)
+        return res
+
+    def __repr__(self) -> str:
+        return f"RequestHandle({self.request_id!r}, finished={self.is_finished})"
+
+
+def _wake(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)

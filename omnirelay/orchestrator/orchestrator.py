@@ -1,0 +1,589 @@
+"""The front-side orchestrator: stage worker processes, the control plane and the router.
+
+:class:`Orchestrator` lives on one asyncio event loop (the API runs it on a thread of
+its own, :mod:`omnirelay.api`); every method is called on that loop's thread, so the
+router, the handles map and the sockets have exactly one user.
+
+* :meth:`Orchestrator.start` — bind the control sockets, spawn one worker per stage
+  (``spawn`` context), wait for every :class:`Hello` (a :class:`StartupFailed` or an
+  exit raises :class:`StageDiedError` naming the stage).
+* :meth:`Orchestrator.admit` / :meth:`Orchestrator.abort` — requests in, by the router.
+* Per stage, a reader task routes what the worker says; the process's sentinel is
+  watched with ``loop.add_reader``, so a dead worker is seen at once: the router fails
+  every request that needed it (the reason names the stage, the pid and the signal) and
+  a sweep reclaims the objects the dead process owned.
+* :meth:`Orchestrator.health`, :meth:`Orchestrator.leak_state` — queries over the
+  control plane with a timeout.
+* :meth:`Orchestrator.shutdown` — fail what is in flight, ask every worker to stop,
+  wait (then SIGTERM, then SIGKILL), close the sockets, remove the socket directory,
+  sweep the namespace. Idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from omnirelay.connectors.sweep import sweep
+from omnirelay.errors import (
+    InvalidRequestError,
+    OmniRelayError,
+    PipelineError,
+    StageDiedError,
+)
+from omnirelay.orchestrator.control import ControlPaths, FrontControl
+from omnirelay.orchestrator.handle import RequestHandle
+from omnirelay.orchestrator.messages import (
+    Abort,
+    Goodbye,
+    HealthReply,
+    HealthRequest,
+    Hello,
+    LeakStateReply,
+    LeakStateRequest,
+    Outputs,
+    Release,
+    Released,
+    RequestFailed,
+    Shutdown,
+    StageFatal,
+    StartupFailed,
+    Submit,
+    ToFront,
+    stage_output,
+    wire_request,
+)
+from omnirelay.orchestrator.router import (
+    Action,
+    ClientOutput,
+    InputBuilder,
+    PipelineRequest,
+    RequestOutput,
+    Router,
+    StageAbort,
+    StageRelease,
+    StageSubmit,
+)
+from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
+from omnirelay.pipeline import PipelineConfig
+
+__all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "describe_exit"]
+
+
+class StageHealth(msgspec.Struct, kw_only=True):
+    """One stage as the front sees it (and as its worker reports, when alive)."""
+
+    stage_id: int
+    name: str
+    is_alive: bool
+    pid: int | None
+    exitcode: int | None = None
+    #: requests the stage holds, by the router's books
+    num_requests: int = 0
+    #: requests the worker's engine holds, by the worker (None: no reply)
+    queue_depth: int | None = None
+    engine: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class PipelineHealth(msgspec.Struct, kw_only=True):
+    is_healthy: bool
+    namespace: str
+    num_requests: int
+    stages: list[StageHealth]
+
+
+class ShutdownReport(msgspec.Struct, kw_only=True):
+    """What shutdown found: exit codes, and objects the final sweep had to reclaim."""
+
+    exitcodes: dict[int, int | None]
+    num_killed: int = 0
+    num_reclaimed: int = 0
+    num_objects_left: int = 0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``killed by SIGKILL`` / ``exit code 1`` / ``still running``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass
+class _Stage:
+    stage_id: int
+    label: str
+    name: str
+    process: SpawnProcess | None = None
+    pid: int | None = None
+    exitcode: int | None = None
+    is_ready: bool = False
+    is_exited: bool = False
+    is_dead: bool = False  # failed, as far as requests are concerned
+    death_reason: str | None = None
+    said_goodbye: bool = False
+    hello: asyncio.Future[None] | None = None
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    reader: asyncio.Task[None] | None = None
+
+
+class Orchestrator:
+    """Front process side of a running pipeline; see the module docstring."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        namespace: str,
+        engine_factory: str = DEFAULT_ENGINE_FACTORY,
+        input_builders: Mapping[int, InputBuilder] | None = None,
+        startup_timeout_s: float = 120.0,
+        idle_wait_s: float = 1.0,
+        wait_slice_s: float = 0.01,
+    ) -> None:
+        self.config = msgspec.structs.replace(config, namespace=namespace)
+        self.namespace = namespace
+        self.router = Router(self.config, input_builders=input_builders)
+        self._engine_factory = engine_factory
+        self._startup_timeout_s = startup_timeout_s
+        self._idle_wait_s = idle_wait_s
+        self._wait_slice_s = wait_slice_s
+        self._handles: dict[str, RequestHandle] = {}
+        self._stages = [_Stage(s.id, s.label, s.name) for s in self.config.stages]
+        self._control: FrontControl | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._seq = itertools.count(1)
+        self._queries: dict[int, asyncio.Future[Any]] = {}
+        self._sweeps: set[asyncio.Future[Any]] = set()
+        #: (stage, id) → releases sent and not yet acknowledged. What a stage says about
+        #: a fenced id was said before it applied the release: it belongs to an ended
+        #: request, never to a new one reusing the id.
+        self._fences: dict[tuple[int, str], int] = {}
+        #: id → releases not yet acknowledged by any stage. A new request reusing the id
+        #: waits (in ``_parked``) until every stage acknowledged: before that an upstream
+        #: stage may still be putting the ended request's chunks under the same keys.
+        self._num_fences: dict[str, int] = {}
+        self._parked: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
+        self.num_stale_messages = 0
+        self._is_closing = False
+        self._shutdown_report: ShutdownReport | None = None
+        self.num_bad_messages = 0
+
+    # -- startup -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the workers and wait until each built its engine; raises on failure
+        (after tearing down whatever was started)."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._start()
+        except BaseException:
+            await self.shutdown(timeout_s=5.0)
+            raise
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Objects of dead owners in this namespace (an earlier crashed deployment).
+        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        paths = ControlPaths.create(len(self._stages))
+        try:
+            self._control = FrontControl(paths)
+        except BaseException:
+            paths.remove()
+            raise
+        ctx = multiprocessing.get_context("spawn")
+        for st in self._stages:
+            st.hello = loop.create_future()
+            spec = WorkerSpec(
+                stage_id=st.stage_id,
+                pipeline=self.config,
+                paths=paths,
+                parent_pid=os.getpid(),
+                engine_factory=self._engine_factory,
+                idle_wait_s=self._idle_wait_s,
+                wait_slice_s=self._wait_slice_s,
+            )
+            proc = ctx.Process(
+                target=worker_main,
+                args=(spec,),
+                name=f"omnirelay-{self.namespace}-s{st.stage_id}",
+                daemon=True,
+            )
+            proc.start()
+            st.process, st.pid = proc, proc.pid
+            loop.add_reader(proc.sentinel, self._on_exit, st.stage_id)
+            st.reader = asyncio.create_task(self._read(st.stage_id), name=f"omnirelay-read-s{st.stage_id}")
+        hellos = [st.hello for st in self._stages if st.hello is not None]
+        done, pending = await asyncio.wait(
+            hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for fut in done:
+            fut.result()  # raises the first StageDiedError
+        if pending:
+            late = ", ".join(st.label for st in self._stages if not st.is_ready)
+            raise StageDiedError(
+                f"{late} did not start within {self._startup_timeout_s:g} s (building the engine took too long)"
+            )
+        # Every worker is connected: the socket files are not needed any more, and
+        # without them a front that dies (SIGKILL) leaves nothing on disk.
+        paths.remove()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def admit(self, request: PipelineRequest, handle: RequestHandle) -> None:
+        """Admit one request (validated by the API); its outputs go to ``handle``."""
+        rid = request.request_id
+        if self._is_closing:
+            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+            return
+        if rid in self._handles or rid in self._parked:
+            handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
+            return
+        if rid in self._num_fences:
+            self._parked[rid] = (request, handle)  # admitted once the stages released the id
+            return
+        try:
+            actions = self.router.admit(request)
+        except InvalidRequestError as exc:
+            handle.deliver(_error_output(rid, str(exc)))
+            return
+        self._handles[rid] = handle
+        self._execute(actions)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in flight; unknown (ended) ids are a no-op."""
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            parked[1].deliver(
+                RequestOutput(
+                    request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="abort"
+                )
+            )
+            return
+        self._execute(self.router.abort(request_id))
+
+    @property
+    def num_requests(self) -> int:
+        return self.router.num_requests
+
+    # -- carrying out the router's decisions -------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        queue: deque[Action] = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, ClientOutput):
+                self._deliver(action.output)
+            elif isinstance(action, StageSubmit):
+                queue.extend(self._submit(action))
+            elif isinstance(action, StageAbort):
+                self._send(action.stage_id, Abort(action.request_id))
+            elif isinstance(action, StageRelease) and self._send(action.stage_id, Release(action.request_id)):
+                self._fence(action.stage_id, action.request_id, +1)
+
+    def _submit(self, action: StageSubmit) -> list[Action]:
+        rid = action.request.request_id
+        if rid not in self.router:  # the request ended earlier in this batch of actions
+            return []
+        st = self._stages[action.stage_id]
+        if st.is_dead:
+            return self.router.fail(
+                rid, st.death_reason or f"{st.label} is not running", stage_id=st.stage_id
+            )
+        try:
+            message = Submit(wire_request(action.request))
+        except OmniRelayError as exc:
+            return self.router.fail(rid, f"{st.label}: its input cannot be sent: {exc}", stage_id=st.stage_id)
+        if not self._send(st.stage_id, message):
+            reason = f"{st.label} worker process (pid {st.pid}) is unreachable"
+            return self._stage_failed(st.stage_id, reason)
+        return []
+
+    def _fence(self, stage_id: int, request_id: str, delta: int) -> None:
+        """Count a release sent (+1) or acknowledged (-1); admit a parked reuse of the id
+        once no stage has one outstanding."""
+        key = (stage_id, request_id)
+        n = self._fences.get(key, 0) + delta
+        total = self._num_fences.get(request_id, 0) + delta
+        if n > 0:
+            self._fences[key] = n
+        else:
+            self._fences.pop(key, None)
+        if total > 0:
+            self._num_fences[request_id] = total
+            return
+        self._num_fences.pop(request_id, None)
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            self.admit(*parked)
+
+    def _send(self, stage_id: int, message: Any) -> bool:
+        st = self._stages[stage_id]
+        if st.is_dead or st.is_exited or self._control is None:
+            return False
+        return self._control.send(stage_id, message)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        handle = self._handles.get(output.request_id)
+        if handle is None:
+            return
+        if output.finished:
+            del self._handles[output.request_id]
+        handle.deliver(output)
+
+    # -- what workers say -------------------------------------------------------------------
+
+    async def _read(self, stage_id: int) -> None:
+        control = self._control
+        assert control is not None
+        while True:
+            try:
+                message = await control.recv(stage_id)
+            except PipelineError:
+                self.num_bad_messages += 1
+                continue
+            except zmq.ZMQError:  # the context was terminated at shutdown
+                return
+            self._on_message(stage_id, message)
+
+    def _on_message(self, stage_id: int, message: ToFront) -> None:
+        st = self._stages[stage_id]
+        if isinstance(message, Outputs):
+            for wire in message.outputs:
+                if (stage_id, wire.request_id) in self._fences:
+                    self.num_stale_messages += 1
+                    continue
+                try:
+                    out = stage_output(wire)
+                except OmniRelayError as exc:
+                    reason = f"{st.label}: its output cannot be decoded: {exc}"
+                    self._execute(self.router.fail(wire.request_id, reason, stage_id=stage_id))
+                    continue
+                self._execute(self.router.on_output(out))
+        elif isinstance(message, RequestFailed):
+            if (stage_id, message.request_id) in self._fences:
+                self.num_stale_messages += 1
+                return
+            reason = f"{st.label}: {message.error}"
+            self._execute(self.router.fail(message.request_id, reason, stage_id=stage_id))
+        elif isinstance(message, Released):
+            if (stage_id, message.request_id) in self._fences:
+                self._fence(stage_id, message.request_id, -1)
+        elif isinstance(message, HealthReply | LeakStateReply):
+            fut = self._queries.pop(message.seq, None)
+            if fut is not None and not fut.done():
+                fut.set_result(message)
+        elif isinstance(message, Hello):
+            st.is_ready = True
+            if st.hello is not None and not st.hello.done():
+                st.hello.set_result(None)
+        elif isinstance(message, StartupFailed):
+            reason = f"{st.label} failed to start (pid {message.pid}): {message.error}"
+            self._fail_hello(st, reason)
+            self._execute(self._stage_failed(stage_id, reason))
+        elif isinstance(message, StageFatal):
+            self._execute(self._stage_failed(stage_id, f"{st.label} failed: {message.error}"))
+        elif isinstance(message, Goodbye):
+            st.said_goodbye = True
+
+    def _fail_hello(self, st: _Stage, reason: str) -> None:
+        if st.hello is not None and not st.hello.done():
+            st.hello.set_exception(StageDiedError(reason))
+            st.hello.exception()  # read by _start when it waits; not an unretrieved error
+
+    def _on_exit(self, stage_id: int) -> None:
+        """The worker's process sentinel became readable: it exited."""
+        st = self._stages[stage_id]
+        loop = self._loop
+        proc = st.process
+        assert loop is not None and proc is not None
+        loop.remove_reader(proc.sentinel)
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        proc.join(timeout=1.0)
+        st.exitcode = proc.exitcode
+        st.is_exited = True
+        st.exited.set()
+        if not self._is_closing or not st.said_goodbye:
+            reason = (
+                f"{st.label} worker process (pid {st.pid}) died ({describe_exit(proc.exitcode)}); "
+                "its requests were failed"
+            )
+            self._fail_hello(st, reason)
+            self._execute(self._stage_failed(stage_id, reason))
+        # Objects the dead process still owned (unread chunks) belong to nobody now.
+        fut = loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        self._sweeps.add(fut)
+        fut.add_done_callback(self._sweeps.discard)
+
+    def _stage_failed(self, stage_id: int, reason: str) -> list[Action]:
+        """Mark the stage dead (once) and fail every request that needs it."""
+        st = self._stages[stage_id]
+        if st.is_dead:
+            return []
+        st.is_dead = True
+        st.death_reason = reason
+        actions = self.router.on_stage_died(stage_id, reason)
+        for sid, rid in [f for f in self._fences if f[0] == stage_id]:
+            # No acknowledgement will come; a parked reuse is admitted (and fails at once
+            # when it needs this stage).
+            self._fence(sid, rid, -self._fences[(sid, rid)])
+        return actions
+
+    # -- queries --------------------------------------------------------------------------
+
+    async def _query(self, make: Any, timeout_s: float) -> dict[int, Any]:
+        loop = asyncio.get_running_loop()
+        futures: dict[int, asyncio.Future[Any]] = {}
+        for st in self._stages:
+            if st.is_dead or st.is_exited:
+                continue
+            seq = next(self._seq)
+            fut: asyncio.Future[Any] = loop.create_future()
+            self._queries[seq] = fut
+            if self._send(st.stage_id, make(seq)):
+                futures[st.stage_id] = fut
+            else:
+                del self._queries[seq]
+        if futures:
+            await asyncio.wait(list(futures.values()), timeout=timeout_s)
+        replies: dict[int, Any] = {}
+        for sid, fut in futures.items():
+            if fut.done():
+                replies[sid] = fut.result()
+            else:
+                fut.cancel()
+        for seq in [s for s, f in self._queries.items() if f.done()]:
+            del self._queries[seq]
+        return replies
+
+    async def health(self, timeout_s: float = 2.0) -> PipelineHealth:
+        """Per stage: alive, pid, exit, requests held, the engine's health."""
+        replies = await self._query(HealthRequest, timeout_s)
+        stages = []
+        for st in self._stages:
+            reply: HealthReply | None = replies.get(st.stage_id)
+            is_alive = not st.is_dead and not st.is_exited
+            error = st.death_reason
+            if is_alive and reply is None:
+                error = f"{st.label} did not answer a health request within {timeout_s:g} s"
+            stages.append(
+                StageHealth(
+                    stage_id=st.stage_id,
+                    name=st.name,
+                    is_alive=is_alive,
+                    pid=st.pid,
+                    exitcode=st.exitcode,
+                    num_requests=self.router.num_requests_on(st.stage_id),
+                    queue_depth=None if reply is None else reply.num_requests,
+                    engine=None if reply is None else reply.engine,
+                    error=error,
+                )
+            )
+        return PipelineHealth(
+            is_healthy=all(s.is_alive and s.error is None for s in stages),
+            namespace=self.namespace,
+            num_requests=self.router.num_requests,
+            stages=stages,
+        )
+
+    async def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:
+        """``{stage_id: {"worker": ..., "engine": ...}}`` of every live stage, each taken
+        once the stage's in-flight cleanup settled (at most ``settle_s``)."""
+        replies = await self._query(lambda seq: LeakStateRequest(seq, settle_s), timeout_s + settle_s)
+        missing = [st.label for st in self._stages if not st.is_dead and st.stage_id not in replies]
+        if missing:
+            raise PipelineError(f"no leak-state reply from {', '.join(missing)} within {timeout_s:g} s")
+        return {sid: reply.state for sid, reply in replies.items()}
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    async def shutdown(self, timeout_s: float = 10.0) -> ShutdownReport:
+        """Stop everything; idempotent (a second call returns the first report)."""
+        if self._shutdown_report is not None:
+            return self._shutdown_report
+        self._is_closing = True
+        self._execute(self.router.fail_all("the pipeline is shutting down"))
+        for rid, (_, handle) in list(self._parked.items()):
+            del self._parked[rid]
+            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+        for st in self._stages:
+            if st.process is None or st.is_exited:
+                continue
+            if st.is_ready:
+                self._send(st.stage_id, Shutdown())
+            else:  # still building its engine (a failed startup): it reads no messages yet
+                st.process.terminate()
+        num_killed = await self._reap_processes(timeout_s)
+        for st in self._stages:
+            if st.reader is not None:
+                st.reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await st.reader
+        for fut in self._queries.values():
+            fut.cancel()
+        self._queries.clear()
+        if self._control is not None:
+            self._control.close()
+        if self._sweeps:
+            await asyncio.gather(*self._sweeps, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        for st in self._stages:
+            if st.process is not None:
+                st.process.close()
+        self._shutdown_report = ShutdownReport(
+            exitcodes={st.stage_id: st.exitcode for st in self._stages},
+            num_killed=num_killed,
+            num_reclaimed=len(report.reclaimed),
+            num_objects_left=len(report.objects) - len(report.reclaimed),
+        )
+        return self._shutdown_report
+
+    async def _reap_processes(self, timeout_s: float) -> int:
+        """Wait for every worker to exit; SIGTERM, then SIGKILL, the ones that do not."""
+        running = [st for st in self._stages if st.process is not None and not st.is_exited]
+        num_killed = 0
+        for sig_timeout, escalate in ((timeout_s, "terminate"), (3.0, "kill"), (5.0, None)):
+            if running:
+                waits = [asyncio.ensure_future(st.exited.wait()) for st in running]
+                await asyncio.wait(waits, timeout=sig_timeout)
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+            running = [st for st in running if not st.is_exited]
+            if not running or escalate is None:
+                break
+            for st in running:
+                assert st.process is not None
+                getattr(st.process, escalate)()
+                num_killed += 1
+        for st in running:  # the sentinel never fired (should not happen): join directly
+            assert st.process is not None and self._loop is not None
+            self._loop.remove_reader(st.process.sentinel)
+            st.process.join(timeout=1.0)
+            st.exitcode = st.process.exitcode
+            st.is_exited = True
+        return num_killed
+
+
+def _error_output(request_id: str, reason: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="error", error=reason
+    )

@@ -1,0 +1,631 @@
+"""One request's path across the stages (SPEC §2.1–§2.8), as a pure state machine.
+
+No I/O, no clocks, no awaits (STYLE 5): every entry point takes plain data and returns
+the :data:`Action` s the caller must carry out, in order —
+
+* :class:`StageSubmit` — hand a :class:`StageRequest` to a stage;
+* :class:`StageAbort` — abort the request in a stage that still holds it;
+* :class:`StageRelease` — no stage needs the request any more: the stage drops its
+  transfer objects and state for the id (SPEC §2.8); sent to **every** stage;
+* :class:`ClientOutput` — a :class:`RequestOutput` for the client; the one with
+  ``finished=True`` is the last for that request.
+
+Entry points (each called on the orchestrator's thread, once per event):
+
+* :meth:`Router.admit` — admission and prewarm (§2.2, §2.3);
+* :meth:`Router.on_output` — route one :class:`StageOutput` (§2.4), forward finished
+  outputs to non-chunk stages through their input builders (§2.5), completion (§2.6);
+* :meth:`Router.abort` (§2.7), :meth:`Router.fail`, :meth:`Router.on_stage_died`,
+  :meth:`Router.fail_all` — the other ways a request ends.
+
+Whatever way a request ends, the router forgets it and, in the same action list, tells
+every stage that still holds it to abort and every stage to release it. A failure in any
+stage (an output with ``error`` or ``finish_reason == "error"``) fails the whole request
+at once with that stage's reason (SPEC §10.7).
+
+Streaming *sessions* (one request fed by several input segments) are not modelled: the
+hold rule's "not streaming" condition is always true here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
+from omnirelay.errors import InvalidRequestError
+from omnirelay.pipeline import PipelineConfig, StageConfig, placeholder_prompt_len
+
+__all__ = [
+    "Action",
+    "ClientOutput",
+    "ForwardedInput",
+    "InputBuilder",
+    "PipelineRequest",
+    "RequestOutput",
+    "RequestPlan",
+    "Router",
+    "SourceOutput",
+    "StageAbort",
+    "StageRelease",
+    "StageSubmit",
+    "default_input_builder",
+    "requested_modalities",
+    "stage_sampling_defaults",
+]
+
+
+# --------------------------------------------------------------------------- data
+
+
+class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A validated client request, as the router sees it.
+
+    ``sampling`` holds the parameters of every stage (client values merged over the
+    stage config's defaults by the API). ``prompt_token_ids`` may be ``None`` for an
+    embeds-only prompt (carried in ``inputs``); such a request cannot be prewarmed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    modalities: tuple[str, ...] | None = None
+    sampling: dict[int, SamplingParams] = {}
+    inputs: Any = None
+    extras: dict[str, Any] = {}
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What the client sees: one output of a final-output stage, or the request's end.
+
+    ``stage_finished`` is the stage's own flag; ``finished`` is the request-level flag
+    (every requested final output is done), set on exactly one output per request, the
+    last one. A failed request ends with ``finish_reason == "error"`` and ``error`` set;
+    an aborted one with ``finish_reason == "abort"``.
+    """
+
+    request_id: str
+    stage_id: int
+    modality: str  # "text" | "audio" | "timestamps" | "" (a terminal not tied to a stage)
+    token_ids: list[int] = []
+    text: str | None = None
+    audio: Any = None  # 1-D float32 tensor of new samples
+    sample_rate: int | None = None
+    stage_finished: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, float] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOutput:
+    """Everything a finished stage produced for one request (client-visible parts):
+    what an input builder sees when the orchestrator forwards it (SPEC §2.5)."""
+
+    stage_id: int
+    token_ids: list[int]
+    text: str
+    audio: list[Any]  # the waveform pieces, in order
+    sample_rate: int | None
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardedInput:
+    """What an input builder returns: the next stage's prompt and full input."""
+
+    prompt_token_ids: list[int]
+    inputs: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class InputBuilder(Protocol):
+    """A stage's orchestrator-side input builder (SPEC §1.6, §2.5).
+
+    Called once, when the source stage finished the request; returns ``None`` when there
+    is nothing to build (then the request ends with an empty terminal output).
+    """
+
+    def __call__(
+        self, source: SourceOutput, request: PipelineRequest, stage: StageConfig
+    ) -> ForwardedInput | None: ...
+
+
+def default_input_builder(
+    source: SourceOutput, request: PipelineRequest, stage: StageConfig
+) -> ForwardedInput | None:
+    """Forward the source's generated tokens as the prompt and its text/audio as ``inputs``.
+
+    Used for a complete-input edge whose stage names no input builder the orchestrator
+    knows. Nothing generated (no tokens, no audio) → ``None``.
+    """
+    if not source.token_ids and not source.audio:
+        return None
+    inputs: dict[str, Any] = {"source_stage_id": source.stage_id, "token_ids": list(source.token_ids)}
+    if source.text:
+        inputs["text"] = source.text
+    if source.audio:
+        inputs["audio"] = torch.cat([torch.as_tensor(a).reshape(-1) for a in source.audio])
+        inputs["sample_rate"] = source.sample_rate
+    return ForwardedInput(prompt_token_ids=list(source.token_ids) or [0], inputs=inputs)
+
+
+# ------------------------------------------------------------------------ actions
+
+
+class StageSubmit(msgspec.Struct, frozen=True):
+    stage_id: int
+    request: StageRequest
+
+
+class StageAbort(msgspec.Struct, frozen=True):
+    stage_id: int
+    request_id: str
+
+
+class StageRelease(msgspec.Struct, frozen=True):
+    stage_id: int
+    request_id: str
+
+
+class ClientOutput(msgspec.Struct, frozen=True):
+    request_id: str
+    output: RequestOutput
+
+
+Action = StageSubmit | StageAbort | StageRelease | ClientOutput
+
+
+# ----------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Which stages a request touches (SPEC §2.2, §2.3)."""
+
+    final_output_stage_ids: tuple[int, ...]
+    final_stage_id: int
+    prewarm_stage_ids: tuple[int, ...]
+
+    @property
+    def path(self) -> range:
+        """Every stage the request needs: 0..final_stage_id (pipelines are linear)."""
+        return range(self.final_stage_id + 1)
+
+
+def stage_sampling_defaults(stage: StageConfig) -> SamplingParams:
+    """The stage config's sampling values over :class:`SamplingParams`' defaults."""
+    cfg = stage.sampling
+    values = {
+        name: getattr(cfg, name)
+        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens")
+        if getattr(cfg, name) is not None
+    }
+    return SamplingParams(**values, stop_token_ids=tuple(cfg.stop_token_ids))
+
+
+@dataclass
+class _Accumulator:
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    audio: list[Any] = field(default_factory=list)
+    sample_rate: int | None = None
+
+
+@dataclass
+class _RequestState:
+    """Per-request books (SPEC §2.1)."""
+
+    request: PipelineRequest
+    plan: RequestPlan
+    finals: frozenset[int]
+    submitted: set[int] = field(default_factory=set)
+    finished_stages: set[int] = field(default_factory=set)
+    finished_finals: set[int] = field(default_factory=set)
+    #: the held request-level final message (hold rule, §2.4 step 3)
+    pending: RequestOutput | None = None
+    #: outputs of stages whose finished output will be forwarded (§2.5)
+    sources: dict[int, _Accumulator] = field(default_factory=dict)
+    last_sample_rate: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def holders(self) -> list[int]:
+        """Stages given the request that have not reported it finished."""
+        return sorted(self.submitted - self.finished_stages)
+
+    def all_submitted_finished(self) -> bool:
+        return self.submitted <= self.finished_stages
+
+
+# -------------------------------------------------------------------------- router
+
+
+class Router:
+    """Routing state of every request in flight; see the module docstring."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        input_builders: Mapping[int, InputBuilder] | None = None,
+    ) -> None:
+        self.config = config
+        self.is_chunked = config.any_stage_chunks()  # §1.4: never read off stage 0
+        self._receives = tuple(config.stage_receives_chunks(s) for s in config.stages)
+        builders = dict(input_builders or {})
+        self._builders: dict[int, InputBuilder] = {
+            s.id: builders.get(s.id, default_input_builder) for s in config.stages
+        }
+        self._all_stage_ids = tuple(s.id for s in config.stages)
+        self._requests: dict[str, _RequestState] = {}
+        self._dead: dict[int, str] = {}
+        self.num_dropped_outputs = 0  # outputs of requests that had already ended
+
+    # -- queries ----------------------------------------------------------------------
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def holders(self, request_id: str) -> list[int]:
+        """Stages that hold the request (given it, not finished); [] for an unknown id."""
+        st = self._requests.get(request_id)
+        return [] if st is None else st.holders
+
+    def num_requests_on(self, stage_id: int) -> int:
+        """Requests a stage holds (its queue depth as the front sees it)."""
+        return sum(1 for st in self._requests.values() if stage_id in st.submitted - st.finished_stages)
+
+    def dead_stages(self) -> dict[int, str]:
+        return dict(self._dead)
+
+    def plan(self, modalities: Iterable[str] | None) -> RequestPlan:
+        """Final outputs, final stage and prewarmed stages for these modalities (pure)."""
+        cfg = self.config
+        finals = cfg.final_output_stage_ids(modalities)
+        final_stage_id = cfg.final_stage_id(modalities)
+        prewarm: tuple[int, ...] = ()
+        if self.is_chunked and final_stage_id > 0:
+            # §2.3: a stage that does not receive chunks gets its real input by
+            # forwarding; prewarming it would let it run before its input exists.
+            prewarm = tuple(s for s in range(1, final_stage_id + 1) if self._receives[s])
+        return RequestPlan(
+            final_output_stage_ids=tuple(finals), final_stage_id=final_stage_id, prewarm_stage_ids=prewarm
+        )
+
+    def check_admissible(self, request: PipelineRequest) -> RequestPlan:
+        """Client errors that need no state (§2.3 step 3); raises :class:`InvalidRequestError`."""
+        plan = self.plan(request.modalities)
+        if not request.prompt_token_ids and request.inputs is None:
+            raise InvalidRequestError(
+                f"request {request.request_id!r} has no prompt: pass prompt_token_ids (or inputs)"
+            )
+        if plan.prewarm_stage_ids and not request.prompt_token_ids:
+            labels = ", ".join(self.config.stage(s).label for s in plan.prewarm_stage_ids)
+            raise InvalidRequestError(
+                f"request {request.request_id!r} has no prompt_token_ids (an embeds-only prompt), so "
+                f"{labels} cannot be prewarmed for chunk streaming; pass prompt_token_ids, or request "
+                f"only modalities served before the first chunk-receiving stage"
+            )
+        return plan
+
+    # -- admission (§2.2, §2.3) -----------------------------------------------------------
+
+    def admit(self, request: PipelineRequest) -> list[Action]:
+        """Create the request's state and submit stage 0 plus the prewarm placeholders.
+
+        Raises :class:`InvalidRequestError` for a client error (nothing changed). A dead
+        stage on the request's path ends the request at once (a failed terminal output).
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidRequestError(
+                f"request id {rid!r} is already in flight; wait for it to finish or abort it first"
+            )
+        plan = self.check_admissible(request)
+        st = _RequestState(request=request, plan=plan, finals=frozenset(plan.final_output_stage_ids))
+        for s in plan.path:
+            if s < plan.final_stage_id and self._forwards_from(s):
+                st.sources[s] = _Accumulator()
+        self._requests[rid] = st
+        dead = [s for s in plan.path if s in self._dead]
+        if dead:
+            return self.fail(rid, self._dead[dead[0]], stage_id=dead[0])
+        actions: list[Action] = [StageSubmit(0, self._first_request(st))]
+        st.submitted.add(0)
+        for s in plan.prewarm_stage_ids:
+            actions.append(StageSubmit(s, self._placeholder_request(st, s)))
+            st.submitted.add(s)
+        return actions
+
+    def _forwards_from(self, s: int) -> bool:
+        """Is the edge ``s -> s+1`` a forwarding (complete input) edge for the orchestrator?"""
+        return not (self.is_chunked and self._receives[s + 1])
+
+    def _sampling(self, st: _RequestState, stage_id: int) -> SamplingParams:
+        given = st.request.sampling.get(stage_id)
+        return given if given is not None else stage_sampling_defaults(self.config.stage(stage_id))
+
+    def _first_request(self, st: _RequestState) -> StageRequest:
+        req = st.request
+        return StageRequest(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids or []),
+            sampling=self._sampling(st, 0),
+            inputs=req.inputs,
+            final_stage_id=st.plan.final_stage_id,
+            extras=dict(req.extras),
+        )
+
+    def _placeholder_request(self, st: _RequestState, stage_id: int) -> StageRequest:
+        req = st.request
+        n = placeholder_prompt_len(
+            req.prompt_token_ids or [], override=self.config.stage(stage_id).async_chunk_prewarm_prompt_len
+        )
+        return StageRequest(
+            request_id=req.request_id,
+            prompt_token_ids=[0] * n,
+            sampling=self._sampling(st, stage_id),
+            is_placeholder=True,
+            final_stage_id=st.plan.final_stage_id,
+            extras=dict(req.extras),
+        )
+
+    # -- routing (§2.4) -----------------------------------------------------------------
+
+    def on_output(self, out: StageOutput) -> list[Action]:
+        """Route one stage output of one request."""
+        st = self._requests.get(out.request_id)
+        if st is None:
+            self.num_dropped_outputs += 1  # the request already ended (abort, failure)
+            return []
+        s = out.stage_id
+        label = self._label(s)
+        if s not in st.submitted:
+            return self.fail(
+                out.request_id, f"{label} reported an output for a request it was never given", stage_id=s
+            )
+        if out.error is not None or out.finish_reason == "error":
+            if out.finished:
+                st.finished_stages.add(s)
+            return self.fail(
+                out.request_id, f"{label}: {out.error or 'the stage reported an error'}", stage_id=s
+            )
+        if out.finish_reason == "abort":
+            # The orchestrator forgets a request when it aborts it, so this abort is the
+            # stage's own: what runs after it would wait for input that never comes.
+            if out.finished:
+                st.finished_stages.add(s)
+            return self.fail(out.request_id, f"{label} aborted the request on its own", stage_id=s)
+        if s in st.finished_stages:
+            return self.fail(out.request_id, f"{label} reported an output after it finished", stage_id=s)
+        if out.sample_rate is not None:
+            st.last_sample_rate[s] = out.sample_rate
+        acc = st.sources.get(s)
+        if acc is not None:
+            acc.token_ids.extend(out.token_ids)
+            if out.text:
+                acc.text.append(out.text)
+            if out.audio is not None:
+                acc.audio.append(out.audio)
+            if out.sample_rate is not None:
+                acc.sample_rate = out.sample_rate
+        actions: list[Action] = []
+        if out.finished:
+            st.finished_stages.add(s)
+        if s in st.finals:
+            self._final_message(st, self._message(st, out), actions)
+        if out.finished and out.request_id in self._requests:
+            self._forward(st, s, actions)
+        if out.request_id in self._requests:
+            self._release_pending(st, actions)
+        return actions
+
+    def _message(self, st: _RequestState, out: StageOutput) -> RequestOutput:
+        return RequestOutput(
+            request_id=out.request_id,
+            stage_id=out.stage_id,
+            modality=self._modality(out.stage_id),
+            token_ids=list(out.token_ids),
+            text=out.text,
+            audio=out.audio,
+            sample_rate=out.sample_rate,
+            stage_finished=out.finished,
+            finish_reason=out.finish_reason if out.finished else None,
+            metrics=dict(out.metrics),
+        )
+
+    def _final_message(self, st: _RequestState, msg: RequestOutput, actions: list[Action]) -> None:
+        """§2.4 steps 2–3 and 6 for one message of a final-output stage."""
+        if msg.stage_finished:
+            st.finished_finals.add(msg.stage_id)
+        is_done = st.finals <= st.finished_finals
+        if is_done and self.is_chunked and not st.all_submitted_finished():
+            # Hold rule: a downstream decoder finished before an upstream stage's
+            # terminal output was routed; the last message waits for it (step 5).
+            msg.finished = True
+            st.pending = msg
+            return
+        msg.finished = is_done
+        actions.append(ClientOutput(msg.request_id, msg))
+        if is_done:
+            self._end(st, actions)
+
+    def _release_pending(self, st: _RequestState, actions: list[Action]) -> None:
+        """§2.4 step 5: send the held message once every submitted stage finished."""
+        if st.pending is not None and st.all_submitted_finished():
+            msg, st.pending = st.pending, None
+            actions.append(ClientOutput(msg.request_id, msg))
+            self._end(st, actions)
+
+    # -- forwarding (§2.5) ------------------------------------------------------------
+
+    def _forward(self, st: _RequestState, s: int, actions: list[Action]) -> None:
+        final = st.plan.final_stage_id
+        nxt = s + 1
+        if s >= final or not self._forwards_from(s) or nxt in st.submitted:
+            return
+        rid = st.request.request_id
+        if nxt in self._dead:
+            actions.extend(self.fail(rid, self._dead[nxt], stage_id=nxt))
+            return
+        acc = st.sources.get(s) or _Accumulator()
+        source = SourceOutput(
+            stage_id=s,
+            token_ids=list(acc.token_ids),
+            text="".join(acc.text),
+            audio=list(acc.audio),
+            sample_rate=acc.sample_rate,
+            finished=True,
+        )
+        stage = self.config.stage(nxt)
+        try:
+            built = self._builders[nxt](source, st.request, stage)
+        except Exception as exc:  # a builder bug or a bad output fails this request only
+            actions.extend(self.fail(rid, f"{stage.label}: its input builder failed: {exc!r}", stage_id=nxt))
+            return
+        st.sources.pop(s, None)  # handed over; nothing else reads it
+        if built is None:
+            # Nothing to forward and the source is finished: the stages after s will
+            # never run; end their final outputs with empty terminals (no hang).
+            for f in range(nxt, final + 1):
+                if f in st.finals and rid in self._requests:
+                    self._final_message(st, self._empty_terminal(st, f), actions)
+            return
+        request = StageRequest(
+            request_id=rid,
+            prompt_token_ids=[int(t) for t in built.prompt_token_ids],
+            sampling=self._sampling(st, nxt),
+            inputs=built.inputs,
+            final_stage_id=final,
+            extras={**st.request.extras, **built.extras},
+        )
+        actions.append(StageSubmit(nxt, request))
+        st.submitted.add(nxt)
+
+    def _empty_terminal(self, st: _RequestState, stage_id: int) -> RequestOutput:
+        modality = self._modality(stage_id)
+        audio = torch.zeros(0, dtype=torch.float32) if modality == "audio" else None
+        rate = st.last_sample_rate.get(stage_id) if audio is not None else None
+        return RequestOutput(
+            request_id=st.request.request_id,
+            stage_id=stage_id,
+            modality=modality,
+            audio=audio,
+            sample_rate=rate,
+            stage_finished=True,
+            finish_reason="stop",
+        )
+
+    # -- ends (§2.6, §2.7, §2.8) -----------------------------------------------------------
+
+    def abort(self, request_id: str) -> list[Action]:
+        """Abort a request: abort every stage that holds it, end it, release everywhere.
+
+        Unknown ids (already ended) are a no-op.
+        """
+        st = self._requests.get(request_id)
+        if st is None:
+            return []
+        actions: list[Action] = []
+        if st.pending is not None:  # a held final message still carries content
+            held, st.pending = st.pending, None
+            held.finished = False
+            actions.append(ClientOutput(request_id, held))
+        terminal = RequestOutput(
+            request_id=request_id,
+            stage_id=st.plan.final_stage_id,
+            modality=self._modality(st.plan.final_stage_id),
+            finished=True,
+            finish_reason="abort",
+        )
+        actions.append(ClientOutput(request_id, terminal))
+        self._end(st, actions)
+        return actions
+
+    def fail(self, request_id: str, reason: str, *, stage_id: int | None = None) -> list[Action]:
+        """Fail a request with ``reason``: the client gets an error terminal, every stage
+        that holds it aborts it, every stage releases it. Unknown ids are a no-op."""
+        st = self._requests.get(request_id)
+        if st is None:
+            return []
+        terminal = RequestOutput(
+            request_id=request_id,
+            stage_id=-1 if stage_id is None else stage_id,
+            modality="",
+            finished=True,
+            finish_reason="error",
+            error=reason,
+        )
+        actions: list[Action] = [ClientOutput(request_id, terminal)]
+        self._end(st, actions)
+        return actions
+
+    def on_stage_died(self, stage_id: int, reason: str) -> list[Action]:
+        """A stage worker is gone: fail every request that still needs it.
+
+        A request needs the stage when the stage is on its path and has not finished it
+        (it holds it, or would get it by prewarm or forwarding). Later admissions that
+        need it fail at once.
+        """
+        self._dead[stage_id] = reason
+        actions: list[Action] = []
+        for rid, st in list(self._requests.items()):
+            if stage_id in st.plan.path and stage_id not in st.finished_stages:
+                actions.extend(self.fail(rid, reason, stage_id=stage_id))
+        return actions
+
+    def fail_all(self, reason: str) -> list[Action]:
+        """Fail every request in flight (shutdown)."""
+        actions: list[Action] = []
+        for rid in list(self._requests):
+            actions.extend(self.fail(rid, reason))
+        return actions
+
+    def _end(self, st: _RequestState, actions: list[Action]) -> None:
+        """Forget the request; abort it where still held; release it in every stage.
+
+        After a normal completion no stage holds it (the hold rule waited for them);
+        aborting a holder anyway keeps "nothing left behind" true if a stage misbehaves.
+        """
+        rid = st.request.request_id
+        del self._requests[rid]
+        for s in st.holders:
+            actions.append(StageAbort(s, rid))
+        for s in self._all_stage_ids:
+            actions.append(StageRelease(s, rid))
+
+    # -- naming -------------------------------------------------------------------------
+
+    def _label(self, stage_id: int) -> str:
+        try:
+            return self.config.stage(stage_id).label
+        except Exception:
+            return f"stage {stage_id}"
+
+    def _modality(self, stage_id: int) -> str:
+        t = self.config.stage(stage_id).final_output_type
+        return "" if t is None else str(t)
+
+
+def requested_modalities(modalities: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """Normalize a client's ``modalities`` argument; :class:`InvalidRequestError` on bad types."""
+    if modalities is None:
+        return None
+    if isinstance(modalities, str):
+        modalities = (modalities,)
+    if not isinstance(modalities, Sequence) or not all(isinstance(m, str) for m in modalities):
+        raise InvalidRequestError(
+            f"modalities must be a list of strings such as ['text', 'audio'], got {modalities!r}"
+        )
+    return tuple(modalities)

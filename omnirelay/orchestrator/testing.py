@@ -1,0 +1,76 @@
+"""Small engines for tests and measurements of the process layer (STYLE 9).
+
+* :class:`ParkingEngine` — a :class:`StageEngineProtocol` that takes every request and
+  never produces anything: it holds them until abort or release. In stage 0 it keeps
+  every downstream stage's prewarmed requests waiting for chunks that never come — the
+  idle state whose cost ``scripts/soak_pipeline.py`` measures.
+* :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(...,
+  engine_factory="omnirelay.orchestrator.testing:build_parked_stage0_engine")``):
+  stage 0 parks, the other stages are the real engines of the default factory.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput, StageRequest
+from omnirelay.orchestrator.factory import build_stage_engine
+from omnirelay.pipeline import PipelineConfig
+
+__all__ = ["ParkingEngine", "build_parked_stage0_engine"]
+
+
+class ParkingEngine:
+    """Holds requests, produces nothing; ``wait_for_work`` blocks until ``wake``."""
+
+    def __init__(self, stage_id: int) -> None:
+        self.stage_id = stage_id
+        self._requests: dict[str, StageRequest] = {}
+        self._cond = threading.Condition()
+        self._is_woken = False
+        self.num_steps = 0
+
+    def add_request(self, request: StageRequest) -> None:
+        self._requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def step(self) -> list[StageOutput]:
+        self.num_steps += 1
+        return []
+
+    def has_work(self) -> bool:
+        return False
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self._cond:
+            self._cond.wait_for(lambda: self._is_woken, timeout)
+            self._is_woken = False
+        return False
+
+    def wake(self) -> None:
+        with self._cond:
+            self._is_woken = True
+            self._cond.notify_all()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "healthy", "num_parked": len(self._requests), "num_steps": self.num_steps}
+
+    def leak_state(self) -> dict[str, Any]:
+        return {"parked": sorted(self._requests)} if self._requests else {}
+
+    def shutdown(self) -> None:
+        self._requests.clear()
+        self.wake()
+
+
+def build_parked_stage0_engine(pipeline: PipelineConfig, stage_id: int) -> StageEngineProtocol:
+    """Stage 0 parks every request; the others are real (see the module docstring)."""
+    if stage_id == 0:
+        return ParkingEngine(stage_id)
+    return build_stage_engine(pipeline, stage_id)

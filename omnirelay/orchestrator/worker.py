@@ -1,0 +1,379 @@
+"""The stage worker process: one stage engine behind the control plane.
+
+:func:`worker_main` is the process target (``spawn`` context only: the front may have
+imported torch, and forking a process with torch's threads is undefined behaviour). It
+
+1. connects its control sockets, builds the engine through the factory named in
+   :class:`WorkerSpec` (``"module:function"``, called as ``factory(pipeline, stage_id)``),
+   starts the control receive thread and says :class:`Hello` (or
+   :class:`StartupFailed` and exits 1);
+2. runs :class:`WorkerLoop` until :class:`Shutdown`, SIGTERM, or the parent is gone
+   (the receive thread watches it and posts a Shutdown);
+3. shuts the engine down and closes its sockets (the engine closes its connector,
+   which unlinks what it still owns under /dev/shm), says :class:`Goodbye`, and exits 0
+   with ``os._exit`` (nothing is left to finalize; see the end of :func:`worker_main`).
+
+The loop (:meth:`WorkerLoop.run_once`), on the engine thread:
+
+* take every control message the receive thread queued; add / abort / release go to
+  the engine, queries wait for the tick;
+* one ``engine.step()`` when the engine has work, a command was just posted, or a wait
+  just ended (the engine collects stall timeouts in ``step``); outputs go out as one
+  :class:`Outputs` message;
+* acknowledge the releases that tick applied (:class:`Released`: the front's fence
+  against a reused request id; see :meth:`WorkerLoop._acknowledge`), then answer
+  health / leak-state queries;
+* otherwise wait without spinning: ``engine.wait_for_work(idle_wait_s)``, which the
+  receive thread ends early through ``engine.wake()``. For an engine without ``wake``
+  (it is not part of the protocol): with no request in the engine, block on the inbox;
+  with requests parked, wait in ``wait_slice_s`` slices and look at the inbox between.
+
+SIGINT is ignored (Ctrl-C in a terminal reaches the whole process group; the front
+shuts the workers down in order). SIGTERM ends the loop cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.orchestrator.control import ControlPaths, Inbox, WorkerControl, parent_alive
+from omnirelay.orchestrator.messages import (
+    Abort,
+    Goodbye,
+    HealthReply,
+    HealthRequest,
+    Hello,
+    LeakStateReply,
+    LeakStateRequest,
+    Outputs,
+    Release,
+    Released,
+    RequestFailed,
+    Shutdown,
+    StageFatal,
+    StartupFailed,
+    Submit,
+    ToFront,
+    ToWorker,
+    stage_request,
+    wire_output,
+)
+from omnirelay.pipeline import PipelineConfig
+
+__all__ = [
+    "DEFAULT_ENGINE_FACTORY",
+    "EngineFactory",
+    "WorkerLoop",
+    "WorkerSpec",
+    "leak_paths",
+    "load_engine_factory",
+    "worker_main",
+]
+
+DEFAULT_ENGINE_FACTORY = "omnirelay.orchestrator.factory:build_stage_engine"
+
+EngineFactory = Callable[[PipelineConfig, int], StageEngineProtocol]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled to the spawned process."""
+
+    stage_id: int
+    pipeline: PipelineConfig  # namespace filled in
+    paths: ControlPaths
+    parent_pid: int
+    engine_factory: str = DEFAULT_ENGINE_FACTORY
+    #: an idle engine's wait; it steps once after each (stall timeouts are collected then)
+    idle_wait_s: float = 1.0
+    #: engines without ``wake()``: longest a control message waits while requests are parked
+    wait_slice_s: float = 0.01
+    #: how often the receive thread checks that the parent is alive
+    parent_check_s: float = 0.5
+    #: longest a release acknowledgement waits for the engine's ``is_released`` (if any)
+    release_ack_timeout_s: float = 10.0
+
+
+def load_engine_factory(path: str) -> EngineFactory:
+    """``"package.module:function"`` → the function; :class:`ConfigError` when it is not there."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"engine factory must look like 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"engine factory {path!r}: cannot import {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"engine factory {path!r}: {module_name!r} has no function {attr!r}")
+    return factory
+
+
+def leak_paths(state: Any, path: str = "") -> list[str]:
+    """Where a leak-state tree is not empty: non-zero numbers and non-empty containers.
+
+    Booleans, strings and ``None`` describe; they are not state. Keys ending in
+    ``_total`` are cumulative counters and are skipped.
+    """
+    found: list[str] = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            key = str(k)
+            if not key.endswith("_total"):
+                found.extend(leak_paths(v, f"{path}.{key}" if path else key))
+    elif isinstance(state, list | tuple | set | frozenset):
+        if state:
+            found.append(f"{path}={list(state)[:5]!r}")
+    elif isinstance(state, bool) or state is None or isinstance(state, str):
+        pass
+    elif isinstance(state, int | float) and state != 0:
+        found.append(f"{path}={state}")
+    return found
+
+
+class _Stop(Exception):
+    """Raised out of the loop by SIGTERM."""
+
+
+class WorkerLoop:
+    """Drive one engine from control messages; see the module docstring.
+
+    ``send`` delivers a message to the front (the engine thread's socket). Runs on one
+    thread; only the :class:`Inbox` is shared with the receive thread.
+    """
+
+    def __init__(
+        self, engine: StageEngineProtocol, inbox: Inbox, send: Callable[[ToFront], None], spec: WorkerSpec
+    ) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.send = send
+        self.spec = spec
+        self.stage_id = spec.stage_id
+        wake = getattr(engine, "wake", None)
+        self.engine_wake: Callable[[], None] | None = wake if callable(wake) else None
+        is_released = getattr(engine, "is_released", None)
+        self.engine_is_released: Callable[[str], bool] | None = is_released if callable(is_released) else None
+        #: Ids handed to the engine and not yet seen finished, aborted or released (the
+        #: queue depth in health; for engines without ``wake``, whether to wait in slices).
+        self.live: set[str] = set()
+        self.is_stopping = False
+        self._num_posted = 0  # commands posted since the last step
+        self._needs_tick = False
+        #: releases posted → when to acknowledge anyway (see :meth:`_acknowledge`)
+        self._unacked: dict[str, float] = {}
+
+    def wake(self) -> None:
+        """Called by the receive thread after it queued messages."""
+        if self.engine_wake is not None:
+            self.engine_wake()
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until Shutdown (or SIGTERM)."""
+        while not self.is_stopping:
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One iteration: apply control messages, tick, acknowledge, answer, or wait."""
+        messages = self.inbox.take_all()
+        queries: list[ToWorker] = []
+        for message in messages:
+            self._apply(message, queries)
+        if self._num_posted or self._needs_tick or self.engine.has_work():
+            self._step()
+        if self._unacked:
+            self._acknowledge()
+        for query in queries:
+            self._answer(query)
+        if self.is_stopping or messages or self.engine.has_work():
+            return
+        self._wait()
+
+    def _acknowledge(self) -> None:
+        """Say :class:`Released` for the releases the last tick applied.
+
+        An engine with ``is_released(id)`` (optional, not in the protocol) may finish a
+        release later (a cancelled sender draining on a transfer thread): its ids are
+        acknowledged once it says so — the front admits a new request with the same id
+        only then — or after ``release_ack_timeout_s`` at the latest.
+        """
+        now = time.monotonic()
+        for rid, deadline in list(self._unacked.items()):
+            if self.engine_is_released is None or self.engine_is_released(rid) or now >= deadline:
+                del self._unacked[rid]
+                self.send(Released(self.stage_id, rid))
+
+    def _wait(self) -> None:
+        self._needs_tick = True
+        if self.engine_wake is not None:
+            self.engine.wait_for_work(self.spec.idle_wait_s)
+        elif not self.live:
+            self.inbox.wait(self.spec.idle_wait_s)
+        else:
+            self.engine.wait_for_work(self.spec.wait_slice_s)
+
+    def _step(self) -> None:
+        self._num_posted = 0
+        self._needs_tick = False
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.send(StageFatal(self.stage_id, f"engine step failed: {exc!r}\n{traceback.format_exc()}"))
+            raise
+        if not outputs:
+            return
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        self.send(Outputs(self.stage_id, [wire_output(o) for o in outputs]))
+
+    # -- control messages ---------------------------------------------------------------
+
+    def _apply(self, message: ToWorker, queries: list[ToWorker]) -> None:
+        if isinstance(message, Submit):
+            rid = message.request.request_id
+            try:
+                self.engine.add_request(stage_request(message.request))
+            except Exception as exc:
+                self.send(RequestFailed(self.stage_id, rid, f"add_request failed: {exc!r}"))
+                return
+            self.live.add(rid)
+            self._num_posted += 1
+        elif isinstance(message, Abort):
+            self.live.discard(message.request_id)
+            self.engine.abort(message.request_id)
+            self._num_posted += 1
+        elif isinstance(message, Release):
+            self.live.discard(message.request_id)
+            self.engine.release(message.request_id)
+            self._unacked[message.request_id] = time.monotonic() + self.spec.release_ack_timeout_s
+            self._num_posted += 1
+        elif isinstance(message, HealthRequest | LeakStateRequest):
+            queries.append(message)
+        elif isinstance(message, Shutdown):
+            self.is_stopping = True
+        else:  # pragma: no cover - the decoder only yields the union's members
+            raise PipelineError(f"unknown control message {message!r}")
+
+    def _answer(self, query: ToWorker) -> None:
+        if isinstance(query, HealthRequest):
+            engine = dict(self.engine.health())
+            engine.setdefault("num_bad_control_messages", self.inbox.num_bad_messages)
+            self.send(
+                HealthReply(
+                    seq=query.seq,
+                    stage_id=self.stage_id,
+                    pid=os.getpid(),
+                    num_requests=len(self.live),
+                    engine=engine,
+                )
+            )
+        elif isinstance(query, LeakStateRequest):
+            self.send(
+                LeakStateReply(seq=query.seq, stage_id=self.stage_id, state=self._settled_leak_state(query))
+            )
+
+    def _settled_leak_state(self, query: LeakStateRequest) -> dict[str, Any]:
+        """The books, once in-flight cleanup settled (or ``settle_s`` passed).
+
+        Cleanup that follows an abort or release partly runs on the engine's transfer
+        threads (a cancelled sender finishes its put, then removes it): an audit waits
+        for that, bounded, instead of reporting a transient state as a leak.
+        """
+        deadline = time.monotonic() + query.settle_s
+        while True:
+            state = {
+                "worker": {"num_live_requests": len(self.live)},
+                "engine": dict(self.engine.leak_state()),
+            }
+            remaining = deadline - time.monotonic()
+            if not leak_paths(state) or remaining <= 0:
+                return state
+            flush = getattr(self.engine, "flush", None)
+            if callable(flush):
+                flush(min(remaining, 0.5))
+            else:
+                self.engine.wait_for_work(min(remaining, 0.05))
+            self._step()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()
+
+
+def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtocol | None:
+    """The engine, or None after telling the front why it could not be built."""
+    try:
+        factory = load_engine_factory(spec.engine_factory)
+        return factory(spec.pipeline, spec.stage_id)
+    except _Stop:
+        raise
+    except Exception as exc:
+        detail = f"{exc!r}\n{traceback.format_exc()}"
+        control.send(
+            StartupFailed(spec.stage_id, os.getpid(), detail),
+            is_peer_alive=lambda: parent_alive(spec.parent_pid),
+            timeout_s=5.0,
+        )
+        return None
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """The process target of one stage worker (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def is_parent_alive() -> bool:
+        return parent_alive(spec.parent_pid)
+
+    def send(message: ToFront) -> None:
+        control.send(message, is_peer_alive=is_parent_alive)
+
+    control = WorkerControl(spec.paths, spec.stage_id)
+    engine: StageEngineProtocol | None = None
+    is_clean = False
+    try:
+        engine = _build_engine(spec, control)
+        if engine is not None:
+            inbox = Inbox()
+            loop = WorkerLoop(engine, inbox, send, spec)
+            control.start_receiving(
+                inbox, wake=loop.wake, is_parent_alive=is_parent_alive, parent_check_s=spec.parent_check_s
+            )
+            send(Hello(spec.stage_id, os.getpid()))
+            loop.run()
+            is_clean = True
+    except _Stop:
+        is_clean = engine is not None
+    finally:
+        # A SIGTERM during cleanup must not cut it short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if engine is not None:
+                engine.shutdown()
+            if is_clean and is_parent_alive():
+                try:
+                    control.send(Goodbye(spec.stage_id), is_peer_alive=is_parent_alive, timeout_s=1.0)
+                except PipelineError:
+                    pass
+        finally:
+            control.close()
+    # Everything this process owns is closed by now. Skip the interpreter's finalization
+    # (a second or more with torch loaded, and it would wait for any stray non-daemon
+    # thread): the front is waiting for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if is_clean else 1)

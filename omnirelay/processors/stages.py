@@ -1,0 +1,119 @@
+"""The chunk processors of the Qwen3-Omni stages, as the transfer adapter calls them.
+
+The adapter calls a processor once per stage step on a send worker with a
+:class:`~omnirelay.transfer.BuildRequest` (the step's output, a snapshot of the request,
+the chunk id) and a release hook when a request's sender state must go. These classes
+keep the per-request stream state (keyed by external id) around the pure processors of
+:mod:`thinker_to_talker` and :mod:`talker_to_code2wav`.
+
+Registered by name with :func:`register_processors` (the names the shipped pipelines use):
+``thinker_to_talker`` and ``talker_to_code2wav``. Factories take ``(stage, pipeline)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from omnirelay.errors import PayloadEncodeError
+from omnirelay.pipeline import PipelineConfig, StageConfig
+from omnirelay.processors.base import Payload, make_payload
+from omnirelay.processors.talker_to_code2wav import (
+    CodecStreamState,
+    TalkerToCode2WavConfig,
+    TalkerToCode2WavProcessor,
+)
+from omnirelay.processors.thinker_to_talker import ThinkerStreamState, ThinkerToTalkerProcessor
+from omnirelay.transfer import BuildRequest
+
+__all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors"]
+
+
+def _terminal() -> Payload:
+    return make_payload(meta={"finished": True})
+
+
+class ThinkerToTalkerStage:
+    """Thinker step outputs → Talker payloads (SPEC §5.1), one stream state per request.
+
+    The Thinker executor captures exactly the hidden layers ``{0, accept_hidden_layer}``
+    (the Talker config's layer), so the accepted layer is read off the first step's
+    output rather than configured twice.
+    """
+
+    def __init__(self, stage: StageConfig, pipeline: PipelineConfig) -> None:
+        self.stage_id = stage.id
+        self._lock = threading.Lock()
+        self._states: dict[str, ThinkerStreamState] = {}
+        self._proc: ThinkerToTalkerProcessor | None = None
+
+    def build(self, req: BuildRequest) -> Payload | None:
+        out = req.output
+        with self._lock:
+            state = self._states.get(req.external_id)
+        if out is None:  # a step with no new rows: only the end of the stream is news
+            return _terminal() if req.is_finished else None
+        if not isinstance(out, dict) or "hidden_layers" not in out:
+            raise PayloadEncodeError(
+                f"thinker_to_talker: stage {self.stage_id} step output must be the Thinker executor's "
+                f"mapping with 'hidden_layers', got {type(out).__name__}"
+            )
+        if self._proc is None:
+            layers = [int(k) for k in out["hidden_layers"]]
+            self._proc = ThinkerToTalkerProcessor(accept_hidden_layer=max(layers))
+        if state is None:
+            prompt = list(req.context.prompt_token_ids) if req.context is not None else []
+            state = self._proc.new_state(prompt)
+            with self._lock:
+                self._states[req.external_id] = state
+        return self._proc.step(state, chunk_id=req.chunk_id, finished=req.is_finished, **out)
+
+    def release(self, external_id: str, kind: str) -> None:
+        with self._lock:
+            self._states.pop(external_id, None)
+
+    def leak_state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"thinker_to_talker_states": sorted(self._states)} if self._states else {}
+
+
+class TalkerToCode2WavStage:
+    """Talker codec frames → Code2Wav decode windows (SPEC §5.2), one state per request.
+
+    The 4/25/25 schedule comes from the next stage's input connector ``extra``.
+    """
+
+    def __init__(self, stage: StageConfig, pipeline: PipelineConfig) -> None:
+        self.stage_id = stage.id
+        extra: dict[str, Any] = {}
+        consumers = pipeline.consumer_ids(stage)
+        if consumers:
+            name = pipeline.input_connector(consumers[0])
+            if name is not None:
+                extra = dict(pipeline.connector_spec(name).extra)
+        self._proc = TalkerToCode2WavProcessor(TalkerToCode2WavConfig.from_extra(extra))
+        self._lock = threading.Lock()
+        self._states: dict[str, CodecStreamState] = {}
+
+    def build(self, req: BuildRequest) -> Payload | None:
+        with self._lock:
+            state = self._states.get(req.external_id)
+            if state is None:
+                stops = req.context.sampling.stop_token_ids if req.context is not None else ()
+                state = self._states[req.external_id] = self._proc.new_state(stop_token_ids=stops)
+        return self._proc.step(state, req.output, chunk_id=req.chunk_id, finished=req.is_finished)
+
+    def release(self, external_id: str, kind: str) -> None:
+        with self._lock:
+            self._states.pop(external_id, None)
+
+    def leak_state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"talker_to_code2wav_states": sorted(self._states)} if self._states else {}
+
+
+def register_processors(processors: Any, *, replace: bool = False) -> Any:
+    """Register the Qwen3-Omni chunk processors in a processor :class:`Registry`."""
+    processors.add("thinker_to_talker", ThinkerToTalkerStage, replace=replace)
+    processors.add("talker_to_code2wav", TalkerToCode2WavStage, replace=replace)
+    return processors

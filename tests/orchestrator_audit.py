@@ -1,0 +1,81 @@
+"""Leak audits for the multi-process orchestrator tests.
+
+* :func:`audit_running` — while the pipeline runs: every worker answers a leak-state
+  request (the round trip also proves it processed every release sent before), the
+  answers show no request state, and the namespace holds no transfer object (pooled
+  slot files of live producers are reusable memory, not objects).
+* :func:`audit_stopped` — after shutdown: nothing at all under /dev/shm for the
+  namespace, no child process left, the control socket directory removed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omnirelay.api import Pipeline
+from omnirelay.connectors.sweep import sweep
+from omnirelay.orchestrator.worker import leak_paths
+
+
+def child_pids() -> list[int]:
+    """Live children of this process, except multiprocessing's resource tracker."""
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, ppid = fields[0], int(fields[1])
+        if ppid != me or state == "Z" or "resource_tracker" in cmdline:
+            continue
+        out.append(int(entry))
+    return out
+
+
+def pids_alive(pids: list[int | None]) -> list[int]:
+    """The pids of ``pids`` that still exist (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2 :].split()[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def transfer_objects(namespace: str) -> list[Any]:
+    """Published objects and claims of the namespace (pooled slots excluded)."""
+    return [o for o in sweep(namespace).objects if o.kind != "slot"]
+
+
+def audit_running(pipe: Pipeline) -> None:
+    states = pipe.leak_state()
+    leaks = {sid: leak_paths(state) for sid, state in states.items()}
+    assert not any(leaks.values()), f"request state left in stages: {leaks}"
+    objs = transfer_objects(pipe.namespace)
+    assert objs == [], f"transfer objects left: {[(o.name, o.key, o.owner_pid) for o in objs]}"
+    assert pipe.num_active == 0
+
+
+def audit_stopped(pipe: Pipeline, *, expect_reclaimed: bool = False) -> None:
+    report = pipe.shutdown()
+    assert sweep(pipe.namespace).objects == []
+    assert report.num_objects_left == 0
+    if not expect_reclaimed:
+        assert report.num_reclaimed == 0, "shutdown had to reclaim objects a clean worker should have removed"
+    assert report.num_killed == 0, report
+    assert pids_alive(list(pipe.pids().values())) == []
+    assert not os.path.exists(pipe._orch._control.paths.directory if pipe._orch._control else "/nonexistent")

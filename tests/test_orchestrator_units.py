@@ -1,0 +1,456 @@
+"""The process layer's parts, in one process: messages, control sockets, the worker loop,
+request handles, request-id validation and the public surface."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import omnirelay.api as api
+import omnirelay.orchestrator as orchestrator_pkg
+from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
+from omnirelay.errors import ConfigError, InvalidRequestError, PipelineError, RequestFailedError
+from omnirelay.orchestrator.control import ControlPaths, FrontControl, Inbox, WorkerControl
+from omnirelay.orchestrator.handle import RequestHandle
+from omnirelay.orchestrator.messages import (
+    Abort,
+    Goodbye,
+    HealthReply,
+    HealthRequest,
+    Hello,
+    LeakStateReply,
+    LeakStateRequest,
+    Outputs,
+    Release,
+    Released,
+    RequestFailed,
+    Shutdown,
+    StageFatal,
+    StartupFailed,
+    Submit,
+    decode_to_front,
+    decode_to_worker,
+    encode_message,
+    stage_output,
+    stage_request,
+    wire_output,
+    wire_request,
+)
+from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
+from omnirelay.pipeline import parse_pipeline
+
+# ------------------------------------------------------------------------ public surface
+
+
+def test_exports() -> None:
+    for name in orchestrator_pkg.__all__:
+        assert hasattr(orchestrator_pkg, name), name
+    for name in api.__all__:
+        assert hasattr(api, name), name
+    assert sorted(orchestrator_pkg.__all__) == orchestrator_pkg.__all__
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "x" * 257, "a\nb", "tab\t", "nul\x00", "del\x7f", "c1\x85", "\ud800", 5, None, b"id", ["id"]]
+)
+def test_request_id_validation_rejects(bad: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        api.validate_request_id(bad)
+    assert "request_id" in str(info.value)
+    assert isinstance(info.value, ValueError)  # also a ValueError for generic handlers
+
+
+@pytest.mark.parametrize("good", ["a", "x" * 256, "../../etc/passwd", "résumé 👍", "task_1_0", "a b"])
+def test_request_id_validation_accepts(good: str) -> None:
+    assert api.validate_request_id(good) == good
+
+
+# -------------------------------------------------------------------------------- messages
+
+
+def test_every_message_round_trips() -> None:
+    req = StageRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        sampling=SamplingParams(max_tokens=3, stop_token_ids=(7,)),
+        is_placeholder=True,
+        inputs={"audio": torch.arange(5, dtype=torch.float32), "n": 1},
+        final_stage_id=2,
+        extras={"t": torch.ones(2, 2, dtype=torch.bfloat16)},
+    )
+    out = StageOutput(
+        request_id="r",
+        stage_id=2,
+        finished=True,
+        finish_reason="stop",
+        audio=torch.rand(8),
+        sample_rate=24000,
+    )
+    to_worker = [
+        Submit(wire_request(req)),
+        Abort("r"),
+        Release("r"),
+        HealthRequest(1),
+        LeakStateRequest(2, 0.5),
+        Shutdown(),
+    ]
+    for m in to_worker:
+        assert decode_to_worker(encode_message(m)) == m
+    to_front = [
+        Hello(0, 1),
+        StartupFailed(0, 1, "boom"),
+        Outputs(2, [wire_output(out)]),
+        RequestFailed(1, "r", "x"),
+        Released(1, "r"),
+        StageFatal(1, "x"),
+        HealthReply(1, 0, 3, 0, {"a": [1, 2], "nested": {"x": 1.5}}),
+        LeakStateReply(2, 0, {"worker": {"num_live_requests": 0}, "engine": {}}),
+        Goodbye(0),
+    ]
+    for m in to_front:
+        assert decode_to_front(encode_message(m)) == m
+    back = stage_request(decode_to_worker(encode_message(Submit(wire_request(req)))).request)  # type: ignore[union-attr]
+    assert torch.equal(back.inputs["audio"], req.inputs["audio"]) and back.inputs["n"] == 1
+    assert back.extras["t"].dtype == torch.bfloat16 and back.sampling == req.sampling and back.is_placeholder
+    got = stage_output(wire_output(out))
+    assert torch.equal(got.audio, out.audio) and got.sample_rate == 24000 and got.finished
+
+
+def test_reports_with_odd_values_still_encode() -> None:
+    reply = HealthReply(1, 0, 3, 0, {"obj": object(), "np": torch.tensor(3)})
+    back = decode_to_front(encode_message(reply))
+    assert isinstance(back, HealthReply) and back.engine["np"] == 3 and "object" in back.engine["obj"]
+
+
+def test_bad_frames_are_pipeline_errors() -> None:
+    with pytest.raises(PipelineError):
+        decode_to_worker(b"\x00garbage")
+    with pytest.raises(PipelineError):
+        decode_to_front(encode_message(Shutdown()))  # a front never receives a Shutdown
+
+
+# ------------------------------------------------------------------------------ control
+
+
+def test_control_plane_round_trip_and_cleanup() -> None:
+    paths = ControlPaths.create(2)
+
+    async def main() -> None:
+        front = FrontControl(paths)
+        worker = WorkerControl(paths, 1)
+        inbox = Inbox()
+        woke = threading.Event()
+        worker.start_receiving(inbox, wake=woke.set, is_parent_alive=lambda: True, parent_check_s=0.05)
+        try:
+            worker.send(Hello(1, os.getpid()))
+            assert await front.recv(1) == Hello(1, os.getpid())
+            assert front.send(1, Abort("x"))
+            assert await asyncio.to_thread(inbox.wait, 5.0)
+            assert woke.is_set() and inbox.take_all() == [Abort("x")]
+            assert not front.send(0, Abort("y"))  # no worker connected to stage 0
+        finally:
+            worker.close()
+            front.close()
+            front.close()  # idempotent
+
+    asyncio.run(main())
+    assert not os.path.exists(paths.directory)
+
+
+def test_orphaned_worker_gets_a_shutdown() -> None:
+    paths = ControlPaths.create(1)
+    front = FrontControl(paths)
+    worker = WorkerControl(paths, 0)
+    inbox = Inbox()
+    try:
+        worker.start_receiving(inbox, wake=lambda: None, is_parent_alive=lambda: False, parent_check_s=0.01)
+        assert inbox.wait(5.0)
+        assert inbox.take_all() == [Shutdown()]
+    finally:
+        worker.close()
+        front.close()
+
+
+# ---------------------------------------------------------------------------- worker loop
+
+
+class RecordingEngine:
+    """An in-process engine that records calls; ``wake``/``is_released`` are optional."""
+
+    def __init__(self, *, with_wake: bool = True) -> None:
+        self.stage_id = 1
+        self.calls: list[tuple[str, str]] = []
+        self.requests: dict[str, int] = {}
+        self.pending_outputs: list[StageOutput] = []
+        self.is_released_ids: set[str] = set()
+        self.num_steps = 0
+        self.num_wakes = 0
+        self.fail_step = False
+        self.cond = threading.Condition()
+        if with_wake:
+            self.wake = self._wake  # type: ignore[method-assign]
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.num_wakes += 1
+            self.cond.notify_all()
+
+    def add_request(self, request: StageRequest) -> None:
+        self.calls.append(("add", request.request_id))
+        self.requests[request.request_id] = 0
+
+    def abort(self, request_id: str) -> None:
+        self.calls.append(("abort", request_id))
+        self.requests.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        self.calls.append(("release", request_id))
+        self.requests.pop(request_id, None)
+
+    def step(self) -> list[StageOutput]:
+        self.num_steps += 1
+        if self.fail_step:
+            raise RuntimeError("step broke")
+        outs, self.pending_outputs = self.pending_outputs, []
+        return outs
+
+    def has_work(self) -> bool:
+        return bool(self.pending_outputs)
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self.cond:
+            self.cond.wait(timeout)
+        return self.has_work()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "healthy"}
+
+    def leak_state(self) -> dict[str, Any]:
+        return {"requests": sorted(self.requests)}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any]]:
+    cfg = parse_pipeline(
+        {
+            "name": "x",
+            "stages": [
+                {
+                    "id": 0,
+                    "name": "a",
+                    "execution_type": "ar",
+                    "executor": "e",
+                    "final_output": True,
+                    "final_output_type": "text",
+                }
+            ],
+        }
+    )
+    spec = WorkerSpec(
+        stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 1), parent_pid=os.getpid(), **spec_kw
+    )
+    inbox = Inbox()
+    sent: list[Any] = []
+    return WorkerLoop(engine, inbox, sent.append, spec), inbox, sent
+
+
+def submit(rid: str) -> Submit:
+    return Submit(wire_request(StageRequest(request_id=rid, prompt_token_ids=[1])))
+
+
+def test_worker_loop_applies_commands_steps_and_acknowledges_releases() -> None:
+    engine = RecordingEngine()
+    loop, inbox, sent = make_loop(engine)
+    inbox.put(submit("a"))
+    inbox.put(HealthRequest(7))
+    loop.run_once()
+    assert engine.calls == [("add", "a")] and loop.live == {"a"}
+    assert engine.num_steps == 1  # a posted command makes a tick
+    (reply,) = sent
+    assert isinstance(reply, HealthReply) and reply.seq == 7 and reply.num_requests == 1
+    sent.clear()
+    engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, finished=True, token_ids=[3])]
+    loop.run_once()
+    (outs,) = sent
+    assert isinstance(outs, Outputs) and outs.outputs[0].token_ids == [3] and loop.live == set()
+    sent.clear()
+    inbox.put(Abort("a"))
+    inbox.put(Release("a"))
+    inbox.put(LeakStateRequest(8, 0.0))
+    loop.run_once()
+    assert engine.calls[-2:] == [("abort", "a"), ("release", "a")]
+    # the acknowledgement follows the tick that applied the release, the query after it
+    assert [type(m).__name__ for m in sent] == ["Released", "LeakStateReply"]
+    inbox.put(Shutdown())
+    loop.run_once()
+    assert loop.is_stopping
+
+
+def test_release_ack_waits_for_is_released() -> None:
+    engine = RecordingEngine()
+    engine.is_released = lambda rid: rid in engine.is_released_ids  # type: ignore[attr-defined]
+    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=30.0)
+    inbox.put(Release("r"))
+    loop.run_once()
+    assert sent == []  # the engine still drains the id
+    engine.is_released_ids.add("r")
+    loop.run_once()
+    assert sent == [Released(1, "r")]
+
+
+def test_release_ack_is_bounded() -> None:
+    engine = RecordingEngine()
+    engine.is_released = lambda rid: False  # type: ignore[attr-defined]
+    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=0.0)
+    inbox.put(Release("r"))
+    loop.run_once()
+    assert sent == [Released(1, "r")]
+
+
+def test_leak_state_settles_then_reports() -> None:
+    engine = RecordingEngine()
+    loop, inbox, sent = make_loop(engine)
+    engine.requests["stuck"] = 1
+    inbox.put(LeakStateRequest(1, 0.05))
+    t0 = time.monotonic()
+    loop.run_once()
+    (reply,) = sent
+    assert isinstance(reply, LeakStateReply) and reply.state["engine"] == {"requests": ["stuck"]}
+    assert time.monotonic() - t0 >= 0.05
+    assert leak_paths(reply.state) == ["engine.requests=['stuck']"]
+
+
+def test_step_failure_is_fatal_and_reported() -> None:
+    engine = RecordingEngine()
+    loop, inbox, sent = make_loop(engine)
+    engine.fail_step = True
+    inbox.put(submit("a"))
+    with pytest.raises(RuntimeError, match="step broke"):
+        loop.run_once()
+    (fatal,) = sent
+    assert isinstance(fatal, StageFatal) and "step broke" in fatal.error
+
+
+def test_engine_without_wake_waits_on_the_inbox_when_empty() -> None:
+    engine = RecordingEngine(with_wake=False)
+    loop, inbox, _ = make_loop(engine, idle_wait_s=30.0)
+    assert loop.engine_wake is None
+    t = threading.Timer(0.05, inbox.put, args=(Shutdown(),))
+    t.start()
+    t0 = time.monotonic()
+    loop.run_once()  # idle, no request: blocks on the inbox, not for 30 s
+    t.join()
+    assert time.monotonic() - t0 < 10
+    loop.run_once()
+    assert loop.is_stopping
+
+
+def test_engine_with_wake_is_woken_by_the_receive_thread() -> None:
+    engine = RecordingEngine()
+    loop, inbox, _ = make_loop(engine, idle_wait_s=30.0)
+
+    def deliver() -> None:
+        inbox.put(Shutdown())
+        loop.wake()
+
+    t = threading.Timer(0.05, deliver)
+    t.start()
+    t0 = time.monotonic()
+    loop.run_once()
+    t.join()
+    assert time.monotonic() - t0 < 10 and engine.num_wakes == 1
+
+
+def test_load_engine_factory_errors() -> None:
+    for bad in ("nocolon", "no_such_module_xyz:f", "omnirelay.api:no_such_function"):
+        with pytest.raises(ConfigError):
+            load_engine_factory(bad)
+    assert callable(load_engine_factory("omnirelay.orchestrator.testing:build_parked_stage0_engine"))
+
+
+def test_leak_paths() -> None:
+    assert leak_paths({"a": 0, "b": [], "c": {}, "d": None, "e": "text", "f": False, "g_total": 9}) == []
+    assert leak_paths({"a": {"b": 2}, "c": ["x"]}) == ["a.b=2", "c=['x']"]
+
+
+# ------------------------------------------------------------------------------ handles
+
+
+def out(finished: bool = False, reason: str | None = None, **kw: Any) -> RequestOutput:
+    return RequestOutput(
+        request_id="r", stage_id=0, modality="text", finished=finished, finish_reason=reason, **kw
+    )
+
+
+def test_handle_sync_iteration_and_result() -> None:
+    done: list[str] = []
+    h = RequestHandle("r", abort=lambda rid: done.append(f"abort {rid}"), on_done=done.append)
+    h.deliver(out(token_ids=[1]))
+    h.deliver(
+        RequestOutput(
+            request_id="r", stage_id=2, modality="audio", audio=torch.ones(2), sample_rate=8, finished=False
+        )
+    )
+    h.deliver(out(True, "stop", token_ids=[2], text="hi"))
+    h.deliver(out(token_ids=[99]))  # nothing follows a terminal output
+    assert done == ["r"] and h.is_finished
+    res = h.result(timeout=1)
+    assert res.token_ids() == [1, 2] and res.text == "hi" and res.finish_reason == "stop"
+    assert res.audio is not None and res.audio.numel() == 2 and res.sample_rate == 8
+    assert list(h) == []  # exhausted
+    h.abort()
+    assert done[-1] == "abort r"
+
+
+def test_handle_failure_raises_and_abort_ends() -> None:
+    h = RequestHandle("r")
+    h.deliver(out(token_ids=[1]))
+    h.deliver(
+        RequestOutput(
+            request_id="r", stage_id=1, modality="", finished=True, finish_reason="error", error="boom"
+        )
+    )
+    assert next(h).token_ids == [1]
+    with pytest.raises(RequestFailedError, match="boom") as info:
+        next(h)
+    assert info.value.request_id == "r" and info.value.reason == "boom"
+    with pytest.raises(StopIteration):
+        next(h)
+    h2 = RequestHandle("r")
+    h2.deliver(out(True, "abort"))
+    assert h2.result(1).is_aborted
+    with pytest.raises(TimeoutError):
+        RequestHandle("r").next_output(timeout=0.01)
+    with pytest.raises(PipelineError):
+        RequestHandle("r").abort()  # not attached to a pipeline
+
+
+def test_handle_async_iteration_across_threads() -> None:
+    h = RequestHandle("r")
+    started = threading.Event()
+
+    def producer() -> None:
+        started.wait(5)
+        for i in range(3):
+            h.deliver(out(token_ids=[i]))
+        h.deliver(out(True, "length"))
+
+    async def main() -> list[RequestOutput]:
+        t = threading.Thread(target=producer)
+        t.start()
+        started.set()
+        got = [o async for o in h]
+        t.join()
+        return got
+
+    got = asyncio.run(main())
+    assert [o.token_ids for o in got] == [[0], [1], [2], []] and got[-1].finished
