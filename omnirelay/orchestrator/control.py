@@ -124,6 +124,24 @@ class FrontControl:
         data = await self._evt[stage_id].recv()
         return decode_to_front(data)
 
+    def recv_nowait(self, stage_id: int) -> list[ToFront]:
+        """Every message of the stage already queued here, without waiting (used when a
+        worker exits, so its last words are read before its death is reported). Bad
+        messages are skipped."""
+        if self._is_closed:
+            return []
+        sock = zmq.Socket.shadow(self._evt[stage_id].underlying)
+        out: list[ToFront] = []
+        while True:
+            try:
+                data = sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                out.append(decode_to_front(data))
+            except PipelineError:
+                continue
+
     def close(self) -> None:
         """Close every socket, the context and the directory; idempotent."""
         if self._is_closed:
@@ -263,7 +281,9 @@ class WorkerControl:
         if self._is_closed:
             return
         self._is_closed = True
-        self._evt.close(linger=0)
+        # Flush what is queued (a StartupFailed, the last outputs, Goodbye): linger 0 would
+        # drop it. Bounded, so a dead front costs at most this at exit.
+        self._evt.close(linger=1000)
         if self._reader is None:
             self._cmd.close(linger=0)
         # term() interrupts the receive thread's poll (ETERM); the thread closes its

@@ -13,6 +13,7 @@ Tests pass their own engine factory to ``Pipeline.start(engine_factory="module:f
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from omnirelay.engine.interfaces import StageEngineProtocol
@@ -26,7 +27,13 @@ from omnirelay.orchestrator.router import (
 )
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, StageConfig
 
-__all__ = ["build_input_builders", "build_stage_engine", "code2wav_to_aligner_builder", "default_registry"]
+__all__ = [
+    "build_input_builders",
+    "build_stage_engine",
+    "code2wav_to_aligner_builder",
+    "default_registry",
+    "with_stage_device",
+]
 
 
 def default_registry() -> ComponentRegistry:
@@ -52,7 +59,24 @@ def build_stage_engine(pipeline: PipelineConfig, stage_id: int) -> StageEnginePr
 
     if pipeline.namespace is None:
         raise ConfigError("build_stage_engine needs a pipeline with its namespace filled in")
-    return create_stage_engine(pipeline, stage_id, default_registry())
+    return create_stage_engine(with_stage_device(pipeline, stage_id), stage_id, default_registry())
+
+
+def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:
+    """The pipeline with stage ``stage_id``'s ``devices`` handed to its model executor.
+
+    A Qwen3-Omni executor places its model by ``executor_args.device``; a stage that names
+    ``devices`` (``cuda:1``) and no ``executor_args.device`` gets ``device: <devices>``.
+    An explicit ``executor_args.device`` wins; other executors (toys) are left alone.
+    """
+    from omnirelay.models import EXECUTOR_NAMES
+
+    stage = pipeline.stage(stage_id)
+    if stage.devices is None or stage.executor not in EXECUTOR_NAMES or "device" in stage.executor_args:
+        return pipeline
+    placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
+    stages = tuple(placed if s.id == stage.id else s for s in pipeline.stages)
+    return msgspec.structs.replace(pipeline, stages=stages)
 
 
 # ----------------------------------------------------------------- front side

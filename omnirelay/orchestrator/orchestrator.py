@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from typing import Any
@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from omnirelay.connectors.sweep import sweep
+from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import (
     InvalidRequestError,
     OmniRelayError,
@@ -157,8 +158,11 @@ class Orchestrator:
         startup_timeout_s: float = 120.0,
         idle_wait_s: float = 1.0,
         wait_slice_s: float = 0.01,
+        on_stage_output: Callable[[StageOutput], None] | None = None,
     ) -> None:
         self.config = msgspec.structs.replace(config, namespace=namespace)
+        #: Sees every stage's outputs (intermediate stages too) before they are routed.
+        self._on_stage_output = on_stage_output
         self.namespace = namespace
         self.router = Router(self.config, input_builders=input_builders)
         self._engine_factory = engine_factory
@@ -376,6 +380,8 @@ class Orchestrator:
                     reason = f"{st.label}: its output cannot be decoded: {exc}"
                     self._execute(self.router.fail(wire.request_id, reason, stage_id=stage_id))
                     continue
+                if self._on_stage_output is not None:
+                    self._on_stage_output(out)
                 self._execute(self.router.on_output(out))
         elif isinstance(message, RequestFailed):
             if (stage_id, message.request_id) in self._fences:
@@ -420,6 +426,11 @@ class Orchestrator:
         st.exitcode = proc.exitcode
         st.is_exited = True
         st.exited.set()
+        # Its last messages (a StartupFailed with the real reason, final outputs) may be
+        # queued but not read yet: handle them before reporting the death.
+        if self._control is not None:
+            for message in self._control.recv_nowait(stage_id):
+                self._on_message(stage_id, message)
         if not self._is_closing or not st.said_goodbye:
             reason = (
                 f"{st.label} worker process (pid {st.pid}) died ({describe_exit(proc.exitcode)}); "
