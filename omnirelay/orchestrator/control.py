@@ -130,7 +130,7 @@ class FrontControl:
         messages are skipped."""
         if self._is_closed:
             return []
-        sock = zmq.Socket.shadow(self._evt[stage_id].underlying)
+        sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._evt[stage_id].underlying)
         out: list[ToFront] = []
         while True:
             try:
