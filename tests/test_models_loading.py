@@ -14,6 +14,7 @@ import torch
 import omnirelay.models as models
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models import (
+    ALIGNER_EXECUTOR,
     EXECUTOR_NAMES,
     Checkpoint,
     ModelArgs,
@@ -219,7 +220,7 @@ def test_tiny_tokenizer_round_trips_text_offline() -> None:
 def test_executors_register_under_the_pipeline_names() -> None:
     registry = ComponentRegistry()
     register_executors(registry.executors)
-    assert set(registry.executors.names()) == set(EXECUTOR_NAMES)
+    assert set(registry.executors.names()) == {*EXECUTOR_NAMES, ALIGNER_EXECUTOR}
     tiny = load_pipeline("qwen3-omni-tiny", registry=None)
     assert {stage.executor for stage in tiny.stages} == set(EXECUTOR_NAMES)
     with pytest.raises(ConfigError, match="already registered"):

@@ -19,6 +19,7 @@ COMMANDS = (
     "omnirelay.cli.check",
     "omnirelay.cli.bench",
     "omnirelay.cli.doctor",
+    "omnirelay.cli.serve",
 )
 
 

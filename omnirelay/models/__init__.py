@@ -9,6 +9,7 @@ One file per role:
 * ``tokenizer`` — chat prompt ids and incremental detokenization.
 * ``sampling`` / ``kv`` — token sampling; per-request KV caches stacked for batched decode.
 * ``thinker`` / ``talker`` (+ ``talker_input``) / ``code2wav`` — the three executors.
+* ``aligner`` — ``aligner.vad``, a weight-free forced aligner (voice activity + allocation).
 
 Executors are registered by name into a registry the caller owns::
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from omnirelay.models.aligner import ALIGNER_EXECUTOR, create_aligner
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.tiny import build_tiny
 from omnirelay.models.tokenizer import (
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from omnirelay.models.thinker import ThinkerExecutor
 
 __all__ = [
+    "ALIGNER_EXECUTOR",
     "CODE2WAV_EXECUTOR",
     "EXECUTOR_NAMES",
     "TALKER_EXECUTOR",
@@ -47,6 +50,7 @@ __all__ = [
     "IncrementalDetokenizer",
     "ModelArgs",
     "build_tiny",
+    "create_aligner",
     "create_code2wav",
     "create_talker",
     "create_thinker",
@@ -93,3 +97,4 @@ def register_executors(executors: Registry[Any], *, replace: bool = False) -> No
     executors.add(THINKER_EXECUTOR, create_thinker, replace=replace)
     executors.add(TALKER_EXECUTOR, create_talker, replace=replace)
     executors.add(CODE2WAV_EXECUTOR, create_code2wav, replace=replace)
+    executors.add(ALIGNER_EXECUTOR, create_aligner, replace=replace)

@@ -1,0 +1,177 @@
+"""The OpenAI-compatible app: :func:`create_app` over a started :class:`~omnirelay.api.Pipeline`.
+
+======================================  =================================================
+route                                   serves
+======================================  =================================================
+``POST /v1/chat/completions``           :mod:`omnirelay.serving.chat`
+``POST /v1/audio/speech``               :mod:`omnirelay.serving.speech`
+``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.websocket`
+``GET /v1/models``                      the one model (the pipeline)
+``GET /health``                         per stage, from ``pipeline.health_async()``;
+                                        503 when a stage is down
+``GET /metrics``                        Prometheus text (:mod:`omnirelay.serving.metrics`)
+======================================  =================================================
+
+The app does not own the pipeline: whoever started it shuts it down (the ``serve``
+command, a test fixture). Every error leaves as OpenAI's JSON error body with a 4xx/5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, WebSocket
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omnirelay.api import Pipeline
+from omnirelay.errors import OmniRelayError
+from omnirelay.serving import chat, speech, websocket
+from omnirelay.serving.admission import Admission
+from omnirelay.serving.config import ServerConfig
+from omnirelay.serving.errors import ApiError, error_body
+from omnirelay.serving.frontend import Frontend
+from omnirelay.serving.metrics import CONTENT_TYPE, ServerMetrics, live_bytes
+from omnirelay.serving.text import TextCodec, codec_for_pipeline
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+
+
+def create_app(
+    pipeline: Pipeline,
+    config: ServerConfig | None = None,
+    *,
+    codec: TextCodec | None = None,
+    admission: Admission | None = None,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """The app serving ``pipeline``. ``codec`` (default: from stage 0's executor),
+    ``admission`` and ``metrics`` are injectable (tests hold slots, read counters)."""
+    cfg = config or ServerConfig()
+    fe = Frontend(
+        pipeline, cfg, codec or codec_for_pipeline(pipeline.config), admission=admission, metrics=metrics
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        probe = asyncio.create_task(_probe_live_bytes(fe)) if cfg.max_live_bytes is not None else None
+        try:
+            yield
+        finally:
+            if probe is not None:
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+
+    app = FastAPI(title="omnirelay", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.frontend = fe
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            outcome = "rejected" if exc.status == 429 else ("invalid" if exc.status < 500 else "failed")
+            fe.metrics.requests.labels(endpoint, outcome).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(exc.detail), code=str(exc.status_code)),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(OmniRelayError)
+    async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
+        logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
+        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await chat.chat_completions(request, fe)
+
+    @app.post("/v1/audio/speech")
+    async def _speech(request: Request) -> Response:
+        return await speech.speech(request, fe)
+
+    @app.websocket(speech.WS_PATH)
+    async def _speech_stream(ws: WebSocket) -> None:
+        await websocket.serve_session(ws, fe)
+
+    @app.get("/v1/models")
+    async def _models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": fe.model_name, "object": "model", "created": fe.created, "owned_by": "omnirelay"}
+            ],
+        }
+
+    @app.get("/health")
+    async def _health() -> JSONResponse:
+        try:
+            health = await pipeline.health_async()
+        except OmniRelayError as exc:
+            return JSONResponse({"status": "unhealthy", "error": str(exc), "stages": []}, status_code=503)
+        fe.metrics.update_health(health)
+        fe.admission.live_bytes = live_bytes(health)
+        stages = []
+        for st in health.stages:
+            engine = st.engine or {}
+            stages.append(
+                {
+                    "stage_id": st.stage_id,
+                    "name": st.name,
+                    "is_alive": st.is_alive,
+                    "pid": st.pid,
+                    "status": engine.get("status", "unknown" if st.is_alive else "dead"),
+                    "num_requests": st.num_requests,
+                    "queue_depth": st.queue_depth,
+                    "error": st.error,
+                }
+            )
+        body = {
+            "status": "healthy" if health.is_healthy else "unhealthy",
+            "model": fe.model_name,
+            "namespace": health.namespace,
+            "num_requests": health.num_requests,
+            "num_in_flight": fe.admission.num_active,
+            "max_concurrency": fe.admission.max_concurrency,
+            "live_bytes": fe.admission.live_bytes,
+            "stages": stages,
+        }
+        return JSONResponse(body, status_code=200 if health.is_healthy else 503)
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        try:
+            health = await pipeline.health_async()
+        except OmniRelayError:
+            health = None
+        if health is not None:
+            fe.metrics.update_health(health)
+            fe.admission.live_bytes = live_bytes(health)
+        return Response(fe.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _probe_live_bytes(fe: Frontend, interval_s: float = 1.0) -> None:
+    """Keep admission's view of live transfer bytes fresh (only with a byte budget)."""
+    while True:
+        try:
+            health = await fe.pipeline.health_async()
+        except OmniRelayError:
+            pass
+        else:
+            fe.admission.live_bytes = live_bytes(health)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,77 @@
+"""The serving layer's one flat config: :class:`ServerConfig`, validated at construction.
+
+Every limit the HTTP and WebSocket front applies lives here, so a test can build an app
+with small limits (one admission slot, a short idle timeout) without touching globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from omnirelay.errors import ConfigError
+
+__all__ = ["DEFAULT_VOICES", "ServerConfig"]
+
+#: The Qwen3-Omni speakers (the tiny model has the same table).
+DEFAULT_VOICES = ("chelsie", "ethan", "aiden")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Limits and names of one server. Every field is checked in ``__post_init__``."""
+
+    #: the model name clients pass (default: the pipeline's name)
+    model_name: str | None = None
+    #: requests served at once; one more gets 429 with Retry-After
+    max_concurrency: int = 64
+    #: live transfer bytes (all stages, from the last health probe) past which new
+    #: requests get 429; None: no byte budget
+    max_live_bytes: int | None = None
+    #: the Retry-After value of a 429, in seconds
+    retry_after_s: int = 1
+    #: the largest HTTP request body accepted (413 past it)
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: the longest speech ``input`` and chat prompt, in characters
+    max_input_chars: int = 16384
+    #: the largest ``max_tokens`` a client may ask for
+    max_tokens_limit: int = 8192
+    #: voices a client may name (case-insensitive)
+    voices: tuple[str, ...] = DEFAULT_VOICES
+    default_voice: str = "chelsie"
+    #: ``X-Word-Timestamps`` is sent only when its JSON fits (SPEC §7.2)
+    max_timestamps_header_bytes: int = 4096
+    # -- WebSocket /v1/audio/speech/stream (SPEC §7.4)
+    ws_max_config_bytes: int = 4 * 1024 * 1024
+    ws_max_text_bytes: int = 128 * 1024
+    ws_first_config_timeout_s: float = 10.0
+    ws_idle_timeout_s: float = 30.0
+    #: text buffered in one utterance before the server refuses more
+    ws_max_utterance_chars: int = 16384
+    #: histogram buckets of time to first audio / first token, in seconds
+    latency_buckets_s: tuple[float, ...] = field(
+        default=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("model_name", "max_live_bytes") and value is None:
+                continue
+            if f.name in ("model_name", "default_voice"):
+                if not isinstance(value, str) or not value.strip():
+                    raise ConfigError(f"ServerConfig.{f.name} must be a non-empty string, got {value!r}")
+            elif f.name == "voices":
+                if not value or not all(isinstance(v, str) and v for v in value):
+                    raise ConfigError(f"ServerConfig.voices must be non-empty strings, got {value!r}")
+            elif f.name == "latency_buckets_s":
+                if not value or list(value) != sorted(value) or value[0] <= 0:
+                    raise ConfigError(f"ServerConfig.latency_buckets_s must be increasing and > 0: {value!r}")
+            elif f.name.endswith("_s"):
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    raise ConfigError(f"ServerConfig.{f.name} must be a number > 0, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"ServerConfig.{f.name} must be an int > 0, got {value!r}")
+        if self.default_voice.lower() not in {v.lower() for v in self.voices}:
+            raise ConfigError(
+                f"ServerConfig.default_voice {self.default_voice!r} is not one of voices {list(self.voices)}"
+            )

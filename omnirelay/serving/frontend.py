@@ -1,0 +1,293 @@
+"""What every endpoint shares: :class:`Frontend` (checks, sampling, submit) and
+:class:`RequestStream` (one admitted request's outputs, metrics and its end).
+
+A request's life on the server::
+
+    slot = admission.acquire()                  # 429 when over the limits
+    stream = frontend.submit(...)               # the pipeline starts it (never blocks)
+    async for out in stream: ...                # RequestOutput s; failures raise
+    stream.close()                              # always (finally): aborts it through every
+                                                # stage when it has not ended, frees the slot
+
+``close`` is synchronous and idempotent, so a cancelled task (a client that went away)
+can call it from its ``finally``. :meth:`RequestStream.abort` records why.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+
+from omnirelay.api import Pipeline
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.errors import OmniRelayError, RequestFailedError
+from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
+from omnirelay.serving.admission import Admission, Slot
+from omnirelay.serving.config import ServerConfig
+from omnirelay.serving.errors import ApiError, translate
+from omnirelay.serving.metrics import ServerMetrics
+from omnirelay.serving.text import TextCodec
+
+__all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]
+
+CHAT_MODALITIES = ("text", "audio")
+#: the abort reason of a request ended early by one of its stop sequences (not a failure)
+STOP_SEQUENCE = "stop_sequence"
+
+
+class RequestStream:
+    """One admitted request: iterate its outputs once; always :meth:`close` it."""
+
+    def __init__(self, frontend: Frontend, handle: Any, slot: Slot, endpoint: str) -> None:
+        self.frontend = frontend
+        self.handle = handle
+        self.request_id: str = handle.request_id
+        self.endpoint = endpoint
+        self._slot = slot
+        self.t_submit = time.perf_counter()
+        self.t_first_token: float | None = None
+        self.t_first_audio: float | None = None
+        self.num_audio_samples = 0
+        self.sample_rate: int | None = None
+        self.finish_reason: str | None = None
+        self.abort_reason: str | None = None
+        self.error: str | None = None
+        self.is_done = False  # the terminal output arrived (or the request failed)
+        self._is_closed = False
+        frontend.metrics.in_flight.inc()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.handle:
+                self._observe(out)
+                yield out
+        except RequestFailedError as exc:
+            self.is_done = True
+            self.error = exc.reason
+            self.frontend.metrics.failures.labels(self.endpoint).inc()
+            raise
+
+    def _observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if out.token_ids and out.modality == "text" and self.t_first_token is None:
+            self.t_first_token = now
+            self.frontend.metrics.ttft.labels(self.endpoint).observe(now - self.t_submit)
+        if out.stage_finished and "e2e_s" in out.metrics:
+            self.frontend.metrics.stage_e2e.labels(str(out.stage_id)).observe(out.metrics["e2e_s"])
+        if out.finished:
+            self.is_done = True
+            self.finish_reason = out.finish_reason
+
+    def note_audio_sent(self, num_samples: int, sample_rate: int) -> None:
+        """The server sent ``num_samples`` new samples (time to first audio, RTF)."""
+        if num_samples <= 0:
+            return
+        if self.t_first_audio is None:
+            self.t_first_audio = time.perf_counter()
+            self.frontend.metrics.ttfa.labels(self.endpoint).observe(self.t_first_audio - self.t_submit)
+        self.num_audio_samples += num_samples
+        self.sample_rate = sample_rate
+
+    def abort(self, reason: str) -> None:
+        """Abort the request through every stage (no-op once it ended)."""
+        if self.is_done or self.abort_reason is not None:
+            return
+        self.abort_reason = reason
+        self.frontend.metrics.aborts.labels(reason).inc()
+        self.frontend.pipeline.abort(self.request_id)
+
+    def close(self) -> None:
+        """End the request's life on the server; aborts it when it has not ended."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if not self.is_done:
+            self.abort("client_disconnect")
+        self._slot.release()
+        self.frontend._forget(self.request_id)
+        m = self.frontend.metrics
+        m.in_flight.dec()
+        if self.error is not None:
+            outcome = "failed"
+        elif self.abort_reason not in (None, STOP_SEQUENCE) or (
+            self.abort_reason is None and self.finish_reason == "abort"
+        ):
+            outcome = "aborted"
+        else:
+            outcome = "ok"
+        m.requests.labels(self.endpoint, outcome).inc()
+        if outcome == "ok" and self.num_audio_samples and self.sample_rate:
+            audio_s = self.num_audio_samples / self.sample_rate
+            m.rtf.labels(self.endpoint).observe((time.perf_counter() - self.t_submit) / audio_s)
+
+
+class Frontend:
+    """The pipeline as the endpoints see it: model name, modalities, voices, sampling."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        config: ServerConfig,
+        codec: TextCodec,
+        *,
+        admission: Admission | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.codec = codec
+        self.admission = admission or Admission(
+            config.max_concurrency, max_live_bytes=config.max_live_bytes, retry_after_s=config.retry_after_s
+        )
+        self.metrics = metrics or ServerMetrics(config.latency_buckets_s)
+        self.model_name = config.model_name or pipeline.config.name
+        self.created = int(time.time())
+        pcfg = pipeline.config
+        self.output_types: tuple[str, ...] = tuple(
+            dict.fromkeys(
+                str(s.final_output_type) for s in pcfg.stages if s.final_output and s.final_output_type
+            )
+        )
+        self._voices = {v.lower(): v for v in config.voices}
+        # Ids whose response is still going out: a client id stays taken until then,
+        # even when the pipeline is already done with it.
+        self._ids_lock = threading.Lock()
+        self._ids: set[str] = set()
+
+    # -- checks -------------------------------------------------------------------------
+
+    @property
+    def has_aligner(self) -> bool:
+        return "timestamps" in self.output_types
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist on this server; it serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_voice(self, voice: str | None) -> str:
+        if voice is None:
+            return self.config.default_voice.lower()
+        if voice.lower() not in self._voices:
+            raise ApiError(
+                400, f"unknown voice {voice!r}; supported voices: {sorted(self._voices)}", param="voice"
+            )
+        return voice.lower()
+
+    def chat_modalities(self, value: Any) -> tuple[str, ...]:
+        """SPEC §7.1: absent → the pipeline's output modalities; else a list of strings
+        within them, or a 400 that lists the supported ones."""
+        supported = [m for m in self.output_types if m in CHAT_MODALITIES]
+        if value is None:
+            return tuple(supported)
+        if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
+            raise ApiError(
+                400,
+                f"modalities must be a non-empty list of strings; supported modalities: {supported}",
+                param="modalities",
+            )
+        unknown = [m for m in value if m not in supported]
+        if unknown:
+            raise ApiError(
+                400,
+                f"unsupported modalities {unknown}; model {self.model_name!r} supports {supported}",
+                param="modalities",
+            )
+        return tuple(dict.fromkeys(value))
+
+    def check_text(self, text: str, what: str) -> None:
+        if len(text) > self.config.max_input_chars:
+            raise ApiError(
+                400,
+                f"{what} is {len(text)} characters long; the limit is {self.config.max_input_chars}",
+                param=what,
+                code="input_too_long",
+            )
+
+    def sampling(
+        self,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams | None:
+        """Stage 0's parameters: the client's values over the stage config's defaults."""
+        if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"max_tokens is {max_tokens}; the limit is {self.config.max_tokens_limit}",
+                param="max_tokens",
+            )
+        given = {
+            k: v
+            for k, v in (
+                ("max_tokens", max_tokens),
+                ("temperature", temperature),
+                ("top_p", top_p),
+                ("seed", seed),
+            )
+            if v is not None
+        }
+        if not given:
+            return None
+        base = stage_sampling_defaults(self.pipeline.config.stages[0])
+        return msgspec.structs.replace(base, **given)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        endpoint: str,
+        prompt_token_ids: Sequence[int],
+        modalities: Sequence[str],
+        request_id: str,
+        sampling: SamplingParams | None = None,
+        extras: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`."""
+        with self._ids_lock:
+            if request_id in self._ids:
+                raise ApiError(
+                    409,
+                    f"request id {request_id!r} is already in flight; wait for its response to end "
+                    "or use another X-Request-Id",
+                    param="X-Request-Id",
+                    code="request_id_in_use",
+                )
+            self._ids.add(request_id)
+        try:
+            slot = self.admission.acquire()
+        except BaseException:
+            self._forget(request_id)
+            raise
+        try:
+            handle = self.pipeline.submit(
+                list(prompt_token_ids),
+                modalities=list(modalities),
+                sampling=sampling,
+                request_id=request_id,
+                extras=extras,
+            )
+        except OmniRelayError as exc:
+            slot.release()
+            self._forget(request_id)
+            raise translate(exc) from exc
+        except BaseException:
+            slot.release()
+            self._forget(request_id)
+            raise
+        return RequestStream(self, handle, slot, endpoint)
+
+    def _forget(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._ids.discard(request_id)

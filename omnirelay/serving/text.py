@@ -1,0 +1,115 @@
+"""Text in and out of a pipeline for the server: :class:`TextCodec` and its two kinds.
+
+* :class:`ChatMLCodec` — a ``transformers`` tokenizer (the Thinker's): chat messages in
+  the Qwen ChatML form (:func:`format_chat` — the same text as
+  :func:`omnirelay.models.format_chat_prompt` for one system and one user turn), and
+  incremental detokenization for stages that report token ids without text.
+* :class:`ByteCodec` — for pipelines without a tokenizer (the toy pipeline): a prompt is
+  its UTF-8 bytes, a token id is one character.
+
+:func:`codec_for_pipeline` picks one from stage 0's executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from omnirelay.models.tokenizer import IncrementalDetokenizer
+from omnirelay.pipeline import PipelineConfig
+
+__all__ = [
+    "SPEAK_INSTRUCTION",
+    "ByteCodec",
+    "ChatMLCodec",
+    "Detokenizer",
+    "TextCodec",
+    "codec_for_pipeline",
+    "format_chat",
+]
+
+#: The system turn of a speech request on a chat pipeline (Thinker first).
+SPEAK_INSTRUCTION = "Read the user's text aloud exactly as written, and say nothing else."
+
+
+class Detokenizer(Protocol):
+    def push(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class TextCodec(Protocol):
+    """Prompt ids for chat and speech requests; text of generated ids."""
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """``(role, content)`` turns → prompt ids ending in an open assistant turn."""
+        ...
+
+    def encode_speech(self, text: str) -> list[int]:
+        """The prompt ids of a speech request for ``text``."""
+        ...
+
+    def detokenizer(self, context: Sequence[int]) -> Detokenizer: ...
+
+
+def format_chat(messages: Sequence[tuple[str, str]]) -> str:
+    """ChatML turns, then the open assistant turn. ``developer`` is a ``system`` turn."""
+    parts = []
+    for role, content in messages:
+        role = "system" if role == "developer" else role
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+class ChatMLCodec:
+    """A ``transformers`` tokenizer with the Qwen chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        ids = self.tokenizer.encode(format_chat(messages), add_special_tokens=False)
+        return [int(t) for t in ids]
+
+    def encode_speech(self, text: str) -> list[int]:
+        return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
+
+    def detokenizer(self, context: Sequence[int]) -> Detokenizer:
+        return IncrementalDetokenizer(self.tokenizer, context)
+
+
+class _ByteDetokenizer:
+    def push(self, token_ids: Sequence[int]) -> str:
+        out = []
+        for t in token_ids:
+            ch = chr(int(t)) if 0 <= int(t) < 0x110000 else "?"
+            out.append(ch if ch.isprintable() else "?")
+        return "".join(out)
+
+    def flush(self) -> str:
+        return ""
+
+
+class ByteCodec:
+    """No tokenizer: prompt ids are UTF-8 bytes, each generated id is one character
+    (non-printable ones show as ``?``)."""
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return list("\n".join(f"{role}: {content}" for role, content in messages).encode())
+
+    def encode_speech(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def detokenizer(self, context: Sequence[int]) -> Detokenizer:
+        return _ByteDetokenizer()
+
+
+def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
+    """The Qwen tokenizer when stage 0 runs a Qwen3-Omni executor, else :class:`ByteCodec`."""
+    stage0 = config.stages[0]
+    if stage0.executor.startswith("qwen3_omni."):
+        from omnirelay.models import load_tokenizer
+
+        return ChatMLCodec(load_tokenizer(**dict(stage0.executor_args)))
+    return ByteCodec()
