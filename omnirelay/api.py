@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omnirelay.connectors.base import validate_namespace
-from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import ConfigError, InvalidKeyError, InvalidRequestError, PipelineError
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
@@ -140,6 +140,7 @@ class Pipeline:
         startup_timeout_s: float = 120.0,
         idle_wait_s: float = 1.0,
         wait_slice_s: float = 0.01,
+        on_stage_output: Callable[[StageOutput], None] | None = None,
     ) -> Pipeline:
         """Load the pipeline, spawn its workers, wait until every engine is built.
 
@@ -151,7 +152,11 @@ class Pipeline:
         forwarded input (default: :func:`omnirelay.orchestrator.factory.build_input_builders`).
         ``tokenizer``: turns ``submit(text=...)`` into ids. ``idle_wait_s``: an idle
         worker's longest wait (it ticks its engine once after each, for stall timeouts);
-        ``wait_slice_s``: the wait slices of an engine without ``wake()``. Raises
+        ``wait_slice_s``: the wait slices of an engine without ``wake()``.
+        ``on_stage_output``: called on the front thread with every stage's outputs,
+        intermediate stages included, before they are routed (timelines, benchmarks: the
+        per-step ``metrics`` of :mod:`omnirelay.engine.stage_output`); it must be quick and
+        must not raise or block. Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
         if isinstance(pipeline, PipelineConfig):
@@ -181,6 +186,7 @@ class Pipeline:
             startup_timeout_s=startup_timeout_s,
             idle_wait_s=idle_wait_s,
             wait_slice_s=wait_slice_s,
+            on_stage_output=on_stage_output,
         )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)

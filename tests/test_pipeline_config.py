@@ -819,7 +819,7 @@ def test_qwen3_omni_tiny_same_topology_small_settings() -> None:
         (e.label, e.contract, e.processor) for e in tiny.edges()
     ]
     for s in tiny.stages:
-        assert s.executor_args == {"tiny": True, "seed": 0}
+        assert s.executor_args == {"tiny": True, "seed": 0, "num_threads": 1}
         assert s.max_num_seqs <= real.stages[s.id].max_num_seqs
 
 

@@ -207,3 +207,40 @@ def test_token_ids_may_be_tensors_and_are_validated() -> None:
 def test_accept_hidden_layer_is_validated(layer: Any) -> None:
     with pytest.raises(ConfigError, match="accept_hidden_layer"):
         ThinkerToTalkerProcessor(accept_hidden_layer=layer)
+
+
+def _stage_payload(context: Any) -> Any:
+    """Chunk 0 of ``ThinkerToTalkerStage`` for one finishing step with ``context``."""
+    from types import SimpleNamespace
+
+    from omnirelay.processors.stages import ThinkerToTalkerStage
+
+    stage = ThinkerToTalkerStage(SimpleNamespace(id=0), None)  # type: ignore[arg-type]
+    out = {"hidden_layers": layers(0, len(PROMPT) + 1), "token_ids": [*PROMPT, 7], **tts()}
+    req = SimpleNamespace(output=out, external_id="r1", context=context, is_finished=True, chunk_id=0)
+    try:
+        return stage.build(req)  # type: ignore[arg-type]
+    finally:
+        stage.release("r1", "request")
+
+
+@pytest.mark.parametrize(
+    ("extras", "speaker"),
+    [({"voice": "Chelsie"}, "chelsie"), ({"voice": " "}, None), ({}, None), (None, None)],
+)
+def test_stage_passes_the_request_voice_as_speaker(extras: Any, speaker: str | None) -> None:
+    from types import SimpleNamespace
+
+    from omnirelay.processors.stages import request_voice
+
+    context = SimpleNamespace(prompt_token_ids=tuple(PROMPT), extras=extras)
+    assert request_voice(context) == speaker
+    payload = _stage_payload(context)
+    assert payload.get("speaker") == speaker
+
+
+def test_stage_without_extras_in_the_snapshot_uses_the_default_speaker() -> None:
+    from types import SimpleNamespace
+
+    payload = _stage_payload(SimpleNamespace(prompt_token_ids=tuple(PROMPT)))
+    assert "speaker" not in payload

@@ -1,4 +1,4 @@
-"""``omnirelay bench``: benchmark scripts (transfer, stress, adapter; serve comes with its issue)."""
+"""``omnirelay bench``: benchmark scripts (transfer, stress, adapter, pipeline, serve)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ TRANSFER_TARGETS_US = {"codec_chunk": 60.0, "prefill_4mb": 2500.0, "tensor_64mb"
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: transfer, stress, adapter", description="Run a benchmark script."
+        "bench",
+        help="benchmarks: transfer, stress, adapter, pipeline, serve",
+        description="Run a benchmark script.",
     )
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
 
@@ -84,6 +86,75 @@ def register(sub: Any) -> None:
     a.add_argument("--timeout", type=float, default=600.0, help="bound on the whole run in seconds")
     a.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
     a.set_defaults(func=run_bench_adapter)
+
+    q = bsub.add_parser(
+        "pipeline",
+        help="tiny Qwen3-Omni pipeline: time to first audio and runtime overhead at concurrency 1, 4, 16",
+        description=(
+            "Runs text+audio chat requests through the real multi-process qwen3-omni-tiny pipeline "
+            "(tiny seeded models, shm connector), keeping C requests in flight for each concurrency "
+            "level C. Per request: time to first audio (TTFA), and the runtime overhead: wall time on "
+            "the critical path to the first audio (and to the last output) minus the model compute on "
+            "that path, as a share of TTFA (and of the end-to-end time). Prints p50/p99 per level, the "
+            "overhead split by kind (control plane, transfers, scheduling, delivery) and the target: "
+            "overhead <= 10%% of TTFA at concurrency 1 (median request). Warm-up requests are not "
+            "counted; the run ends with a leak audit. Exit status 1 if the target is missed or "
+            "something leaked."
+        ),
+    )
+    q.add_argument(
+        "--concurrency",
+        default="1,4,16",
+        help="comma-separated concurrency levels (default 1,4,16)",
+    )
+    q.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per level (default: max(8, 2 x concurrency))",
+    )
+    q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
+    q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
+    q.add_argument(
+        "--timeout", type=float, default=600.0, help="bound on each level in seconds (default 600)"
+    )
+    q.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    q.set_defaults(func=run_bench_pipeline)
+
+    v = bsub.add_parser(
+        "serve",
+        help="load generator for the OpenAI-compatible server: TTFA, real-time factor, requests/s",
+        description=(
+            "Sends streaming POST /v1/audio/speech requests (wav) to a server, keeping C requests in "
+            "flight for each concurrency level C, and prints per level: time to first audio p50/p99, "
+            "real-time factor (audio seconds received / wall seconds, and per request end-to-end time "
+            "/ audio duration), requests/s and errors. Without --url it starts the pipeline and a server "
+            "on 127.0.0.1 (a free port), and stops both at the end after a leak audit. Only loopback "
+            "servers are driven. Exit status 1 if a level had no successful request or something leaked."
+        ),
+    )
+    v.add_argument(
+        "--pipeline",
+        default="qwen3-omni-tiny",
+        help="the pipeline to start when no --url is given (default qwen3-omni-tiny)",
+    )
+    v.add_argument(
+        "--url", default=None, help="a running server on a loopback address, e.g. http://127.0.0.1:8000"
+    )
+    v.add_argument(
+        "--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)"
+    )
+    v.add_argument(
+        "--requests", type=int, default=None, help="requests per level (default: max(8, 2 x concurrency))"
+    )
+    v.add_argument("--warmup", type=int, default=1, help="uncounted warm-up requests first (default 1)")
+    v.add_argument("--text", default=None, help="the input of every speech request")
+    v.add_argument("--voice", default="chelsie", help="the voice of every request (default chelsie)")
+    v.add_argument(
+        "--timeout", type=float, default=300.0, help="bound on each level in seconds (default 300)"
+    )
+    v.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    v.set_defaults(func=run_bench_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -143,6 +214,55 @@ def run_bench_adapter(args: argparse.Namespace) -> int:
     result["env"].update(torch=torch.__version__)
     _write_json(args.json, result)
     return 0 if result["ok"] and targets_met(result) else 1
+
+
+def run_bench_pipeline(args: argparse.Namespace) -> int:
+    from omnirelay.bench.pipeline import render_pipeline_bench, run_pipeline_bench, target_met
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(
+            f"omnirelay bench pipeline: --concurrency must be integers like 1,4,16: {exc}"
+        ) from exc
+    try:
+        report = run_pipeline_bench(
+            concurrency=levels,
+            requests=args.requests,
+            warmup=args.warmup,
+            prompt=args.prompt,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc
+    print(render_pipeline_bench(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] and target_met(report) is not False else 1
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from omnirelay.bench.serve import DEFAULT_TEXT, render_serve_bench, run_serve_bench
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench serve: --concurrency must be integers like 1,8,32: {exc}") from exc
+    try:
+        report = run_serve_bench(
+            pipeline=args.pipeline,
+            url=args.url,
+            concurrency=levels,
+            requests=args.requests,
+            warmup=args.warmup,
+            text=args.text if args.text is not None else DEFAULT_TEXT,
+            voice=args.voice,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench serve: {exc}") from exc
+    print(render_serve_bench(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] else 1
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:

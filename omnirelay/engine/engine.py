@@ -52,7 +52,7 @@ from omnirelay.engine.interfaces import Executor, StageOutput, StageRequest
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
-from omnirelay.engine.stage_output import OutputBuilder
+from omnirelay.engine.stage_output import OutputBuilder, StepTiming
 from omnirelay.engine.stage_roles import StageRoles, resolve_stage_roles
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
@@ -269,20 +269,26 @@ class StageEngine:
                 self._finish(request, None, outputs)
             if sched.batches:
                 results: list[Any] = []
+                timings: dict[str, StepTiming] = {}  # internal id -> its executor call
                 for batch in sched.batches:
                     self._counts["num_executor_calls"] += 1
                     self._counts["num_items"] += len(batch)
                     self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
+                    start = self._clock()
                     try:
-                        results.append(self._executor.step(list(batch)))
+                        result = self._executor.step(list(batch))
                     except Exception as exc:  # fails this batch's requests, not the stage
                         self._counts["num_executor_errors"] += 1
                         self.last_error = f"executor: {type(exc).__name__}: {exc}"
                         results.append(exc)
+                        continue
+                    results.append(result)
+                    timing = StepTiming(start, self._clock(), _batch_compute(result))
+                    timings.update((item.internal_id, timing) for item in batch)
                 update = self._scheduler.update_from_output(sched, results)
                 self._load(update.chunk_loads)
                 for u in update.updates:
-                    self._apply_update(u, outputs)
+                    self._apply_update(u, outputs, timings.get(u.request.internal_id))
             self._counts["num_outputs"] += len(outputs)
             return outputs
 
@@ -396,15 +402,17 @@ class StageEngine:
 
     # ----------------------------------------------------------------- results
 
-    def _apply_update(self, update: RequestUpdate, outputs: list[StageOutput]) -> None:
+    def _apply_update(
+        self, update: RequestUpdate, outputs: list[StageOutput], timing: StepTiming | None
+    ) -> None:
         request = update.request
         problem = self._save(update)
         if not request.is_finished:
-            out = self._outputs.step(update)
+            out = self._outputs.step(update, timing)
             if out is not None:
                 outputs.append(out)
             return
-        self._finish(request, update, outputs, problem=problem)
+        self._finish(request, update, outputs, problem=problem, timing=timing)
 
     def _save(self, update: RequestUpdate) -> str | None:
         """``save_async`` this step's output (and the terminal at the finish) when a later
@@ -448,6 +456,7 @@ class StageEngine:
         update: RequestUpdate | None,
         outputs: list[StageOutput],
         problem: str | None = None,
+        timing: StepTiming | None = None,
     ) -> None:
         """A request left the scheduler: its final output, then its resources."""
         terminal_admitted = problem is None and request.external_id in self._sending
@@ -455,7 +464,7 @@ class StageEngine:
             assert self._sending[request.external_id] == request.internal_id
         reason = "error" if problem is not None else (request.status.finish_reason or "error")
         self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
-        outputs.append(self._outputs.final(request, update, error=problem))
+        outputs.append(self._outputs.final(request, update, error=problem, timing=timing))
         self._cleanup(request, terminal_admitted=terminal_admitted)
 
     def _cleanup(self, request: Request, *, terminal_admitted: bool) -> None:
@@ -571,3 +580,11 @@ class StageEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _batch_compute(results: Any) -> float:
+    """Model compute of one executor call: the sum of its items' shares."""
+    try:
+        return float(sum(float(getattr(r, "compute_s", 0.0) or 0.0) for r in results))
+    except TypeError:  # not a list of results: the scheduler reports the problem
+        return 0.0

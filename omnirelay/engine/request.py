@@ -149,6 +149,7 @@ class Request:
         "is_placeholder",
         "is_recompute",
         "is_upstream_exhausted",
+        "last_input_time",
         "num_chunks_received",
         "num_computed_tokens",
         "num_steps",
@@ -199,6 +200,9 @@ class Request:
         #: The next step recomputes tokens already computed before a preemption.
         self.is_recompute = False
         self.num_chunks_received = 0
+        #: When the newest attached chunk arrived, if this request had been waiting for it
+        #: (None: no chunk yet, or it was already there when asked for).
+        self.last_input_time: float | None = None
         self.num_steps = 0
         self.compute_s = 0.0
         self.error: str | None = None

@@ -321,6 +321,7 @@ class BaseScheduler(abc.ABC):
         if request.parked_from is RequestStatus.RUNNING:
             self._num_parked_running -= 1
         self._attach(request, chunk)
+        request.last_input_time = chunk.committed_time if chunk.is_waited else None
         request.unpark()
         self._sort_new(request, finished, loads)
 

@@ -62,10 +62,15 @@ class ModelArgs:
     device: str = "cpu"
     dtype: str = "auto"
     num_threads: int | None = None
+    #: the Talker only: build its prefill from the prompt's text (a TTS pipeline without a
+    #: Thinker stage; :class:`omnirelay.models.talker.TextConditioner`)
+    text_input: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiny, bool):
             raise ConfigError(f"executor_args.tiny must be true or false, got {self.tiny!r}")
+        if not isinstance(self.text_input, bool):
+            raise ConfigError(f"executor_args.text_input must be true or false, got {self.text_input!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"executor_args.seed must be an int >= 0, got {self.seed!r}")
         if self.model_dir is not None and (not isinstance(self.model_dir, str) or not self.model_dir):

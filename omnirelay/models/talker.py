@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_SPEAKER",
     "TalkerExecutor",
     "TalkerSpec",
+    "TextConditioner",
     "create_talker",
 ]
 
@@ -127,9 +129,11 @@ class TalkerExecutor:
     execution_type = "ar"
     supports_batching = True
 
-    def __init__(self, model: Any, spec: TalkerSpec) -> None:
+    def __init__(self, model: Any, spec: TalkerSpec, *, text_input: TextConditioner | None = None) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self.spec = spec
+        #: text mode (a TTS pipeline without a Thinker): chunk 0 from the request's own prompt
+        self.text_input = text_input
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._decoder = model.model
@@ -147,8 +151,10 @@ class TalkerExecutor:
         self._seqs: dict[str, _Sequence] = {}
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint) -> TalkerExecutor:
-        return cls(checkpoint.load_talker(), TalkerSpec.from_config(checkpoint.config))
+    def from_checkpoint(cls, checkpoint: Checkpoint, *, text_input: bool = False) -> TalkerExecutor:
+        spec = TalkerSpec.from_config(checkpoint.config)
+        conditioner = TextConditioner.from_checkpoint(checkpoint, spec) if text_input else None
+        return cls(checkpoint.load_talker(), spec, text_input=conditioner)
 
     @property
     def num_codebooks(self) -> int:
@@ -252,12 +258,15 @@ class TalkerExecutor:
         """First step of a request: build its conditioning and run the prefill."""
         rid = item.internal_id
         payload = item.additional_information if item.additional_information is not None else item.inputs
-        if payload is None:
+        if payload is None and self.text_input is not None:
+            chunk = self.text_input.chunk(item.all_token_ids, rid)
+        elif payload is None:
             raise ModelError(
                 f"request {rid!r}: the Talker's first step has no Thinker input (chunk 0); "
                 "a Talker request cannot be recomputed after preemption — its Thinker chunks were consumed"
             )
-        chunk = parse_payload(payload, rid)
+        else:
+            chunk = parse_payload(payload, rid)
         if not chunk.is_prefill:
             raise ModelError(
                 f"request {rid!r}: the Talker's first input must be the Thinker's chunk 0 "
@@ -436,6 +445,95 @@ def _finished(chunk: ThinkerChunk) -> ThinkerChunk:
     return replace(chunk, is_finished=True)
 
 
+class TextConditioner:
+    """Text mode: the Talker's chunk 0 built from the request's own ChatML prompt, for a
+    text-to-speech pipeline whose first stage is the Talker (no Thinker stage).
+
+    The text to speak is the content of the prompt's last user turn (the serving layer's
+    speech prompt: ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``). It
+    becomes the assistant turn, as if a Thinker had read it back verbatim: the rows are the
+    Thinker's input embeddings (layer 0) of ``prompt + text``, which is all the Talker reads
+    of text positions (accept-layer hidden states only matter at multimodal positions, and
+    a text prompt has none). The stream is complete at once (``is_finished``): after the
+    text the Talker is fed TTS EOS and speaks until its codec EOS.
+    """
+
+    def __init__(
+        self, embed_tokens: Any, tts_token_ids: tuple[int, int, int], spec: TalkerSpec, im_end_token_id: int
+    ) -> None:
+        self.embed_tokens = embed_tokens
+        self.spec = spec
+        self.im_end_token_id = im_end_token_id
+        with torch.inference_mode():
+            weight = embed_tokens.weight
+            rows = embed_tokens(torch.tensor(tts_token_ids, dtype=torch.long, device=weight.device))
+        rows = rows.detach().to("cpu", torch.float32)
+        self._tts = (rows[0:1], rows[1:2], rows[2:3])
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, spec: TalkerSpec) -> TextConditioner:
+        """Only the Thinker's token embedding table is kept of the Thinker."""
+        thinker = checkpoint.load_thinker()
+        text = getattr(thinker.model, "language_model", thinker.model)
+        embed_tokens = text.embed_tokens
+        del thinker, text
+        config = checkpoint.config
+        tts = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
+        return cls(embed_tokens, tts, spec, int(config.im_end_token_id))
+
+    def spoken_ids(self, prompt: Sequence[int]) -> list[int]:
+        """The content ids of the prompt's last user turn ([] when it has none)."""
+        spec = self.spec
+        start = None
+        for i in range(len(prompt) - 2, -1, -1):
+            if prompt[i] == spec.im_start_token_id and prompt[i + 1] == spec.user_token_id:
+                start = i + 3  # <|im_start|> user \n
+                break
+        if start is None:
+            return []
+        out = []
+        for token in prompt[start:]:
+            if token in (self.im_end_token_id, spec.im_start_token_id):
+                break
+            out.append(int(token))
+        return out
+
+    def chunk(self, prompt_ids: Sequence[int], rid: str) -> ThinkerChunk:
+        prompt = [int(t) for t in prompt_ids]
+        start = assistant_start(prompt, self.spec.im_start_token_id, self.spec.assistant_token_id)
+        if start is not None and start != len(prompt) - 3:
+            # Generated codec ids follow the prompt: a recompute after preemption, which
+            # restarts nothing here (the KV cache and the sampler state are gone).
+            raise ModelError(
+                f"request {rid!r}: a Talker request in text mode cannot be recomputed after preemption"
+            )
+        spoken = self.spoken_ids(prompt)
+        if not spoken:
+            raise ModelError(
+                f"request {rid!r}: text mode needs a ChatML prompt with a non-empty user turn "
+                "(<|im_start|>user\\n...<|im_end|>) ending in an open assistant turn; the serving layer's "
+                "speech prompt is one"
+            )
+        ids = prompt + spoken
+        weight = self.embed_tokens.weight
+        with torch.inference_mode():
+            rows = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=weight.device))
+        rows = rows.detach().to("cpu", torch.float32)
+        bos, eos, pad = self._tts
+        return ThinkerChunk(
+            is_finished=True,
+            prefill_embed=rows,
+            prefill_hidden=rows,
+            token_ids=tuple(ids),
+            prompt_ids=tuple(prompt),
+            tts_bos=bos,
+            tts_eos=eos,
+            tts_pad=pad,
+        )
+
+
 def create_talker(**executor_args: Any) -> TalkerExecutor:
-    """Registry factory of ``qwen3_omni.talker`` (keys: see :class:`ModelArgs`)."""
-    return TalkerExecutor.from_checkpoint(open_checkpoint(ModelArgs.from_executor_args(executor_args)))
+    """Registry factory of ``qwen3_omni.talker`` (keys: see :class:`ModelArgs`;
+    ``text_input: true`` selects :class:`TextConditioner`'s text mode)."""
+    args = ModelArgs.from_executor_args(executor_args)
+    return TalkerExecutor.from_checkpoint(open_checkpoint(args), text_input=args.text_input)

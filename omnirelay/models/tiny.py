@@ -5,6 +5,7 @@
   ``save_pretrained``, exactly the layout of a real Qwen3-Omni checkpoint, so the tiny
   path and ``--model PATH`` go through the same loader. Made on first use and cached
   under :func:`default_cache_dir` (``$OMNIRELAY_CACHE`` or ``~/.cache/omnirelay``).
+* :func:`cached_tiny_dir` — the cache path :func:`build_tiny` uses for a seed (built or not).
 * :func:`tiny_config` — the composite config (Thinker, Talker with its code predictor,
   Code2Wav, and the token ids of the tiny tokenizer).
 * :func:`build_tiny_tokenizer` — a byte-level BPE trained on a small built-in text, with
@@ -41,6 +42,7 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "build_tiny",
     "build_tiny_tokenizer",
+    "cached_tiny_dir",
     "default_cache_dir",
     "make_tiny_model",
     "quiet_transformers",
@@ -441,6 +443,12 @@ def _write_tiny(target: Path, seed: int) -> None:
     )
 
 
+def cached_tiny_dir(seed: int = 0) -> Path:
+    """Where :func:`build_tiny` caches the tiny model of ``seed`` (it may not exist yet:
+    ``(path / "config.json").is_file()`` says whether it was built)."""
+    return default_cache_dir() / f"tiny-qwen3-omni-{_recipe_key(seed)}"
+
+
 def build_tiny(model_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> Path:
     """The directory of the tiny checkpoint for ``seed``, built on first use.
 
@@ -453,7 +461,7 @@ def build_tiny(model_dir: str | os.PathLike[str] | None = None, seed: int = 0) -
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ModelError(f"tiny model seed must be an int >= 0, got {seed!r}")
     if model_dir is None:
-        target = default_cache_dir() / f"tiny-qwen3-omni-{_recipe_key(seed)}"
+        target = cached_tiny_dir(seed)
     else:
         target = Path(model_dir).expanduser()
     if (target / "config.json").is_file():

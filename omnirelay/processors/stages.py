@@ -13,6 +13,7 @@ Registered by name with :func:`register_processors` (the names the shipped pipel
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from omnirelay.errors import PayloadEncodeError
@@ -26,11 +27,26 @@ from omnirelay.processors.talker_to_code2wav import (
 from omnirelay.processors.thinker_to_talker import ThinkerStreamState, ThinkerToTalkerProcessor
 from omnirelay.transfer import BuildRequest
 
-__all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors"]
+__all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors", "request_voice"]
 
 
 def _terminal() -> Payload:
     return make_payload(meta={"finished": True})
+
+
+def request_voice(context: Any) -> str | None:
+    """The voice the client asked for (the request's ``extras["voice"]``, lower-cased), when
+    the request snapshot carries the request's extras; ``None`` otherwise (the Talker then
+    speaks with its default speaker).
+
+    The serving layer puts the voice in the request's extras and the orchestrator sends them
+    with every :class:`~omnirelay.engine.interfaces.StageRequest`; the stage engine does not
+    keep them on its ``Request`` nor in :class:`~omnirelay.engine.request.RequestSnapshot`
+    yet, so until it does this returns ``None`` on the real path.
+    """
+    extras = getattr(context, "extras", None)
+    voice = extras.get("voice") if isinstance(extras, Mapping) else None
+    return voice.strip().lower() if isinstance(voice, str) and voice.strip() else None
 
 
 class ThinkerToTalkerStage:
@@ -63,7 +79,7 @@ class ThinkerToTalkerStage:
             self._proc = ThinkerToTalkerProcessor(accept_hidden_layer=max(layers))
         if state is None:
             prompt = list(req.context.prompt_token_ids) if req.context is not None else []
-            state = self._proc.new_state(prompt)
+            state = self._proc.new_state(prompt, speaker=request_voice(req.context))
             with self._lock:
                 self._states[req.external_id] = state
         return self._proc.step(state, chunk_id=req.chunk_id, finished=req.is_finished, **out)

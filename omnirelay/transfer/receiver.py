@@ -35,7 +35,16 @@ __all__ = ["LoadEntry", "PollOutcome", "ReceiveSide"]
 class LoadEntry:
     """One registration: "request X waits for chunk N". Compared by identity only."""
 
-    __slots__ = ("chunk_id", "external_id", "internal_id", "is_queued", "is_timeout_reported", "key", "since")
+    __slots__ = (
+        "chunk_id",
+        "external_id",
+        "internal_id",
+        "is_queued",
+        "is_timeout_reported",
+        "is_waited",
+        "key",
+        "since",
+    )
 
     def __init__(self, internal_id: str, external_id: str, chunk_id: int, key: str, since: float) -> None:
         self.internal_id = internal_id
@@ -47,6 +56,8 @@ class LoadEntry:
         #: A poll of this entry is queued and not yet started (dedupes notices).
         self.is_queued = False
         self.is_timeout_reported = False
+        #: A poll found nothing: the consumer asked before the chunk arrived.
+        self.is_waited = False
 
     def __repr__(self) -> str:
         return f"LoadEntry({self.internal_id!r}, key={self.key!r})"
@@ -156,6 +167,7 @@ class ReceiveSide:
         except Exception as exc:  # the contract says get never raises: fail, don't spin
             result = GetResult(GetStatus.FAILED, error=f"connector.get raised {type(exc).__name__}: {exc}")
         if result.status is GetStatus.NOT_YET:
+            entry.is_waited = True  # only this poll touches the entry (it was queued once)
             return PollOutcome.WAIT
         prepared: PreparedChunk | None = None
         reason = None
@@ -216,6 +228,8 @@ class ReceiveSide:
                 payload=chunk.payload if chunk.fields is None else None,
                 prompt_token_ids=chunk.prompt_token_ids,
                 additional_information=info,
+                committed_time=self._clock(),
+                is_waited=entry.is_waited,
             )
         )
         return PollOutcome.DONE

@@ -1,0 +1,340 @@
+"""``omnirelay bench pipeline``: time to first audio and runtime overhead of the tiny pipeline.
+
+For each concurrency level (default 1, 4, 16) ``c`` client threads keep ``c`` requests
+in flight on one running ``qwen3-omni-tiny`` pipeline (real processes, shm connector)
+until ``requests`` requests finished; each request is a text+audio chat turn. Per
+request (:func:`~omnirelay.bench.timeline.drive_request`):
+
+* **TTFA** — submit to the client reading the first audio samples;
+* **overhead to first audio** — wall time on the critical path to the first audio minus
+  the model compute on it (:func:`~omnirelay.bench.timeline.critical_path`), as a share of
+  TTFA; the same **to completion** (the last output), as a share of the end-to-end time.
+
+The table gives p50/p99 per level, the split of the overhead by kind (mean µs per
+request: control plane, transfers, scheduling, delivery …) and the target of the issue:
+overhead ≤ 10% of TTFA at concurrency 1 (judged on the median request). Warm-up
+requests (the first ones pay lazy initialisation) are run and not counted. The run ends
+with a leak audit: no request state in any stage, no transfer object in the namespace.
+
+At higher concurrency the overhead includes waiting for other requests' steps (a stage
+runs one executor call at a time): wall time on the critical path that is not this
+request's model compute — by the definition, not a runtime cost per se.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from omnirelay.bench.session import DEFAULT_PIPELINE, load_run_config, open_tokenizer, start_pipeline
+from omnirelay.bench.timeline import SEGMENTS, RequestTimeline, StageTrace, drive_request
+
+if TYPE_CHECKING:
+    from omnirelay.api import Pipeline
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "OVERHEAD_TARGET",
+    "bench_running_pipeline",
+    "render_pipeline_bench",
+    "run_pipeline_bench",
+    "target_met",
+]
+
+DEFAULT_CONCURRENCY = (1, 4, 16)
+#: The issue's target: runtime overhead ≤ 10% of time to first audio at concurrency 1.
+OVERHEAD_TARGET = 0.10
+DEFAULT_PROMPT = "Hello, who are you?"
+#: Qwen3-Omni's Code2Wav: samples per codec frame (80 ms at 24 kHz).
+SAMPLES_PER_FRAME = 1920
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _run_level(
+    pipe: Any, trace: StageTrace, prompt: list[int], concurrency: int, requests: int, timeout_s: float
+) -> tuple[list[RequestTimeline], float]:
+    """``requests`` requests with ``concurrency`` in flight (closed loop)."""
+    lock = threading.Lock()
+    next_index = 0
+    done: list[RequestTimeline] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        nonlocal next_index
+        while True:
+            with lock:
+                if next_index >= requests or errors:
+                    return
+                next_index += 1
+            try:
+                tl = drive_request(pipe, trace, prompt, modalities=["text", "audio"])
+            except BaseException as exc:  # reported after the join
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                done.append(tl)
+
+    start = time.monotonic()
+    threads = [
+        threading.Thread(target=client, name=f"omnirelay-bench-client-{i}", daemon=True)
+        for i in range(concurrency)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(0.0, timeout_s - (time.monotonic() - start)))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"concurrency {concurrency}: the requests did not finish within {timeout_s:g} s")
+    if errors:
+        raise errors[0]
+    return done, time.monotonic() - start
+
+
+def _level_report(
+    concurrency: int, timelines: list[RequestTimeline], wall_s: float, holdback: int
+) -> dict[str, Any]:
+    ttfa = [t.ttfa_s for t in timelines if t.ttfa_s is not None]
+    fa = [t.cp_first_audio for t in timelines if t.cp_first_audio is not None]
+    ends = [t.cp_done for t in timelines if t.cp_done is not None]
+    segments = {name: statistics.fmean(cp.segments[name] for cp in fa) for name in SEGMENTS} if fa else {}
+    frames_ok = all(
+        t.num_frames is not None and t.num_samples == t.num_frames * SAMPLES_PER_FRAME - holdback
+        for t in timelines
+    )
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(timelines),
+        "wall_s": wall_s,
+        "requests_per_s": len(timelines) / wall_s if wall_s > 0 else 0.0,
+        "ttfa_s": _summary(ttfa),
+        "ttft_s": _summary([t.ttft_s for t in timelines if t.ttft_s is not None]),
+        "e2e_s": _summary([t.total_s for t in timelines]),
+        "overhead_first_audio_s": _summary([cp.overhead_s for cp in fa]),
+        "overhead_first_audio_share": _summary([cp.overhead_share for cp in fa]),
+        "compute_first_audio_s": _summary([cp.compute_s for cp in fa]),
+        "overhead_done_s": _summary([cp.overhead_s for cp in ends]),
+        "overhead_done_share": _summary([cp.overhead_share for cp in ends]),
+        "overhead_first_audio_segments_mean_s": segments,
+        "audio_s": _summary([t.num_samples / (t.sample_rate or 24000) for t in timelines]),
+        "is_audio_length_exact": frames_ok,
+    }
+
+
+def run_pipeline_bench(
+    *,
+    concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
+    requests: int | None = None,
+    warmup: int = 2,
+    prompt: str = DEFAULT_PROMPT,
+    pipeline: str = DEFAULT_PIPELINE,
+    timeout_s: float = 600.0,
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Start ``pipeline``, run :func:`bench_running_pipeline` on it, shut it down and add
+    the shutdown to the audit. Progress goes to ``stream`` (stderr)."""
+    _check_options(concurrency, requests, warmup)
+    err = stream if stream is not None else sys.stderr
+    config = load_run_config(pipeline)
+    from omnirelay.models import encode_chat_prompt
+
+    prompt_ids = encode_chat_prompt(open_tokenizer(config, err), prompt)
+    trace = StageTrace()
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace, stream=err)
+    try:
+        report = bench_running_pipeline(
+            pipe,
+            trace,
+            prompt_ids,
+            concurrency=concurrency,
+            requests=requests,
+            warmup=warmup,
+            timeout_s=timeout_s,
+            stream=err,
+        )
+    finally:
+        shutdown = pipe.shutdown()
+    report.update(prompt=prompt, startup_s=startup_s)
+    report["audit"].update(
+        shutdown_killed=shutdown.num_killed, shutdown_objects_left=shutdown.num_objects_left
+    )
+    report["ok"] = report["ok"] and not (shutdown.num_killed or shutdown.num_objects_left)
+    return report
+
+
+def _check_options(concurrency: Sequence[int], requests: int | None, warmup: int) -> None:
+    if not concurrency or any(int(c) < 1 for c in concurrency):
+        raise ValueError(f"concurrency levels must be >= 1, got {list(concurrency)}")
+    if requests is not None and requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {requests}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+
+
+def bench_running_pipeline(
+    pipe: Pipeline,
+    trace: StageTrace,
+    prompt_ids: list[int],
+    *,
+    concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
+    requests: int | None = None,
+    warmup: int = 2,
+    timeout_s: float = 600.0,
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """The measurement on a running pipeline (started with ``on_stage_output=trace``);
+    ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
+    of the stages and the namespace; the pipeline keeps running."""
+    from omnirelay.connectors.sweep import sweep
+    from omnirelay.orchestrator.worker import leak_paths
+
+    _check_options(concurrency, requests, warmup)
+    err = stream if stream is not None else sys.stderr
+    config = pipe.config
+    report: dict[str, Any] = {
+        "pipeline": config.name,
+        "num_prompt_tokens": len(prompt_ids),
+        "warmup": warmup,
+        "target": {"overhead_share_of_ttfa_at_concurrency_1": OVERHEAD_TARGET, "judged_on": "p50"},
+        "levels": [],
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": len(os.sched_getaffinity(0)),
+            "loadavg_start": os.getloadavg(),
+        },
+    }
+    for i in range(warmup):
+        err.write(f"warm-up request {i + 1}/{warmup}\n")
+        drive_request(pipe, trace, prompt_ids, modalities=["text", "audio"])
+    holdback = _decoder_holdback(config)
+    for c in (int(c) for c in concurrency):
+        n = requests if requests is not None else max(8, 2 * c)
+        err.write(f"concurrency {c}: {n} requests\n")
+        err.flush()
+        timelines, wall_s = _run_level(pipe, trace, prompt_ids, c, n, timeout_s)
+        report["levels"].append(_level_report(c, timelines, wall_s, holdback))
+    leaks = {sid: leak_paths(state) for sid, state in pipe.leak_state().items()}
+    # Free pooled slots are reusable memory of live producers, holding no key.
+    objects = [o.name for o in sweep(pipe.namespace).objects if not (o.kind == "slot" and o.state == "free")]
+    report["audit"] = {
+        "stage_state_left": {str(k): v for k, v in leaks.items() if v},
+        "transfer_objects_left": objects,
+        "traces_left": trace.num_watched,
+    }
+    report["env"]["loadavg_end"] = os.getloadavg()
+    report["decoder_holdback_samples"] = holdback
+    report["ok"] = not (objects or report["audit"]["stage_state_left"] or trace.num_watched)
+    return report
+
+
+def _decoder_holdback(config: Any) -> int:
+    """Samples the Code2Wav decoder holds back at the end of a window (SPEC §6.2 ``tail``):
+    the whole stream is ``frames * 1920 - holdback`` samples long."""
+    from omnirelay.models import Checkpoint
+    from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field
+    from omnirelay.models.loader import ModelArgs
+
+    stage = next(s for s in config.stages if str(s.final_output_type) == "audio")
+    args = ModelArgs.from_executor_args(stage.executor_args)
+    executor = Code2WavExecutor.from_checkpoint(Checkpoint.open(args.resolve_dir()))
+    return int(measure_receptive_field(executor.model)[1])
+
+
+def target_met(report: dict[str, Any]) -> bool | None:
+    """Overhead ≤ 10% of TTFA at concurrency 1 (median request); None if 1 was not run."""
+    for level in report["levels"]:
+        if level["concurrency"] == 1:
+            return bool(level["overhead_first_audio_share"]["p50"] <= OVERHEAD_TARGET)
+    return None
+
+
+def render_pipeline_bench(report: dict[str, Any]) -> str:
+    """The table ``omnirelay bench pipeline`` prints."""
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:,.1f}"
+
+    lines = [
+        f"omnirelay bench pipeline: {report['pipeline']}, {report['num_prompt_tokens']}-token prompt, "
+        f"text+audio; {report['warmup']} warm-up request(s) not counted; "
+        f"{report['env']['cpus']} CPUs, load average {report['env']['loadavg_start'][0]:.2f} at start\n",
+        "\n",
+        f"{'':>16}| {'TTFA (ms)':^17} | {'overhead to FA (ms)':^19} | {'share of TTFA':^15} | "
+        f"{'end to end':^22}\n",
+        f"{'conc':>4} {'reqs':>4} {'req/s':>5} | {'p50':>8} {'p99':>8} | {'p50':>9} {'p99':>9} | "
+        f"{'p50':>7} {'p99':>7} | {'p50 ms':>10} {'overhead':>11}\n",
+    ]
+    for lv in report["levels"]:
+        lines.append(
+            f"{lv['concurrency']:>4} {lv['num_requests']:>4} {lv['requests_per_s']:>5.2f} | "
+            f"{ms(lv['ttfa_s']['p50']):>8} {ms(lv['ttfa_s']['p99']):>8} | "
+            f"{ms(lv['overhead_first_audio_s']['p50']):>9} {ms(lv['overhead_first_audio_s']['p99']):>9} | "
+            f"{lv['overhead_first_audio_share']['p50']:>7.1%} {lv['overhead_first_audio_share']['p99']:>7.1%} | "
+            f"{ms(lv['e2e_s']['p50']):>10} {lv['overhead_done_share']['p50']:>11.1%}\n"
+        )
+    lines.append("\n")
+    lines.append("overhead to first audio by kind (mean µs per request):\n")
+    header = "".join(f"{name.replace('_', ' '):>14}" for name in SEGMENTS)
+    lines.append(f"{'conc':>4}{header}\n")
+    for lv in report["levels"]:
+        seg = lv["overhead_first_audio_segments_mean_s"]
+        lines.append(
+            f"{lv['concurrency']:>4}" + "".join(f"{seg.get(n, 0.0) * 1e6:>14,.0f}" for n in SEGMENTS) + "\n"
+        )
+    lines.append("\n")
+    met = target_met(report)
+    if met is None:
+        lines.append("target: overhead <= 10% of TTFA at concurrency 1 — not measured (no level 1)\n")
+    else:
+        share = next(lv for lv in report["levels"] if lv["concurrency"] == 1)["overhead_first_audio_share"][
+            "p50"
+        ]
+        verdict = "met" if met else "MISSED"
+        lines.append(
+            f"target: overhead <= 10% of TTFA at concurrency 1 (median request): {share:.1%} — {verdict}\n"
+        )
+    exact = all(lv["is_audio_length_exact"] for lv in report["levels"])
+    lines.append(
+        f"audio length = codec frames x {SAMPLES_PER_FRAME} - {report['decoder_holdback_samples']} "
+        "(decoder hold-back) "
+        f"for every request: {'yes' if exact else 'NO'}\n"
+    )
+    audit = report["audit"]
+    clean = report["ok"]
+    lines.append(
+        "leak audit: "
+        + (
+            "clean (no stage state, no transfer objects"
+            + (", clean shutdown)" if "shutdown_killed" in audit else ")")
+            if clean
+            else f"LEAKS {audit}"
+        )
+        + "\n"
+    )
+    return "".join(lines)

@@ -1,0 +1,244 @@
+"""Setting up a Qwen3-Omni pipeline for a one-shot job (``omnirelay run``, ``bench pipeline``).
+
+* :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model PATH`` (a
+  local checkpoint for every Qwen3-Omni stage, checked before anything starts) and
+  ``--device`` overrides.
+* :func:`open_tokenizer` — stage 0's tokenizer; the tiny model is built on first use and
+  cached (announced on stderr, with the elapsed time).
+* :func:`start_pipeline` — the real multi-process pipeline, with progress on stderr; a
+  Ctrl-C during startup stops it cleanly once the stages are up (a second one forces).
+* :func:`sampling_overrides` — per-stage :class:`SamplingParams` for ``--max-tokens`` and
+  ``--seed``.
+* :class:`Progress` — ``label… done in 1.2 s`` on stderr (a ticking counter on a TTY).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
+
+import msgspec
+
+from omnirelay.engine.interfaces import SamplingParams, StageOutput
+from omnirelay.errors import ConfigError
+from omnirelay.orchestrator.router import stage_sampling_defaults
+from omnirelay.pipeline import PipelineConfig, load_pipeline
+
+if TYPE_CHECKING:
+    from omnirelay.api import Pipeline
+
+__all__ = [
+    "DEFAULT_MODEL_PIPELINE",
+    "DEFAULT_PIPELINE",
+    "Progress",
+    "load_run_config",
+    "open_tokenizer",
+    "sampling_overrides",
+    "start_pipeline",
+]
+
+#: The pipeline of ``omnirelay run`` without ``--model``: tiny seeded models, no download.
+DEFAULT_PIPELINE = "qwen3-omni-tiny"
+#: The pipeline of ``omnirelay run --model PATH``.
+DEFAULT_MODEL_PIPELINE = "qwen3-omni"
+_SOURCE_KEYS = ("tiny", "seed", "model_dir")
+
+
+class Progress:
+    """A step announced on ``stream``: ``label…`` then `` done in X s`` (or `` failed``).
+
+    On a terminal the elapsed seconds tick while it runs; elsewhere (logs, tests) there
+    is one line when it starts and one when it ends.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None, *, done: str = "done") -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = done
+        self.elapsed_s = 0.0
+        self._start = 0.0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def __enter__(self) -> Progress:
+        self._start = time.monotonic()
+        if self._is_tty:
+            self._write(f"{self.label}…")
+            self._ticker = threading.Thread(target=self._tick, name="omnirelay-progress", daemon=True)
+            self._ticker.start()
+        else:
+            self._write(f"{self.label}…\n")
+        return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self._write(f"\r{self.label}… {time.monotonic() - self._start:.0f} s")
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.elapsed_s = time.monotonic() - self._start
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        outcome = f"{self.done} in {self.elapsed_s:.1f} s" if exc_type is None else "failed"
+        if self._is_tty:
+            self._write(f"\r{self.label}… {outcome}\n")
+        else:
+            self._write(f"{self.label}: {outcome}\n")
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+# ----------------------------------------------------------------------- configuration
+
+
+def _model_stages(config: PipelineConfig) -> list[int]:
+    from omnirelay.models import EXECUTOR_NAMES
+
+    return [s.id for s in config.stages if s.executor in EXECUTOR_NAMES]
+
+
+def _replace_executor_args(
+    config: PipelineConfig, stage_ids: list[int], edit: Callable[[dict[str, Any]], dict[str, Any]]
+) -> PipelineConfig:
+    stages = tuple(
+        msgspec.structs.replace(s, executor_args=edit(dict(s.executor_args))) if s.id in stage_ids else s
+        for s in config.stages
+    )
+    return msgspec.structs.replace(config, stages=stages)
+
+
+def load_run_config(
+    pipeline: str | None = None, *, model: str | None = None, device: str | None = None
+) -> PipelineConfig:
+    """The pipeline to run: ``pipeline`` (a shipped name or a YAML path; default
+    :data:`DEFAULT_PIPELINE`, or :data:`DEFAULT_MODEL_PIPELINE` with ``model``).
+
+    ``model``: a local Qwen3-Omni checkpoint directory for every Qwen3-Omni stage (its
+    ``tiny``/``seed``/``model_dir`` replaced); it is opened here, so a missing or wrong
+    directory is a :class:`~omnirelay.errors.ModelError` before any process starts.
+    ``device``: ``executor_args.device`` of every Qwen3-Omni stage (``cpu``, ``cuda:0``).
+    """
+    config = load_pipeline(pipeline or (DEFAULT_MODEL_PIPELINE if model else DEFAULT_PIPELINE))
+    stage_ids = _model_stages(config)
+    if (model or device) and not stage_ids:
+        raise ConfigError(
+            f"pipeline {config.name!r} has no Qwen3-Omni stage; --model and --device apply to those"
+        )
+    if model is not None:
+        from omnirelay.models import Checkpoint
+
+        path = str(Path(model).expanduser().resolve())
+        Checkpoint.open(path)  # raises ModelError: missing, not a directory, not Qwen3-Omni …
+
+        def use_model(args: dict[str, Any]) -> dict[str, Any]:
+            kept = {k: v for k, v in args.items() if k not in _SOURCE_KEYS}
+            return {**kept, "model_dir": path}
+
+        config = _replace_executor_args(config, stage_ids, use_model)
+    if device is not None:
+        config = _replace_executor_args(config, stage_ids, lambda args: {**args, "device": device})
+    return config
+
+
+def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
+    """Stage 0's tokenizer (the Thinker's). The tiny model is built first if it is not
+    cached yet, which is announced on ``stream`` (stderr) with its progress."""
+    from omnirelay.models import EXECUTOR_NAMES, load_tokenizer
+    from omnirelay.models.loader import ModelArgs
+    from omnirelay.models.tiny import build_tiny, cached_tiny_dir
+
+    stage = config.stages[0]
+    if stage.executor not in EXECUTOR_NAMES:
+        raise ConfigError(
+            f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
+            "Thinker: omnirelay run needs a text model first (try --pipeline qwen3-omni-tiny)"
+        )
+    args = ModelArgs.from_executor_args(stage.executor_args)
+    if args.is_tiny and not (cached_tiny_dir(args.seed) / "config.json").is_file():
+        label = (
+            f"building the tiny Qwen3-Omni model (seed {args.seed}; first use only, cached in "
+            f"{cached_tiny_dir(args.seed)})"
+        )
+        with Progress(label, stream, done="built"):
+            build_tiny(None, seed=args.seed)
+    return load_tokenizer(**stage.executor_args)
+
+
+def sampling_overrides(
+    config: PipelineConfig, *, max_tokens: int | None = None, seed: int | None = None
+) -> dict[int, SamplingParams]:
+    """Per-stage sampling: stage 0's ``max_tokens``, and ``seed`` for every AR stage;
+    everything else from the pipeline file. Empty when nothing is overridden."""
+    out: dict[int, SamplingParams] = {}
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
+        out[0] = msgspec.structs.replace(stage_sampling_defaults(config.stages[0]), max_tokens=max_tokens)
+    if seed is not None:
+        if seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {seed}")
+        for s in config.stages:
+            if str(s.execution_type) == "ar":
+                base = out.get(s.id) or stage_sampling_defaults(s)
+                out[s.id] = msgspec.structs.replace(base, seed=seed)
+    return out
+
+
+# ----------------------------------------------------------------------- startup
+
+
+@contextlib.contextmanager
+def _deferred_interrupt(stream: TextIO) -> Iterator[list[int]]:
+    """Hold a Ctrl-C until the block ends (a second one raises at once). Yields the list
+    of signals held; a no-op off the main thread."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+        stream.write("\ninterrupted: stopping once the stages are up (Ctrl-C again to force)\n")
+        stream.flush()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start_pipeline(
+    config: PipelineConfig,
+    *,
+    on_stage_output: Callable[[StageOutput], None] | None = None,
+    stream: TextIO | None = None,
+) -> tuple[Pipeline, float]:
+    """Start ``config``'s stage processes (progress on ``stream``); the pipeline and the
+    seconds it took. A Ctrl-C meanwhile shuts it down once it is up, then raises
+    ``KeyboardInterrupt``."""
+    from omnirelay.api import Pipeline
+
+    out = stream if stream is not None else sys.stderr
+    names = " -> ".join(s.name for s in config.stages)
+    label = f"starting {config.num_stages} stage processes of {config.name} ({names})"
+    with _deferred_interrupt(out) as held, Progress(label, out, done="ready") as progress:
+        pipe = Pipeline.start(config, on_stage_output=on_stage_output)
+    if held:
+        pipe.shutdown()
+        raise KeyboardInterrupt
+    return pipe, progress.elapsed_s

@@ -1,0 +1,318 @@
+"""``omnirelay run``: one request through the real multi-process pipeline, with a timeline.
+
+Startup progress goes to stderr; the answer's text streams to stdout as the Thinker
+produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
+sample rate: 24 kHz); then the timeline: time to first text token, time to first audio,
+each audio chunk's arrival and length, the total, and the critical paths to the first
+audio and to the last output with the share of their wall time spent outside model
+compute (see :mod:`omnirelay.bench.timeline`). ``--json`` writes all of it.
+
+The pipeline is shut down before the command returns (no process or /dev/shm object
+left); Ctrl-C aborts the request, shuts down, and exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnirelay.bench.session import (
+    DEFAULT_MODEL_PIPELINE,
+    DEFAULT_PIPELINE,
+    load_run_config,
+    open_tokenizer,
+    sampling_overrides,
+    start_pipeline,
+)
+from omnirelay.bench.timeline import SEGMENTS, CriticalPath, RequestTimeline, StageTrace, drive_request
+from omnirelay.errors import ConfigError, ModelError
+from omnirelay.orchestrator.router import RequestOutput
+
+__all__ = ["WavWriter", "register", "render_timeline", "run_run"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="one request through the real multi-process pipeline: streamed text, a WAV, a timeline",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Start the pipeline's stage processes (Thinker -> Talker -> Code2Wav, one process each),\n"
+            "send one chat prompt, print the answer's text as it streams, write the streamed audio\n"
+            "to --out, print a timeline, and shut everything down.\n\n"
+            f"Default pipeline: {DEFAULT_PIPELINE} (tiny models with seeded random weights on the CPU;\n"
+            "the tiny model is built on first use and cached under $OMNIRELAY_CACHE or\n"
+            "~/.cache/omnirelay; nothing is downloaded). Its text and audio are noise: it exercises the\n"
+            f"runtime, not a voice. --model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE}\n"
+            "pipeline, or --pipeline) in every stage.\n\n"
+            "The timeline (times from the submit): first text token, first audio, each audio chunk's\n"
+            "arrival and length (samples and ms), the total, and for the first audio and for the last\n"
+            "output the critical path: its wall time, the model compute on it, and the share spent\n"
+            "outside model compute (control plane, transfers, scheduling, delivery), split by kind.\n"
+            "Startup messages go to stderr; text and timeline to stdout.\n\n"
+            "Ctrl-C aborts the request and shuts the pipeline down (exit status 130). Errors (a\n"
+            "missing checkpoint, a stage that cannot start, a failed request) exit with status 1."
+        ),
+        epilog=(
+            "examples:\n"
+            '  omnirelay run --prompt "Hello, who are you?" --out answer.wav\n'
+            '  omnirelay run --prompt "Hi" --modalities text --max-tokens 16\n'
+            '  omnirelay run --model /models/Qwen3-Omni-30B-A3B-Instruct --prompt "Hi" --out hi.wav'
+        ),
+    )
+    p.add_argument("--prompt", required=True, help="the user message (sent as one chat turn)")
+    p.add_argument(
+        "--pipeline",
+        metavar="NAME|PATH",
+        default=None,
+        help=f"a shipped pipeline name or a YAML file (default: {DEFAULT_PIPELINE}; "
+        f"with --model: {DEFAULT_MODEL_PIPELINE})",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a local Qwen3-Omni checkpoint directory (config.json, safetensors, tokenizer) loaded by "
+        "every Qwen3-Omni stage; never downloaded",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: each stage's "
+        "`devices` in the pipeline file",
+    )
+    p.add_argument("--out", metavar="FILE.wav", default=None, help="write the audio here (16-bit PCM, mono)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the timeline and figures as JSON")
+    p.add_argument(
+        "--modalities",
+        default="text,audio",
+        help="comma-separated outputs to ask for: text,audio (default) or text",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most text tokens of the Thinker (default: the pipeline's)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed of every sampling stage (default: the pipeline's)",
+    )
+    p.add_argument("--system", default=None, help="an optional system message before the prompt")
+    p.set_defaults(func=run_run)
+
+
+# ----------------------------------------------------------------------- the WAV file
+
+
+class WavWriter:
+    """Streams float audio into a 16-bit PCM mono WAV; the file appears only on
+    :meth:`commit` (written aside, then renamed), so a failed run leaves none."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.num_samples = 0
+        self.sample_rate: int | None = None
+        self._wav: wave.Wave_write | None = None
+        self._tmp: Path | None = None
+
+    def write(self, audio: Any, sample_rate: int | None) -> None:
+        samples = torch.as_tensor(audio).reshape(-1).to(torch.float32).numpy()
+        if samples.size == 0:
+            return
+        if sample_rate is None:
+            raise ModelError("an audio output came without a sample rate")
+        if self._wav is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
+            os.close(fd)
+            self._tmp = Path(tmp)
+            self._wav = wave.open(str(self._tmp), "wb")  # noqa: SIM115 - closed by commit/discard
+            self._wav.setnchannels(1)
+            self._wav.setsampwidth(2)
+            self._wav.setframerate(sample_rate)
+            self.sample_rate = sample_rate
+        elif sample_rate != self.sample_rate:
+            raise ModelError(f"the sample rate changed mid-stream: {self.sample_rate} -> {sample_rate} Hz")
+        pcm = np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2")
+        self._wav.writeframes(pcm.tobytes())
+        self.num_samples += int(samples.size)
+
+    def commit(self) -> bool:
+        """Finish the file; False when no audio came (no file is written)."""
+        if self._wav is None or self._tmp is None:
+            return False
+        self._wav.close()
+        self._wav = None
+        os.replace(self._tmp, self.path)
+        self._tmp = None
+        return True
+
+    def discard(self) -> None:
+        if self._wav is not None:
+            self._wav.close()
+            self._wav = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
+
+
+# ----------------------------------------------------------------------- the command
+
+
+def _modalities(value: str) -> list[str]:
+    mods = [m.strip() for m in value.split(",") if m.strip()]
+    if not mods:
+        raise ConfigError("--modalities is empty; use text,audio or text")
+    return mods
+
+
+def run_run(args: argparse.Namespace) -> int:
+    modalities = _modalities(args.modalities)
+    if args.out is not None and "audio" not in modalities:
+        raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
+    config = load_run_config(args.pipeline, model=args.model, device=args.device)
+    tokenizer = open_tokenizer(config)
+    from omnirelay.models import encode_chat_prompt
+
+    prompt_ids = encode_chat_prompt(tokenizer, args.prompt, system=args.system)
+    sampling = sampling_overrides(config, max_tokens=args.max_tokens, seed=args.seed)
+    trace = StageTrace()
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace)
+    writer = WavWriter(args.out) if args.out is not None else None
+    out = sys.stdout
+    try:
+        print(
+            f"request: {len(prompt_ids)} prompt tokens, modalities {'+'.join(modalities)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+        def on_output(output: RequestOutput, at_s: float) -> None:
+            if output.text:
+                out.write(output.text)
+                out.flush()
+            if writer is not None and output.audio is not None:
+                writer.write(output.audio, output.sample_rate)
+
+        timeline = drive_request(
+            pipe, trace, prompt_ids, modalities=modalities, sampling=sampling, on_output=on_output
+        )
+        out.write("\n")
+        wrote = writer.commit() if writer is not None else False
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    finally:
+        report = pipe.shutdown()
+        if report.num_objects_left or report.num_killed:
+            print(
+                f"omnirelay run: warning: shutdown killed {report.num_killed} worker(s) and left "
+                f"{report.num_objects_left} object(s) in /dev/shm (see omnirelay doctor)",
+                file=sys.stderr,
+            )
+    out.write(render_timeline(timeline, {s.id: s.name for s in config.stages}))
+    if writer is not None:
+        if wrote:
+            rate = writer.sample_rate or 0
+            out.write(
+                f"wrote {writer.path} ({writer.num_samples:,} samples, {rate:,} Hz, 16-bit PCM mono, "
+                f"{writer.num_samples / rate:.2f} s)\n"
+            )
+        else:
+            out.write(f"no audio came back: {writer.path} not written\n")
+    if args.json:
+        data = {
+            "pipeline": config.name,
+            "prompt": args.prompt,
+            "num_prompt_tokens": len(prompt_ids),
+            "modalities": modalities,
+            "startup_s": startup_s,
+            "wav": str(writer.path) if writer is not None and wrote else None,
+            "wav_samples": writer.num_samples if writer is not None and wrote else 0,
+            **timeline.to_dict(),
+            "stages": [s.name for s in config.stages],
+            "shutdown": {"num_killed": report.num_killed, "num_objects_left": report.num_objects_left},
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    out.flush()
+    return 0 if timeline.finish_reason not in ("abort", "error") else 1
+
+
+# ----------------------------------------------------------------------- rendering
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.1f}"
+
+
+def _cp_row(label: str, cp: CriticalPath | None) -> str:
+    if cp is None:
+        return f"  {label:<22} {'-':>10} {'-':>11} {'-':>11} {'-':>6}\n"
+    return (
+        f"  {label:<22} {_ms(cp.wall_s):>10} {_ms(cp.compute_s):>11} {_ms(cp.overhead_s):>11} "
+        f"{cp.overhead_share:>6.1%}\n"
+    )
+
+
+def _segments(cp: CriticalPath) -> str:
+    parts = [f"{name.replace('_', ' ')} {v * 1000:.2f}" for name in SEGMENTS if (v := cp.segments[name]) > 0]
+    return ", ".join(parts) + " ms"
+
+
+def render_timeline(tl: RequestTimeline, stage_names: dict[int, str] | None = None) -> str:
+    """The human-readable timeline ``omnirelay run`` prints after the text."""
+    rate = tl.sample_rate or 0
+
+    def row(label: str, seconds: float | None, rest: str = "") -> str:
+        return f"  {label:<22}{_ms(seconds):>10}{rest}\n"
+
+    lines = ["", "timeline (ms from submit)\n"]
+    lines.append(row("first text token", tl.ttft_s))
+    lines.append(row("first audio", tl.ttfa_s))
+    for i, a in enumerate(tl.audio_chunks):
+        dur = f"{1000.0 * a.num_samples / rate:,.1f} ms" if rate else "-"
+        lines.append(row(f"audio chunk {i} at", a.at_s, f"   {a.num_samples:>9,} samples  {dur:>12}"))
+    lines.append(row(f"last output ({tl.finish_reason or '-'})", tl.total_s))
+    summary = f"  text: {tl.num_text_tokens} tokens"
+    if tl.audio_chunks:
+        secs = tl.num_samples / rate if rate else 0.0
+        summary += (
+            f"; audio: {len(tl.audio_chunks)} chunks, {tl.num_samples:,} samples = {secs * 1000:,.1f} ms "
+            f"at {rate:,} Hz"
+        )
+        if tl.num_frames is not None:
+            summary += f" ({tl.num_frames} codec frames)"
+        if secs > 0:
+            summary += f"; real-time factor {tl.total_s / secs:.2f}"
+    lines.append(summary + "\n")
+    per_stage = tl.compute_by_stage()
+    if per_stage:
+        lines.append(
+            "  model compute of this request: "
+            + ", ".join(
+                f"{(stage_names or {}).get(sid, f'stage {sid}')} {_ms(v)} ms"
+                for sid, v in sorted(per_stage.items())
+            )
+            + "\n"
+        )
+    lines.append("\ncritical path            wall ms  compute ms  outside ms  share\n")
+    lines.append(_cp_row("submit -> first audio", tl.cp_first_audio))
+    lines.append(_cp_row("submit -> last output", tl.cp_done))
+    for label, cp in (("first audio", tl.cp_first_audio), ("last output", tl.cp_done)):
+        if cp is not None:
+            lines.append(f"  outside compute, to {label}: {_segments(cp)}\n")
+    return "".join(lines)

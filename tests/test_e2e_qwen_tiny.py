@@ -1,0 +1,230 @@
+"""End to end on the real multi-process ``qwen3-omni-tiny`` pipeline (issue 5, Must show).
+
+One pipeline for the module (three stage processes, shm connector, tiny seeded models
+from the session's tiny-model cache), observed through ``on_stage_output`` so the
+Talker's own outputs are visible. Tests wait for outputs and events, never for time:
+the abort lands when the first audio chunk has been read. Every test ends with a leak
+audit over the control plane; the module ends with shutdown and a full audit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from omnirelay.api import Pipeline
+from omnirelay.bench.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
+from omnirelay.bench.timeline import SEGMENTS, StageTrace, drive_request
+from omnirelay.cli.main import main
+from omnirelay.connectors.sweep import sweep
+from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
+from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
+from omnirelay.models.tiny import CACHE_ENV
+from omnirelay.orchestrator.router import stage_sampling_defaults
+from omnirelay.orchestrator.worker import leak_paths
+from tests.orchestrator_audit import audit_stopped, child_pids
+from tests.test_models_support import tiny_cache, tiny_dir
+
+U = 1920  # samples per codec frame
+FIRST, EVERY = 4, 25  # the pipeline's codec chunk schedule (initial, then per chunk)
+TALKER, CODE2WAV = 1, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_env() -> Iterator[None]:
+    """Stage processes inherit ``OMNIRELAY_CACHE``: they load the session's tiny model."""
+    tiny_dir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tiny_cache()))
+        yield
+
+
+@pytest.fixture(scope="module")
+def trace() -> StageTrace:
+    return StageTrace()
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_env: None, trace: StageTrace) -> Iterator[Pipeline]:
+    p = Pipeline.start("qwen3-omni-tiny", on_stage_output=trace)
+    yield p
+    audit_stopped(p)  # nothing in /dev/shm for the namespace, no process, no socket dir
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_env: None) -> list[int]:
+    return encode_chat_prompt(load_tokenizer(tiny=True, seed=0), "Hello, who are you?")
+
+
+@pytest.fixture(scope="module")
+def holdback() -> int:
+    """Samples the tiny decoder holds back at a window's end (SPEC §6.2 ``tail``)."""
+    model = Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir())).model
+    return measure_receptive_field(model)[1]
+
+
+def stage_state(pipe: Pipeline) -> dict[int, list[str]]:
+    """Per stage, the request state left (after every release sent so far was applied)."""
+    return {sid: leak_paths(state) for sid, state in pipe.leak_state().items() if leak_paths(state)}
+
+
+def not_free_slots(namespace: str) -> list[tuple[str, str, str | None]]:
+    """Objects of the namespace other than free pooled slots (reusable memory of live
+    producers, holding no key): published objects, claims, slots in use."""
+    return [
+        (o.kind, o.name, o.key)
+        for o in sweep(namespace).objects
+        if not (o.kind == "slot" and o.state == "free")
+    ]
+
+
+# ------------------------------------------------------------------------------ tests
+# Order matters for the first one: on a fresh pipeline nothing was ever put, so a
+# text-only request must leave the namespace literally empty (not even pooled slots).
+
+
+def test_text_only_request_leaves_no_objects_and_no_state(
+    pipe: Pipeline, trace: StageTrace, prompt: list[int]
+) -> None:
+    tl = drive_request(pipe, trace, prompt, modalities=["text"])
+    assert tl.finish_reason in ("stop", "length")
+    assert tl.num_text_tokens > 0 and tl.text
+    assert tl.num_samples == 0 and tl.first_audio is None
+    # Only the Thinker ran: no stage downstream of it saw the request.
+    assert {e.stage_id for e in tl.events} == {0}
+    assert stage_state(pipe) == {}  # the round trip also proves every release was applied
+    assert sweep(pipe.namespace).objects == []
+    assert pipe.num_active == 0 and trace.num_watched == 0
+
+
+def test_text_and_audio_come_back_and_audio_length_is_exact(
+    pipe: Pipeline, trace: StageTrace, prompt: list[int], holdback: int
+) -> None:
+    outputs: list[tuple[str, torch.Tensor | None, int | None]] = []
+    tl = drive_request(
+        pipe,
+        trace,
+        prompt,
+        modalities=["text", "audio"],
+        on_output=lambda out, at: outputs.append((out.modality, out.audio, out.sample_rate)),
+    )
+    assert tl.finish_reason == "stop"
+    assert tl.text and tl.num_text_tokens > 0
+    pieces = [a for m, a, _ in outputs if m == "audio" and a is not None]
+    assert pieces and all(p.dtype == torch.float32 and p.dim() == 1 for p in pieces)
+    assert {r for m, _, r in outputs if m == "audio" and r is not None} == {SAMPLE_RATE}
+    assert sum(p.numel() for p in pieces) == tl.num_samples
+
+    # Frames counted from what the Talker itself produced (its outputs, stop token excluded).
+    stops = set(stage_sampling_defaults(pipe.config.stage(TALKER)).stop_token_ids)
+    talker_tokens = [t for e in tl.events if e.stage_id == TALKER for t in e.token_ids]
+    frames = sum(1 for t in talker_tokens if t not in stops)
+    assert frames == tl.num_frames and frames > FIRST + EVERY  # several chunks
+    # The whole stream is exactly the whole-utterance decode length: frames x 1920 minus
+    # the decoder's hold-back at the very end (38 samples for the tiny decoder).
+    assert tl.num_samples == frames * U - holdback
+    # Chunk by chunk: 4 frames (minus the held-back tail), then 25-frame chunks (the tail
+    # re-emitted, their own held back), then the rest.
+    rest = frames - FIRST
+    expected = (
+        [FIRST * U - holdback] + [EVERY * U] * (rest // EVERY) + ([rest % EVERY * U] if rest % EVERY else [])
+    )
+    assert [a.num_samples for a in tl.audio_chunks] == expected
+
+    # The timeline and its critical paths are consistent.
+    assert tl.ttft_s is not None and tl.ttfa_s is not None and 0 < tl.ttft_s <= tl.ttfa_s <= tl.total_s
+    for cp in (tl.cp_first_audio, tl.cp_done):
+        assert cp is not None and cp.wall_s > 0
+        assert cp.compute_s + sum(cp.segments.values()) == pytest.approx(cp.wall_s, abs=1e-9)
+        assert all(v >= 0 for v in cp.segments.values()) and 0 <= cp.overhead_share < 1
+        assert cp.path[0].stage_id == 0 and cp.path[-1].stage_id == CODE2WAV
+        assert [s.stage_id for s in cp.path] == sorted(s.stage_id for s in cp.path)
+    assert stage_state(pipe) == {}
+    assert not_free_slots(pipe.namespace) == []
+
+
+def test_abort_right_after_the_first_audio_chunk_leaves_nothing(pipe: Pipeline, prompt: list[int]) -> None:
+    # A long Talker run, so the abort surely lands while every stage still holds the request.
+    talker = msgspec.structs.replace(stage_sampling_defaults(pipe.config.stage(TALKER)), max_tokens=400)
+    handle = pipe.submit(prompt, modalities=["text", "audio"], sampling={TALKER: talker})
+    seen = []
+    for out in handle:
+        seen.append(out)
+        if out.modality == "audio" and out.audio is not None and out.audio.numel():
+            handle.abort()
+            break
+    rest = list(handle)
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert (
+        sum(1 for o in seen + rest if o.modality == "audio" and o.audio is not None and o.audio.numel()) == 1
+    )
+    assert stage_state(pipe) == {}
+    assert not_free_slots(pipe.namespace) == []
+    assert pipe.num_active == 0
+
+
+def test_bench_pipeline_short_run_measures_every_level_and_audits(
+    pipe: Pipeline, trace: StageTrace, prompt: list[int], holdback: int
+) -> None:
+    report = bench_running_pipeline(pipe, trace, prompt, concurrency=(1, 2), requests=2, warmup=0)
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["num_requests"] == 2
+        assert 0 < lv["ttfa_s"]["p50"] <= lv["ttfa_s"]["p99"] <= lv["e2e_s"]["p99"]
+        assert 0 <= lv["overhead_first_audio_share"]["p50"] < 1
+        assert set(lv["overhead_first_audio_segments_mean_s"]) == set(SEGMENTS)
+        assert lv["is_audio_length_exact"]  # frames x 1920 - hold-back, every request
+    assert report["decoder_holdback_samples"] == holdback
+    assert report["ok"] and report["audit"]["traces_left"] == 0, report["audit"]
+    table = render_pipeline_bench(report)
+    assert "target: overhead <= 10% of TTFA at concurrency 1" in table
+    assert ("— met" in table) == bool(target_met(report))
+    assert "leak audit: clean" in table
+    json.dumps(report)  # what --json writes
+    assert stage_state(pipe) == {}
+
+
+def test_run_command_writes_a_wav_and_a_json_timeline(
+    pipe: Pipeline, tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    wav_path, json_path = f"{tmp_path}/answer.wav", f"{tmp_path}/timeline.json"
+    children = set(child_pids())
+    rc = main(
+        ["run", "--prompt", "Hello, who are you?", "--out", wav_path, "--json", json_path, "--seed", "7"]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "ready in" in captured.err
+    assert "first audio" in captured.out and "critical path" in captured.out and "wrote " in captured.out
+    report = json.loads(Path(json_path).read_text())
+    with wave.open(wav_path, "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        assert w.getnframes() == report["num_samples"] == report["wav_samples"] > 0
+        pcm = torch.frombuffer(bytearray(w.readframes(w.getnframes())), dtype=torch.int16)
+    assert pcm.abs().max() > 0
+    assert report["text"] and report["finish_reason"] == "stop"
+    assert report["ttft_s"] <= report["ttfa_s"] <= report["total_s"]
+    assert [c["num_samples"] for c in report["audio_chunks"]] and sum(
+        c["num_samples"] for c in report["audio_chunks"]
+    ) == report["num_samples"]
+    assert report["audio_chunks"][0]["ms"] == pytest.approx(
+        1000 * report["audio_chunks"][0]["num_samples"] / SAMPLE_RATE
+    )
+    for key in ("critical_path_first_audio", "critical_path_done"):
+        cp = report[key]
+        assert cp["wall_s"] == pytest.approx(cp["compute_s"] + sum(cp["segments_s"].values()), abs=1e-9)
+        assert 0 <= cp["overhead_share"] < 1
+    assert report["shutdown"] == {"num_killed": 0, "num_objects_left": 0}
+    # The command shut its pipeline down: no new child process, no object of its own.
+    assert set(child_pids()) <= children
+    prefix = f"p{os.getpid()}x"
+    assert [
+        o.name for o in sweep().objects if o.namespace.startswith(prefix) and o.namespace != pipe.namespace
+    ] == []

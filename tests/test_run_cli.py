@@ -1,0 +1,209 @@
+"""``omnirelay run``: options, errors, the WAV writer, and Ctrl-C on a real run.
+
+The happy path (a real run writing a WAV and a JSON timeline) is in
+``test_e2e_qwen_tiny.py``; here are the ways it must fail cleanly, and the interrupt:
+SIGINT once the answer streams aborts the request, shuts the stage processes down and
+exits with 130, leaving no process and no /dev/shm object behind.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnirelay.bench.session import Progress, load_run_config, sampling_overrides
+from omnirelay.cli.main import main
+from omnirelay.cli.run import WavWriter
+from omnirelay.connectors.sweep import sweep
+from omnirelay.errors import ConfigError, ModelError
+from omnirelay.models.tiny import CACHE_ENV
+from omnirelay.pipeline import load_pipeline
+from tests.orchestrator_audit import pids_alive
+from tests.test_models_support import tiny_cache, tiny_dir
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--pipeline",
+        "--model",
+        "--prompt",
+        "--out",
+        "--json",
+        "--modalities",
+        "--max-tokens",
+        "--seed",
+    ):
+        assert option in out
+    assert "qwen3-omni-tiny" in out and "critical path" in out and "Ctrl-C" in out
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--prompt", "hi", "--model", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert "omnirelay run: error:" in err and "does not exist" in err and "--model" in err
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--prompt", "hi", "--model", str(tmp_path)]) == 1
+    assert "has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["run", "--prompt", "hi", "--model", str(tmp_path)]) == 1
+    assert "not Qwen3-Omni" in capsys.readouterr().err
+
+
+def test_out_needs_audio(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--prompt", "hi", "--modalities", "text", "--out", "x.wav"]) == 1
+    assert "--out needs audio" in capsys.readouterr().err
+
+
+def test_a_pipeline_without_a_thinker_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--prompt", "hi", "--pipeline", "toy-3stage"]) == 1
+    assert "not a Qwen3-Omni Thinker" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_model_path_replaces_every_stage_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_dir()
+    cfg = load_run_config(model=str(path), device="cpu")
+    assert cfg.name == "qwen3-omni"  # --model defaults to the real deploy file
+    for stage in cfg.stages:
+        assert stage.executor_args["model_dir"] == str(path.resolve())
+        assert stage.executor_args["device"] == "cpu"
+        assert "tiny" not in stage.executor_args
+    tiny = load_run_config("qwen3-omni-tiny", model=str(path))
+    assert all(s.executor_args == {"num_threads": 1, "model_dir": str(path.resolve())} for s in tiny.stages)
+    with pytest.raises(ConfigError, match="no Qwen3-Omni stage"):
+        load_run_config("toy-3stage", device="cpu")
+    with pytest.raises(ModelError, match="does not exist"):
+        load_run_config(model="/nonexistent/omnirelay-model")
+
+
+def test_sampling_overrides() -> None:
+    cfg = load_pipeline("qwen3-omni-tiny")
+    assert sampling_overrides(cfg) == {}
+    out = sampling_overrides(cfg, max_tokens=5, seed=3)
+    assert out[0].max_tokens == 5 and out[0].seed == 3 and out[0].temperature == 0.0
+    assert out[1].seed == 3 and out[1].max_tokens == 64 and out[1].stop_token_ids == (2150,)
+    assert 2 not in out  # Code2Wav samples nothing
+    with pytest.raises(ConfigError):
+        sampling_overrides(cfg, max_tokens=0)
+
+
+def test_progress_without_a_terminal_prints_a_start_and_an_end_line() -> None:
+    buf = io.StringIO()
+    with Progress("building", buf, done="built"):
+        pass
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "building…" and lines[1].startswith("building: built in ")
+    buf = io.StringIO()
+    with pytest.raises(RuntimeError), Progress("starting", buf):
+        raise RuntimeError("boom")
+    assert buf.getvalue().splitlines()[-1] == "starting: failed"
+
+
+# --------------------------------------------------------------------------- WAV
+
+
+def test_wav_writer_streams_16_bit_pcm_and_appears_only_on_commit(tmp_path: Path) -> None:
+    target = tmp_path / "out" / "a.wav"
+    writer = WavWriter(target)
+    writer.write(torch.tensor([0.0, 0.5, -0.5, 1.0]), 24000)
+    writer.write(torch.zeros(0), 24000)
+    writer.write(torch.tensor([2.0, -2.0]), 24000)  # clipped
+    assert not target.exists()
+    with pytest.raises(ModelError, match="sample rate changed"):
+        writer.write(torch.tensor([0.1]), 16000)
+    assert writer.commit()
+    with wave.open(str(target), "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 24000, 6)
+        pcm = torch.frombuffer(bytearray(w.readframes(6)), dtype=torch.int16).tolist()
+    assert pcm == [0, 16384, -16384, 32767, 32767, -32767]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["a.wav"]
+
+
+def test_wav_writer_discard_leaves_nothing(tmp_path: Path) -> None:
+    writer = WavWriter(tmp_path / "b.wav")
+    assert writer.commit() is False  # no audio: no file
+    writer.write(torch.ones(10), 24000)
+    writer.discard()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+@pytest.fixture
+def run_env() -> Iterator[dict[str, str]]:
+    tiny_dir()
+    yield {**os.environ, CACHE_ENV: str(tiny_cache()), "PYTHONUNBUFFERED": "1"}
+
+
+def _stage_workers(pid: int) -> list[int]:
+    """Children of ``pid`` started by multiprocessing's spawn (its resource tracker excluded)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid and "spawn_main" in cmdline:
+            out.append(int(entry))
+    return out
+
+
+def test_ctrl_c_aborts_the_request_and_leaves_nothing(run_env: dict[str, str], tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "omnirelay.cli.main", "run", "--prompt", "Hello, who are you?"]
+    cmd += ["--out", str(tmp_path / "a.wav")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        # Wait for the answer to start streaming: the request is in flight in every stage.
+        while True:
+            assert sel.select(timeout=120), "no output within 120 s"
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                pytest.fail(f"omnirelay run exited before streaming: {proc.stderr.read().decode()}")
+            if chunk.strip():
+                break
+        sel.close()
+        workers = _stage_workers(proc.pid)
+        assert len(pids_alive(list(workers))) == 3  # one process per stage
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode()
+    assert proc.returncode == 130, text
+    assert "omnirelay run: interrupted" in text
+    assert pids_alive(list(workers)) == []
+    assert [o.name for o in sweep().objects if o.namespace.startswith(f"p{proc.pid}x")] == []
+    assert list(tmp_path.iterdir()) == []  # no WAV, no partial file
