@@ -228,3 +228,20 @@ def test_run_command_writes_a_wav_and_a_json_timeline(
     assert [
         o.name for o in sweep().objects if o.namespace.startswith(prefix) and o.namespace != pipe.namespace
     ] == []
+
+
+def test_the_requested_voice_reaches_the_talker(pipe: Pipeline, prompt: list[int]) -> None:
+    """extras["voice"] travels orchestrator -> stage engine -> request snapshot -> the
+    thinker->talker processor's speaker: two voices give different audio, one voice twice
+    gives the same audio (greedy Thinker, seeded Talker)."""
+
+    def audio(voice: str) -> torch.Tensor:
+        handle = pipe.submit(prompt, modalities=["text", "audio"], extras={"voice": voice})
+        pieces = [o.audio for o in handle if o.modality == "audio" and o.audio is not None]
+        return torch.cat([p.reshape(-1) for p in pieces])
+
+    a1, a2, b = audio("chelsie"), audio("chelsie"), audio("ethan")
+    assert torch.equal(a1, a2)
+    assert not (a1.shape == b.shape and torch.equal(a1, b))
+    assert stage_state(pipe) == {}
+    assert not_free_slots(pipe.namespace) == []

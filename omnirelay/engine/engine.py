@@ -334,6 +334,7 @@ class StageEngine:
             inputs=sr.inputs,
             final_stage_id=sr.final_stage_id,
             stream=sr.stream,
+            extras=sr.extras,
         )
         self._live[ext] = request.internal_id
         self._counts["num_added"] += 1

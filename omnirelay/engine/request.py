@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from omnirelay.engine.interfaces import SamplingParams
@@ -123,6 +125,8 @@ class RequestSnapshot:
     final_stage_id: int
     is_finished: bool
     finish_reason: str | None
+    #: The client's per-request extras (e.g. ``voice``), as the orchestrator sent them.
+    extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
@@ -139,6 +143,7 @@ class Request:
         "compute_s",
         "error",
         "external_id",
+        "extras",
         "final_stage_id",
         "finished_time",
         "first_scheduled_time",
@@ -174,8 +179,10 @@ class Request:
         inputs: Any = None,
         final_stage_id: int = 0,
         stream: bool = True,
+        extras: Mapping[str, Any] | None = None,
     ) -> None:
         self.internal_id = internal_id
+        self.extras: Mapping[str, Any] = MappingProxyType(dict(extras or {}))
         self.external_id = external_id
         self.stage_id = stage_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -260,6 +267,7 @@ class Request:
             final_stage_id=self.final_stage_id,
             is_finished=self.is_finished,
             finish_reason=self._status.finish_reason,
+            extras=self.extras,
         )
 
     # ----------------------------------------------------------------- transitions

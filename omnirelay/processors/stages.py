@@ -39,10 +39,9 @@ def request_voice(context: Any) -> str | None:
     the request snapshot carries the request's extras; ``None`` otherwise (the Talker then
     speaks with its default speaker).
 
-    The serving layer puts the voice in the request's extras and the orchestrator sends them
-    with every :class:`~omnirelay.engine.interfaces.StageRequest`; the stage engine does not
-    keep them on its ``Request`` nor in :class:`~omnirelay.engine.request.RequestSnapshot`
-    yet, so until it does this returns ``None`` on the real path.
+    The serving layer puts the voice in the request's extras, the orchestrator sends them
+    with every :class:`~omnirelay.engine.interfaces.StageRequest`, and the stage engine keeps
+    them on its request and in every :class:`~omnirelay.engine.request.RequestSnapshot`.
     """
     extras = getattr(context, "extras", None)
     voice = extras.get("voice") if isinstance(extras, Mapping) else None
