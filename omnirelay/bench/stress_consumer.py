@@ -44,6 +44,7 @@ from omnirelay.bench.stress_plan import (
     check_chunk,
     consumer_iid,
     encode_message,
+    jsonable,
 )
 from omnirelay.bench.stress_producer import StressTimeout, run_control_reader
 from omnirelay.connectors import create_connector
@@ -225,11 +226,11 @@ class Consumer:
         self._drain()
         keys = self.conn.pending_keys()
         a.num_pending_keys, a.pending_keys = len(keys), keys[:20]
-        a.leak_state = _jsonable(self.adapter.leak_state())
+        a.leak_state = jsonable(self.adapter.leak_state())
         health = self.adapter.health()
         a.live_bytes = health["connector"]["live_bytes"]
         a.num_adapter_errors, a.last_adapter_error = health["num_errors"], health["last_error"]
-        self.report.receiver_stats = _jsonable(health["receiver"])
+        self.report.receiver_stats = jsonable(health["receiver"])
         self.report.audit = a
 
     def finalize(self) -> None:
@@ -247,10 +248,6 @@ def _tensor_bytes(payload: Any) -> int:
         if isinstance(part, dict):
             total += sum(int(v.numel() * v.element_size()) for v in part.values() if hasattr(v, "numel"))
     return total
-
-
-def _jsonable(obj: Any) -> Any:
-    return msgspec.json.decode(msgspec.json.encode(obj, enc_hook=repr))
 
 
 def consumer_main(
@@ -289,7 +286,7 @@ def consumer_main(
     if consumer is not None:
         consumer.finalize()
         if error is not None:
-            report.audit.leak_state = _jsonable(consumer.adapter.leak_state())
+            report.audit.leak_state = jsonable(consumer.adapter.leak_state())
         consumer.adapter.shutdown()
     report.error = error
     out.send_bytes(msgspec.msgpack.encode(report))

@@ -348,3 +348,9 @@ class ConsumerReport(msgspec.Struct):
     failures: list[str] = msgspec.field(default_factory=list)
     problems: list[str] = msgspec.field(default_factory=list)
     audit: Audit = msgspec.field(default_factory=Audit)
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` as plain JSON data (anything msgspec cannot encode becomes its repr), for
+    the processes' reports."""
+    return msgspec.json.decode(msgspec.json.encode(obj, enc_hook=repr))

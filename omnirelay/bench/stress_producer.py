@@ -49,6 +49,7 @@ from omnirelay.bench.stress_plan import (
     Stopped,
     decode_message,
     encode_message,
+    jsonable,
     make_chunk,
     producer_iid,
 )
@@ -368,7 +369,7 @@ class Producer:
         self._drain_failures()
         keys = self.conn.pending_keys()
         a.num_pending_keys, a.pending_keys = len(keys), keys[:20]
-        a.leak_state = _jsonable(self.adapter.leak_state())
+        a.leak_state = jsonable(self.adapter.leak_state())
         a.live_objects = [
             f"{o.kind}:{o.key or o.name}"
             for o in sweep(self.s.namespace).objects
@@ -377,7 +378,7 @@ class Producer:
         health = self.adapter.health()
         a.live_bytes = health["connector"]["live_bytes"]
         a.num_adapter_errors, a.last_adapter_error = health["num_errors"], health["last_error"]
-        self.report.sender_stats = _jsonable(health["sender"])
+        self.report.sender_stats = jsonable(health["sender"])
         self.report.audit = a
 
     def finalize(self) -> None:
@@ -392,10 +393,6 @@ class Producer:
         r.cancels_planned, r.cancels_observed = dict(self.cancels_planned), dict(self.cancels_observed)
         r.cancels_via = dict(self.cancels_via)
         r.open_requests = [req.describe() for req in self.open.values()][:20]
-
-
-def _jsonable(obj: Any) -> Any:
-    return msgspec.json.decode(msgspec.json.encode(obj, enc_hook=repr))
 
 
 def producer_main(
@@ -433,7 +430,7 @@ def producer_main(
     if producer is not None:
         producer.finalize()
         if error is not None:
-            report.audit.leak_state = _jsonable(producer.adapter.leak_state())
+            report.audit.leak_state = jsonable(producer.adapter.leak_state())
         producer.adapter.shutdown()
     report.error = error
     out.send_bytes(msgspec.msgpack.encode(report))
