@@ -7,6 +7,7 @@ import errno
 import multiprocessing as mp
 import os
 import signal
+import socket
 import struct
 from typing import Any
 
@@ -52,10 +53,14 @@ def test_cross_process_stream_with_notices(namespace: str) -> None:
     p = CTX.Process(target=_producer, args=(namespace, 20, published, release))
     p.start()
     try:
-        seen: list[str] = []
-        while len(seen) < 20:
-            seen += cons.wait_arrivals(2, timeout=30)
-        assert sorted(seen) == sorted(f"P_1_{i}" for i in range(20))
+        seen: list[str] = list(cons.wait_arrivals(2, timeout=30))  # woken by the first notice
+        assert seen
+        assert published.wait(60)
+        while arrived := cons.wait_arrivals(2, timeout=0):
+            seen += arrived
+        # Notices past the socket queue (net.unix.max_dgram_qlen) may be lost while the
+        # producer outruns us; the rest name each key once, and every key is there to get.
+        assert len(seen) == len(set(seen)) and set(seen) <= {f"P_1_{i}" for i in range(20)}
         for i in range(20):
             got = cons.get(1, 2, f"P_1_{i}")
             assert got.is_ready and got.obj["i"] == i and torch.equal(got.obj["t"], torch.full((64,), i))
@@ -122,13 +127,14 @@ def test_corrupt_payload_fails_and_slot_returns_to_pool(namespace: str) -> None:
     path = os.path.join("/dev/shm", names.key_name(namespace, "C_1_0"))
     with open(path, "r+b") as f:
         hdr = f.read(slot.HEADER_SIZE)
-        key_len = struct.unpack_from("<I", hdr, 12)[0]
+        key_len = slot.key_len_of(hdr)
         f.seek(slot.payload_offset(key_len))
         f.write(b"NOPE")  # break the payload magic
     got = cons.get(1, 2, "C_1_0")
     assert got.status is GetStatus.FAILED and "corrupt payload" in (got.error or "")
-    assert not os.path.exists(path)
+    assert cons.get(1, 2, "C_1_0").status is GetStatus.NOT_YET  # consumed: never read twice
     assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    assert not os.path.exists(path)  # the producer's reap removed the name
     assert prod.put(1, 2, "C_1_1", {"ok": True}).ok  # the slot is reusable
     assert cons.get(1, 2, "C_1_1").obj == {"ok": True}
     prod.close()
@@ -158,7 +164,7 @@ def _dead_pid() -> int:
 def test_slot_claimed_by_a_dead_consumer_is_reclaimed(namespace: str) -> None:
     prod = create_connector("shm", namespace=namespace, stage_id=1)
     assert prod.put(1, 2, "Z_1_0", {"z": 1}).ok
-    # Simulate a consumer that renamed the key away, wrote CLAIMED, then died.
+    # Simulate a consumer that claimed the object (CLAIMED), removed its name, then died.
     path = os.path.join("/dev/shm", names.key_name(namespace, "Z_1_0"))
     with open(path, "r+b") as f:
         buf = bytearray(f.read(slot.HEADER_SIZE))
@@ -297,3 +303,170 @@ def test_cleanup_never_removes_a_recycled_slots_new_object(namespace: str) -> No
     assert prod.pending_keys() == []
     prod.close()
     cons.close()
+
+
+# ---------------------------------------------------------------- notices carry the slot
+
+
+def test_get_through_a_notice_needs_no_name_and_the_reap_removes_it(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert prod.put(1, 2, "H_1_0", {"v": 1}).ok
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["H_1_0"]
+    path = os.path.join("/dev/shm", names.key_name(namespace, "H_1_0"))
+    assert cons.get(1, 2, "H_1_0").obj == {"v": 1}
+    assert cons.get(1, 2, "H_1_0").status is GetStatus.NOT_YET  # the name lingers, consumed
+    assert os.path.exists(path)
+    assert prod.reap_consumed() == 1 and not os.path.exists(path)
+    prod.close()
+    cons.close()
+
+
+def test_stale_notice_never_takes_the_slots_next_object(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    other = create_connector("shm", namespace=namespace, stage_id=3, listen=False)
+    assert prod.put(1, 2, "A_1_0", {"v": 1}).ok
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["A_1_0"]  # hint: slot s, seq 1
+    assert other.get(1, 2, "A_1_0").obj == {"v": 1}  # someone else took A by its name
+    assert prod.reap_consumed() == 1
+    assert prod.put(1, 2, "B_1_0", {"v": 2}).ok  # same slot, seq 2
+    assert prod.health().pool_slots == 1
+    assert cons.get(1, 2, "A_1_0").status is GetStatus.NOT_YET  # stale hint: CAS fails
+    assert cons.get(1, 2, "B_1_0").obj == {"v": 2}
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    for c in (prod, cons, other):
+        c.close()
+
+
+def test_forged_notices_are_ignored_and_lose_nothing(namespace: str) -> None:
+    from omnirelay.connectors.shm import notice_address
+
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert prod.put(1, 2, "F_1_0", {"v": 1}).ok
+    assert prod.put(1, 2, "G_1_0", {"v": 2}).ok
+    slot_names = [e for e in shm_entries(namespace) if f"{namespace}-s-" in e]
+    forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = notice_address(namespace, 2)
+    try:
+        forger.sendto(b"\x00garbage", addr)  # not a notice: poll everything
+        head = struct.pack("<BQH", 0x4E, 1, len("../../etc/passwd")) + b"../../etc/passwd"
+        forger.sendto(head + b"F_1_0", addr)  # a path outside /dev/shm: hint ignored
+        for name in slot_names:  # real slots, wrong keys or seqs: CAS or key check fails
+            for seq in (1, 2, 99):
+                forger.sendto(struct.pack("<BQH", 0x4E, seq, len(name)) + name.encode() + b"F_1_0", addr)
+    finally:
+        forger.close()
+    arrivals = cons.wait_arrivals(2, timeout=0)
+    assert arrivals.overflowed
+    assert cons.get(1, 2, "F_1_0").obj == {"v": 1}
+    assert cons.get(1, 2, "G_1_0").obj == {"v": 2}
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_put_of_a_key_another_producer_holds_is_retracted(namespace: str) -> None:
+    a = create_connector("shm", namespace=namespace, stage_id=1)
+    b = create_connector("shm", namespace=namespace, stage_id=3, listen=False)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert b.put(3, 2, "K_1_0", {"from": "b"}).ok
+    res = a.put(1, 2, "K_1_0", {"from": "a"})
+    assert not res.ok and "already published by another producer" in (res.error or "")
+    assert a.pending_keys() == [] and a.health().num_put_failures == 1
+    cons.wait_arrivals(2, timeout=0)  # both notices: a's hint now fails its CAS
+    assert cons.get(1, 2, "K_1_0").obj == {"from": "b"}
+    assert cons.get(1, 2, "K_1_0").status is GetStatus.NOT_YET
+    res = a.put(1, 2, "K_1_0", {"from": "a"})
+    assert not res.ok  # consumed, but its name is b's until b reaps
+    assert b.reap_consumed() == 1
+    assert a.put(1, 2, "K_1_0", {"from": "a"}).ok
+    assert cons.get(1, 2, "K_1_0").obj == {"from": "a"}
+    for c in (a, b, cons):
+        c.reap_consumed()
+        assert c.pending_keys() == []
+        c.close()
+
+
+def test_notice_taken_before_the_link_fails_counts_as_delivered(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = create_connector("shm", namespace=namespace, stage_id=1)
+    b = create_connector("shm", namespace=namespace, stage_id=3, listen=False)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert b.put(3, 2, "D_1_0", {"from": "b"}).ok
+    cons.wait_arrivals(2, timeout=0)
+    real_link = os.link
+    got: list[Any] = []
+
+    def reader_first(src: str, dst: str) -> None:  # the notice is out; a reader wins the race
+        got.extend(cons.wait_arrivals(2, timeout=0))
+        got.append(cons.get(1, 2, "D_1_0").obj)
+        real_link(src, dst)  # then the name clashes with b's object
+
+    from omnirelay.connectors import shm as shm_module
+
+    monkeypatch.setattr(shm_module.os, "link", reader_first)
+    res = a.put(1, 2, "D_1_0", {"from": "a"})
+    monkeypatch.setattr(shm_module.os, "link", real_link)
+    assert got == ["D_1_0", {"from": "a"}]
+    assert res.ok  # delivered through the notice: no failure to report
+    a.reap_consumed()  # (the put's own reap pass may have taken it already)
+    assert a.pending_keys() == [] and a.health().num_put_failures == 0
+    assert cons.get(1, 2, "D_1_0").obj == {"from": "b"}  # b's object untouched
+    for c in (a, b, cons):
+        c.reap_consumed()
+        assert c.pending_keys() == []
+        c.close()
+
+
+def test_atomic_word_compare_and_swap() -> None:
+    import mmap
+
+    from omnirelay.connectors.atomics import Word
+
+    mm = mmap.mmap(-1, 4096)
+    w = Word(mm, 8)
+    assert w.load() == 0
+    assert w.cas(0, slot.stamp(slot.PUBLISHED, 7))
+    assert not w.cas(0, 1) and w.load() == slot.stamp(slot.PUBLISHED, 7)
+    assert not w.cas(slot.stamp(slot.PUBLISHED, 6), slot.stamp(slot.CLAIMED, 6))  # another publish
+    assert w.cas(slot.stamp(slot.PUBLISHED, 7), slot.stamp(slot.CLAIMED, 7))
+    w.store(slot.stamp(slot.FREE, 7))
+    assert slot.read_state(mm) == slot.FREE
+    with pytest.raises(ValueError):
+        Word(mm, 4)
+    w.release()
+    mm.close()
+
+
+def test_a_claim_without_its_record_is_not_taken_for_abandoned(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader between its CAS and its claim record (or the producer's own cleanup) must
+    never look dead to the reap: freeing the slot then would hand it to the next put while
+    the reader copies it out."""
+    from omnirelay.connectors import shm as shm_module
+
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    assert prod.put(1, 2, "R_1_0", {"v": 1}).ok
+    sl = prod._pending["R_1_0"]  # type: ignore[attr-defined]
+    assert sl.word.cas(slot.stamp(slot.PUBLISHED, sl.seq), slot.stamp(slot.CLAIMED, sl.seq))
+    for _ in range(3):  # CLAIMED, no record of this claim yet (the stale one names pid 0)
+        assert prod.reap_consumed() == 0
+    assert prod.pending_keys() == ["R_1_0"] and prod.cleanup("R_1_0") is False
+    slot.write_claimer(sl.mm, _dead_pid(), 1)  # the record of a claimer that then died
+    sl.claim_word.store(sl.seq)
+    assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    # A claimer killed between its CAS and its record: abandoned only after a long wait.
+    assert prod.put(1, 2, "R_1_1", {"v": 2}).ok
+    sl = prod._pending["R_1_1"]  # type: ignore[attr-defined]
+    assert sl.word.cas(slot.stamp(slot.PUBLISHED, sl.seq), slot.stamp(slot.CLAIMED, sl.seq))
+    assert prod.reap_consumed() == 0
+    monkeypatch.setattr(shm_module, "_UNRECORDED_CLAIM_S", -1.0)
+    assert prod.reap_consumed() == 1 and prod.pending_keys() == []
+    assert prod.health().pool_slots == 1  # one slot, pooled once
+    prod.close()

@@ -30,6 +30,7 @@ __all__ = [
     "ParsedName",
     "claim_name",
     "key_hash",
+    "key_hash_bytes",
     "key_name",
     "owner_alive",
     "parse_name",
@@ -103,7 +104,12 @@ def owner_alive(owner: OwnerId) -> bool:
 
 
 def key_hash(key: str) -> str:
-    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+    return key_hash_bytes(key.encode("utf-8", "surrogatepass"))
+
+
+def key_hash_bytes(key: bytes) -> str:
+    """``key_hash`` of a key already encoded as UTF-8 (surrogatepass)."""
+    return hashlib.blake2b(key, digest_size=20).hexdigest()
 
 
 def key_name(namespace: str, key: str) -> str:

@@ -3,17 +3,27 @@
 Beyond the reference (DESIGN.md §7):
 
 * **Atomic publish, exclusive consume, no lock files.** The producer writes an object
-  into a private slot file, then publishes it with one ``link()`` to the key's name —
-  readers never see a partial object, and an unread object with the same key is never
-  clobbered (``link`` fails with EEXIST). A reader claims with one ``rename()`` of the
-  key's name to a private claim name: exactly one reader wins.
+  into a private slot file, marks it PUBLISHED, sends the arrival notice, then makes it
+  findable by key with one ``link()`` to the key's name — readers never see a partial
+  object, and an unread object with the same key is never clobbered (``link`` fails with
+  EEXIST; the put is then retracted, unless a reader already took it through the notice,
+  which makes it delivered). A reader claims an object with one compare-and-swap of the
+  slot's stamp word, ``PUBLISHED(seq) -> CLAIMED(seq)`` (``atomics``): exactly one reader
+  wins, with no filesystem operation, and marks the slot FREE when it has copied it out.
+  Only the producer removes the key's name, when it reaps the FREE slot (or retracts it),
+  so a name always points at the slot its producer linked.
+* **Arrival notices that say where.** The notice datagram carries the slot's name and the
+  publish sequence as well as the key, so a receiver that has mapped the slot before
+  (slots are pooled) consumes with no system call beyond the ``recv``. Notices are hints:
+  a stale or forged one only fails a compare-and-swap, and the key's name is the way to
+  find an object without one.
 * **Fixed-length names.** Keys are hashed (``names.key_name``); the key itself lives in
   the slot header, so audits can recover it. Every name starts ``omnirelay-<namespace>``.
 * **Reuse.** Slots are pooled, pre-faulted and stay mapped in the producer; consumers
   cache their mappings of recently seen slots. A put is one encode straight into shared
   memory; a get is one copy out (into huge-page backed memory via numpy).
-* **Arrival notices.** After a put, a datagram naming the key goes to the target stage's
-  abstract UNIX socket; ``wait_arrivals`` blocks on it. Waiting costs nothing per request.
+* **Waiting costs nothing per request.** ``wait_arrivals`` blocks on the target stage's
+  abstract UNIX socket.
 * **Crash safety.** Names carry the owner's pid and start time; ``sweep`` (run at startup
   and by ``omnirelay doctor --reclaim``) removes objects of dead owners only. A slot left
   CLAIMED by a dead consumer returns to its producer's pool on the next reap.
@@ -27,6 +37,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -34,8 +45,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirelay.connectors import names, slot
+from omnirelay.connectors import atomics, names, slot
 from omnirelay.connectors.base import (
+    MAX_KEY_BYTES,
     REAP_BATCH,
     Arrivals,
     Connector,
@@ -56,7 +68,16 @@ _MIN_SLOT = 16 << 10
 _INSTANCES = itertools.count(1)
 #: An empty datagram: "notices were lost, poll everything you wait for" (keys are never empty).
 _OVERFLOW_MARKER = b""
+#: A notice: tag, publish seq, slot name length, then the slot name and the key.
+_NOTICE_TAG = 0x4E  # "N"
+_NOTICE = struct.Struct("<BQH")
+_MAX_HINTS = 8192
+#: A CLAIMED slot whose claimer never wrote its record is abandoned after this long.
+_UNRECORDED_CLAIM_S = 30.0
 _MiB = 1 << 20
+_FREE = slot.FREE
+_PUBLISHED = slot.PUBLISHED
+_CLAIMED = slot.CLAIMED
 
 
 def notice_address(namespace: str, stage: int) -> bytes:
@@ -121,16 +142,36 @@ class _Slot:
     path: str
     size: int
     mm: mmap.mmap
+    word: atomics.Word
+    claim_word: atomics.Word
     ino: int = 0
+    seq: int = 0  # of the current (or last) publish
     payload_len: int = 0
     key: str | None = None
-    published_name: str | None = None
+    khash: str | None = None  # of the key whose name links to this slot
+    notice_head: bytes = b""  # slot name part of its notices
+    view: memoryview | None = None  # of the whole mapping, for writes
+    unrecorded_since: float | None = None  # CLAIMED without a record of this claim, since
+    pooled: bool = False  # in the free pool (a second release would hand it out twice)
+
+    def state(self) -> int:
+        return self.word.load() & 0xFF
+
+    def mm_view(self) -> memoryview:
+        if self.view is None:
+            self.view = memoryview(self.mm)
+        return self.view
 
 
 @dataclass(eq=False)
 class _Mapping:
     mm: mmap.mmap
+    word: atomics.Word
+    claim_word: atomics.Word
+    view: memoryview
     size: int
+    ident: tuple[int, int]
+    slot_name: str | None = None
     users: int = 0
     retired: bool = False
 
@@ -147,6 +188,7 @@ class _Counters:
     num_cleaned: int = 0
     num_notices_sent: int = 0
     num_notices_lost: int = 0
+    num_hinted_gets: int = 0
     last_error: str | None = None
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -162,14 +204,18 @@ class ShmConnector(Connector):
         allocator: Callable[[str, int], mmap.mmap] = default_allocator,
         **options: Any,
     ) -> None:
+        self._closed = True  # until constructed: __del__ must not touch half-built state
         self.namespace = validate_namespace(namespace)
         self.stage_id = stage_id
         try:
             self.options = ShmOptions(**options)
         except TypeError as exc:
             raise ConnectorError(f"unknown shm connector option: {exc}") from exc
+        if not atomics.available():
+            raise ConnectorError(atomics.unavailable_reason() or "libatomic is not available")
         self._dir = self.options.shm_dir
         self._kprefix = os.path.join(self._dir, f"{names.PREFIX}{self.namespace}-k-")
+        self._slot_prefix = f"{names.PREFIX}{self.namespace}-s-"
         self._notice_addrs: dict[int, bytes] = {}
         self._allocator = allocator
         self._owner = names.self_owner()
@@ -183,15 +229,17 @@ class ShmConnector(Connector):
         self._publish_seq = 0
         self._claim_seq = 0
         self._c = _Counters()
-        self._map_lock = threading.Lock()  # consumer mapping cache
+        self._map_lock = threading.Lock()  # consumer mapping cache and notice hints
         self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
+        self._maps_by_name: dict[str, _Mapping] = {}
+        self._hints: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (slot name, seq)
         self._map_bytes = 0
         self._map_misses = 0
-        self._closed = False
         self._send_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._send_sock.setblocking(False)
         self._listen: dict[int, socket.socket] = {}
         self._listen_lock = threading.Lock()
+        self._closed = False
         if self.options.sweep_on_start:
             from omnirelay.connectors.sweep import sweep
 
@@ -205,69 +253,85 @@ class ShmConnector(Connector):
     # ------------------------------------------------------------------ producer side
     def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
         try:
-            validate_key(key)
+            key_bytes = _key_bytes(key)
             if self._closed:
                 raise ConnectorError("connector is closed")
-            self.reap_consumed()
             plan = codec.plan_encode(obj)
         except OmniRelayError as exc:
             return self._put_failed(key, str(exc))
-        key_bytes = key.encode("utf-8", "surrogatepass")
+        off = slot.payload_offset(len(key_bytes))
+        need = off + plan.nbytes
         with self._lock:
             stale = self._pending.get(key)
-            if stale is not None and slot.read_state(stale.mm) == slot.FREE:
+            if stale is not None:
+                if stale.word.load() != slot.stamp(_FREE, stale.seq):
+                    self._c.num_put_failures += 1
+                    return PutResult(ok=False, error=f"key {key!r} is already published and not yet consumed")
                 del self._pending[key]  # consumed, not reaped yet: the key is free again
-            elif stale is not None:
-                self._c.num_put_failures += 1
-                return PutResult(ok=False, error=f"key {key!r} is already published and not yet consumed")
-            else:
-                stale = None
-        if stale is not None:
-            self._release(stale)
-        need = slot.payload_offset(len(key_bytes)) + plan.nbytes
-        try:
-            sl = self._acquire(need)
-        except OSError as exc:
-            reason = "no space left in /dev/shm" if exc.errno == errno.ENOSPC else f"cannot allocate: {exc}"
-            return self._put_failed(key, f"{reason} (needed {need} bytes)")
-        khash = names.key_hash(key)
-        published = f"{names.PREFIX}{self.namespace}-k-{khash}"
-        try:
+            sl = self._take_free_locked(need)
             self._publish_seq += 1
+            seq = self._publish_seq
+        if stale is not None:
+            self._reclaim(stale)
+        if sl is None:
+            try:
+                sl = self._allocate(need)
+            except OSError as exc:
+                reason = (
+                    "no space left in /dev/shm" if exc.errno == errno.ENOSPC else f"cannot allocate: {exc}"
+                )
+                return self._put_failed(key, f"{reason} (needed {need} bytes)")
+            except (ValueError, ConnectorError) as exc:
+                return self._put_failed(key, f"cannot allocate: {exc}")
+        try:
             slot.write_publish_header(
                 sl.mm,
                 key=key_bytes,
                 payload_len=plan.nbytes,
-                seq=self._publish_seq,
+                seq=seq,
                 owner_pid=self._owner.pid,
                 owner_start=self._owner.start,
                 created_ns=time.time_ns(),
                 from_stage=from_stage,
                 to_stage=to_stage,
             )
-            off = slot.payload_offset(len(key_bytes))
-            with memoryview(sl.mm) as mv:
-                plan.write_into(mv[off : off + plan.nbytes])
-            slot.write_state(sl.mm, slot.PUBLISHED)
-            os.link(sl.path, self._kprefix + khash)
+            plan.write_into(sl.mm_view()[off : off + plan.nbytes])
         except BaseException as exc:
-            slot.write_state(sl.mm, slot.FREE)
+            sl.word.store(slot.stamp(_FREE, seq))
             self._release(sl)
             if not isinstance(exc, Exception):
                 raise
-            if isinstance(exc, FileExistsError):
-                return self._put_failed(
-                    key, f"key {key!r} is already published (by this or another producer)"
-                )
             return self._put_failed(key, f"{type(exc).__name__}: {exc}")
-        sl.key, sl.payload_len, sl.published_name = key, plan.nbytes, published
+        sl.seq, sl.key, sl.payload_len, sl.khash = seq, key, plan.nbytes, None
+        sl.word.store(slot.stamp(_PUBLISHED, seq))  # release: the bytes above are visible first
+        # The notice goes out before the key's name exists: the receiver wakes while we link.
+        self._notify(
+            to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
+        )
+        khash = names.key_hash_bytes(key_bytes)
+        try:
+            os.link(sl.path, self._kprefix + khash)
+            sl.khash = khash
+        except OSError as exc:
+            # Retract unless a reader already took it through the notice (then it is delivered).
+            if sl.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
+                self._record_own_claim(sl, seq)
+                sl.word.store(slot.stamp(_FREE, seq))
+                self._release(sl)
+                if isinstance(exc, FileExistsError):
+                    return self._put_failed(
+                        key,
+                        f"key {key!r} is already published by another producer (a consumed object's "
+                        "name is released by its producer's next reap)",
+                    )
+                return self._put_failed(key, f"cannot publish {key!r}: {exc}")
         with self._lock:
             self._busy.discard(sl)
             self._pending[key] = sl
             self._c.num_puts += 1
             self._c.bytes_put += plan.nbytes
-        self._notify(to_stage, key_bytes)
-        return PutResult(ok=True, nbytes=plan.nbytes, handle=published)
+        self.reap_consumed()  # after the notice: off the consumer's critical path
+        return PutResult(ok=True, nbytes=plan.nbytes, handle=f"{names.PREFIX}{self.namespace}-k-{khash}")
 
     def _put_failed(self, key: object, reason: str) -> PutResult:
         with self._lock:
@@ -275,17 +339,22 @@ class ShmConnector(Connector):
             self._c.last_error = reason
         return PutResult(ok=False, error=reason)
 
-    def _acquire(self, need: int) -> _Slot:
+    def _take_free_locked(self, need: int) -> _Slot | None:
+        """The smallest pooled slot that fits ``need`` without wasting much (lock held)."""
+        best = None
+        for sl in self._free:
+            fits = need <= sl.size <= max(4 * need, need + 2 * _MiB, _MIN_SLOT)
+            if fits and (best is None or sl.size < best.size):
+                best = sl
+        if best is not None:
+            self._free.remove(best)
+            best.pooled = False
+            self._busy.add(best)
+        return best
+
+    def _allocate(self, need: int) -> _Slot:
+        """A new slot file (raises OSError, e.g. ENOSPC; leaves nothing behind on error)."""
         with self._lock:
-            best = None
-            for sl in self._free:
-                fits = need <= sl.size <= max(4 * need, need + 2 * _MiB, _MIN_SLOT)
-                if fits and (best is None or sl.size < best.size):
-                    best = sl
-            if best is not None:
-                self._free.remove(best)
-                self._busy.add(best)
-                return best
             self._slot_seq += 1
             name = names.slot_name(self.namespace, self._owner, f"{self._instance}.{self._slot_seq}")
         size = _slot_size(need)
@@ -293,20 +362,40 @@ class ShmConnector(Connector):
         mm = self._allocator(path, size)
         try:
             ino = os.stat(path).st_ino
-        except OSError:
+            word = atomics.Word(mm, slot.STAMP_OFFSET)
+            claim_word = atomics.Word(mm, slot.CLAIM_SEQ_OFFSET)
+        except BaseException:
             mm.close()
             _unlink_quiet(path)
             raise
-        sl = _Slot(name=name, path=path, size=size, mm=mm, ino=ino)
+        sl = _Slot(
+            name=name,
+            path=path,
+            size=size,
+            mm=mm,
+            word=word,
+            claim_word=claim_word,
+            ino=ino,
+            notice_head=name.encode(),
+        )
         with self._lock:
             self._busy.add(sl)
         return sl
 
+    def _reclaim(self, sl: _Slot) -> None:
+        """A consumed (FREE) or retracted slot of ours: remove the key's name, then pool it.
+        Only its producer removes a published object's name, so the name is still ours."""
+        if sl.khash is not None:
+            _unlink_quiet(self._kprefix + sl.khash)
+        self._release(sl)
+
     def _release(self, sl: _Slot) -> None:
         """Return a slot to the free pool, or retire it if the pool is full or closed."""
-        sl.key = sl.published_name = None
+        sl.key = sl.khash = None
         sl.payload_len = 0
         with self._lock:
+            if sl.pooled:
+                return  # Invariant: a slot is pooled once; never hand it to two puts
             self._busy.discard(sl)
             pool_bytes = sum(s.size for s in self._free)
             keep = (
@@ -315,35 +404,33 @@ class ShmConnector(Connector):
                 and pool_bytes + sl.size <= self.options.pool_max_bytes
             )
             if keep:
+                sl.pooled = True
                 self._free.append(sl)
         if not keep:
             self._retire(sl)
 
-    def _retire(self, sl: _Slot) -> None:
-        try:
-            slot.write_state(sl.mm, slot.RETIRED)
-        except ValueError:
-            pass  # already closed
-        try:
-            os.unlink(sl.path)
-        except FileNotFoundError:
-            pass
-        try:
-            sl.mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with it
+    def _retire(self, sl: _Slot, *, mark: bool = True) -> None:
+        if mark:
+            try:
+                sl.word.store(slot.stamp(slot.RETIRED, sl.seq))
+            except (ValueError, TypeError):
+                pass  # already released
+        # The mapping is not closed here: the atomic word and the view export it, and a
+        # thread may still hold them. It is unmapped when the last reference goes (the
+        # slot is in no table any more), so no access can ever touch unmapped memory.
+        _unlink_quiet(sl.path)
 
-    def _notify(self, to_stage: int, key_bytes: bytes) -> None:
+    def _notify(self, to_stage: int, notice: bytes) -> None:
         """Announce a key to the target stage. A full receiver queue (Linux queues only
         ``net.unix.max_dgram_qlen`` datagrams, 10 by default) is remembered, and an overflow
         marker is sent as soon as there is room, so the receiver polls everything once."""
         addr = self._notice_addrs.get(to_stage)
         if addr is None:
             addr = self._notice_addrs[to_stage] = notice_address(self.namespace, to_stage)
-        if to_stage in self._overflow:
+        if self._overflow and to_stage in self._overflow:
             self._send_overflow_marker(to_stage)
         try:
-            self._send_sock.sendto(key_bytes, addr)
+            self._send_sock.sendto(notice, addr)
             sent = True
         except BlockingIOError:
             sent = False
@@ -371,70 +458,72 @@ class ShmConnector(Connector):
     def reap_consumed(self) -> int:
         """One bounded rotating pass over pending keys (SPEC §3.5), syscall-free: a consumed
         object's slot reads FREE in our own mapping."""
-        for stage in list(self._overflow):
-            self._send_overflow_marker(stage)
+        if self._overflow:
+            for stage in list(self._overflow):
+                self._send_overflow_marker(stage)
         reclaimed: list[_Slot] = []
+        orphaned: list[_Slot] = []
         with self._lock:
             for _ in range(min(REAP_BATCH, len(self._pending))):
                 key, sl = self._pending.popitem(last=False)
-                state = slot.read_state(sl.mm)
-                if state == slot.FREE:
+                word = sl.word.load()
+                if word == slot.stamp(_FREE, sl.seq):
                     reclaimed.append(sl)
-                elif state == slot.CLAIMED and not self._claimer_alive(sl):
-                    reclaimed.append(sl)  # the consumer died mid-read: the name is gone already
+                elif word == slot.stamp(_CLAIMED, sl.seq) and self._claim_abandoned(sl):
+                    orphaned.append(sl)  # the consumer died mid-read
                 else:
                     self._pending[key] = sl
-            self._c.num_reaped += len(reclaimed)
+            self._c.num_reaped += len(reclaimed) + len(orphaned)
+        for sl in orphaned:
+            sl.word.store(slot.stamp(_FREE, sl.seq))  # the dead claimer's claim ends here
+            reclaimed.append(sl)
         for sl in reclaimed:
-            slot.write_state(sl.mm, slot.FREE)
-            self._release(sl)
+            sl.unrecorded_since = None
+            self._reclaim(sl)
         return len(reclaimed)
 
+    def _record_own_claim(self, sl: _Slot, seq: int) -> None:
+        slot.write_claimer(sl.mm, self._owner.pid, self._owner.start)
+        sl.claim_word.store(seq)
+
     @staticmethod
-    def _claimer_alive(sl: _Slot) -> bool:
+    def _claim_abandoned(sl: _Slot) -> bool:
+        """True if the claim of ``sl``'s current publish belongs to a dead process: from its
+        claimer's record, or — a claimer killed between its CAS and its record, a window of
+        a few instructions — from the record still missing after ``_UNRECORDED_CLAIM_S``."""
+        if sl.claim_word.load() != sl.seq:
+            now = time.monotonic()
+            if sl.unrecorded_since is None:
+                sl.unrecorded_since = now
+            return now - sl.unrecorded_since > _UNRECORDED_CLAIM_S
+        sl.unrecorded_since = None
         hdr = slot.read_header(sl.mm, sl.size)
         if isinstance(hdr, str):
             return False
-        return names.owner_alive(names.OwnerId(hdr.claimer_pid, hdr.claimer_start))
+        return not names.owner_alive(names.OwnerId(hdr.claimer_pid, hdr.claimer_start))
 
     def cleanup(self, key: str) -> bool:
         """Retract ``key`` if this connector published it and nobody claimed it yet.
 
-        Claims the key's name exactly like a reader does (one ``rename`` to a private
-        name), then finds the slot by inode — so a slot recycled for another key in the
-        meantime is never touched, and a reader that won the name keeps its object.
-        Idempotent; returns True if an object was removed.
+        The producer claims its own object exactly like a reader (the stamp CAS of that
+        publish), so a reader that won keeps its object, and a slot recycled for another
+        key in the meantime (a newer ``seq``) is never touched. Idempotent; returns True
+        if an object was removed.
         """
         with self._lock:
-            if key not in self._pending:
-                return False
-            self._claim_seq += 1
-            seq = self._claim_seq
-        khash = names.key_hash(key)
-        claim = os.path.join(self._dir, names.claim_name(self.namespace, self._owner, khash, seq))
-        try:
-            os.rename(self._kprefix + khash, claim)
-        except FileNotFoundError:
-            return False  # a reader claimed it first: it frees the slot, reap picks it up
-        try:
-            ino = os.stat(claim).st_ino
-            with self._lock:
-                sl = self._pending.get(key)
-                if sl is None or sl.ino != ino:
-                    sl = None  # not our object under this name: give the name back
-                else:
-                    del self._pending[key]
-                    self._c.num_cleaned += 1
+            sl = self._pending.get(key)
             if sl is None:
-                try:
-                    os.link(claim, self._kprefix + khash)
-                except FileExistsError:
-                    pass
                 return False
-        finally:
-            _unlink_quiet(claim)
-        slot.write_state(sl.mm, slot.FREE)
-        self._release(sl)
+            seq = sl.seq
+        if not sl.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
+            return False  # a reader claimed it first: it frees the slot, reap picks it up
+        self._record_own_claim(sl, seq)
+        with self._lock:
+            if self._pending.get(key) is sl:
+                del self._pending[key]
+            self._c.num_cleaned += 1
+        sl.word.store(slot.stamp(_FREE, seq))
+        self._reclaim(sl)
         return True
 
     def cleanup_prefix(self, prefix: str) -> int:
@@ -449,81 +538,166 @@ class ShmConnector(Connector):
     # ------------------------------------------------------------------ consumer side
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
         try:
-            validate_key(key)
+            key_bytes = _key_bytes(key)
         except OmniRelayError as exc:
             return self._get_failed(str(exc))
         if self._closed:
             return self._get_failed("connector is closed")
-        khash = names.key_hash(key)
-        published = self._kprefix + khash
-        with self._lock:
-            self._claim_seq += 1
-            seq = self._claim_seq
-        claim = os.path.join(self._dir, names.claim_name(self.namespace, self._owner, khash, seq))
+        if self._hints:
+            mp, seq = self._take_hint(key)
+            if mp is not None:
+                try:
+                    res = self._claim(mp, key, key_bytes, seq)
+                finally:
+                    self._unmap(mp)
+                if res is not None:
+                    return res
+        return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes))
+
+    def _take_hint(self, key: str) -> tuple[_Mapping | None, int]:
+        """Pop the notice hint for ``key``: a pinned mapping of the slot it names, and the
+        publish seq; (None, 0) if there is none or the slot cannot be mapped."""
+        with self._map_lock:
+            hint = self._hints.pop(key, None)
+            if hint is None:
+                return None, 0
+            mp = self._maps_by_name.get(hint[0])
+            if mp is not None and not mp.retired:
+                self._maps.move_to_end(mp.ident)
+                mp.users += 1
+                return mp, hint[1]
+        return self._map_by_slot_name(hint[0]), hint[1]
+
+    def _get_by_name(self, key: str, key_bytes: bytes, khash: str) -> GetResult:
+        """Find the object through the key's name (no notice, or a stale one)."""
+        path = self._kprefix + khash
         try:
-            os.rename(published, claim)  # Invariant: exactly one reader wins this rename.
+            fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             return GetResult(GetStatus.NOT_YET)
         except OSError as exc:
-            return self._get_failed(f"cannot claim {key!r}: {exc}")
+            return self._get_failed(f"cannot open {key!r}: {exc}")
         try:
-            st = os.stat(claim)
+            st = os.fstat(fd)
             mp = self._cached_map(st)
             if mp is None:
-                fd = os.open(claim, os.O_RDWR)
-                try:
-                    mp = self._map(fd, st)
-                finally:
-                    os.close(fd)
-        except (OSError, ValueError) as exc:
-            return self._get_failed(f"claimed {key!r} but cannot map it: {exc}")
-        finally:
-            _unlink_quiet(claim)
+                mp = self._map(fd, st, None)
+        except (OSError, ValueError, ConnectorError) as exc:
+            os.close(fd)
+            self._remove_name_if(path, None)
+            return self._get_failed(f"corrupt object for key {key!r}: cannot map it: {exc}")
+        os.close(fd)
         try:
-            return self._consume(mp, key)
+            hdr = slot.read_header(mp.mm, mp.size)
+            if isinstance(hdr, str):
+                with self._map_lock:
+                    mp.retired = True
+                self._remove_name_if(path, st.st_ino)
+                return self._get_failed(f"corrupt object for key {key!r}: {hdr}")
+            if hdr.key != key_bytes:
+                self._remove_name_if(path, st.st_ino)
+                return self._get_failed(f"corrupt object for key {key!r}: header names a different key")
+            if hdr.state != _PUBLISHED:
+                return GetResult(GetStatus.NOT_YET)  # another reader holds it (or it is going away)
+            res = self._claim(mp, key, key_bytes, hdr.seq)
+            return res if res is not None else GetResult(GetStatus.NOT_YET)
         finally:
             self._unmap(mp)
 
-    def _consume(self, mp: _Mapping, key: str) -> GetResult:
-        hdr = slot.read_header(mp.mm, mp.size)
-        if isinstance(hdr, str):
-            return self._get_failed(f"corrupt object for key {key!r}: {hdr}")
-        valid = True
+    def _claim(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
+        """Claim publish ``seq`` of the mapped slot and consume it; None if it is not there
+        (claimed by another reader, already recycled, or a notice that named the wrong slot)."""
+        if not mp.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
+            return None
+        found = slot.read_payload_span(mp.mm, mp.size, key_bytes)
+        if found is None:
+            mp.word.store(slot.stamp(_PUBLISHED, seq))  # not ours to take: put it back untouched
+            return None
+        off, nbytes = found
+        slot.write_claimer(mp.mm, self._owner.pid, self._owner.start)
+        mp.claim_word.store(seq)  # release: the record above is complete before it counts
         try:
-            if hdr.state != slot.PUBLISHED:
-                valid = False
-                return self._get_failed(f"corrupt object for key {key!r}: slot state is {hdr.state}")
-            if hdr.key != key.encode("utf-8", "surrogatepass"):
-                return self._get_failed(f"corrupt object for key {key!r}: header names a different key")
-            slot.write_claim(mp.mm, self._owner.pid, self._owner.start)
-            off = hdr.payload_off
-            with memoryview(mp.mm) as mv:
-                try:
-                    obj = codec.decode(mv[off : off + hdr.payload_len], copy=True)
-                except OmniRelayError as exc:
-                    return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
+            try:
+                obj = codec.decode(mp.view[off : off + nbytes], copy=True)
+            except OmniRelayError as exc:
+                return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
         finally:
-            if valid:
-                slot.write_state(mp.mm, slot.FREE)  # Invariant: written after the last read.
+            mp.word.store(slot.stamp(_FREE, seq))  # Invariant: written after the last read.
+        sl = None
         with self._lock:
             self._c.num_gets += 1
-            self._c.bytes_got += hdr.payload_len
-            # An in-process consumer of our own object: drop it from pending right away.
-            sl = self._pending.get(key)
-            if sl is not None and slot.read_state(sl.mm) == slot.FREE:
-                del self._pending[key]
-                self._c.num_reaped += 1
-            else:
-                sl = None
+            self._c.bytes_got += nbytes
+            if self._pending:
+                # An in-process consumer of our own object: drop it from pending right away.
+                sl = self._pending.get(key)
+                if sl is not None and sl.word.load() == slot.stamp(_FREE, sl.seq):
+                    del self._pending[key]
+                    self._c.num_reaped += 1
+                else:
+                    sl = None
         if sl is not None:
-            self._release(sl)
-        return GetResult(GetStatus.READY, obj=obj, nbytes=hdr.payload_len)
+            self._reclaim(sl)
+        return GetResult(GetStatus.READY, obj=obj, nbytes=nbytes)
+
+    def _remove_name_if(self, path: str, ino: int | None) -> None:
+        """Remove a bad object's name, but only if it still names inode ``ino`` (claim it
+        with a rename, compare, then drop or give back). ``ino`` None: any non-slot file."""
+        with self._lock:
+            self._claim_seq += 1
+            seq = self._claim_seq
+        claim = os.path.join(
+            self._dir, names.claim_name(self.namespace, self._owner, os.path.basename(path)[-40:], seq)
+        )
+        try:
+            os.rename(path, claim)
+        except OSError:
+            return
+        try:
+            st = os.stat(claim)
+            if ino is not None and st.st_ino != ino:
+                try:
+                    os.link(claim, path)  # not the object we judged: give the name back
+                except FileExistsError:
+                    pass
+        except OSError:
+            pass
+        finally:
+            _unlink_quiet(claim)
 
     def _get_failed(self, reason: str) -> GetResult:
         with self._lock:
             self._c.num_get_failures += 1
             self._c.last_error = reason
         return GetResult(GetStatus.FAILED, error=reason)
+
+    def _map_by_slot_name(self, name: str) -> _Mapping | None:
+        """A pinned mapping of the slot a notice named, or None if it cannot be used."""
+        with self._map_lock:
+            mp = self._maps_by_name.get(name)
+            if mp is not None and not mp.retired:
+                self._maps.move_to_end(mp.ident)
+                mp.users += 1
+                return mp
+        if not name.startswith(self._slot_prefix) or "/" in name or "\0" in name:
+            return None  # a notice from elsewhere: ignore its hint
+        try:
+            fd = os.open(os.path.join(self._dir, name), os.O_RDWR)
+        except OSError:
+            return None  # retired since: find the object by its key's name
+        try:
+            st = os.fstat(fd)
+            mp = self._cached_map(st)
+            if mp is None:
+                mp = self._map(fd, st, name)
+            else:
+                with self._map_lock:
+                    mp.slot_name = name
+                    self._maps_by_name[name] = mp
+            return mp
+        except (OSError, ValueError, ConnectorError):
+            return None
+        finally:
+            os.close(fd)
 
     def _cached_map(self, st: os.stat_result) -> _Mapping | None:
         """A pinned cached mapping of the file ``st`` describes, or None. The cache holds
@@ -536,28 +710,52 @@ class ShmConnector(Connector):
             mp.users += 1
             return mp
 
-    def _map(self, fd: int, st: os.stat_result) -> _Mapping:
+    def _map(self, fd: int, st: os.stat_result, name: str | None) -> _Mapping:
         ident = (st.st_dev, st.st_ino)
         size = st.st_size
+        if size < slot.HEADER_SIZE:
+            raise ValueError(f"object is {size} bytes, smaller than the {slot.HEADER_SIZE}-byte slot header")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        mp = _Mapping(mm=mm, size=size, users=1)
+        try:
+            word = atomics.Word(mm, slot.STAMP_OFFSET)
+            claim_word = atomics.Word(mm, slot.CLAIM_SEQ_OFFSET)
+        except BaseException:
+            mm.close()
+            raise
+        mp = _Mapping(
+            mm=mm,
+            word=word,
+            claim_word=claim_word,
+            view=memoryview(mm),
+            size=size,
+            ident=ident,
+            slot_name=name,
+            users=1,
+        )
         evict: list[_Mapping] = []
         with self._map_lock:
             old = self._maps.pop(ident, None)
             if old is not None:
-                self._map_bytes -= old.size
-                old.retired = True
-                if old.users == 0:
-                    evict.append(old)
+                self._drop_locked(old, evict)
             if self.options.map_cache_entries and size <= self.options.map_cache_bytes:
                 self._maps[ident] = mp
+                if name is not None:
+                    self._maps_by_name[name] = mp
                 self._map_bytes += size
                 evict.extend(self._trim_maps_locked())
             else:
                 mp.retired = True  # not cached: closed after this get
         for old_mp in evict:
-            _close_map(old_mp.mm)
+            _close_map(old_mp)
         return mp
+
+    def _drop_locked(self, mp: _Mapping, evict: list[_Mapping]) -> None:
+        self._map_bytes -= mp.size
+        mp.retired = True
+        if mp.slot_name is not None and self._maps_by_name.get(mp.slot_name) is mp:
+            del self._maps_by_name[mp.slot_name]
+        if mp.users == 0:
+            evict.append(mp)
 
     def _trim_maps_locked(self) -> list[_Mapping]:
         """Evict least recently used mappings over the budget; every 64 misses also drop
@@ -572,21 +770,21 @@ class ShmConnector(Connector):
             )
             if not over and not scan_retired:
                 break
-            if not over and slot.read_state(mp.mm) != slot.RETIRED:
+            if not over and mp.word.load() & 0xFF != slot.RETIRED:
                 continue
             del self._maps[ident]
-            self._map_bytes -= mp.size
-            mp.retired = True
-            if mp.users == 0:
-                out.append(mp)
+            self._drop_locked(mp, out)
         return out
 
     def _unmap(self, mp: _Mapping) -> None:
         with self._map_lock:
             mp.users -= 1
             close = mp.retired and mp.users == 0
+            if close and self._maps.get(mp.ident) is mp:
+                del self._maps[mp.ident]
+                self._drop_locked(mp, [])
         if close:
-            _close_map(mp.mm)
+            _close_map(mp)
 
     # ------------------------------------------------------------------ notices
     def _bind(self, stage: int) -> socket.socket:
@@ -624,20 +822,36 @@ class ShmConnector(Connector):
             return keys  # closed under us
         return self._drain(sock) if ready else keys
 
-    @staticmethod
-    def _drain(sock: socket.socket) -> Arrivals:
+    def _drain(self, sock: socket.socket) -> Arrivals:
         keys = Arrivals()
+        hints: list[tuple[str, str, int]] = []
         while True:
             try:
                 data = sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return keys
-            except OSError:
-                return keys
+            except OSError:  # BlockingIOError: drained; anything else: closed under us
+                break
             if data == _OVERFLOW_MARKER:
                 keys.overflowed = True
-            else:
-                keys.append(data.decode("utf-8", "surrogatepass"))
+                continue
+            try:
+                tag, seq, name_len = _NOTICE.unpack_from(data)
+                if tag != _NOTICE_TAG or len(data) <= _NOTICE.size + name_len:
+                    raise ValueError("malformed notice")
+                name = data[_NOTICE.size : _NOTICE.size + name_len].decode("ascii")
+                key = data[_NOTICE.size + name_len :].decode("utf-8", "surrogatepass")
+            except (struct.error, ValueError):
+                keys.overflowed = True  # not a notice we understand: poll everything once
+                continue
+            keys.append(key)
+            hints.append((key, name, seq))
+        if hints:
+            with self._map_lock:
+                for key, name, seq in hints:
+                    self._hints[key] = (name, seq)
+                    self._hints.move_to_end(key)
+                while len(self._hints) > _MAX_HINTS:
+                    self._hints.popitem(last=False)
+        return keys
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -649,19 +863,23 @@ class ShmConnector(Connector):
             self._pending.clear()
             free, self._free = self._free, []
         for sl in pending:
-            if sl.published_name is not None:
-                _unlink_quiet(os.path.join(self._dir, sl.published_name))
-            self._retire(sl)
+            # Names are ours to remove. A reader mid-copy keeps its mapping (and its claim).
+            if sl.khash is not None:
+                _unlink_quiet(self._kprefix + sl.khash)
+            claimed = sl.word.load() & 0xFF == _CLAIMED
+            self._retire(sl, mark=not claimed)
         for sl in free:
             self._retire(sl)
         with self._map_lock:
             maps = list(self._maps.values())
             self._maps.clear()
+            self._maps_by_name.clear()
+            self._hints.clear()
             self._map_bytes = 0
         for mp in maps:
             mp.retired = True
             if mp.users == 0:
-                _close_map(mp.mm)
+                _close_map(mp)
         with self._listen_lock:
             socks = list(self._listen.values())
             self._listen.clear()
@@ -705,6 +923,16 @@ class ShmConnector(Connector):
             )
 
 
+def _key_bytes(key: object) -> bytes:
+    """The UTF-8 bytes of a valid transfer key (``validate_key``'s rules, one encode)."""
+    if type(key) is str and key:
+        data = key.encode("utf-8", "surrogatepass")
+        if len(data) <= MAX_KEY_BYTES:
+            return data
+    validate_key(key)  # raises with the precise reason
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
@@ -712,8 +940,7 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def _close_map(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # a view still exists; the mapping is released with it
+def _close_map(mp: _Mapping) -> None:
+    """Forget a mapping. It is unmapped when the last reference to it goes: a thread that
+    still holds it (or its atomic word) can never touch unmapped memory."""
+    mp.retired = True

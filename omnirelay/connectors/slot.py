@@ -3,10 +3,10 @@
 A slot is a /dev/shm file, mapped once by its producer and reused for many objects.
 Its first bytes are a header whose ``state`` word tells who owns the slot right now::
 
-    FREE ──put──► WRITING ──publish (link key name)──► PUBLISHED ──claim (rename)──► CLAIMED
-      ▲                                                    │                           │
-      └───────────── cleanup (unlink key name) ◄───────────┘                           │
-      └──────────────────────────── consumer done copying ◄────────────────────────────┘
+    FREE ──put──► WRITING ──publish (notice, link key name)──► PUBLISHED ──claim (CAS)──► CLAIMED
+      ▲                                                           │                        │
+      └──────────── cleanup (CAS, unlink key name) ◄──────────────┘                        │
+      └───────────────── consumer done copying (producer's reap unlinks the name) ◄───────┘
     any ──producer trims the pool or closes──► RETIRED (then the file is unlinked)
 
 Only the owner of the current state writes the next one: the producer writes WRITING,
@@ -14,21 +14,32 @@ PUBLISHED and RETIRED; the consumer that won the claim writes CLAIMED and FREE. 
 producer learns that an object was consumed by reading FREE in its own mapping (no
 syscall), which is what makes ``reap_consumed`` cheap.
 
+State and publish sequence share one 8-byte *stamp* word, ``state | seq << 8``. The one
+race between processes, readers claiming an object, is a compare-and-swap of the stamp
+``PUBLISHED(seq) -> CLAIMED(seq)`` (``omnirelay.connectors.atomics``): exactly one reader
+wins, and since ``seq`` grows with every publish of the slot, a stamp names one publish —
+a reader holding an old arrival notice can never claim the slot's next object.
+
 Layout (little endian)::
 
-    0   magic        8s   b"ORLYSLT1"
-    8   state        u32
-    12  key_len      u32  UTF-8 bytes of the transfer key
-    16  payload_len  u64
-    24  seq          u64  bumped on every publish
-    32  owner_pid    u32
-    36  claimer_pid  u32
-    40  owner_start  u64
+    0   magic         8s   b"ORLYSLT2"
+    8   stamp         u64  state (low 8 bits) | seq << 8   (atomic)
+    16  key_len       u32  UTF-8 bytes of the transfer key
+    20  owner_pid     u32
+    24  payload_len   u64
+    32  owner_start   u64
+    40  claimer_pid   u32
+    44  from_stage    i32
     48  claimer_start u64
-    56  created_ns   u64  wall clock of the publish (for audits: age)
-    64  from_stage   i32
-    68  to_stage     i32
+    56  created_ns    u64  wall clock of the publish (for audits: age)
+    64  to_stage      i32
+    72  claim_seq     u64  the seq the claimer's record (pid, start) belongs to (atomic)
     128 key bytes, then the payload at the next 64-byte boundary
+
+A claimer writes its record (pid, start) and then ``claim_seq`` right after winning the
+CAS. The producer judges a CLAIMED slot abandoned only from a record of *this* claim
+(``claim_seq == seq``) naming a dead process — never from a record not yet written, which
+would free a slot under a reader's feet.
 """
 
 from __future__ import annotations
@@ -39,22 +50,28 @@ from typing import Any
 
 __all__ = [
     "CLAIMED",
+    "CLAIM_SEQ_OFFSET",
     "FREE",
     "HEADER_SIZE",
     "MAGIC",
     "PUBLISHED",
     "RETIRED",
+    "STAMP_OFFSET",
     "WRITING",
     "SlotHeader",
+    "key_len_of",
     "payload_offset",
     "read_header",
+    "read_payload_span",
     "read_state",
+    "stamp",
     "write_claim",
+    "write_claimer",
     "write_publish_header",
     "write_state",
 ]
 
-MAGIC = b"ORLYSLT1"
+MAGIC = b"ORLYSLT2"
 FREE, WRITING, PUBLISHED, CLAIMED, RETIRED = 0, 1, 2, 3, 4
 STATE_NAMES = {
     FREE: "free",
@@ -64,26 +81,40 @@ STATE_NAMES = {
     RETIRED: "retired",
 }
 HEADER_SIZE = 128
+#: Byte offset of the stamp word (8-byte aligned, for the atomic operations).
+STAMP_OFFSET = 8
+#: Byte offset of the claim record's sequence word (8-byte aligned, atomic).
+CLAIM_SEQ_OFFSET = 72
 
-_FIXED = struct.Struct("<8sIIQQIIQQQii")
-_STATE = struct.Struct("<I")
-_OFF_STATE = 8
-_OFF_CLAIMER_PID = 36
-_OFF_CLAIMER_START = 48
+_FIXED = struct.Struct("<8sQIIQQIiQQiIQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_OFF_KEY_LEN = 16
+_OFF_PAYLOAD_LEN = 24
+_OFF_CLAIMER_PID = 40
+_OFF_CLAIMER_START = 48
+
+
+def stamp(state: int, seq: int) -> int:
+    """The stamp word of ``state`` for publish ``seq``."""
+    return (seq << 8) | state
 
 
 def payload_offset(key_len: int) -> int:
     return (HEADER_SIZE + key_len + 63) & ~63
 
 
+def key_len_of(head: Any) -> int:
+    """The key length field of a header (the first ``HEADER_SIZE`` bytes)."""
+    return int(_U32.unpack_from(head, _OFF_KEY_LEN)[0])
+
+
 @dataclass(frozen=True)
 class SlotHeader:
     state: int
+    seq: int
     key_len: int
     payload_len: int
-    seq: int
     owner_pid: int
     claimer_pid: int
     owner_start: int
@@ -92,6 +123,7 @@ class SlotHeader:
     from_stage: int
     to_stage: int
     key: bytes
+    claim_seq: int = 0
 
     @property
     def payload_off(self) -> int:
@@ -103,32 +135,59 @@ def read_header(buf: Any, size: int) -> SlotHeader | str:
     bytes are not a valid slot (never raises on bad bytes)."""
     if size < HEADER_SIZE:
         return f"object is {size} bytes, smaller than the {HEADER_SIZE}-byte slot header"
-    (magic, state, key_len, payload_len, seq, opid, cpid, ostart, cstart, created, src, dst) = (
+    (magic, word, key_len, opid, payload_len, ostart, cpid, src, cstart, created, dst, _pad, claim_seq) = (
         _FIXED.unpack_from(buf, 0)
     )
     if magic != MAGIC:
         return f"bad slot magic {magic!r} (not an omnirelay object)"
+    state = word & 0xFF
     if state not in STATE_NAMES:
         return f"bad slot state {state}"
     off = payload_offset(key_len)
     if off + payload_len > size:
         return f"slot header claims {off + payload_len} bytes but the object has {size}"
     key = bytes(buf[HEADER_SIZE : HEADER_SIZE + key_len])
-    return SlotHeader(state, key_len, payload_len, seq, opid, cpid, ostart, cstart, created, src, dst, key)
+    return SlotHeader(
+        state, word >> 8, key_len, payload_len, opid, cpid, ostart, cstart, created, src, dst, key, claim_seq
+    )
+
+
+def read_payload_span(buf: Any, size: int, key: bytes) -> tuple[int, int] | None:
+    """``(payload offset, payload length)`` of a slot that holds ``key``; None if the header
+    names another key or its lengths do not fit in ``size`` bytes (the hot path's check)."""
+    key_len = _U32.unpack_from(buf, _OFF_KEY_LEN)[0]
+    payload_len = _U64.unpack_from(buf, _OFF_PAYLOAD_LEN)[0]
+    off = payload_offset(key_len)
+    if key_len != len(key) or off + payload_len > size or buf[HEADER_SIZE : HEADER_SIZE + key_len] != key:
+        return None
+    return off, payload_len
 
 
 def read_state(buf: Any) -> int:
-    return int(_STATE.unpack_from(buf, _OFF_STATE)[0])
+    """The state of a slot from a plain (non-atomic) read; for audits and tests."""
+    return int(_U64.unpack_from(buf, STAMP_OFFSET)[0]) & 0xFF
 
 
 def write_state(buf: Any, state: int) -> None:
-    _STATE.pack_into(buf, _OFF_STATE, state)
+    """Set the state, keeping the sequence (a plain write: only for buffers no other
+    process races on, e.g. in tests; live slots use ``atomics.Word``)."""
+    word = _U64.unpack_from(buf, STAMP_OFFSET)[0]
+    _U64.pack_into(buf, STAMP_OFFSET, (word & ~0xFF) | state)
+
+
+def write_claimer(buf: Any, pid: int, start: int) -> None:
+    """Record who claimed the object (the claim itself is the stamp CAS)."""
+    _U32.pack_into(buf, _OFF_CLAIMER_PID, pid)
+    _U64.pack_into(buf, _OFF_CLAIMER_START, start)
 
 
 def write_claim(buf: Any, pid: int, start: int) -> None:
-    _U32.pack_into(buf, _OFF_CLAIMER_PID, pid)
-    _U64.pack_into(buf, _OFF_CLAIMER_START, start)
-    _STATE.pack_into(buf, _OFF_STATE, CLAIMED)
+    """A complete claim with plain writes: record, its seq, state CLAIMED (tests simulate
+    consumers with it)."""
+    write_claimer(buf, pid, start)
+    word = _U64.unpack_from(buf, STAMP_OFFSET)[0]
+    _U64.pack_into(buf, CLAIM_SEQ_OFFSET, word >> 8)
+    write_state(buf, CLAIMED)
 
 
 def write_publish_header(
@@ -143,21 +202,24 @@ def write_publish_header(
     from_stage: int,
     to_stage: int,
 ) -> None:
-    """Write everything but the payload, with state WRITING (the caller flips it later)."""
+    """Write everything but the payload, with state WRITING (the caller publishes later by
+    storing ``stamp(PUBLISHED, seq)`` atomically). Only the slot's owner calls this, while
+    the slot is FREE (no reader can claim it)."""
     _FIXED.pack_into(
         buf,
         0,
         MAGIC,
-        WRITING,
+        stamp(WRITING, seq),
         len(key),
-        payload_len,
-        seq,
         owner_pid,
-        0,
+        payload_len,
         owner_start,
         0,
-        created_ns,
         from_stage,
+        0,
+        created_ns,
         to_stage,
+        0,
+        0,
     )
     buf[HEADER_SIZE : HEADER_SIZE + len(key)] = key

@@ -63,7 +63,7 @@ def _read_slot_header(path: str) -> slot.SlotHeader | str:
         head = os.pread(fd, slot.HEADER_SIZE, 0)
         if len(head) < slot.HEADER_SIZE:
             return "too small"
-        key_len = int.from_bytes(head[12:16], "little")
+        key_len = slot.key_len_of(head)
         data = head + os.pread(fd, min(key_len, 1 << 16), slot.HEADER_SIZE)
         return slot.read_header(data, size)  # only header and key are read
     finally:

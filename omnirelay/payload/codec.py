@@ -252,6 +252,16 @@ class _Planner:
         info = TORCH_BY_DTYPE.get(t.dtype)
         if info is None:
             raise _PathError(f": unsupported torch dtype {t.dtype}")
+        if info.int_view is None and type(t) is torch.Tensor:
+            # Fast path: numpy() succeeds only for a plain dense CPU tensor without grad,
+            # lazy conjugate or negation, which is exactly what may be read as it is.
+            try:
+                a = t.numpy()
+            except (RuntimeError, TypeError):
+                pass
+            else:
+                if a.ndim <= _MAX_DIMS:
+                    return self._add_region("torch", info.name, a.shape, a.nbytes, a)
         if t.layout is not torch.strided or t.is_quantized or t.is_nested:
             raise _PathError(f": only dense tensors travel (got layout {t.layout}); use .to_dense()")
         if t.dim() > _MAX_DIMS:
@@ -411,6 +421,13 @@ def encode(obj: Any) -> bytes:
 # --------------------------------------------------------------------------- decode
 
 
+#: Validated headers by (header bytes, total length): (region table, object tree bytes).
+#: Only the header is cached, never data; any change in shapes, dtypes or meta is a miss.
+_HEADER_CACHE: dict[tuple[bytes | None, int], tuple[list[_RegionInfo], bytes]] = {}
+_HEADER_CACHE_ENTRIES: Final = 512
+_HEADER_CACHE_MAX_LEN: Final = 4096
+
+
 def _byte_view(buf: Any) -> memoryview:
     mv = memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:
@@ -458,13 +475,22 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
     if len(mv) < total:
         raise PayloadTruncatedError(f"buffer holds {len(mv)} bytes; the payload is {total} bytes")
     head_end = PREFIX_SIZE + header_len
+    # Streams repeat headers (same shapes, same meta): their validated form is cached.
+    head = bytes(mv[PREFIX_SIZE:head_end]) if header_len <= _HEADER_CACHE_MAX_LEN else None
+    cached = _HEADER_CACHE.get((head, total)) if head is not None else None
+    if cached is None:
+        try:
+            header = _HEADER_DECODER.decode(mv[PREFIX_SIZE:head_end])
+        except msgspec.DecodeError as exc:
+            raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
+        cached = (_check_regions(header.regions, _align(head_end), total), bytes(header.tree))
+        if head is not None:
+            if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
+                _HEADER_CACHE.clear()
+            _HEADER_CACHE[(head, total)] = cached
+    reader = _Reader(mv[:total], cached[0], copy)
     try:
-        header = _HEADER_DECODER.decode(mv[PREFIX_SIZE:head_end])
-    except msgspec.DecodeError as exc:
-        raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
-    reader = _Reader(mv[:total], header.regions, _align(head_end), copy)
-    try:
-        return msgspec.msgpack.decode(header.tree, ext_hook=reader.ext_hook)
+        return msgspec.msgpack.decode(cached[1], ext_hook=reader.ext_hook)
     except msgspec.DecodeError as exc:
         raise PayloadDecodeError(f"malformed payload object tree: {exc}") from exc
     except RecursionError:
@@ -488,15 +514,11 @@ class _Reader:
 
     __slots__ = ("copy", "mv", "regions", "whole")
 
-    def __init__(self, mv: memoryview, regions: list[_Region], data_start: int, copy: bool) -> None:
+    def __init__(self, mv: memoryview, regions: list[_RegionInfo], copy: bool) -> None:
         self.mv = mv
         self.copy = copy
-        self.regions = [_check_region(i, r, data_start, len(mv)) for i, r in enumerate(regions)]
-        for i in range(1, len(self.regions)):
-            prev, cur = self.regions[i - 1], self.regions[i]
-            if cur.start < prev.start + prev.nbytes:
-                raise PayloadDecodeError(f"region {i} overlaps region {i - 1}")
-        self.whole = np.frombuffer(mv, dtype=np.uint8) if self.regions else None
+        self.regions = regions
+        self.whole = np.frombuffer(mv, dtype=np.uint8) if regions else None
 
     def ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_REGION:
@@ -542,6 +564,15 @@ class _Reader:
         if info.np_dtype is not None:
             return torch.from_numpy(src.view(info.np_dtype).reshape(r.shape))
         return torch.from_numpy(src).view(info.dtype).reshape(r.shape)
+
+
+def _check_regions(regions: list[_Region], data_start: int, total: int) -> list[_RegionInfo]:
+    infos = [_check_region(i, r, data_start, total) for i, r in enumerate(regions)]
+    for i in range(1, len(infos)):
+        prev, cur = infos[i - 1], infos[i]
+        if cur.start < prev.start + prev.nbytes:
+            raise PayloadDecodeError(f"region {i} overlaps region {i - 1}")
+    return infos
 
 
 def _check_region(i: int, r: _Region, data_start: int, total: int) -> _RegionInfo:
