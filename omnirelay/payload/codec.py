@@ -370,7 +370,10 @@ class EncodePlan:
             end = start + nbytes
             if nbytes:
                 if isinstance(src, np.ndarray):
-                    np.copyto(dst[start:end].view(src.dtype).reshape(src.shape), src, casting="no")
+                    if src.flags.c_contiguous:
+                        mv[start:end] = src.data.cast("B")  # one memcpy, no array views
+                    else:
+                        np.copyto(dst[start:end].view(src.dtype).reshape(src.shape), src, casting="no")
                 elif isinstance(src, torch.Tensor):
                     torch.from_numpy(dst[start:end]).view(src.dtype).view(src.shape).copy_(src)
                 else:
