@@ -58,7 +58,23 @@ def test_doctor_lists_and_reclaims_dead_owners(
 
 def test_doctor_with_nothing_to_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--namespace", "nothing.here"]) == 0
-    assert "no omnirelay objects" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no omnirelay objects" in out
+    assert "shm connector: ready" in out  # the atomics the claims need are there
+
+
+def test_doctor_says_when_the_shm_connector_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omnirelay.connectors import atomics, create_connector
+    from omnirelay.errors import ConnectorError
+
+    monkeypatch.setattr(atomics, "_FUNCS", None)
+    monkeypatch.setattr(atomics, "_REASON", "libatomic is not available (test)")
+    assert main(["doctor", "--namespace", "nothing.here"]) == 1
+    assert "shm connector: UNAVAILABLE: libatomic is not available (test)" in capsys.readouterr().out
+    with pytest.raises(ConnectorError, match="libatomic is not available"):
+        create_connector("shm", namespace="nothing.here", sweep_on_start=False)
 
 
 def test_bench_transfer_smoke(tmp_path: Path) -> None:

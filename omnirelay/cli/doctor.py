@@ -71,7 +71,16 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(
             f"{len(dead)} objects belong to dead processes; run `omnirelay doctor --reclaim` to remove them"
         )
+    from omnirelay.connectors import atomics
+
+    if atomics.available():
+        print("shm connector: ready (lock-free 8-byte atomics through libatomic)")
+    else:
+        print(f"shm connector: UNAVAILABLE: {atomics.unavailable_reason()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
-    return 0
+        out = report.to_dict()
+        out["shm_connector_ready"] = atomics.available()
+        out["shm_connector_problem"] = atomics.unavailable_reason()
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0 if atomics.available() else 1
