@@ -470,3 +470,40 @@ def test_a_claim_without_its_record_is_not_taken_for_abandoned(
     assert prod.reap_consumed() == 1 and prod.pending_keys() == []
     assert prod.health().pool_slots == 1  # one slot, pooled once
     prod.close()
+
+
+def _greedy_reader(namespace: str, keys: list[str], barrier: Any, out: Any) -> None:
+    conn = create_connector("shm", namespace=namespace, stage_id=2, listen=False, sweep_on_start=False)
+    barrier.wait(60)
+    got = {}
+    for k in keys:
+        res = conn.get(1, 2, k)
+        assert res.status is not GetStatus.FAILED, res.error
+        if res.is_ready:
+            got[k] = res.obj["k"]
+    out.put(got)
+    conn.close()
+
+
+def test_three_reader_processes_take_each_of_200_keys_exactly_once(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    keys = [f"X{i}_1_0" for i in range(200)]
+    for k in keys:
+        assert prod.put(1, 2, k, {"k": k, "t": torch.zeros(16)}).ok
+    barrier, out = CTX.Barrier(3), CTX.Queue()
+    readers = [
+        CTX.Process(target=_greedy_reader, args=(namespace, keys[i:] + keys[:i], barrier, out))
+        for i in (0, 67, 134)
+    ]
+    for r in readers:
+        r.start()
+    results = [out.get(timeout=60) for _ in readers]
+    for r in readers:
+        r.join(60)
+        assert r.exitcode == 0
+    taken = [k for got in results for k in got]
+    assert sorted(taken) == sorted(keys)  # every key once: no loss, no duplicate
+    assert all(v == k for got in results for k, v in got.items())
+    while prod.pending_keys():
+        assert prod.reap_consumed()
+    prod.close()
