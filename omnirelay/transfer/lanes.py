@@ -56,6 +56,7 @@ class LaneExecutor:
         self._idle_interval_s = idle_interval_s
         self._source = source
         self._has_leader = False
+        self._leader_ident: int | None = None  # thread running the source now
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._is_idle = threading.Condition(self._lock)
@@ -81,7 +82,10 @@ class LaneExecutor:
             if queue is None:
                 self._lanes[lane] = deque((task,))
                 self._ready.append(lane)
-                self._has_work.notify()
+                # The leader submitting from its source takes the first ready lane itself
+                # right after: waking a follower for it would only contend for the GIL.
+                if not (len(self._ready) == 1 and self._leader_ident == threading.get_ident()):
+                    self._has_work.notify()
             else:
                 queue.append(task)  # its owner or its place in _ready picks it up
             return True
@@ -101,9 +105,11 @@ class LaneExecutor:
                     if self._source is not None and not self._has_leader:
                         self._has_work.notify()  # a follower takes over listening
             if role == "lead":
+                self._leader_ident = threading.get_ident()
                 self._call(self._source)
                 with self._lock:
                     self._has_leader = False
+                    self._leader_ident = None
                 continue
             if role == "idle":
                 self._call(self._on_idle)
