@@ -79,6 +79,10 @@ class RoleReport(msgspec.Struct):
     error: str | None = None
     #: perf_counter_ns per trial (t0 on the sender, t1 on the receiver), schedule order.
     times_ns: list[int] = msgspec.field(default_factory=list)
+    #: Per trial on the receiver: when its chunk was published ready (the receive worker's
+    #: commit, ``ChunkInput.committed_time``; CLOCK_MONOTONIC like perf_counter_ns), in ns.
+    #: For raw trials, ``times_ns``.
+    published_ns: list[int] = msgspec.field(default_factory=list)
     #: Per trial, the codec chunk's connector put (sender) or get (receiver) as (start, end).
     spans_ns: list[tuple[int, int]] = msgspec.field(default_factory=list)
     #: 64 MB stream activity as (start_ns, end_ns): build and put (sender), get (receiver).
@@ -288,6 +292,7 @@ class _Receiver:
         )
         self.watch_key: str | None = None
         self.codec_get = (0, 0)
+        self.published = 0  # ns: the last adapter trial's chunk published ready
         self.first_poll = threading.Event()
         self.big_open = False
         self.num_big = 0
@@ -313,6 +318,7 @@ class _Receiver:
                 t1 = self._adapter_trial(seq, trial, n)
                 received[trial.ext] = n + 1
             self.report.times_ns.append(t1)
+            self.report.published_ns.append(t1 if trial.kind == "raw" else self.published)
             self.report.spans_ns.append(self.codec_get)
             _send(self.ctrl, Got(seq, t1))
         if self.big_open:
@@ -368,6 +374,8 @@ class _Receiver:
                     self._on_big(c.is_finished)
                 elif c.internal_id == iid:
                     assert c.payload["meta"]["seq"] == seq, (c.payload["meta"], seq)
+                    ct = c.committed_time
+                    self.published = round(ct * 1e9) if ct is not None else time.perf_counter_ns()
                     assert c.is_finished == is_last
                     if is_last:
                         self.adapter.finish_requests([iid])

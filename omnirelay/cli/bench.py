@@ -71,7 +71,8 @@ def register(sub: Any) -> None:
         help="the transfer adapter's own cost per codec chunk across processes, and head-of-line blocking",
         description=(
             "Sender (stage 1) and receiver (stage 2) processes, one codec chunk (int64 16x50 + meta) in "
-            "flight: (a) save_async on the sender -> chunk ready from poll_events on the receiver, "
+            "flight: (a) save_async on the sender -> chunk published ready on the receiver (and handed to "
+            "its scheduler by poll_events), "
             "interleaved with the raw shm connector's one-way latency (put -> get) so the adapter's "
             "overhead is visible; (b) the same codec chunks without and with another request streaming "
             "64 MB payloads. Prints p50/p99/max against the targets (p50 <= 150 us; <= 5 ms added by the "
