@@ -82,6 +82,10 @@ _EXT_REGION: Final = 1
 _EXT_TUPLE: Final = 2
 _EXT_STRUCT: Final = 3
 
+#: Regions up to this size are copied with a memoryview assignment (cheapest for small
+#: ones, but it holds the GIL); larger ones with numpy, which releases the GIL while it
+#: copies, so a 64 MB put never stalls the threads moving other requests' chunks.
+_SMALL_COPY: Final = 256 << 10
 #: bytes at least this long travel as a region (one copy) rather than inside the header.
 _BYTES_REGION_MIN: Final = 4096
 #: numpy 1.x supports 32 dimensions; more would encode but not decode everywhere.
@@ -370,7 +374,7 @@ class EncodePlan:
             end = start + nbytes
             if nbytes:
                 if isinstance(src, np.ndarray):
-                    if src.flags.c_contiguous:
+                    if nbytes <= _SMALL_COPY and src.flags.c_contiguous:
                         mv[start:end] = src.data.cast("B")  # one memcpy, no array views
                     else:
                         np.copyto(dst[start:end].view(src.dtype).reshape(src.shape), src, casting="no")
