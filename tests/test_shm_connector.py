@@ -507,3 +507,39 @@ def test_three_reader_processes_take_each_of_200_keys_exactly_once(namespace: st
     while prod.pending_keys():
         assert prod.reap_consumed()
     prod.close()
+
+
+def test_a_name_reaped_and_its_slot_recycled_under_a_reader_is_not_corruption(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader opens a key's lingering name (consumed, not reaped yet); before it reads the
+    header, the producer reaps it and recycles the slot for another key. The reader must see
+    NOT_YET, not a corrupt object (that failed requests whose ids were reused after an abort)."""
+    from omnirelay.connectors import shm as shm_module
+
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    late = create_connector("shm", namespace=namespace, stage_id=3, listen=False)
+    assert prod.put(1, 2, "A_0_0", {"v": 1}).ok
+    cons.wait_arrivals(2, timeout=0)
+    assert cons.get(1, 2, "A_0_0").obj == {"v": 1}  # its name lingers until the reap
+    real_read_header = slot.read_header
+    calls = []
+
+    def recycle_first(buf: Any, size: int) -> Any:
+        if not calls:
+            calls.append(1)
+            assert prod.reap_consumed() == 1  # name unlinked, slot pooled...
+            assert prod.put(1, 2, "B_0_0", {"v": 2}).ok  # ...and reused for another key
+        return real_read_header(buf, size)
+
+    monkeypatch.setattr(shm_module.slot, "read_header", recycle_first)
+    got = late.get(1, 2, "A_0_0")
+    monkeypatch.setattr(shm_module.slot, "read_header", real_read_header)
+    assert calls and got.status is GetStatus.NOT_YET, got
+    assert late.health().num_get_failures == 0
+    assert cons.get(1, 2, "B_0_0").obj == {"v": 2}  # untouched
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    for c in (prod, cons, late):
+        c.close()

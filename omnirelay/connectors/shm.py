@@ -595,6 +595,11 @@ class ShmConnector(Connector):
                 self._remove_name_if(path, st.st_ino)
                 return self._get_failed(f"corrupt object for key {key!r}: {hdr}")
             if hdr.key != key_bytes:
+                # The name may have been reaped and the slot recycled for another key since we
+                # opened it (consumed objects keep their name until their producer's reap):
+                # then the object we looked for is gone, which is not a corruption.
+                if not _names_inode(path, st.st_ino):
+                    return GetResult(GetStatus.NOT_YET)
                 self._remove_name_if(path, st.st_ino)
                 return self._get_failed(f"corrupt object for key {key!r}: header names a different key")
             if hdr.state != _PUBLISHED:
@@ -931,6 +936,14 @@ def _key_bytes(key: object) -> bytes:
             return data
     validate_key(key)  # raises with the precise reason
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _names_inode(path: str, ino: int) -> bool:
+    """Whether ``path`` still names inode ``ino``."""
+    try:
+        return os.stat(path).st_ino == ino
+    except OSError:
+        return False
 
 
 def _unlink_quiet(path: str) -> None:
