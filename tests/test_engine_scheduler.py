@@ -301,6 +301,54 @@ def test_ar_receiver_runs_one_step_per_chunk_then_finishes_on_the_terminal() -> 
     assert_empty(sched)
 
 
+def test_prefetch_asks_for_the_next_chunk_when_the_step_is_scheduled() -> None:
+    """With ``prefetch_chunks`` the tick that steps a receiver already asks for its next
+    chunk (fetched during the step); after the step it parks without asking again, and
+    the chunk is applied by the next tick like any other."""
+    sched, relay = _ar(stage_id=1, receives_chunks=True, prefetch_chunks=True), RelayLM()
+    r = _req(0, [0, 0, 0], stage=1, max_tokens=50, is_placeholder=True)
+    sched.add_request(r)
+    out, _ = tick(sched, relay)  # no chunk yet: parks and asks for chunk 0, as without prefetch
+    assert out.chunk_loads == ((r.internal_id, "r0"),) and r.is_chunk_requested
+    out, update = tick(sched, relay, TransferEvents(ready=(ar_chunk(r.internal_id, [10]),)))
+    assert out.num_items == 1 and out.chunk_loads == ((r.internal_id, "r0"),)  # chunk 1, during the step
+    assert update.chunk_loads == () and r.status is S.WAITING_FOR_CHUNK and r.is_chunk_requested
+    out, update = tick(sched, relay)  # chunk 1 not committed yet: nothing runs, nothing is asked again
+    assert out.is_empty and update.chunk_loads == ()
+    out, update = tick(
+        sched, relay, TransferEvents(ready=(ar_chunk(r.internal_id, [11], finished=True, n=1),))
+    )
+    assert out.num_items == 1 and out.chunk_loads == ()  # the terminal: no chunk follows it
+    assert update.updates[0].new_token_ids == (23,) and r.status is S.FINISHED_STOPPED
+    assert r.output_token_ids == [21, 23] and r.num_chunks_received == 2
+    assert_empty(sched)
+
+
+def test_prefetch_of_a_request_that_ends_in_its_step_or_fails_parked() -> None:
+    """A prefetched request that finishes in its step is simply gone (the engine cleans
+    its registration); one that parked with a chunk on order fails (or is aborted) like
+    any parked request; a stage that receives no chunks never prefetches."""
+    sched, relay = _ar(stage_id=1, receives_chunks=True, prefetch_chunks=True), RelayLM()
+    a, b = _req("a", [0], stage=1, max_tokens=1), _req("b", [0], stage=1, max_tokens=9)
+    sched.add_request(a)
+    sched.add_request(b)
+    tick(sched, relay)
+    ready = (ar_chunk(a.internal_id, [1]), ar_chunk(b.internal_id, [2]))
+    out, update = tick(sched, relay, TransferEvents(ready=ready))
+    assert set(out.chunk_loads) == {(a.internal_id, "ra"), (b.internal_id, "rb")}
+    assert a.status is S.FINISHED_LENGTH and update.chunk_loads == ()
+    assert b.status is S.WAITING_FOR_CHUNK and b.is_chunk_requested
+    fail = TransferFailure(b.internal_id, "rb", FailureKind.RECEIVE_FAILED, "corrupt", 1)
+    out = sched.schedule(TransferEvents(failed=(fail,)))
+    assert out.finished == (b,) and b.status is S.FINISHED_ERROR
+    assert_empty(sched)
+    plain = _ar(stage_id=0, receives_chunks=False, prefetch_chunks=True)
+    assert not plain.prefetch_chunks
+    plain.add_request(_req("c", max_tokens=2))
+    out, _ = tick(plain, CountingLM())
+    assert out.chunk_loads == () and out.num_items == 1
+
+
 def test_ar_receiver_decodes_on_its_own_once_upstream_is_exhausted() -> None:
     sched, lm = _ar(stage_id=1, receives_chunks=True), CountingLM()
     r = _req(0, [0], stage=1, max_tokens=4)

@@ -382,6 +382,50 @@ def test_a_generation_stage_makes_audio_per_chunk() -> None:
     audit(engine, store)
 
 
+def num_registrations(engine: StageEngine) -> int:
+    """Chunk registrations the stage's adapter holds (requests waiting for a chunk)."""
+    n: int = engine.health()["transfer"]["receiver"]["num_registrations"]
+    return n
+
+
+def test_when_a_receiver_asks_for_its_next_chunk() -> None:
+    """An AR receiver has its next chunk on order while it steps (prefetch); a generation
+    receiver asks for its next window only once its step's outputs were handed over (at
+    the next wait or step), and is then woken by it as before."""
+    store = FakeStore()
+    up = FakeConnector(store, 0)
+    relay = make_engine(1, FakeConnector(store, 1))
+    relay.add_request(placeholder("R"))
+    relay.step()
+    assert num_registrations(relay) == 1  # chunk 0
+    assert up.put(0, 1, "R_0_0", {"codes": {"audio": torch.tensor([1, 2])}, "meta": {"finished": False}}).ok
+    assert relay.wait_for_work(TIMEOUT_S)
+    outs = relay.step()
+    assert [t for o in outs for t in o.token_ids] == [3, 5]
+    assert num_registrations(relay) == 1  # chunk 1 was asked for when the step was scheduled
+    relay.release("R")
+    audit(relay, None)
+
+    synth = make_engine(2, FakeConnector(store, 2), executor=SampleGenerator(samples_per_code=1))
+    synth.add_request(placeholder("A"))
+    synth.step()
+    assert num_registrations(synth) == 1
+    mid = FakeConnector(store, 1)
+    assert mid.put(1, 2, "A_1_0", {"codes": {"audio": torch.tensor([7])}, "meta": {"finished": False}}).ok
+    assert synth.wait_for_work(TIMEOUT_S)
+    outs = synth.step()
+    assert [o.audio.tolist() for o in outs if o.audio is not None] == [[7.0]]
+    assert num_registrations(synth) == 0  # not yet: the outputs go out first
+    assert not synth.wait_for_work(0.0)  # registers window 1 (nothing there yet), then waits
+    assert num_registrations(synth) == 1
+    assert mid.put(1, 2, "A_1_1", {"codes": {"audio": torch.tensor([8])}, "meta": {"finished": True}}).ok
+    assert synth.wait_for_work(TIMEOUT_S)
+    outs = synth.step()
+    assert outs[-1].finished and [o.audio.tolist() for o in outs if o.audio is not None] == [[8.0]]
+    synth.release("A")
+    audit(synth, store)
+
+
 # --------------------------------------------------------------------- aborts
 
 

@@ -139,6 +139,34 @@ def test_bad_frames_are_pipeline_errors() -> None:
 # ------------------------------------------------------------------------------ control
 
 
+async def recv_messages(front: FrontControl, stage_id: int, n: int) -> list[Any]:
+    """The next ``n`` messages of the stage, read as the orchestrator does: wait for the
+    socket's descriptor, then take everything queued (one burst may hold several)."""
+    loop = asyncio.get_running_loop()
+    fd = front.fileno(stage_id)
+    out: list[Any] = []
+    while True:
+        messages, num_bad, has_more = front.recv_ready(stage_id, limit=2)
+        assert num_bad == 0
+        out += messages
+        if has_more:
+            continue
+        if len(out) >= n:
+            assert len(out) == n, out
+            return out
+        readable: asyncio.Future[None] = loop.create_future()
+
+        def on_readable(fut: asyncio.Future[None] = readable) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(fd, on_readable)
+        try:
+            await asyncio.wait_for(readable, 5.0)
+        finally:
+            loop.remove_reader(fd)
+
+
 def test_control_plane_round_trip_and_cleanup() -> None:
     paths = ControlPaths.create(2)
 
@@ -150,7 +178,10 @@ def test_control_plane_round_trip_and_cleanup() -> None:
         worker.start_receiving(inbox, wake=woke.set, is_parent_alive=lambda: True, parent_check_s=0.05)
         try:
             worker.send(Hello(1, os.getpid()))
-            assert await front.recv(1) == Hello(1, os.getpid())
+            assert await recv_messages(front, 1, 1) == [Hello(1, os.getpid())]
+            for rid in ("a", "b", "c"):
+                worker.send(Released(1, rid))
+            assert await recv_messages(front, 1, 3) == [Released(1, rid) for rid in ("a", "b", "c")]
             assert front.send(1, Abort("x"))
             assert await asyncio.to_thread(inbox.wait, 5.0)
             assert woke.is_set() and inbox.take_all() == [Abort("x")]
@@ -454,3 +485,119 @@ def test_handle_async_iteration_across_threads() -> None:
 
     got = asyncio.run(main())
     assert [o.token_ids for o in got] == [[0], [1], [2], []] and got[-1].finished
+
+
+def make_intermediate_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any], list[float]]:
+    """A worker loop of stage 1, an intermediate stage (no final output), on a manual clock."""
+    cfg = parse_pipeline(
+        {
+            "name": "x",
+            "async_chunk": False,
+            "stages": [
+                {
+                    "id": 0,
+                    "name": "a",
+                    "execution_type": "ar",
+                    "executor": "e",
+                    "final_output": True,
+                    "final_output_type": "text",
+                },
+                {"id": 1, "name": "b", "execution_type": "ar", "executor": "e", "input_sources": [0]},
+            ],
+        }
+    )
+    spec = WorkerSpec(
+        stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 2), parent_pid=os.getpid(), **spec_kw
+    )
+    inbox = Inbox()
+    sent: list[Any] = []
+    now = [0.0]
+    loop = WorkerLoop(engine, inbox, sent.append, spec, clock=lambda: now[0])
+    return loop, inbox, sent, now
+
+
+def progress(rid: str, token: int) -> StageOutput:
+    return StageOutput(request_id=rid, stage_id=1, token_ids=[token])
+
+
+def sent_outputs(sent: list[Any]) -> list[list[tuple[str, list[int], bool]]]:
+    """Each Outputs message as (request id, token ids, finished) per output."""
+    return [
+        [(w.request_id, w.token_ids, w.finished) for w in m.outputs] for m in sent if isinstance(m, Outputs)
+    ]
+
+
+def test_intermediate_stage_holds_progress_until_a_final_output_in_order() -> None:
+    engine = RecordingEngine()
+    loop, _, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0)
+    assert loop.holds_progress
+    engine.has_work = lambda: True  # type: ignore[method-assign]  # busy: the loop never waits
+    for token in (1, 2):
+        engine.pending_outputs = [progress("a", token)]
+        loop.run_once()
+    assert sent_outputs(sent) == []  # held: no client reads an intermediate stage's progress
+    engine.pending_outputs = [progress("b", 7), StageOutput(request_id="a", stage_id=1, finished=True)]
+    loop.run_once()
+    assert sent_outputs(sent) == [[("a", [1], False), ("a", [2], False), ("b", [7], False), ("a", [], True)]]
+
+
+def test_intermediate_stage_flushes_when_due_and_before_waiting() -> None:
+    engine = RecordingEngine()
+    loop, _, sent, now = make_intermediate_loop(engine, progress_flush_s=0.05, idle_wait_s=0.0)
+    engine.pending_outputs = [progress("a", 1)]
+    loop.run_once()  # the step's output is held; nothing else to do: flushed before the wait
+    assert sent_outputs(sent) == [[("a", [1], False)]]
+    sent.clear()
+    engine.pending_outputs = [progress("a", 2)]
+    engine.has_work = lambda: True  # type: ignore[method-assign]  # busy: the loop never waits
+    loop.run_once()
+    now[0] = 0.04
+    engine.pending_outputs = [progress("a", 3)]
+    loop.run_once()
+    assert sent_outputs(sent) == []
+    now[0] = 0.05  # the first held output is due
+    engine.pending_outputs = [progress("a", 4)]
+    loop.run_once()
+    assert sent_outputs(sent) == [[("a", [2], False), ("a", [3], False), ("a", [4], False)]]
+    sent.clear()
+    engine.pending_outputs = [progress("a", 5)]
+    loop.run_once()
+    now[0] = 0.2
+    loop.run_once()  # a step without outputs still sends what is due
+    assert sent_outputs(sent) == [[("a", [5], False)]]
+
+
+def test_release_drops_held_progress_of_its_id() -> None:
+    engine = RecordingEngine()
+    loop, inbox, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0, idle_wait_s=0.0)
+    engine.has_work = lambda: True  # type: ignore[method-assign]
+    engine.pending_outputs = [progress("a", 1), progress("b", 2)]
+    loop.run_once()
+    assert sent_outputs(sent) == []
+    inbox.put(Release("a"))
+    engine.has_work = lambda: False  # type: ignore[method-assign]
+    loop.run_once()  # the release is applied and acknowledged
+    assert sent == [Released(1, "a")]
+    loop.run_once()  # nothing to do: what is held goes out before the loop waits
+    assert sent_outputs(sent) == [[("b", [2], False)]]
+    assert Released(1, "a") in sent
+    assert sent.index(Released(1, "a")) < next(i for i, m in enumerate(sent) if isinstance(m, Outputs))
+
+
+def test_error_outputs_and_final_stages_are_never_held() -> None:
+    engine = RecordingEngine()
+    loop, _, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0)
+    engine.pending_outputs = [progress("a", 1)]
+    engine.has_work = lambda: True  # type: ignore[method-assign]
+    loop.run_once()
+    engine.pending_outputs = [StageOutput(request_id="b", stage_id=1, error="broken")]
+    loop.run_once()
+    assert [[w.request_id for w in m] for m in ([o.outputs for o in sent if isinstance(o, Outputs)])] == [
+        ["a", "b"]
+    ]
+    final_engine = RecordingEngine()
+    final_loop, _, final_sent = make_loop(final_engine)
+    assert not final_loop.holds_progress
+    final_engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, token_ids=[1])]
+    final_loop.run_once()
+    assert len(sent_outputs(final_sent)) == 1

@@ -14,9 +14,12 @@ One tick (``step``)::
     apply commands (add / abort / release / sender retired)
     events = adapter.poll_events()                   # ready chunks, failures, stall timeouts
     sched = scheduler.schedule(events)               # pure
-    adapter.load_async(...) for the requests that parked
+    adapter.load_async(...) for the requests that parked, and (AR receivers) for the next
+        chunk of every request this tick steps: it is fetched during the step
     results = executor.step(batch) for each batch    # one call per tick when batching
     update = scheduler.update_from_output(sched, results)
+    adapter.load_async(...) for the requests that parked after their step (a generation
+        receiver: deferred to the next step or wait, after the outputs went out)
     adapter.save_async(...) for each step's next_stage_output, and the terminal at finish,
         only when the request's final_stage_id > this stage (a text-only request never puts)
     -> StageOutputs (streamed per step, or once at the finish when ``stream`` is false)
@@ -130,8 +133,17 @@ class StageEngine:
             receives_chunks=self.roles.receive_from_stage is not None,
             supports_batching=bool(executor.supports_batching),
             max_num_batched_tokens=stage.max_num_batched_tokens,
+            # An AR receiver (a Talker) needs a chunk for every step and it is usually
+            # there already: fetch it while the executor computes the step before
+            # (scheduler_base: chunk prefetch).
+            prefetch_chunks=scheduler_cls is ARScheduler,
             clock=clock,
         )
+        #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
+        #: away: it registers once the step's outputs are on their way (see
+        #: :meth:`_load_deferred`), so its first poll does not compete with them.
+        self._defers_loads = scheduler_cls is GenerationScheduler
+        self._deferred_loads: list[ChunkLoad] = []
         # Inbox: commands from any thread (exists before the adapter's threads start). ``_cond`` guards it, ``_watch`` and ``_is_closed``.
         self._cond = threading.Condition()
         self._inbox: deque[_Command] = deque()
@@ -238,6 +250,7 @@ class StageEngine:
         own. Stall timeouts are collected by ``step``, so call ``step`` at least every
         timeout (the worker loop does).
         """
+        self._load_deferred()
         if self.has_work():
             return True
         self._counts["num_idle_waits"] += 1
@@ -259,6 +272,7 @@ class StageEngine:
             if self._is_closed:
                 return []
             self._counts["num_steps"] += 1
+            self._load_deferred()
             outputs: list[StageOutput] = []
             for command in self._take_commands():
                 self._apply_command(command, outputs)
@@ -286,7 +300,10 @@ class StageEngine:
                     timing = StepTiming(start, self._clock(), _batch_compute(result))
                     timings.update((item.internal_id, timing) for item in batch)
                 update = self._scheduler.update_from_output(sched, results)
-                self._load(update.chunk_loads)
+                if self._defers_loads:
+                    self._deferred_loads.extend(update.chunk_loads)
+                else:
+                    self._load(update.chunk_loads)
                 for u in update.updates:
                     self._apply_update(u, outputs, timings.get(u.request.internal_id))
             self._counts["num_outputs"] += len(outputs)
@@ -395,11 +412,19 @@ class StageEngine:
             adapter.cleanup(f.internal_id, f.external_id)
         return events
 
-    def _load(self, loads: tuple[ChunkLoad, ...]) -> None:
+    def _load(self, loads: tuple[ChunkLoad, ...] | list[ChunkLoad]) -> None:
         if loads:
             assert self._adapter is not None
             for iid, ext in loads:
                 self._adapter.load_async(iid, ext)
+
+    def _load_deferred(self) -> None:
+        """Register the chunk loads the last step deferred (engine thread: at the start of
+        the next step, or before waiting). Nothing can finish their requests in between:
+        commands are applied by ``step``, after this."""
+        if self._deferred_loads:
+            loads, self._deferred_loads = self._deferred_loads, []
+            self._load(loads)
 
     # ----------------------------------------------------------------- results
 
@@ -564,6 +589,7 @@ class StageEngine:
             self._live.clear()
             self._sending.clear()
             self._pending_prefix.clear()
+            self._deferred_loads.clear()
             self._outputs.clear()
         if self._adapter is not None:
             self._adapter.shutdown()  # closes the connector: releases what it still owns

@@ -151,6 +151,7 @@ class Request:
         "has_ready_chunk",
         "inputs",
         "internal_id",
+        "is_chunk_requested",
         "is_placeholder",
         "is_recompute",
         "is_upstream_exhausted",
@@ -204,6 +205,9 @@ class Request:
         self.has_ready_chunk = False
         #: The upstream's terminal chunk was committed: no chunk will come any more.
         self.is_upstream_exhausted = False
+        #: The adapter was asked for this request's next chunk (``load_async``) and it has
+        #: not been applied yet: asking again would be a no-op.
+        self.is_chunk_requested = False
         #: The next step recomputes tokens already computed before a preemption.
         self.is_recompute = False
         self.num_chunks_received = 0

@@ -23,6 +23,15 @@ Queues (each live request is in exactly one; checked by :meth:`BaseScheduler.che
 
 Slots: ``len(_running)`` plus the parked requests that parked from RUNNING (they keep
 their executor state while they wait) never exceed ``max_num_seqs``.
+
+Chunk prefetch (``prefetch_chunks``, what the stage engine uses): a chunk-receiving
+request needs its next chunk after every step until its upstream is exhausted, so the
+tick that schedules it also asks for that chunk (``SchedulerOutput.chunk_loads``) —
+the adapter's receive thread fetches and commits it while the executor computes the
+step, instead of after it. Nothing else changes: the request still parks after its step
+(without asking again: :attr:`Request.is_chunk_requested`), and the chunk is applied by
+the next tick's events like any other; events are drained only at the start of a tick,
+when no request is running. Without the flag a request asks when it parks.
 """
 
 from __future__ import annotations
@@ -105,6 +114,7 @@ class BaseScheduler(abc.ABC):
         receives_chunks: bool,
         supports_batching: bool,
         max_num_batched_tokens: int | None = None,
+        prefetch_chunks: bool = False,
         clock: Callable[[], float],
     ) -> None:
         assert max_num_seqs >= 1, max_num_seqs
@@ -113,6 +123,7 @@ class BaseScheduler(abc.ABC):
         self.receives_chunks = receives_chunks
         self.supports_batching = supports_batching
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefetch_chunks = prefetch_chunks and receives_chunks
         self._clock = clock
         self.requests: dict[str, Request] = {}
         self._new: list[Request] = []
@@ -120,6 +131,8 @@ class BaseScheduler(abc.ABC):
         self._running: OrderedDict[str, Request] = OrderedDict()
         self._parked: dict[str, Request] = {}
         self._num_parked_running = 0
+        #: Requests of the last ``schedule``'s batches, until ``update_from_output``.
+        self._stepping: frozenset[str] = frozenset()
         self.num_ticks = 0
         self.num_items_scheduled = 0
         self.num_chunks_applied = 0
@@ -209,6 +222,13 @@ class BaseScheduler(abc.ABC):
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
         for r in self._parked.values():
             assert r.status is RequestStatus.WAITING_FOR_CHUNK, r
+        for r in self.requests.values():
+            # A chunk on order: parked, or prefetched for the step it is in (_build_batches).
+            assert (
+                not r.is_chunk_requested
+                or r.internal_id in self._parked
+                or (r.status is RequestStatus.RUNNING and r.internal_id in self._stepping)
+            ), r
         parked_running = sum(1 for r in self._parked.values() if r.parked_from is RequestStatus.RUNNING)
         assert parked_running == self._num_parked_running, (parked_running, self._num_parked_running)
         assert self.num_slots_held <= self.max_num_seqs, (self.num_slots_held, self.max_num_seqs)
@@ -232,7 +252,7 @@ class BaseScheduler(abc.ABC):
             request = self._waiting.popleft()
             request.start_running(self._clock())
             self._running[request.internal_id] = request
-        return SchedulerOutput(self._build_batches(), tuple(finished), tuple(loads))
+        return SchedulerOutput(self._build_batches(loads), tuple(finished), tuple(loads))
 
     def update_from_output(
         self, sched_out: SchedulerOutput, results: Sequence[Sequence[ItemResult] | BaseException]
@@ -262,6 +282,7 @@ class BaseScheduler(abc.ABC):
                     self._detach(request, was=RequestStatus.RUNNING)
                 elif self._needs_chunk(request):
                     self._park(request, loads)
+        self._stepping = frozenset()
         return StepUpdate(tuple(updates), tuple(loads))
 
     # ----------------------------------------------------------------- subclass hooks
@@ -308,7 +329,9 @@ class BaseScheduler(abc.ABC):
             self._num_parked_running += 1
         request.park_for_chunk()
         self._parked[request.internal_id] = request
-        loads.append((request.internal_id, request.external_id))
+        if not request.is_chunk_requested:  # else prefetched when its step was scheduled
+            request.is_chunk_requested = True
+            loads.append((request.internal_id, request.external_id))
 
     def _apply_chunk(self, chunk: ChunkInput, finished: list[Request], loads: list[ChunkLoad]) -> None:
         request = self._parked.get(chunk.internal_id)
@@ -317,6 +340,7 @@ class BaseScheduler(abc.ABC):
             self.num_stale_chunks += 1
             return
         self.num_chunks_applied += 1
+        request.is_chunk_requested = False
         del self._parked[request.internal_id]
         if request.parked_from is RequestStatus.RUNNING:
             self._num_parked_running -= 1
@@ -349,8 +373,9 @@ class BaseScheduler(abc.ABC):
             self._waiting.remove(request)
         del self.requests[iid]
 
-    def _build_batches(self) -> tuple[tuple[BatchItem, ...], ...]:
+    def _build_batches(self, loads: list[ChunkLoad]) -> tuple[tuple[BatchItem, ...], ...]:
         if not self._running:
+            self._stepping = frozenset()
             return ()
         chosen: list[Request] = []
         budget = self.max_num_batched_tokens
@@ -365,12 +390,17 @@ class BaseScheduler(abc.ABC):
             for r in chosen:  # round robin when the token budget leaves some out
                 self._running.move_to_end(r.internal_id)
         items = [self._make_item(r) for r in chosen]
+        self._stepping = frozenset(r.internal_id for r in chosen)
         now = self._clock()
         for r in chosen:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             r.additional_information = None  # consume-once (SPEC §4.9 postprocess)
             r.has_ready_chunk = False
+            if self.prefetch_chunks and not r.is_upstream_exhausted:
+                # It parks for its next chunk after this step (_needs_chunk): ask now.
+                r.is_chunk_requested = True
+                loads.append((r.internal_id, r.external_id))
         self.num_items_scheduled += len(items)
         if self.supports_batching:
             return (tuple(items),)

@@ -10,8 +10,10 @@ The front binds everything before it spawns the workers, so a worker only connec
 
 * :class:`ControlPaths` — the directory and the per-stage addresses (plain data, sent to
   the workers).
-* :class:`FrontControl` — front side: non-blocking sends from the orchestrator's event
-  loop thread, ``await recv(stage_id)`` on ``zmq.asyncio`` sockets.
+* :class:`FrontControl` — front side, plain zmq sockets used from the orchestrator's
+  event-loop thread only: non-blocking sends; the loop watches each event socket's
+  descriptor (:meth:`FrontControl.fileno`) and takes what is queued with
+  :meth:`FrontControl.recv_ready` — one wake-up per burst, no future per message.
 * :class:`WorkerControl` — worker side, plain blocking zmq: a receive thread feeds an
   :class:`Inbox` and wakes the engine; ``send(message)`` from the engine thread.
 
@@ -30,9 +32,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
-import zmq.asyncio
 
 from omnirelay.errors import PipelineError
 from omnirelay.orchestrator.messages import (
@@ -86,16 +88,15 @@ class FrontControl:
 
     def __init__(self, paths: ControlPaths) -> None:
         self.paths = paths
-        self._ctx = zmq.asyncio.Context()
-        # Sends are synchronous non-blocking calls on plain sockets that share the
-        # context: no await, so one routing decision sends all its messages in order.
-        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        # Sends are synchronous non-blocking calls: no await, so one routing decision
+        # sends all its messages in order. Receives never wait either (recv_ready).
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._cmd: list[zmq.Socket[bytes]] = []
-        self._evt: list[zmq.asyncio.Socket] = []
+        self._evt: list[zmq.Socket[bytes]] = []
         self._is_closed = False
         try:
             for stage_id in range(paths.num_stages):
-                cmd = self._sync_ctx.socket(zmq.PUSH)
+                cmd = self._ctx.socket(zmq.PUSH)
                 cmd.setsockopt(zmq.LINGER, 0)
                 cmd.setsockopt(zmq.SNDHWM, 0)  # bounded by the requests in flight
                 self._cmd.append(cmd)
@@ -119,28 +120,40 @@ class FrontControl:
             return False
         return True
 
-    async def recv(self, stage_id: int) -> ToFront:
-        """The next message from the stage; raises :class:`PipelineError` on a bad one."""
-        data = await self._evt[stage_id].recv()
-        return decode_to_front(data)
+    def fileno(self, stage_id: int) -> int:
+        """The descriptor that turns readable when the stage's event socket may have
+        messages (``loop.add_reader``). ZMQ signals it per burst of events, not per
+        message: whoever sees it readable must call :meth:`recv_ready`."""
+        return cast(int, self._evt[stage_id].getsockopt(zmq.FD))
+
+    def recv_ready(self, stage_id: int, limit: int | None = None) -> tuple[list[ToFront], int, bool]:
+        """The messages of the stage queued now (at most ``limit``), without waiting; the
+        number of undecodable ones skipped; and whether more are queued (then the caller
+        must come back without waiting for :meth:`fileno`: it is only re-armed once
+        ``EVENTS`` shows no input left)."""
+        if self._is_closed:
+            return [], 0, False
+        sock = self._evt[stage_id]
+        out: list[ToFront] = []
+        num_bad = 0
+        while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if limit is not None and len(out) + num_bad >= limit:
+                return out, num_bad, True
+            try:
+                data = sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                out.append(decode_to_front(data))
+            except PipelineError:
+                num_bad += 1
+        return out, num_bad, False
 
     def recv_nowait(self, stage_id: int) -> list[ToFront]:
         """Every message of the stage already queued here, without waiting (used when a
         worker exits, so its last words are read before its death is reported). Bad
         messages are skipped."""
-        if self._is_closed:
-            return []
-        sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._evt[stage_id].underlying)
-        out: list[ToFront] = []
-        while True:
-            try:
-                data = sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            try:
-                out.append(decode_to_front(data))
-            except PipelineError:
-                continue
+        return self.recv_ready(stage_id)[0]
 
     def close(self) -> None:
         """Close every socket, the context and the directory; idempotent."""

@@ -22,7 +22,6 @@ router, the handles map and the sockets have exactly one user.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -142,7 +141,8 @@ class _Stage:
     said_goodbye: bool = False
     hello: asyncio.Future[None] | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
-    reader: asyncio.Task[None] | None = None
+    #: the event socket's descriptor the loop watches (None: not watched)
+    reader_fd: int | None = None
 
 
 class Orchestrator:
@@ -233,7 +233,9 @@ class Orchestrator:
             proc.start()
             st.process, st.pid = proc, proc.pid
             loop.add_reader(proc.sentinel, self._on_exit, st.stage_id)
-            st.reader = asyncio.create_task(self._read(st.stage_id), name=f"omnirelay-read-s{st.stage_id}")
+            st.reader_fd = self._control.fileno(st.stage_id)
+            loop.add_reader(st.reader_fd, self._read, st.stage_id)
+            loop.call_soon(self._read, st.stage_id)  # anything queued before the watch
         hellos = [st.hello for st in self._stages if st.hello is not None]
         done, pending = await asyncio.wait(
             hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -290,17 +292,24 @@ class Orchestrator:
     # -- carrying out the router's decisions -------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
+        """Carry out the router's actions: the stage messages first, in order, then the
+        client outputs, in order. A request's last output comes with its releases: the
+        stages get them before the client (who may submit the next request at once)
+        competes with this thread."""
         queue: deque[Action] = deque(actions)
+        outputs: list[RequestOutput] = []
         while queue:
             action = queue.popleft()
             if isinstance(action, ClientOutput):
-                self._deliver(action.output)
+                outputs.append(action.output)
             elif isinstance(action, StageSubmit):
                 queue.extend(self._submit(action))
             elif isinstance(action, StageAbort):
                 self._send(action.stage_id, Abort(action.request_id))
             elif isinstance(action, StageRelease) and self._send(action.stage_id, Release(action.request_id)):
                 self._fence(action.stage_id, action.request_id, +1)
+        for output in outputs:
+            self._deliver(output)
 
     def _submit(self, action: StageSubmit) -> list[Action]:
         rid = action.request.request_id
@@ -354,18 +363,29 @@ class Orchestrator:
 
     # -- what workers say -------------------------------------------------------------------
 
-    async def _read(self, stage_id: int) -> None:
+    def _read(self, stage_id: int) -> None:
+        """The stage's event socket may have messages: route the ones queued, a bounded
+        batch at a time (the other stages' messages and the clients' calls get their
+        turn in between)."""
         control = self._control
-        assert control is not None
-        while True:
+        if control is None:
+            return
+        try:
+            messages, num_bad, has_more = control.recv_ready(stage_id, _READ_BATCH)
+        except zmq.ZMQError:  # the context was terminated at shutdown
+            return
+        if has_more:
+            assert self._loop is not None
+            self._loop.call_soon(self._read, stage_id)
+        self.num_bad_messages += num_bad
+        for message in messages:
             try:
-                message = await control.recv(stage_id)
-            except PipelineError:
-                self.num_bad_messages += 1
-                continue
-            except zmq.ZMQError:  # the context was terminated at shutdown
-                return
-            self._on_message(stage_id, message)
+                self._on_message(stage_id, message)
+            except Exception as exc:  # a bug: report it, and still route the rest of the burst
+                assert self._loop is not None
+                self._loop.call_exception_handler(
+                    {"message": f"routing a message of stage {stage_id} failed", "exception": exc}
+                )
 
     def _on_message(self, stage_id: int, message: ToFront) -> None:
         st = self._stages[stage_id]
@@ -542,11 +562,11 @@ class Orchestrator:
             else:  # still building its engine (a failed startup): it reads no messages yet
                 st.process.terminate()
         num_killed = await self._reap_processes(timeout_s)
+        loop = asyncio.get_running_loop()
         for st in self._stages:
-            if st.reader is not None:
-                st.reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await st.reader
+            if st.reader_fd is not None:
+                loop.remove_reader(st.reader_fd)
+                st.reader_fd = None
         for fut in self._queries.values():
             fut.cancel()
         self._queries.clear()
@@ -554,7 +574,6 @@ class Orchestrator:
             self._control.close()
         if self._sweeps:
             await asyncio.gather(*self._sweeps, return_exceptions=True)
-        loop = asyncio.get_running_loop()
         report = await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
         for st in self._stages:
             if st.process is not None:
@@ -592,6 +611,10 @@ class Orchestrator:
             st.exitcode = st.process.exitcode
             st.is_exited = True
         return num_killed
+
+
+#: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).
+_READ_BATCH = 64
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

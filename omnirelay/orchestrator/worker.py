@@ -19,7 +19,8 @@ The loop (:meth:`WorkerLoop.run_once`), on the engine thread:
   the engine, queries wait for the tick;
 * one ``engine.step()`` when the engine has work, a command was just posted, or a wait
   just ended (the engine collects stall timeouts in ``step``); outputs go out as one
-  :class:`Outputs` message;
+  :class:`Outputs` message — except the progress outputs of an intermediate stage (see
+  below);
 * acknowledge the releases that tick applied (:class:`Released`: the front's fence
   against a reused request id; see :meth:`WorkerLoop._acknowledge`), then answer
   health / leak-state queries;
@@ -27,6 +28,16 @@ The loop (:meth:`WorkerLoop.run_once`), on the engine thread:
   receive thread ends early through ``engine.wake()``. For an engine without ``wake``
   (it is not part of the protocol): with no request in the engine, block on the inbox;
   with requests parked, wait in ``wait_slice_s`` slices and look at the inbox between.
+
+Progress outputs of an intermediate stage (one whose ``final_output`` is false, a
+Talker: its per-step outputs reach no client, only the front's observers and books) are
+held and sent with a later message instead of one message per step: at the latest
+``progress_flush_s`` after the first one held (or once ``progress_flush_count`` are
+held), with any other output of the stage (a finished or failed output goes out right
+behind what is held, so a request's outputs stay in order), and before the loop waits.
+A release drops what is held for its id (nobody reads it, and nothing of a released id
+may follow its :class:`Released`). This saves the stage a message, and the front a
+wake-up, per step — on the critical path of a Talker, whose next step waits for it.
 
 SIGINT is ignored (Ctrl-C in a terminal reaches the whole process group; the front
 shuts the workers down in order). SIGTERM ends the loop cleanly.
@@ -66,6 +77,7 @@ from omnirelay.orchestrator.messages import (
     Submit,
     ToFront,
     ToWorker,
+    WireOutput,
     stage_request,
     wire_output,
 )
@@ -103,6 +115,11 @@ class WorkerSpec:
     parent_check_s: float = 0.5
     #: longest a release acknowledgement waits for the engine's ``is_released`` (if any)
     release_ack_timeout_s: float = 10.0
+    #: an intermediate stage's progress outputs wait at most this long to go out with a
+    #: later message (0: one message per step, as for a final-output stage) …
+    progress_flush_s: float = 0.25
+    #: … and at most this many of them
+    progress_flush_count: int = 256
 
 
 def load_engine_factory(path: str) -> EngineFactory:
@@ -154,9 +171,16 @@ class WorkerLoop:
     """
 
     def __init__(
-        self, engine: StageEngineProtocol, inbox: Inbox, send: Callable[[ToFront], None], spec: WorkerSpec
+        self,
+        engine: StageEngineProtocol,
+        inbox: Inbox,
+        send: Callable[[ToFront], None],
+        spec: WorkerSpec,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
+        self._clock = clock
         self.inbox = inbox
         self.send = send
         self.spec = spec
@@ -173,6 +197,11 @@ class WorkerLoop:
         self._needs_tick = False
         #: releases posted → when to acknowledge anyway (see :meth:`_acknowledge`)
         self._unacked: dict[str, float] = {}
+        stage = next((s for s in spec.pipeline.stages if s.id == spec.stage_id), None)
+        #: progress outputs are held (see the module docstring): an intermediate stage
+        self.holds_progress = spec.progress_flush_s > 0 and stage is not None and not stage.final_output
+        self._held: list[WireOutput] = []
+        self._held_since = 0.0
 
     def wake(self) -> None:
         """Called by the receive thread after it queued messages."""
@@ -185,6 +214,7 @@ class WorkerLoop:
         """Run until Shutdown (or SIGTERM)."""
         while not self.is_stopping:
             self.run_once()
+        self._flush()
 
     def run_once(self) -> None:
         """One iteration: apply control messages, tick, acknowledge, answer, or wait."""
@@ -217,6 +247,7 @@ class WorkerLoop:
                 self.send(Released(self.stage_id, rid))
 
     def _wait(self) -> None:
+        self._flush()
         self._needs_tick = True
         if self.engine_wake is not None:
             self.engine.wait_for_work(self.spec.idle_wait_s)
@@ -234,11 +265,38 @@ class WorkerLoop:
             self.send(StageFatal(self.stage_id, f"engine step failed: {exc!r}\n{traceback.format_exc()}"))
             raise
         if not outputs:
+            if self._held and self._clock() - self._held_since >= self.spec.progress_flush_s:
+                self._flush()
             return
+        is_progress = self.holds_progress
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
-        self.send(Outputs(self.stage_id, [wire_output(o) for o in outputs]))
+                is_progress = False
+            elif out.error is not None:
+                is_progress = False
+        wires = [wire_output(o) for o in outputs]
+        now = self._clock()
+        if is_progress:
+            if not self._held:
+                self._held_since = now
+            self._held.extend(wires)
+            if (
+                now - self._held_since < self.spec.progress_flush_s
+                and len(self._held) < self.spec.progress_flush_count
+            ):
+                return
+            wires = []
+        if self._held:
+            wires = self._held + wires
+            self._held = []
+        self.send(Outputs(self.stage_id, wires))
+
+    def _flush(self) -> None:
+        """Send the held progress outputs now."""
+        if self._held:
+            held, self._held = self._held, []
+            self.send(Outputs(self.stage_id, held))
 
     # -- control messages ---------------------------------------------------------------
 
@@ -258,6 +316,8 @@ class WorkerLoop:
             self._num_posted += 1
         elif isinstance(message, Release):
             self.live.discard(message.request_id)
+            if self._held:
+                self._held = [w for w in self._held if w.request_id != message.request_id]
             self.engine.release(message.request_id)
             self._unacked[message.request_id] = time.monotonic() + self.spec.release_ack_timeout_s
             self._num_posted += 1
