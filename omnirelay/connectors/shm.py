@@ -737,35 +737,31 @@ class ShmConnector(Connector):
             slot_name=name,
             users=1,
         )
-        evict: list[_Mapping] = []
         with self._map_lock:
             old = self._maps.pop(ident, None)
             if old is not None:
-                self._drop_locked(old, evict)
+                self._drop_locked(old)
             if self.options.map_cache_entries and size <= self.options.map_cache_bytes:
                 self._maps[ident] = mp
                 if name is not None:
                     self._maps_by_name[name] = mp
                 self._map_bytes += size
-                evict.extend(self._trim_maps_locked())
+                self._trim_maps_locked()
             else:
-                mp.retired = True  # not cached: closed after this get
-        for old_mp in evict:
-            _close_map(old_mp)
+                mp.retired = True  # not cached: dropped with its last reference
         return mp
 
-    def _drop_locked(self, mp: _Mapping, evict: list[_Mapping]) -> None:
+    def _drop_locked(self, mp: _Mapping) -> None:
+        """Forget a cached mapping. It is unmapped when its last reference goes, so a thread
+        that still holds it (or its atomic word) never touches unmapped memory."""
         self._map_bytes -= mp.size
         mp.retired = True
         if mp.slot_name is not None and self._maps_by_name.get(mp.slot_name) is mp:
             del self._maps_by_name[mp.slot_name]
-        if mp.users == 0:
-            evict.append(mp)
 
-    def _trim_maps_locked(self) -> list[_Mapping]:
+    def _trim_maps_locked(self) -> None:
         """Evict least recently used mappings over the budget; every 64 misses also drop
         mappings of slots their producer retired (their memory is freed with them)."""
-        out: list[_Mapping] = []
         self._map_misses += 1
         scan_retired = self._map_misses % 64 == 0
         for ident, mp in list(self._maps.items()):
@@ -778,18 +774,14 @@ class ShmConnector(Connector):
             if not over and mp.word.load() & 0xFF != slot.RETIRED:
                 continue
             del self._maps[ident]
-            self._drop_locked(mp, out)
-        return out
+            self._drop_locked(mp)
 
     def _unmap(self, mp: _Mapping) -> None:
         with self._map_lock:
             mp.users -= 1
-            close = mp.retired and mp.users == 0
-            if close and self._maps.get(mp.ident) is mp:
+            if mp.retired and mp.users == 0 and self._maps.get(mp.ident) is mp:
                 del self._maps[mp.ident]
-                self._drop_locked(mp, [])
-        if close:
-            _close_map(mp)
+                self._drop_locked(mp)
 
     # ------------------------------------------------------------------ notices
     def _bind(self, stage: int) -> socket.socket:
@@ -882,9 +874,7 @@ class ShmConnector(Connector):
             self._hints.clear()
             self._map_bytes = 0
         for mp in maps:
-            mp.retired = True
-            if mp.users == 0:
-                _close_map(mp)
+            mp.retired = True  # unmapped with its last reference
         with self._listen_lock:
             socks = list(self._listen.values())
             self._listen.clear()
@@ -951,9 +941,3 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _close_map(mp: _Mapping) -> None:
-    """Forget a mapping. It is unmapped when the last reference to it goes: a thread that
-    still holds it (or its atomic word) can never touch unmapped memory."""
-    mp.retired = True
