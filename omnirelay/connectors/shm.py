@@ -315,7 +315,7 @@ class ShmConnector(Connector):
         except OSError as exc:
             # Retract unless a reader already took it through the notice (then it is delivered).
             if sl.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
-                self._record_own_claim(sl, seq)
+                self._record_claim(sl.mm, sl.claim_word, seq)
                 sl.word.store(slot.stamp(_FREE, seq))
                 self._release(sl)
                 if isinstance(exc, FileExistsError):
@@ -482,9 +482,10 @@ class ShmConnector(Connector):
             self._reclaim(sl)
         return len(reclaimed)
 
-    def _record_own_claim(self, sl: _Slot, seq: int) -> None:
-        slot.write_claimer(sl.mm, self._owner.pid, self._owner.start)
-        sl.claim_word.store(seq)
+    def _record_claim(self, mm: mmap.mmap, claim_word: atomics.Word, seq: int) -> None:
+        """Our claim record for publish ``seq``: who, then (release) which claim it is."""
+        slot.write_claimer(mm, self._owner.pid, self._owner.start)
+        claim_word.store(seq)
 
     @staticmethod
     def _claim_abandoned(sl: _Slot) -> bool:
@@ -517,7 +518,7 @@ class ShmConnector(Connector):
             seq = sl.seq
         if not sl.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
             return False  # a reader claimed it first: it frees the slot, reap picks it up
-        self._record_own_claim(sl, seq)
+        self._record_claim(sl.mm, sl.claim_word, seq)
         with self._lock:
             if self._pending.get(key) is sl:
                 del self._pending[key]
@@ -619,8 +620,7 @@ class ShmConnector(Connector):
             mp.word.store(slot.stamp(_PUBLISHED, seq))  # not ours to take: put it back untouched
             return None
         off, nbytes = found
-        slot.write_claimer(mp.mm, self._owner.pid, self._owner.start)
-        mp.claim_word.store(seq)  # release: the record above is complete before it counts
+        self._record_claim(mp.mm, mp.claim_word, seq)
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True)
