@@ -8,7 +8,7 @@ import base64
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,6 +26,8 @@ class Served:
     pipe: Pipeline
     server: ServerThread
     frontend: Frontend
+    #: Clients handed out, closed at teardown (an unclosed pool's sockets warn at a random GC).
+    clients: list[openai.OpenAI] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -40,7 +42,9 @@ class Served:
         return self.frontend.model_name
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.clients.append(client)
+        return client
 
     def wait_idle(self, timeout_s: float = 20.0) -> None:
         """Until no request is in flight in the server or the pipeline (a condition, not a nap)."""
@@ -70,9 +74,12 @@ def serve(
     try:
         app = create_app(pipe, config, admission=admission)
         server = ServerThread(app).start()
+        served = Served(pipe, server, app.state.frontend)
         try:
-            yield Served(pipe, server, app.state.frontend)
+            yield served
         finally:
+            for client in served.clients:
+                client.close()
             server.stop()
     finally:
         audit_stopped(pipe)
