@@ -664,3 +664,70 @@ def test_microbenchmark_shape_only() -> None:
     plan.write_into(buf)
     assert plan.num_regions == 1 and plan.nbytes < 16 * 50 * 8 + 256
     assert decode(buf).meta.left_context_size == 25
+
+
+# ---------------------------------------------------------------- repeated headers
+
+
+def _all_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _all_tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _all_tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {
+            "codes": {"audio": torch.arange(800).reshape(16, 50)},
+            "meta": {"finished": False, "ids": [1, 2, 3]},
+        },
+        {"h": torch.randn(2, 8).to(torch.bfloat16), "n": None, "b": b"xy", "f": 1.5, "s": "é"},
+        {
+            "t": (torch.ones(2), 3),
+            "l": [{"x": torch.zeros(3)}, 4],
+            "a": np.arange(6, dtype=">i4").reshape(2, 3),
+        },
+        [torch.ones(1), {"k": torch.zeros(0, 4)}],
+        torch.tensor(7),
+    ],
+    ids=["codec", "bf16-plain", "tuple-list-of-dicts", "list-root", "0d-root"],
+)
+def test_a_repeated_header_decodes_to_equal_independent_objects(obj: Any) -> None:
+    """The second decode of a header takes the cached path (a template for trees of dicts,
+    plain values and tensors; msgpack otherwise): same values, fresh containers, fresh
+    tensor memory, and a buffer cut short is still refused."""
+    data = encode(obj)
+    first, second = decode(data), decode(bytearray(data))
+    assert _equal(first, obj) and _equal(second, obj)
+    assert type(first) is type(obj) and type(second) is type(obj)
+    ta, tb = _all_tensors(first), _all_tensors(second)
+    assert len(ta) == len(tb) == len(_all_tensors(obj))
+    for a, b in zip(ta, tb, strict=True):
+        if a.numel():
+            assert a.data_ptr() != b.data_ptr()
+    if isinstance(first, dict) and isinstance(first.get("meta"), dict):
+        first["meta"]["ids"].append(4)  # lists and dicts are the caller's own
+        first["meta"]["finished"] = True
+        third = decode(data)
+        assert third["meta"] == {"finished": False, "ids": [1, 2, 3]}
+    with pytest.raises(PayloadTruncatedError):
+        decode(data[:-1])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(b, dict):
+        return type(a) is dict and list(a) == list(b) and all(_equal(a[k], b[k]) for k in b)
+    if isinstance(b, list | tuple):
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return type(a) is type(b) and a == b

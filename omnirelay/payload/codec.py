@@ -428,14 +428,26 @@ def encode(obj: Any) -> bytes:
 # --------------------------------------------------------------------------- decode
 
 
-#: Validated headers by (header bytes, total length): (region table, object tree bytes).
-#: Only the header is cached, never data; any change in shapes, dtypes or meta is a miss.
-_HEADER_CACHE: dict[tuple[bytes | None, int], tuple[list[_RegionInfo], bytes]] = {}
+class _Entry(NamedTuple):
+    """A validated header: its region table, object tree, and (when the tree is only
+    dicts, plain values and tensors) a template that rebuilds the tree without msgpack."""
+
+    regions: list[_RegionInfo]
+    tree: bytes
+    template: tuple[int, Any] | None
+    total: int
+
+
+#: Validated headers by their prefix and header bytes (the prefix holds the total length).
+#: Only headers are cached, never data; any change in shapes, dtypes or meta is a miss.
+_HEADER_CACHE: dict[bytes, _Entry] = {}
 _HEADER_CACHE_ENTRIES: Final = 512
 _HEADER_CACHE_MAX_LEN: Final = 4096
 
 
 def _byte_view(buf: Any) -> memoryview:
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1:
+        return buf
     mv = memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
@@ -478,26 +490,40 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
     copied (torch cannot wrap read-only memory). Raises :class:`PayloadDecodeError`.
     """
     mv = _byte_view(buf)
+    if len(mv) >= PREFIX_SIZE:
+        # Streams repeat headers (same shapes, same meta): a header seen before is not
+        # parsed or validated again. The cache key holds the whole prefix (magic,
+        # version, flags and total length were checked when it was cached).
+        header_len = int.from_bytes(mv[8:12], "little")
+        if header_len <= _HEADER_CACHE_MAX_LEN:
+            entry = _HEADER_CACHE.get(bytes(mv[: PREFIX_SIZE + header_len]))
+            if entry is not None and len(mv) >= entry.total:
+                reader = _Reader(mv, entry.regions, copy)
+                if entry.template is not None:
+                    return _instantiate(entry.template, reader)
+                return _decode_tree(entry.tree, reader)
     header_len, total = _read_prefix(mv)
     if len(mv) < total:
         raise PayloadTruncatedError(f"buffer holds {len(mv)} bytes; the payload is {total} bytes")
     head_end = PREFIX_SIZE + header_len
-    # Streams repeat headers (same shapes, same meta): their validated form is cached.
-    head = bytes(mv[PREFIX_SIZE:head_end]) if header_len <= _HEADER_CACHE_MAX_LEN else None
-    cached = _HEADER_CACHE.get((head, total)) if head is not None else None
-    if cached is None:
-        try:
-            header = _HEADER_DECODER.decode(mv[PREFIX_SIZE:head_end])
-        except msgspec.DecodeError as exc:
-            raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
-        cached = (_check_regions(header.regions, _align(head_end), total), bytes(header.tree))
-        if head is not None:
-            if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
-                _HEADER_CACHE.clear()
-            _HEADER_CACHE[(head, total)] = cached
-    reader = _Reader(mv[:total], cached[0], copy)
     try:
-        return msgspec.msgpack.decode(cached[1], ext_hook=reader.ext_hook)
+        header = _HEADER_DECODER.decode(mv[PREFIX_SIZE:head_end])
+    except msgspec.DecodeError as exc:
+        raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
+    regions = _check_regions(header.regions, _align(head_end), total)
+    tree = bytes(header.tree)
+    reader = _Reader(mv[:total], regions, copy)
+    obj = _decode_tree(tree, reader)  # raises on a bad tree: nothing is cached then
+    if header_len <= _HEADER_CACHE_MAX_LEN:
+        if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
+            _HEADER_CACHE.clear()
+        _HEADER_CACHE[bytes(mv[:head_end])] = _Entry(regions, tree, _template_of(tree, regions), total)
+    return obj
+
+
+def _decode_tree(tree: bytes, reader: _Reader) -> Any:
+    try:
+        return msgspec.msgpack.decode(tree, ext_hook=reader.ext_hook)
     except msgspec.DecodeError as exc:
         raise PayloadDecodeError(f"malformed payload object tree: {exc}") from exc
     except RecursionError:
@@ -507,6 +533,78 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
         raise PayloadDecodeError(f"cannot rebuild payload object tree: {exc}") from exc
 
 
+# A template node is (kind, value): a plain immutable value, a region (a new tensor or
+# array per decode), a dict of nodes, or a list of plain values (copied per decode).
+_T_PLAIN, _T_REGION, _T_DICT, _T_LIST = 0, 1, 2, 3
+_TEMPLATE_PLAIN: Final = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+class _NoTemplate(Exception):
+    pass
+
+
+class _Ref:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _ref_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_REGION and len(data) == _U32.size:
+        return _Ref(int.from_bytes(data, "little"))
+    raise _NoTemplate  # tuples and structs take the general path
+
+
+def _template_of(tree: bytes, regions: list[_RegionInfo]) -> tuple[int, Any] | None:
+    """The template of a tree that decoded cleanly, or None if it has tuples, structs or
+    containers inside lists (those are rebuilt by msgpack every time)."""
+    try:
+        return _node(msgspec.msgpack.decode(tree, ext_hook=_ref_hook), regions)
+    except (_NoTemplate, msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
+    tp = type(obj)
+    if tp in _TEMPLATE_PLAIN:
+        return _T_PLAIN, obj
+    if tp is _Ref:
+        if obj.index >= len(regions):
+            raise _NoTemplate
+        return _T_REGION, regions[obj.index]
+    if tp is dict:
+        return _T_DICT, tuple((k, *_node(v, regions)) for k, v in obj.items())
+    if tp is list and all(type(v) in _TEMPLATE_PLAIN for v in obj):
+        return _T_LIST, tuple(obj)
+    raise _NoTemplate
+
+
+def _instantiate(node: tuple[int, Any], reader: _Reader) -> Any:
+    kind, value = node
+    if kind == _T_DICT:
+        return _instantiate_dict(value, reader)
+    if kind == _T_REGION:
+        return reader._build(value)
+    if kind == _T_LIST:
+        return list(value)
+    return value
+
+
+def _instantiate_dict(items: tuple[tuple[Any, int, Any], ...], reader: _Reader) -> dict[Any, Any]:
+    out = {}
+    for key, kind, value in items:
+        if kind == _T_PLAIN:
+            out[key] = value
+        elif kind == _T_REGION:
+            out[key] = reader._build(value)
+        elif kind == _T_DICT:
+            out[key] = _instantiate_dict(value, reader)
+        else:
+            out[key] = list(value)
+    return out
+
+
 class _RegionInfo(NamedTuple):
     kind: str
     start: int  # absolute
@@ -514,24 +612,36 @@ class _RegionInfo(NamedTuple):
     shape: tuple[int, ...]
     torch_dtype: TorchDtype | None
     np_dtype: np.dtype[Any] | None
+    #: How the raw bytes are read: numpy dtype, and for a torch dtype that numpy lacks
+    #: (bfloat16, float8, ...) the torch dtype to view the same-size ints as.
+    read_dtype: np.dtype[Any]
+    torch_view: torch.dtype | None
+
+
+_NP_INT_VIEW: Final[dict[torch.dtype, np.dtype[Any]]] = {
+    torch.uint8: np.dtype(np.uint8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+}
+_U8: Final[np.dtype[Any]] = np.dtype(np.uint8)
 
 
 class _Reader:
     """Per-decode state: the validated region table and the ``ext_hook`` that uses it."""
 
-    __slots__ = ("copy", "mv", "regions", "whole")
+    __slots__ = ("copy", "mv", "regions")
 
     def __init__(self, mv: memoryview, regions: list[_RegionInfo], copy: bool) -> None:
         self.mv = mv
         self.copy = copy
         self.regions = regions
-        self.whole = np.frombuffer(mv, dtype=np.uint8) if regions else None
 
     def ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_REGION:
             if len(data) != _U32.size:
                 raise PayloadDecodeError(f"region reference of {len(data)} bytes, expected {_U32.size}")
-            (index,) = _U32.unpack(data)
+            index = int.from_bytes(data, "little")
             if index >= len(self.regions):
                 raise PayloadDecodeError(f"reference to region {index}; the table has {len(self.regions)}")
             return self._build(self.regions[index])
@@ -553,24 +663,20 @@ class _Reader:
         raise PayloadDecodeError(f"unknown msgpack extension type {code}")
 
     def _build(self, r: _RegionInfo) -> Any:
-        assert self.whole is not None  # Invariant: a region exists, so whole was mapped
-        src = self.whole[r.start : r.start + r.nbytes]
         if r.kind == "bytes":
-            return src.tobytes()
-        if r.kind == "numpy":
-            assert r.np_dtype is not None
-            if r.nbytes == 0:
-                return np.empty(r.shape, r.np_dtype)
-            return (src.copy() if self.copy else src).view(r.np_dtype).reshape(r.shape)
-        info = r.torch_dtype
-        assert info is not None
+            return bytes(self.mv[r.start : r.start + r.nbytes])
         if r.nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8).view(info.dtype).reshape(r.shape)
+            if r.kind == "numpy":
+                return np.empty(r.shape, r.np_dtype)
+            assert r.torch_dtype is not None
+            return torch.empty(0, dtype=torch.uint8).view(r.torch_dtype.dtype).reshape(r.shape)
+        src = np.ndarray(r.shape, r.read_dtype, self.mv, r.start)  # bounds checked with the header
+        if r.kind == "numpy":
+            return src.copy() if self.copy else src
         if self.copy or not src.flags.writeable:
             src = src.copy()  # numpy's allocator: huge pages for big regions, unlike torch.empty
-        if info.np_dtype is not None:
-            return torch.from_numpy(src.view(info.np_dtype).reshape(r.shape))
-        return torch.from_numpy(src).view(info.dtype).reshape(r.shape)
+        t = torch.from_numpy(src)
+        return t if r.torch_view is None else t.view(r.torch_view)
 
 
 def _check_regions(regions: list[_Region], data_start: int, total: int) -> list[_RegionInfo]:
@@ -613,7 +719,16 @@ def _check_region(i: int, r: _Region, data_start: int, total: int) -> _RegionInf
         raise PayloadDecodeError(
             f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
         )
-    return _RegionInfo(r.kind, start, r.nbytes, r.shape, torch_dtype, np_dtype)
+    torch_view: torch.dtype | None = None
+    if torch_dtype is not None:
+        if torch_dtype.np_dtype is not None:
+            read_dtype = torch_dtype.np_dtype
+        else:
+            assert torch_dtype.int_view is not None  # Invariant: every opaque dtype has one
+            read_dtype, torch_view = _NP_INT_VIEW[torch_dtype.int_view], torch_dtype.dtype
+    else:
+        read_dtype = np_dtype if np_dtype is not None else _U8
+    return _RegionInfo(r.kind, start, r.nbytes, r.shape, torch_dtype, np_dtype, read_dtype, torch_view)
 
 
 def _build_struct(name: str, fields: dict[Any, Any]) -> Any:
