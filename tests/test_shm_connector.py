@@ -543,3 +543,203 @@ def test_a_name_reaped_and_its_slot_recycled_under_a_reader_is_not_corruption(
     assert prod.pending_keys() == []
     for c in (prod, cons, late):
         c.close()
+
+
+# ---------------------------------------------------------------- early notices
+# A small object is announced before it is encoded (the receiver's wake-up overlaps the
+# encoding). These tests hold the producer between its notice and its publish with an
+# Event inside the encoder, so every interleaving below is forced, not hoped for.
+
+
+class _HeldEncoder:
+    """Replaces ``codec.plan_encode``; once armed, the next call signals ``announced``
+    (the early notice is out) and waits for ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        from omnirelay.payload import codec
+
+        self.real = codec.plan_encode
+        self.armed = False
+        self.announced = threading.Event()
+        self.release = threading.Event()
+        monkeypatch.setattr(codec, "plan_encode", self)
+
+    def __call__(self, obj: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            self.announced.set()
+            assert self.release.wait(30)
+        return self.real(obj)
+
+
+def _slot_states(namespace: str) -> list[str]:
+    states = []
+    for entry in shm_entries(namespace):
+        if f"{namespace}-s-" in entry:
+            with open(os.path.join("/dev/shm", entry), "rb") as f:
+                states.append(slot.STATE_NAMES[slot.read_state(f.read(16))])
+    return states
+
+
+def _teach_edge(prod: Any, cons: Any) -> None:
+    """One put and get on the edge: the producer now guesses the size of the next one."""
+    assert prod.put(1, 2, "T_1_0", {"v": 0}).ok
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["T_1_0"]
+    assert cons.get(1, 2, "T_1_0").obj == {"v": 0}
+    assert prod.reap_consumed() == 1
+
+
+def _put_in_thread(prod: Any, key: str, obj: Any) -> tuple[Any, list[Any]]:
+    import threading
+
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(prod.put(1, 2, key, obj)))
+    thread.start()
+    return thread, out
+
+
+def test_a_reader_ahead_of_the_writer_waits_for_a_second_notice(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enc = _HeldEncoder(monkeypatch)
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    enc.armed = True
+    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
+    assert enc.announced.wait(30)
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]  # announced, not written
+    assert _slot_states(namespace) == ["writing"]
+    assert cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # waited, then asked again
+    assert _slot_states(namespace) == ["writing (a reader waits)"]
+    assert cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # still writing: no second wait
+    enc.release.set()
+    thread.join(30)
+    assert out[0].ok
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]  # the second notice
+    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    assert prod.health().num_notices_sent == 3  # T once, E twice
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_a_publish_during_the_readers_wait_is_claimed_without_a_second_notice(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enc = _HeldEncoder(monkeypatch)
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    enc.armed = True
+    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
+    assert enc.announced.wait(30)
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]
+    real_yield = os.sched_yield
+
+    def writer_finishes() -> None:  # the reader's first pause: the producer publishes
+        enc.release.set()
+        thread.join(30)
+        monkeypatch.setattr(os, "sched_yield", real_yield)
+
+    monkeypatch.setattr(os, "sched_yield", writer_finishes)
+    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    assert out[0].ok
+    assert prod.health().num_notices_sent == 2  # one notice per put
+    assert list(cons.wait_arrivals(2, timeout=0)) == []
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp turns PUBLISHED after the reader's claim failed but before it looks
+    again, and the key's name is not linked yet: the reader must claim through the stamp
+    (no second notice will come), not fall back to the name."""
+    import threading
+
+    from omnirelay.connectors import shm as shm_module
+
+    enc = _HeldEncoder(monkeypatch)
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    real_link = os.link
+    linking, link_go = threading.Event(), threading.Event()
+
+    def held_link(src: str, dst: str) -> None:
+        linking.set()
+        assert link_go.wait(30)
+        real_link(src, dst)
+
+    monkeypatch.setattr(shm_module.os, "link", held_link)
+    enc.armed = True
+    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
+    assert enc.announced.wait(30)
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]
+    real_claim = cons._claim
+    calls = []
+
+    def claim_then_publish(*args: Any) -> Any:
+        res = real_claim(*args)
+        if not calls:  # the first claim fails (WRITING); now the producer publishes
+            assert res is None
+            enc.release.set()
+            assert linking.wait(30)  # published and announced-or-not; the name is not there
+        calls.append(res)
+        return res
+
+    monkeypatch.setattr(cons, "_claim", claim_then_publish)
+    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    link_go.set()
+    thread.join(30)
+    assert out[0].ok and len(calls) == 2
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_an_announced_slot_the_object_outgrows_is_withdrawn(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enc = _HeldEncoder(monkeypatch)
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    big = torch.arange(25_000, dtype=torch.int32)  # 100 KB: more than the guessed slot
+    enc.armed = True
+    thread, out = _put_in_thread(prod, "B_1_0", {"x": big})
+    assert enc.announced.wait(30)
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["B_1_0"]
+    assert cons.get(1, 2, "B_1_0").status is GetStatus.NOT_YET  # the reader asks again
+    enc.release.set()
+    thread.join(30)
+    assert out[0].ok
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["B_1_0"]  # announced in its new slot
+    assert torch.equal(cons.get(1, 2, "B_1_0").obj["x"], big)
+    assert sorted(_slot_states(namespace)) == ["free", "free"]  # the withdrawn one is pooled
+    prod.reap_consumed()
+    assert prod.pending_keys() == [] and prod.health().pool_slots == 2
+    prod.close()
+    cons.close()
+
+
+def test_an_announced_object_that_fails_to_encode_leaves_nothing(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    res = prod.put(1, 2, "X_1_0", {"v": object()})
+    assert not res.ok and "unsupported type object" in (res.error or "")
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["X_1_0"]  # the early notice went out
+    assert cons.get(1, 2, "X_1_0").status is GetStatus.NOT_YET  # nothing to wait for
+    assert _slot_states(namespace) == ["free"] and prod.health().pool_slots == 1
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()

@@ -78,6 +78,13 @@ _MiB = 1 << 20
 _FREE = slot.FREE
 _PUBLISHED = slot.PUBLISHED
 _CLAIMED = slot.CLAIMED
+_WRITING = slot.WRITING
+_WAITING = slot.WAITING
+#: Objects up to this size (slot bytes) are announced before they are encoded.
+_EARLY_NOTICE_MAX = 256 << 10
+#: How long a reader that finds an announced object still being written waits for it
+#: before it goes back to sleep (the producer then announces the object again).
+_PUBLISH_WAIT_NS = 50_000
 
 
 def notice_address(namespace: str, stage: int) -> bytes:
@@ -171,7 +178,7 @@ class _Mapping:
     view: memoryview
     size: int
     ident: tuple[int, int]
-    slot_name: str | None = None
+    slot_name: bytes | None = None  # as notices name it (ASCII bytes)
     users: int = 0
     retired: bool = False
 
@@ -215,12 +222,14 @@ class ShmConnector(Connector):
             raise ConnectorError(atomics.unavailable_reason() or "libatomic is not available")
         self._dir = self.options.shm_dir
         self._kprefix = os.path.join(self._dir, f"{names.PREFIX}{self.namespace}-k-")
-        self._slot_prefix = f"{names.PREFIX}{self.namespace}-s-"
+        self._slot_prefix_b = f"{names.PREFIX}{self.namespace}-s-".encode()
         self._notice_addrs: dict[int, bytes] = {}
         self._allocator = allocator
         self._owner = names.self_owner()
+        self._claimer_rec = slot.claimer_record(self._owner.pid, self._owner.start)
         self._instance = next(_INSTANCES)  # several connectors of one namespace in one process
         self._overflow: set[int] = set()  # stages whose notice queue overflowed; marker owed
+        self._edge_need: dict[int, int] = {}  # to_stage -> payload bytes of its last put
         self._lock = threading.Lock()  # producer books: pending, free pool, counters
         self._pending: OrderedDict[str, _Slot] = OrderedDict()
         self._free: list[_Slot] = []
@@ -231,13 +240,13 @@ class ShmConnector(Connector):
         self._c = _Counters()
         self._map_lock = threading.Lock()  # consumer mapping cache and notice hints
         self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
-        self._maps_by_name: dict[str, _Mapping] = {}
-        self._hints: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (slot name, seq)
+        self._maps_by_name: dict[bytes, _Mapping] = {}  # slot name (as notices carry it) -> mapping
+        self._hints: dict[str, tuple[bytes, int]] = {}  # key -> (slot name, seq), oldest first
         self._map_bytes = 0
         self._map_misses = 0
         self._send_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._send_sock.setblocking(False)
-        self._listen: dict[int, socket.socket] = {}
+        self._listen: dict[int, tuple[socket.socket, Any]] = {}  # stage -> (socket, its poll object)
         self._listen_lock = threading.Lock()
         self._closed = False
         if self.options.sweep_on_start:
@@ -256,11 +265,15 @@ class ShmConnector(Connector):
             key_bytes = _key_bytes(key)
             if self._closed:
                 raise ConnectorError("connector is closed")
-            plan = codec.plan_encode(obj)
         except OmniRelayError as exc:
             return self._put_failed(key, str(exc))
         off = slot.payload_offset(len(key_bytes))
-        need = off + plan.nbytes
+        seq = 0
+        # A small object announces itself before it is encoded: the receiver's wake-up
+        # (tens of µs) then overlaps the encoding. Its size is guessed from the last
+        # object on this edge; a pooled slot of that size is taken now.
+        guess = self._edge_need.get(to_stage)
+        early = guess is not None and off + guess <= _EARLY_NOTICE_MAX
         with self._lock:
             stale = self._pending.get(key)
             if stale is not None:
@@ -268,27 +281,54 @@ class ShmConnector(Connector):
                     self._c.num_put_failures += 1
                     return PutResult(ok=False, error=f"key {key!r} is already published and not yet consumed")
                 del self._pending[key]  # consumed, not reaped yet: the key is free again
-            sl = self._take_free_locked(need)
-            self._publish_seq += 1
-            seq = self._publish_seq
+            sl = self._take_free_locked(off + guess) if early and guess is not None else None
+            if sl is not None:
+                self._publish_seq += 1
+                seq = self._publish_seq
         if stale is not None:
             self._reclaim(stale)
+        if sl is not None:
+            sl.word.store(slot.stamp(_WRITING, seq))
+            self._notify(
+                to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
+            )
+        try:
+            plan = codec.plan_encode(obj)
+        except OmniRelayError as exc:
+            if sl is not None:
+                self._withdraw(sl, seq)
+            return self._put_failed(key, str(exc))
+        need = off + plan.nbytes
+        self._edge_need[to_stage] = plan.nbytes
+        if sl is not None and need > sl.size:
+            # The guess was short: give the announced slot back (a reader that waits on it
+            # sees its seq end FREE and looks the key up by name) and announce again below.
+            self._withdraw(sl, seq)
+            sl = None
+        announced = sl is not None
         if sl is None:
-            try:
-                sl = self._allocate(need)
-            except OSError as exc:
-                reason = (
-                    "no space left in /dev/shm" if exc.errno == errno.ENOSPC else f"cannot allocate: {exc}"
-                )
-                return self._put_failed(key, f"{reason} (needed {need} bytes)")
-            except (ValueError, ConnectorError) as exc:
-                return self._put_failed(key, f"cannot allocate: {exc}")
+            with self._lock:
+                sl = self._take_free_locked(need)
+                self._publish_seq += 1
+                seq = self._publish_seq
+            if sl is None:
+                try:
+                    sl = self._allocate(need)
+                except OSError as exc:
+                    reason = (
+                        "no space left in /dev/shm"
+                        if exc.errno == errno.ENOSPC
+                        else f"cannot allocate: {exc}"
+                    )
+                    return self._put_failed(key, f"{reason} (needed {need} bytes)")
+                except (ValueError, ConnectorError) as exc:
+                    return self._put_failed(key, f"cannot allocate: {exc}")
+            sl.word.store(slot.stamp(_WRITING, seq))
         try:
             slot.write_publish_header(
                 sl.mm,
                 key=key_bytes,
                 payload_len=plan.nbytes,
-                seq=seq,
                 owner_pid=self._owner.pid,
                 owner_start=self._owner.start,
                 created_ns=time.time_ns(),
@@ -297,17 +337,19 @@ class ShmConnector(Connector):
             )
             plan.write_into(sl.mm_view()[off : off + plan.nbytes])
         except BaseException as exc:
-            sl.word.store(slot.stamp(_FREE, seq))
-            self._release(sl)
+            self._withdraw(sl, seq)
             if not isinstance(exc, Exception):
                 raise
             return self._put_failed(key, f"{type(exc).__name__}: {exc}")
         sl.seq, sl.key, sl.payload_len, sl.khash = seq, key, plan.nbytes, None
-        sl.word.store(slot.stamp(_PUBLISHED, seq))  # release: the bytes above are visible first
-        # The notice goes out before the key's name exists: the receiver wakes while we link.
-        self._notify(
-            to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
-        )
+        # Publish (release: the bytes above are visible first). An announced object whose
+        # reader gave up waiting (WAITING) is announced again.
+        if not announced or not sl.word.cas(slot.stamp(_WRITING, seq), slot.stamp(_PUBLISHED, seq)):
+            sl.word.store(slot.stamp(_PUBLISHED, seq))
+            # The notice goes out before the key's name exists: the receiver wakes while we link.
+            self._notify(
+                to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
+            )
         khash = names.key_hash_bytes(key_bytes)
         try:
             os.link(sl.path, self._kprefix + khash)
@@ -332,6 +374,14 @@ class ShmConnector(Connector):
             self._c.bytes_put += plan.nbytes
         self.reap_consumed()  # after the notice: off the consumer's critical path
         return PutResult(ok=True, nbytes=plan.nbytes, handle=f"{names.PREFIX}{self.namespace}-k-{khash}")
+
+    def _withdraw(self, sl: _Slot, seq: int) -> None:
+        """Give back a slot taken for publish ``seq`` that will not be published: its
+        stamp ends FREE(seq), so a reader holding its notice stops waiting, and it is
+        pooled again."""
+        sl.word.store(slot.stamp(_FREE, seq))
+        sl.seq = seq
+        self._release(sl)
 
     def _put_failed(self, key: object, reason: str) -> PutResult:
         with self._lock:
@@ -484,7 +534,7 @@ class ShmConnector(Connector):
 
     def _record_claim(self, mm: mmap.mmap, claim_word: atomics.Word, seq: int) -> None:
         """Our claim record for publish ``seq``: who, then (release) which claim it is."""
-        slot.write_claimer(mm, self._owner.pid, self._owner.start)
+        slot.write_claimer_record(mm, self._claimer_rec)
         claim_word.store(seq)
 
     @staticmethod
@@ -538,36 +588,64 @@ class ShmConnector(Connector):
 
     # ------------------------------------------------------------------ consumer side
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
-        try:
-            key_bytes = _key_bytes(key)
-        except OmniRelayError as exc:
-            return self._get_failed(str(exc))
+        key_bytes = key.encode("utf-8", "surrogatepass") if type(key) is str else b""
+        if not key_bytes or len(key_bytes) > MAX_KEY_BYTES:  # _key_bytes, inlined: hot path
+            try:
+                key_bytes = _key_bytes(key)
+            except OmniRelayError as exc:
+                return self._get_failed(str(exc))
         if self._closed:
             return self._get_failed("connector is closed")
-        if self._hints:
-            mp, seq = self._take_hint(key)
-            if mp is not None:
-                try:
-                    res = self._claim(mp, key, key_bytes, seq)
-                finally:
-                    self._unmap(mp)
-                if res is not None:
-                    return res
+        hint = self._hints.pop(key, None) if self._hints else None  # one dict op: GIL-atomic
+        if hint is not None:
+            name, seq = hint
+            # Hot path: the notice named the slot and the publish; a slot mapped before is
+            # used without a system call or a lock (the reference keeps the mapping alive).
+            res: GetResult | None = None
+            mp = self._maps_by_name.get(name)
+            if mp is not None and not mp.retired:
+                res = self._claim(mp, key, key_bytes, seq)
+                if res is None:
+                    res = self._await_publish(mp, key, key_bytes, seq)
+            else:
+                mp = self._map_by_slot_name(name)
+                if mp is not None:
+                    try:
+                        res = self._claim(mp, key, key_bytes, seq)
+                        if res is None:
+                            res = self._await_publish(mp, key, key_bytes, seq)
+                    finally:
+                        self._unmap(mp)
+            if res is not None:
+                return res
         return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes))
 
-    def _take_hint(self, key: str) -> tuple[_Mapping | None, int]:
-        """Pop the notice hint for ``key``: a pinned mapping of the slot it names, and the
-        publish seq; (None, 0) if there is none or the slot cannot be mapped."""
-        with self._map_lock:
-            hint = self._hints.pop(key, None)
-            if hint is None:
-                return None, 0
-            mp = self._maps_by_name.get(hint[0])
-            if mp is not None and not mp.retired:
-                self._maps.move_to_end(mp.ident)
-                mp.users += 1
-                return mp, hint[1]
-        return self._map_by_slot_name(hint[0]), hint[1]
+    def _await_publish(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
+        """The claim of publish ``seq`` failed; if its notice came before the object was
+        written (small objects are announced early), wait up to ``_PUBLISH_WAIT_NS`` for
+        the publish and claim it. If it does not come, mark the slot WAITING, so its
+        producer announces it again once published, and report NOT_YET. None: there is
+        nothing of this publish to wait for (look the key up by name)."""
+        stamp = seq << 8  # slot.stamp(state, seq) is stamp | state
+        writing, waiting, published = stamp | _WRITING, stamp | _WAITING, stamp | _PUBLISHED
+        deadline = 0
+        word = mp.word.load()
+        while True:
+            if word == published:  # published since the failed claim: claim it now
+                return self._claim(mp, key, key_bytes, seq)
+            if word == waiting:
+                return GetResult(GetStatus.NOT_YET)  # the producer announces it again
+            if word != writing:
+                return None  # consumed, withdrawn or recycled: the key's name tells
+            now = time.perf_counter_ns()
+            if not deadline:
+                deadline = now + _PUBLISH_WAIT_NS
+            elif now > deadline:
+                if mp.word.cas(writing, waiting):
+                    return GetResult(GetStatus.NOT_YET)  # the producer announces it again
+            else:
+                os.sched_yield()  # a producer sharing this CPU gets to finish
+            word = mp.word.load()
 
     def _get_by_name(self, key: str, key_bytes: bytes, khash: str) -> GetResult:
         """Find the object through the key's name (no notice, or a stale one)."""
@@ -613,21 +691,23 @@ class ShmConnector(Connector):
     def _claim(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
         """Claim publish ``seq`` of the mapped slot and consume it; None if it is not there
         (claimed by another reader, already recycled, or a notice that named the wrong slot)."""
-        if not mp.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
+        stamp = seq << 8  # slot.stamp(state, seq) is stamp | state
+        if not mp.word.cas(stamp | _PUBLISHED, stamp | _CLAIMED):
             return None
         found = slot.read_payload_span(mp.mm, mp.size, key_bytes)
         if found is None:
-            mp.word.store(slot.stamp(_PUBLISHED, seq))  # not ours to take: put it back untouched
+            mp.word.store(stamp | _PUBLISHED)  # not ours to take: put it back untouched
             return None
         off, nbytes = found
-        self._record_claim(mp.mm, mp.claim_word, seq)
+        slot.write_claimer_record(mp.mm, self._claimer_rec)  # our claim record, then its seq
+        mp.claim_word.store(seq)
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True)
             except OmniRelayError as exc:
                 return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
         finally:
-            mp.word.store(slot.stamp(_FREE, seq))  # Invariant: written after the last read.
+            mp.word.store(stamp | _FREE)  # Invariant: written after the last read.
         sl = None
         with self._lock:
             self._c.num_gets += 1
@@ -675,7 +755,7 @@ class ShmConnector(Connector):
             self._c.last_error = reason
         return GetResult(GetStatus.FAILED, error=reason)
 
-    def _map_by_slot_name(self, name: str) -> _Mapping | None:
+    def _map_by_slot_name(self, name: bytes) -> _Mapping | None:
         """A pinned mapping of the slot a notice named, or None if it cannot be used."""
         with self._map_lock:
             mp = self._maps_by_name.get(name)
@@ -683,10 +763,10 @@ class ShmConnector(Connector):
                 self._maps.move_to_end(mp.ident)
                 mp.users += 1
                 return mp
-        if not name.startswith(self._slot_prefix) or "/" in name or "\0" in name:
+        if not name.startswith(self._slot_prefix_b) or b"/" in name or b"\0" in name or not name.isascii():
             return None  # a notice from elsewhere: ignore its hint
         try:
-            fd = os.open(os.path.join(self._dir, name), os.O_RDWR)
+            fd = os.open(os.path.join(self._dir, name.decode("ascii")), os.O_RDWR)
         except OSError:
             return None  # retired since: find the object by its key's name
         try:
@@ -715,7 +795,7 @@ class ShmConnector(Connector):
             mp.users += 1
             return mp
 
-    def _map(self, fd: int, st: os.stat_result, name: str | None) -> _Mapping:
+    def _map(self, fd: int, st: os.stat_result, name: bytes | None) -> _Mapping:
         ident = (st.st_dev, st.st_ino)
         size = st.st_size
         if size < slot.HEADER_SIZE:
@@ -786,9 +866,9 @@ class ShmConnector(Connector):
     # ------------------------------------------------------------------ notices
     def _bind(self, stage: int) -> socket.socket:
         with self._listen_lock:
-            sock = self._listen.get(stage)
-            if sock is not None:
-                return sock
+            listener = self._listen.get(stage)
+            if listener is not None:
+                return listener[0]
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
                 sock.bind(notice_address(self.namespace, stage))
@@ -803,29 +883,39 @@ class ShmConnector(Connector):
             except OSError:
                 pass
             sock.setblocking(False)
-            self._listen[stage] = sock
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            self._listen[stage] = (sock, poller)
             return sock
 
     def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         if self._closed:
             raise ConnectorError("connector is closed")
-        sock = self._bind(to_stage)
-        keys = self._drain(sock)
+        listener = self._listen.get(to_stage)
+        if listener is None:
+            self._bind(to_stage)
+            listener = self._listen[to_stage]
+        keys = self._drain(listener)
         if keys or keys.overflowed or timeout == 0:
             return keys
         try:
-            ready, _, _ = select.select([sock], [], [], timeout)
+            ready = listener[1].poll(-1 if timeout is None else timeout * 1000.0)
         except (OSError, ValueError):
             return keys  # closed under us
-        return self._drain(sock) if ready else keys
+        return self._drain(listener, ready=True) if ready else keys
 
-    def _drain(self, sock: socket.socket) -> Arrivals:
+    def _drain(self, listener: tuple[socket.socket, Any], *, ready: bool = False) -> Arrivals:
+        """Take every queued notice (no blocking): announced keys, and their hints.
+        ``ready``: a poll just said a notice is queued."""
         keys = Arrivals()
-        hints: list[tuple[str, str, int]] = []
-        while True:
+        recv = listener[0].recv
+        poll = listener[1].poll
+        hints = self._hints
+        while ready or poll(0):  # polling is cheaper than ending on a raised BlockingIOError
+            ready = False
             try:
-                data = sock.recv(65536)
-            except OSError:  # BlockingIOError: drained; anything else: closed under us
+                data = recv(65536)
+            except OSError:  # drained by another thread, or closed under us
                 break
             if data == _OVERFLOW_MARKER:
                 keys.overflowed = True
@@ -834,20 +924,23 @@ class ShmConnector(Connector):
                 tag, seq, name_len = _NOTICE.unpack_from(data)
                 if tag != _NOTICE_TAG or len(data) <= _NOTICE.size + name_len:
                     raise ValueError("malformed notice")
-                name = data[_NOTICE.size : _NOTICE.size + name_len].decode("ascii")
+                name = data[_NOTICE.size : _NOTICE.size + name_len]
                 key = data[_NOTICE.size + name_len :].decode("utf-8", "surrogatepass")
             except (struct.error, ValueError):
                 keys.overflowed = True  # not a notice we understand: poll everything once
                 continue
             keys.append(key)
-            hints.append((key, name, seq))
-        if hints:
+            # Hints are plain dict operations (atomic under the GIL; get() pops them
+            # without a lock). Re-inserted last: the newest hint is kept longest.
+            hints.pop(key, None)
+            hints[key] = (name, seq)
+        if len(hints) > _MAX_HINTS:
             with self._map_lock:
-                for key, name, seq in hints:
-                    self._hints[key] = (name, seq)
-                    self._hints.move_to_end(key)
-                while len(self._hints) > _MAX_HINTS:
-                    self._hints.popitem(last=False)
+                while len(hints) > _MAX_HINTS:
+                    try:  # get() pops hints without the lock: the oldest may change under us
+                        hints.pop(next(iter(hints)), None)
+                    except (RuntimeError, StopIteration):
+                        continue
         return keys
 
     # ------------------------------------------------------------------ lifecycle
@@ -878,7 +971,7 @@ class ShmConnector(Connector):
         with self._listen_lock:
             socks = list(self._listen.values())
             self._listen.clear()
-        for sock in socks:
+        for sock, _ in socks:
             sock.close()
         self._send_sock.close()
 

@@ -3,16 +3,26 @@
 A slot is a /dev/shm file, mapped once by its producer and reused for many objects.
 Its first bytes are a header whose ``state`` word tells who owns the slot right now::
 
-    FREE ──put──► WRITING ──publish (notice, link key name)──► PUBLISHED ──claim (CAS)──► CLAIMED
-      ▲                                                           │                        │
-      └──────────── cleanup (CAS, unlink key name) ◄──────────────┘                        │
-      └───────────────── consumer done copying (producer's reap unlinks the name) ◄───────┘
+    FREE ──put──► WRITING ──publish (link key name)──► PUBLISHED ──claim (CAS)──► CLAIMED
+      ▲             │  ▲                                    │                        │
+      │   reader    ▼  │ publish (CAS fails: notice again)  │                        │
+      │            WAITING                                  │                        │
+      └──────────── cleanup (CAS, unlink key name) ◄────────┘                        │
+      └───────────────── consumer done copying (producer's reap unlinks the name) ◄─┘
     any ──producer trims the pool or closes──► RETIRED (then the file is unlinked)
 
 Only the owner of the current state writes the next one: the producer writes WRITING,
 PUBLISHED and RETIRED; the consumer that won the claim writes CLAIMED and FREE. The
 producer learns that an object was consumed by reading FREE in its own mapping (no
 syscall), which is what makes ``reap_consumed`` cheap.
+
+A small object's arrival notice may go out *before* it is written (the receiver's
+wake-up then overlaps the encoding). A reader that finds the slot still WRITING for the
+notice's ``seq`` waits briefly; if the producer is not done by then, the reader CASes
+``WRITING(seq) -> WAITING(seq)`` and goes back to sleep. The producer publishes with a
+CAS ``WRITING(seq) -> PUBLISHED(seq)``; when that fails the word is WAITING, so it
+stores PUBLISHED and sends the notice again. No wake-up is lost: the reader's CAS and the
+producer's CAS cannot both succeed.
 
 State and publish sequence share one 8-byte *stamp* word, ``state | seq << 8``. The one
 race between processes, readers claiming an object, is a compare-and-swap of the stamp
@@ -57,8 +67,10 @@ __all__ = [
     "PUBLISHED",
     "RETIRED",
     "STAMP_OFFSET",
+    "WAITING",
     "WRITING",
     "SlotHeader",
+    "claimer_record",
     "key_len_of",
     "payload_offset",
     "read_header",
@@ -67,18 +79,20 @@ __all__ = [
     "stamp",
     "write_claim",
     "write_claimer",
+    "write_claimer_record",
     "write_publish_header",
     "write_state",
 ]
 
 MAGIC = b"ORLYSLT2"
-FREE, WRITING, PUBLISHED, CLAIMED, RETIRED = 0, 1, 2, 3, 4
+FREE, WRITING, PUBLISHED, CLAIMED, RETIRED, WAITING = 0, 1, 2, 3, 4, 5
 STATE_NAMES = {
     FREE: "free",
     WRITING: "writing",
     PUBLISHED: "published",
     CLAIMED: "claimed",
     RETIRED: "retired",
+    WAITING: "writing (a reader waits)",
 }
 HEADER_SIZE = 128
 #: Byte offset of the stamp word (8-byte aligned, for the atomic operations).
@@ -87,9 +101,12 @@ STAMP_OFFSET = 8
 CLAIM_SEQ_OFFSET = 72
 
 _FIXED = struct.Struct("<8sQIIQQIiQQiIQ")
+#: Everything after the stamp (offset 16 onwards): the publish writes it around the stamp.
+_AFTER_STAMP = struct.Struct("<IIQQIiQQiIQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _OFF_KEY_LEN = 16
+_LENGTHS = struct.Struct("<I4xQ")  # key_len, payload_len
 _OFF_PAYLOAD_LEN = 24
 _OFF_CLAIMER_PID = 40
 _OFF_CLAIMER_START = 48
@@ -155,9 +172,8 @@ def read_header(buf: Any, size: int) -> SlotHeader | str:
 def read_payload_span(buf: Any, size: int, key: bytes) -> tuple[int, int] | None:
     """``(payload offset, payload length)`` of a slot that holds ``key``; None if the header
     names another key or its lengths do not fit in ``size`` bytes (the hot path's check)."""
-    key_len = _U32.unpack_from(buf, _OFF_KEY_LEN)[0]
-    payload_len = _U64.unpack_from(buf, _OFF_PAYLOAD_LEN)[0]
-    off = payload_offset(key_len)
+    key_len, payload_len = _LENGTHS.unpack_from(buf, _OFF_KEY_LEN)
+    off = (HEADER_SIZE + key_len + 63) & ~63
     if key_len != len(key) or off + payload_len > size or buf[HEADER_SIZE : HEADER_SIZE + key_len] != key:
         return None
     return off, payload_len
@@ -177,8 +193,17 @@ def write_state(buf: Any, state: int) -> None:
 
 def write_claimer(buf: Any, pid: int, start: int) -> None:
     """Record who claimed the object (the claim itself is the stamp CAS)."""
-    _U32.pack_into(buf, _OFF_CLAIMER_PID, pid)
-    _U64.pack_into(buf, _OFF_CLAIMER_START, start)
+    write_claimer_record(buf, claimer_record(pid, start))
+
+
+def claimer_record(pid: int, start: int) -> tuple[bytes, bytes]:
+    """A claimer's record, encoded once (for :func:`write_claimer_record`)."""
+    return _U32.pack(pid), _U64.pack(start)
+
+
+def write_claimer_record(buf: Any, record: tuple[bytes, bytes]) -> None:
+    buf[_OFF_CLAIMER_PID : _OFF_CLAIMER_PID + 4] = record[0]
+    buf[_OFF_CLAIMER_START : _OFF_CLAIMER_START + 8] = record[1]
 
 
 def write_claim(buf: Any, pid: int, start: int) -> None:
@@ -195,21 +220,20 @@ def write_publish_header(
     *,
     key: bytes,
     payload_len: int,
-    seq: int,
     owner_pid: int,
     owner_start: int,
     created_ns: int,
     from_stage: int,
     to_stage: int,
 ) -> None:
-    """Write everything but the payload, with state WRITING (the caller publishes later by
-    storing ``stamp(PUBLISHED, seq)`` atomically). Only the slot's owner calls this, while
-    the slot is FREE (no reader can claim it)."""
-    _FIXED.pack_into(
+    """Write everything but the payload and the stamp: the caller has stored
+    ``stamp(WRITING, seq)`` atomically before (readers may be watching the word) and
+    publishes later by storing ``stamp(PUBLISHED, seq)``. Only the slot's owner calls
+    this, while no reader can claim the slot."""
+    buf[0:8] = MAGIC
+    _AFTER_STAMP.pack_into(
         buf,
-        0,
-        MAGIC,
-        stamp(WRITING, seq),
+        16,
         len(key),
         owner_pid,
         payload_len,

@@ -368,6 +368,16 @@ class TransferAdapter:
             out["id_mapping"] = ids
         out.update(self._budget.leak_state())
         out.update(self._box.leak_state())
+        if not self._is_closed:
+            # Objects this stage still holds that no budget record accounts for: a key
+            # its cleanup task released while a reader was consuming it. Its name lingers
+            # until the next reap pass (at most reap_interval_s), so reap before judging.
+            untracked = set(self._connector.pending_keys()) - {k for k, _ in self._budget.snapshot()}
+            if untracked:
+                self._housekeep(blocking=True)
+                untracked &= set(self._connector.pending_keys())
+            if untracked:
+                out["connector_untracked_keys"] = sorted(untracked)[:16]
         return out
 
     # ----------------------------------------------------------------- shutdown
