@@ -69,6 +69,7 @@ def test_doctor_says_when_the_shm_connector_cannot_run(
     from omnirelay.connectors import atomics, create_connector
     from omnirelay.errors import ConnectorError
 
+    monkeypatch.setattr(atomics, "_EXT", None)  # neither the C extension nor libatomic
     monkeypatch.setattr(atomics, "_FUNCS", None)
     monkeypatch.setattr(atomics, "_REASON", "libatomic is not available (test)")
     assert main(["doctor", "--namespace", "nothing.here"]) == 1

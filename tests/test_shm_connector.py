@@ -423,13 +423,18 @@ def test_notice_taken_before_the_link_fails_counts_as_delivered(
         c.close()
 
 
-def test_atomic_word_compare_and_swap() -> None:
+@pytest.mark.parametrize("use_extension", [True, False], ids=["c-extension", "libatomic-ctypes"])
+def test_atomic_word_compare_and_swap(use_extension: bool) -> None:
     import mmap
 
+    from omnirelay.connectors import atomics
     from omnirelay.connectors.atomics import Word
 
+    if use_extension:
+        assert atomics._EXT is not None, "the C extension is not built (pip install -e . compiles it)"
     mm = mmap.mmap(-1, 4096)
-    w = Word(mm, 8)
+    w = Word(mm, 8, use_extension=use_extension)
+    other = Word(mm, 8, use_extension=not use_extension)  # both kinds act on one word
     assert w.load() == 0
     assert w.cas(0, slot.stamp(slot.PUBLISHED, 7))
     assert not w.cas(0, 1) and w.load() == slot.stamp(slot.PUBLISHED, 7)
@@ -437,9 +442,12 @@ def test_atomic_word_compare_and_swap() -> None:
     assert w.cas(slot.stamp(slot.PUBLISHED, 7), slot.stamp(slot.CLAIMED, 7))
     w.store(slot.stamp(slot.FREE, 7))
     assert slot.read_state(mm) == slot.FREE
+    assert other.load() == slot.stamp(slot.FREE, 7) and other.cas(slot.stamp(slot.FREE, 7), 2**64 - 1)
+    assert w.load() == 2**64 - 1  # the full 64 bits round-trip
     with pytest.raises(ValueError):
         Word(mm, 4)
     w.release()
+    other.release()
     mm.close()
 
 

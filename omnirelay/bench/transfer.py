@@ -14,6 +14,10 @@ Latency is one-way: ``perf_counter_ns`` (CLOCK_MONOTONIC, system-wide) in the pr
 right before ``put`` and in the consumer right after the object is rebuilt; one object
 in flight, a random gap before each put so the consumer really sleeps. Throughput:
 ``n`` back-to-back puts, objects/s = n / (last get − first put).
+
+Every pair of processes (ours, baseline and the floor alike) is pinned to two CPUs,
+producer on the first and consumer on the second (``pin=False`` / ``--no-pin`` to let
+the scheduler place them), as ``transfer_anchor.py --pin`` does.
 """
 
 from __future__ import annotations
@@ -152,9 +156,33 @@ _TRANSPORTS: dict[str, Callable[[str, str], Any]] = {"ours": _Ours, "baseline": 
 
 
 # ---------------------------------------------------------------------- processes
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:
+            pass  # not allowed here: run unpinned
+
+
+def pin_cpus(pin: bool) -> tuple[int | None, int | None]:
+    """(producer CPU, consumer CPU): the first two CPUs this process may use, or
+    (None, None) unpinned. Pinning keeps the scheduler from placing the woken consumer on
+    the producer's CPU (where it waits for the producer to yield) or migrating either."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if pin and len(cpus) >= 2 else (None, None)
+
+
 def _consumer_main(
-    kind: str, namespace: str, payload: str, n_lat: int, n_tp: int, peer: Any, out: Any
+    kind: str,
+    namespace: str,
+    payload: str,
+    n_lat: int,
+    n_tp: int,
+    peer: Any,
+    out: Any,
+    cpu: int | None = None,
 ) -> None:
+    _pin(cpu)
     torch.set_num_threads(1)
     tr = _TRANSPORTS[kind]("consumer", namespace)
     peer.send("ready")
@@ -174,8 +202,16 @@ def _consumer_main(
 
 
 def _producer_main(
-    kind: str, namespace: str, payload: str, n_lat: int, n_tp: int, peer: Any, out: Any
+    kind: str,
+    namespace: str,
+    payload: str,
+    n_lat: int,
+    n_tp: int,
+    peer: Any,
+    out: Any,
+    cpu: int | None = None,
 ) -> None:
+    _pin(cpu)
     torch.set_num_threads(1)
     tr = _TRANSPORTS[kind]("producer", namespace)
     obj = make_payload(payload)
@@ -221,14 +257,19 @@ class BenchRow:
         return d
 
 
-def _measure(kind: str, payload: str, n_lat: int, n_tp: int) -> BenchRow:
+def _measure(kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True) -> BenchRow:
     ctx = mp.get_context("spawn")
+    p_cpu, c_cpu = pin_cpus(pin)
     namespace = f"bench{uuid.uuid4().hex[:10]}"
     prod_end, cons_end = ctx.Pipe()
     c_out_r, c_out_w = ctx.Pipe(duplex=False)
     p_out_r, p_out_w = ctx.Pipe(duplex=False)
-    cons = ctx.Process(target=_consumer_main, args=(kind, namespace, payload, n_lat, n_tp, cons_end, c_out_w))
-    prod = ctx.Process(target=_producer_main, args=(kind, namespace, payload, n_lat, n_tp, prod_end, p_out_w))
+    cons = ctx.Process(
+        target=_consumer_main, args=(kind, namespace, payload, n_lat, n_tp, cons_end, c_out_w, c_cpu)
+    )
+    prod = ctx.Process(
+        target=_producer_main, args=(kind, namespace, payload, n_lat, n_tp, prod_end, p_out_w, p_cpu)
+    )
     cons.start()
     prod.start()
     try:
@@ -264,7 +305,8 @@ def _measure(kind: str, payload: str, n_lat: int, n_tp: int) -> BenchRow:
     )
 
 
-def _floor_consumer(ns: str, n: int, nbytes: int, peer: Any, out: Any) -> None:
+def _floor_consumer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int | None = None) -> None:
+    _pin(cpu)
     import mmap
     import select
     import socket
@@ -286,7 +328,8 @@ def _floor_consumer(ns: str, n: int, nbytes: int, peer: Any, out: Any) -> None:
     out.send(got)
 
 
-def _floor_producer(ns: str, n: int, nbytes: int, peer: Any, out: Any) -> None:
+def _floor_producer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int | None = None) -> None:
+    _pin(cpu)
     import mmap
     import socket
 
@@ -309,7 +352,7 @@ def _floor_producer(ns: str, n: int, nbytes: int, peer: Any, out: Any) -> None:
     out.send(sent)
 
 
-def floor_us(payload: str, n: int) -> float:
+def floor_us(payload: str, n: int, *, pin: bool = True) -> float:
     """One-way p50 of the bare minimum across two processes: copy the bytes into a mapped
     shared buffer, send a 1-byte datagram, wake the sleeping consumer, copy the bytes out."""
     nbytes = _nbytes(make_payload(payload))
@@ -322,8 +365,9 @@ def floor_us(payload: str, n: int) -> float:
         a, b = ctx.Pipe()
         cr, cw = ctx.Pipe(duplex=False)
         pr, pw = ctx.Pipe(duplex=False)
-        cons = ctx.Process(target=_floor_consumer, args=(ns, n, nbytes, a, cw))
-        prod = ctx.Process(target=_floor_producer, args=(ns, n, nbytes, b, pw))
+        p_cpu, c_cpu = pin_cpus(pin)
+        cons = ctx.Process(target=_floor_consumer, args=(ns, n, nbytes, a, cw, c_cpu))
+        prod = ctx.Process(target=_floor_producer, args=(ns, n, nbytes, b, pw, p_cpu))
         cons.start()
         prod.start()
         got, sent = cr.recv(), pr.recv()
@@ -359,10 +403,16 @@ def run_transfer_bench(
     *,
     scale: float = 1.0,
     baseline: bool = True,
+    pin: bool = True,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     names = payloads or list(PAYLOADS)
-    results: dict[str, Any] = {"payloads": {}, "leaks": []}
+    p_cpu, c_cpu = pin_cpus(pin)
+    results: dict[str, Any] = {
+        "payloads": {},
+        "leaks": [],
+        "pinned": None if p_cpu is None else {"producer_cpu": p_cpu, "consumer_cpu": c_cpu},
+    }
     for name in names:
         if name not in PAYLOADS:
             raise ValueError(f"unknown payload {name!r}; choose from {', '.join(PAYLOADS)}")
@@ -370,11 +420,11 @@ def run_transfer_bench(
         n_lat, n_tp = max(20, int(n_lat * scale)), max(5, int(n_tp * scale))
         entry: dict[str, Any] = {"description": desc, "nbytes": _nbytes(make_payload(name))}
         entry["limit_two_memcpy_us"] = memcpy_limit_us(name)
-        entry["floor_wakeup_two_memcpy_us"] = floor_us(name, n_lat)
+        entry["floor_wakeup_two_memcpy_us"] = floor_us(name, n_lat, pin=pin)
         kinds = ["ours", "baseline"] if baseline else ["ours"]
         for kind in kinds:
             log(f"[bench transfer] {name}: {kind} ({n_lat} one-way trials, {n_tp} streamed)")
-            row = _measure(kind, name, n_lat, n_tp)
+            row = _measure(kind, name, n_lat, n_tp, pin=pin)
             entry[kind] = row.to_dict()
         results["payloads"][name] = entry
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("omnirelay-bench")]
@@ -403,7 +453,13 @@ def render_table(results: dict[str, Any]) -> str:
             )
         )
     leaks = results.get("leaks") or []
+    pinned = results.get("pinned")
     lines.append("")
+    lines.append(
+        f"processes pinned: producer on CPU {pinned['producer_cpu']}, consumer on CPU {pinned['consumer_cpu']}"
+        if pinned
+        else "processes not pinned (the scheduler places them)"
+    )
     lines.append(
         f"leak audit: {len(leaks)} omnirelay-bench* objects left in /dev/shm"
         + (f": {leaks[:5]}" if leaks else "")

@@ -42,6 +42,11 @@ def register(sub: Any) -> None:
         "--scale", type=float, default=1.0, help="multiply the number of trials (e.g. 0.1 for a quick run)"
     )
     t.add_argument("--no-baseline", action="store_true", help="skip the pickle baseline")
+    t.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin producer and consumer to two CPUs (default: pinned, like transfer_anchor.py --pin)",
+    )
     t.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
     t.set_defaults(func=run_bench_transfer)
 
@@ -165,7 +170,9 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     payloads = [x.strip() for x in args.payloads.split(",")] if args.payloads else None
     if args.scale <= 0:
         raise SystemExit("omnirelay bench transfer: --scale must be > 0")
-    results = run_transfer_bench(payloads, scale=args.scale, baseline=not args.no_baseline)
+    results = run_transfer_bench(
+        payloads, scale=args.scale, baseline=not args.no_baseline, pin=not args.no_pin
+    )
     print(render_table(results))
     ok = True
     print()

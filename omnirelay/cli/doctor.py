@@ -74,7 +74,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     from omnirelay.connectors import atomics
 
     if atomics.available():
-        print("shm connector: ready (lock-free 8-byte atomics through libatomic)")
+        print(f"shm connector: ready (lock-free 8-byte atomics: {atomics.backend()})")
     else:
         print(f"shm connector: UNAVAILABLE: {atomics.unavailable_reason()}")
     if args.json:
@@ -82,5 +82,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         out = report.to_dict()
         out["shm_connector_ready"] = atomics.available()
         out["shm_connector_problem"] = atomics.unavailable_reason()
+        out["shm_atomics"] = atomics.backend()
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if atomics.available() else 1

@@ -5,18 +5,26 @@ on: readers claim an object with one compare-and-swap ``PUBLISHED(seq) -> CLAIME
 so exactly one reader wins without any filesystem operation, and a stamp names one
 publish of one slot (no ABA: ``seq`` grows with every publish).
 
-Python has no atomics on shared memory, so this module calls the GCC runtime's
-``libatomic`` (``__atomic_compare_exchange_8`` and friends; lock-free for aligned 8-byte
-words on x86-64 and aarch64) through ``ctypes`` without releasing the GIL (a call costs
-well under a microsecond). The library is part of every GCC installation
-(Debian/Ubuntu package ``libatomic1``); without it the shm connector cannot start and
-says so.
+Python has no atomics on shared memory. Two implementations of the same three
+operations (acquire load, release store, sequentially consistent CAS), picked at import:
+
+* ``omnirelay.connectors._atomic_ops``, a small C extension built at install time
+  (GCC/Clang ``__atomic`` builtins): tens of nanoseconds a call;
+* otherwise GCC's runtime ``libatomic`` (``__atomic_compare_exchange_8`` and friends)
+  through ``ctypes``, without releasing the GIL: most of a microsecond a call, as ctypes
+  converts every argument. Part of every GCC installation (Debian/Ubuntu ``libatomic1``).
+
+Both are lock-free for aligned 8-byte words on x86-64 and aarch64, hence safe between
+processes. With neither, the shm connector cannot start and says so
+(``omnirelay doctor`` reports which one is in use).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from omnirelay.errors import ConnectorError
@@ -68,15 +76,33 @@ def _load() -> tuple[Any, str | None]:
     )
 
 
+def _load_extension() -> Any:
+    try:
+        from omnirelay.connectors import _atomic_ops
+    except ImportError:
+        return None
+    return _atomic_ops if _atomic_ops.lock_free() else None
+
+
+_EXT = _load_extension()
 _FUNCS, _REASON = _load()
 
 
 def available() -> bool:
-    return _FUNCS is not None
+    return _EXT is not None or _FUNCS is not None
 
 
 def unavailable_reason() -> str | None:
-    return _REASON
+    return None if available() else _REASON
+
+
+def backend() -> str:
+    """Which implementation is in use (for ``omnirelay doctor``)."""
+    if _EXT is not None:
+        return "C extension (omnirelay.connectors._atomic_ops)"
+    if _FUNCS is not None:
+        return "libatomic through ctypes (the C extension is not built: slower claims)"
+    return "none"
 
 
 class Word:
@@ -88,10 +114,10 @@ class Word:
     :meth:`release` drops the export early; only for a word no other thread can reach.
     """
 
-    __slots__ = ("_addr", "_cell", "_exp", "_pexp")
+    __slots__ = ("_addr", "_cell", "_exp", "_pexp", "cas", "load", "store")
 
-    def __init__(self, buf: Any, offset: int) -> None:
-        if _FUNCS is None:
+    def __init__(self, buf: Any, offset: int, *, use_extension: bool = True) -> None:
+        if not (_EXT is not None and use_extension) and _FUNCS is None:
             raise ConnectorError(_REASON or "libatomic is not available")
         if offset % 8:
             raise ValueError(f"atomic word offset {offset} is not 8-byte aligned")
@@ -101,22 +127,35 @@ class Word:
             raise ValueError("atomic word is not 8-byte aligned in memory")
         self._exp = ctypes.c_uint64(0)
         self._pexp = ctypes.addressof(self._exp)
+        # The operations are bound per word: the hot path pays one call, not two.
+        if _EXT is not None and use_extension:
+            addr, ext = self._addr, _EXT
+            self.load: Callable[[], int] = functools.partial(ext.load, addr)
+            self.store: Callable[[int], None] = functools.partial(ext.store, addr)
+            self.cas: Callable[[int, int], bool] = functools.partial(ext.cas, addr)
+        else:
+            self.load = self._ctypes_load
+            self.store = self._ctypes_store
+            self.cas = self._ctypes_cas
 
-    def load(self) -> int:
+    def _ctypes_load(self) -> int:
         """Acquire load: later reads of the buffer see what the last storer wrote before."""
-        assert _FUNCS is not None
-        return int(_FUNCS[1](self._addr, _ACQUIRE))
+        funcs = _FUNCS
+        assert funcs is not None
+        return int(funcs[1](self._addr, _ACQUIRE))
 
-    def store(self, value: int) -> None:
+    def _ctypes_store(self, value: int) -> None:
         """Release store: everything written before is visible to whoever loads ``value``."""
-        assert _FUNCS is not None
-        _FUNCS[2](self._addr, value, _RELEASE)
+        funcs = _FUNCS
+        assert funcs is not None
+        funcs[2](self._addr, value, _RELEASE)
 
-    def cas(self, expected: int, desired: int) -> bool:
+    def _ctypes_cas(self, expected: int, desired: int) -> bool:
         """Set the word to ``desired`` if it holds ``expected``; True if this call did it."""
-        assert _FUNCS is not None
+        funcs = _FUNCS
+        assert funcs is not None
         self._exp.value = expected
-        return bool(_FUNCS[0](self._addr, self._pexp, desired, _SEQ_CST, _SEQ_CST))
+        return bool(funcs[0](self._addr, self._pexp, desired, _SEQ_CST, _SEQ_CST))
 
     def release(self) -> None:
         """Drop the buffer export (idempotent)."""
