@@ -3,12 +3,14 @@ crash reclamation. Every test ends with the namespace leak audit (conftest)."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import multiprocessing as mp
 import os
 import signal
 import socket
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -564,8 +566,6 @@ class _HeldEncoder:
     (the early notice is out) and waits for ``release``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import threading
-
         from omnirelay.payload import codec
 
         self.real = codec.plan_encode
@@ -599,69 +599,76 @@ def _teach_edge(prod: Any, cons: Any) -> None:
     assert prod.reap_consumed() == 1
 
 
-def _put_in_thread(prod: Any, key: str, obj: Any) -> tuple[Any, list[Any]]:
-    import threading
+@dataclasses.dataclass
+class _Held:
+    """A put held between its early notice and its publish; the reader has the notice."""
 
+    enc: _HeldEncoder
+    prod: Any
+    cons: Any
+    thread: threading.Thread
+    out: list[Any]
+
+    def finish(self) -> Any:
+        """Let the put complete; its result."""
+        self.enc.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        return self.out[0]
+
+    def close(self) -> None:
+        self.prod.reap_consumed()
+        assert self.prod.pending_keys() == []
+        self.prod.close()
+        self.cons.close()
+
+
+def _held_put(namespace: str, monkeypatch: pytest.MonkeyPatch, key: str, obj: Any) -> _Held:
+    enc = _HeldEncoder(monkeypatch)
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    _teach_edge(prod, cons)
+    enc.armed = True
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(prod.put(1, 2, key, obj)))
     thread.start()
-    return thread, out
+    assert enc.announced.wait(30)
+    assert list(cons.wait_arrivals(2, timeout=30)) == [key]  # announced, not written yet
+    return _Held(enc, prod, cons, thread, out)
 
 
 def test_a_reader_ahead_of_the_writer_waits_for_a_second_notice(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    enc = _HeldEncoder(monkeypatch)
-    prod = create_connector("shm", namespace=namespace, stage_id=1)
-    cons = create_connector("shm", namespace=namespace, stage_id=2)
-    _teach_edge(prod, cons)
-    enc.armed = True
-    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
-    assert enc.announced.wait(30)
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]  # announced, not written
+    h = _held_put(namespace, monkeypatch, "E_1_0", {"v": 1})
     assert _slot_states(namespace) == ["writing"]
-    assert cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # waited, then asked again
+    assert h.cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # waited, then asked again
     assert _slot_states(namespace) == ["writing (a reader waits)"]
-    assert cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # still writing: no second wait
-    enc.release.set()
-    thread.join(30)
-    assert out[0].ok
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]  # the second notice
-    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
-    assert prod.health().num_notices_sent == 3  # T once, E twice
-    prod.reap_consumed()
-    assert prod.pending_keys() == []
-    prod.close()
-    cons.close()
+    assert h.cons.get(1, 2, "E_1_0").status is GetStatus.NOT_YET  # still writing: no second wait
+    assert h.finish().ok
+    assert list(h.cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]  # the second notice
+    assert h.cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    assert h.prod.health().num_notices_sent == 3  # T once, E twice
+    h.close()
 
 
 def test_a_publish_during_the_readers_wait_is_claimed_without_a_second_notice(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    enc = _HeldEncoder(monkeypatch)
-    prod = create_connector("shm", namespace=namespace, stage_id=1)
-    cons = create_connector("shm", namespace=namespace, stage_id=2)
-    _teach_edge(prod, cons)
-    enc.armed = True
-    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
-    assert enc.announced.wait(30)
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]
+    h = _held_put(namespace, monkeypatch, "E_1_0", {"v": 1})
     real_yield = os.sched_yield
+    results: list[Any] = []
 
     def writer_finishes() -> None:  # the reader's first pause: the producer publishes
-        enc.release.set()
-        thread.join(30)
+        results.append(h.finish())
         monkeypatch.setattr(os, "sched_yield", real_yield)
 
     monkeypatch.setattr(os, "sched_yield", writer_finishes)
-    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
-    assert out[0].ok
-    assert prod.health().num_notices_sent == 2  # one notice per put
-    assert list(cons.wait_arrivals(2, timeout=0)) == []
-    prod.reap_consumed()
-    assert prod.pending_keys() == []
-    prod.close()
-    cons.close()
+    assert h.cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    assert results[0].ok
+    assert h.prod.health().num_notices_sent == 2  # one notice per put
+    assert list(h.cons.wait_arrivals(2, timeout=0)) == []
+    h.close()
 
 
 def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
@@ -670,14 +677,9 @@ def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
     """The stamp turns PUBLISHED after the reader's claim failed but before it looks
     again, and the key's name is not linked yet: the reader must claim through the stamp
     (no second notice will come), not fall back to the name."""
-    import threading
-
     from omnirelay.connectors import shm as shm_module
 
-    enc = _HeldEncoder(monkeypatch)
-    prod = create_connector("shm", namespace=namespace, stage_id=1)
-    cons = create_connector("shm", namespace=namespace, stage_id=2)
-    _teach_edge(prod, cons)
+    h = _held_put(namespace, monkeypatch, "E_1_0", {"v": 1})
     real_link = os.link
     linking, link_go = threading.Event(), threading.Event()
 
@@ -686,57 +688,39 @@ def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
         assert link_go.wait(30)
         real_link(src, dst)
 
-    monkeypatch.setattr(shm_module.os, "link", held_link)
-    enc.armed = True
-    thread, out = _put_in_thread(prod, "E_1_0", {"v": 1})
-    assert enc.announced.wait(30)
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["E_1_0"]
-    real_claim = cons._claim
+    monkeypatch.setattr(shm_module.os, "link", held_link)  # the put is held before its link
+    real_claim = h.cons._claim
     calls = []
 
     def claim_then_publish(*args: Any) -> Any:
         res = real_claim(*args)
         if not calls:  # the first claim fails (WRITING); now the producer publishes
             assert res is None
-            enc.release.set()
-            assert linking.wait(30)  # published and announced-or-not; the name is not there
+            h.enc.release.set()
+            assert linking.wait(30)  # published; the key's name is not there yet
         calls.append(res)
         return res
 
-    monkeypatch.setattr(cons, "_claim", claim_then_publish)
-    assert cons.get(1, 2, "E_1_0").obj == {"v": 1}
+    monkeypatch.setattr(h.cons, "_claim", claim_then_publish)
+    assert h.cons.get(1, 2, "E_1_0").obj == {"v": 1}
     link_go.set()
-    thread.join(30)
-    assert out[0].ok and len(calls) == 2
-    prod.reap_consumed()
-    assert prod.pending_keys() == []
-    prod.close()
-    cons.close()
+    assert h.finish().ok and len(calls) == 2
+    h.close()
 
 
 def test_an_announced_slot_the_object_outgrows_is_withdrawn(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    enc = _HeldEncoder(monkeypatch)
-    prod = create_connector("shm", namespace=namespace, stage_id=1)
-    cons = create_connector("shm", namespace=namespace, stage_id=2)
-    _teach_edge(prod, cons)
     big = torch.arange(25_000, dtype=torch.int32)  # 100 KB: more than the guessed slot
-    enc.armed = True
-    thread, out = _put_in_thread(prod, "B_1_0", {"x": big})
-    assert enc.announced.wait(30)
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["B_1_0"]
-    assert cons.get(1, 2, "B_1_0").status is GetStatus.NOT_YET  # the reader asks again
-    enc.release.set()
-    thread.join(30)
-    assert out[0].ok
-    assert list(cons.wait_arrivals(2, timeout=30)) == ["B_1_0"]  # announced in its new slot
-    assert torch.equal(cons.get(1, 2, "B_1_0").obj["x"], big)
+    h = _held_put(namespace, monkeypatch, "B_1_0", {"x": big})
+    assert h.cons.get(1, 2, "B_1_0").status is GetStatus.NOT_YET  # the reader asks again
+    assert h.finish().ok
+    assert list(h.cons.wait_arrivals(2, timeout=30)) == ["B_1_0"]  # announced in its new slot
+    assert torch.equal(h.cons.get(1, 2, "B_1_0").obj["x"], big)
     assert sorted(_slot_states(namespace)) == ["free", "free"]  # the withdrawn one is pooled
-    prod.reap_consumed()
-    assert prod.pending_keys() == [] and prod.health().pool_slots == 2
-    prod.close()
-    cons.close()
+    h.prod.reap_consumed()
+    assert h.prod.health().pool_slots == 2
+    h.close()
 
 
 def test_an_announced_object_that_fails_to_encode_leaves_nothing(namespace: str) -> None:

@@ -16,7 +16,9 @@ Beyond the reference (DESIGN.md §7):
   publish sequence as well as the key, so a receiver that has mapped the slot before
   (slots are pooled) consumes with no system call beyond the ``recv``. Notices are hints:
   a stale or forged one only fails a compare-and-swap, and the key's name is the way to
-  find an object without one.
+  find an object without one. A small object is announced *before* it is encoded, so
+  the receiver's wake-up overlaps the encoding; a reader that arrives while it is still
+  being written waits briefly, then asks for a second notice (``slot``'s WAITING state).
 * **Fixed-length names.** Keys are hashed (``names.key_name``); the key itself lives in
   the slot header, so audits can recover it. Every name starts ``omnirelay-<namespace>``.
 * **Reuse.** Slots are pooled, pre-faulted and stay mapped in the producer; consumers
@@ -195,7 +197,6 @@ class _Counters:
     num_cleaned: int = 0
     num_notices_sent: int = 0
     num_notices_lost: int = 0
-    num_hinted_gets: int = 0
     last_error: str | None = None
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -289,9 +290,7 @@ class ShmConnector(Connector):
             self._reclaim(stale)
         if sl is not None:
             sl.word.store(slot.stamp(_WRITING, seq))
-            self._notify(
-                to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
-            )
+            self._announce(to_stage, sl, seq, key_bytes)
         try:
             plan = codec.plan_encode(obj)
         except OmniRelayError as exc:
@@ -347,9 +346,7 @@ class ShmConnector(Connector):
         if not announced or not sl.word.cas(slot.stamp(_WRITING, seq), slot.stamp(_PUBLISHED, seq)):
             sl.word.store(slot.stamp(_PUBLISHED, seq))
             # The notice goes out before the key's name exists: the receiver wakes while we link.
-            self._notify(
-                to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
-            )
+            self._announce(to_stage, sl, seq, key_bytes)
         khash = names.key_hash_bytes(key_bytes)
         try:
             os.link(sl.path, self._kprefix + khash)
@@ -469,6 +466,12 @@ class ShmConnector(Connector):
         # thread may still hold them. It is unmapped when the last reference goes (the
         # slot is in no table any more), so no access can ever touch unmapped memory.
         _unlink_quiet(sl.path)
+
+    def _announce(self, to_stage: int, sl: _Slot, seq: int, key_bytes: bytes) -> None:
+        """Tell the target stage that publish ``seq`` of slot ``sl`` holds the key."""
+        self._notify(
+            to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
+        )
 
     def _notify(self, to_stage: int, notice: bytes) -> None:
         """Announce a key to the target stage. A full receiver queue (Linux queues only
@@ -601,23 +604,20 @@ class ShmConnector(Connector):
             name, seq = hint
             # Hot path: the notice named the slot and the publish; a slot mapped before is
             # used without a system call or a lock (the reference keeps the mapping alive).
-            res: GetResult | None = None
             mp = self._maps_by_name.get(name)
-            if mp is not None and not mp.retired:
-                res = self._claim(mp, key, key_bytes, seq)
-                if res is None:
-                    res = self._await_publish(mp, key, key_bytes, seq)
-            else:
-                mp = self._map_by_slot_name(name)
-                if mp is not None:
-                    try:
-                        res = self._claim(mp, key, key_bytes, seq)
-                        if res is None:
-                            res = self._await_publish(mp, key, key_bytes, seq)
-                    finally:
+            pinned = mp is None or mp.retired
+            if pinned:
+                mp = self._map_by_slot_name(name)  # pinned until _unmap (None: unusable hint)
+            if mp is not None:
+                try:
+                    res = self._claim(mp, key, key_bytes, seq)
+                    if res is None:
+                        res = self._await_publish(mp, key, key_bytes, seq)
+                finally:
+                    if pinned:
                         self._unmap(mp)
-            if res is not None:
-                return res
+                if res is not None:
+                    return res
         return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes))
 
     def _await_publish(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
@@ -699,8 +699,7 @@ class ShmConnector(Connector):
             mp.word.store(stamp | _PUBLISHED)  # not ours to take: put it back untouched
             return None
         off, nbytes = found
-        slot.write_claimer_record(mp.mm, self._claimer_rec)  # our claim record, then its seq
-        mp.claim_word.store(seq)
+        self._record_claim(mp.mm, mp.claim_word, seq)
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True)
