@@ -69,6 +69,7 @@ __all__ = [
     "critical_path",
     "drive_request",
     "step_of",
+    "steps_by_stage",
     "upstream_map",
 ]
 
