@@ -37,6 +37,7 @@ from omnirelay.errors import InvalidKeyError
 __all__ = [
     "MAX_KEY_BYTES",
     "REAP_BATCH",
+    "SMALL_OBJECT_BYTES",
     "Arrivals",
     "Connector",
     "ConnectorHealth",
@@ -52,6 +53,9 @@ __all__ = [
 #: any script (≤ 4,000 bytes) always fit.
 MAX_KEY_BYTES = 8192
 
+#: The most a ``get`` of a key in :attr:`Arrivals.small` copies and decodes.
+SMALL_OBJECT_BYTES = 256 << 10
+
 #: Keys looked at per ``reap_consumed`` pass (SPEC §3.5).
 REAP_BATCH = 64
 
@@ -59,11 +63,20 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
 
 
 class Arrivals(list[str]):
-    """Keys announced to a stage (a plain list), plus ``overflowed``: True when some
-    notices could not be delivered (the receiver's queue was full) — the receiver should
-    then poll every key it waits for, not only the announced ones."""
+    """Keys announced to a stage (a plain list), plus:
+
+    * ``overflowed``: True when some notices could not be delivered (the receiver's queue
+      was full) — the receiver should then poll every key it waits for, not only the
+      announced ones;
+    * ``small``: announced keys whose ``get`` is bounded — it copies and decodes at most
+      :data:`SMALL_OBJECT_BYTES` (the notice names a slot no larger; if the object does not
+      fit it is announced again from its real place). A receiver may run such a get on
+      the thread that took the notice without holding up other arrivals for long.
+      Empty when the backend cannot tell.
+    """
 
     overflowed: bool = False
+    small: frozenset[str] | set[str] = frozenset()
 
 
 class GetStatus(enum.Enum):

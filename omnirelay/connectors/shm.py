@@ -51,6 +51,7 @@ from omnirelay.connectors import atomics, names, slot
 from omnirelay.connectors.base import (
     MAX_KEY_BYTES,
     REAP_BATCH,
+    SMALL_OBJECT_BYTES,
     Arrivals,
     Connector,
     ConnectorHealth,
@@ -70,8 +71,11 @@ _MIN_SLOT = 16 << 10
 _INSTANCES = itertools.count(1)
 #: An empty datagram: "notices were lost, poll everything you wait for" (keys are never empty).
 _OVERFLOW_MARKER = b""
-#: A notice: tag, publish seq, slot name length, then the slot name and the key.
+#: A notice: tag, publish seq, slot name length, then the slot name and the key. The
+#: tag says whether the named slot is small (at most SMALL_OBJECT_BYTES: a get of it is
+#: bounded; see ``Arrivals.small``).
 _NOTICE_TAG = 0x4E  # "N"
+_SMALL_NOTICE_TAG = 0x53  # "S"
 _NOTICE = struct.Struct("<BQH")
 _MAX_HINTS = 8192
 #: A CLAIMED slot whose claimer never wrote its record is abandoned after this long.
@@ -83,7 +87,7 @@ _CLAIMED = slot.CLAIMED
 _WRITING = slot.WRITING
 _WAITING = slot.WAITING
 #: Objects up to this size (slot bytes) are announced before they are encoded.
-_EARLY_NOTICE_MAX = 256 << 10
+_EARLY_NOTICE_MAX = SMALL_OBJECT_BYTES
 #: How long a reader that finds an announced object still being written waits for it
 #: before it goes back to sleep (the producer then announces the object again).
 _PUBLISH_WAIT_NS = 50_000
@@ -242,7 +246,8 @@ class ShmConnector(Connector):
         self._map_lock = threading.Lock()  # consumer mapping cache and notice hints
         self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
         self._maps_by_name: dict[bytes, _Mapping] = {}  # slot name (as notices carry it) -> mapping
-        self._hints: dict[str, tuple[bytes, int]] = {}  # key -> (slot name, seq), oldest first
+        #: key -> (slot name, seq, is the slot small), oldest first: the newest notice of each key.
+        self._hints: dict[str, tuple[bytes, int, bool]] = {}
         self._map_bytes = 0
         self._map_misses = 0
         self._send_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -469,9 +474,8 @@ class ShmConnector(Connector):
 
     def _announce(self, to_stage: int, sl: _Slot, seq: int, key_bytes: bytes) -> None:
         """Tell the target stage that publish ``seq`` of slot ``sl`` holds the key."""
-        self._notify(
-            to_stage, _NOTICE.pack(_NOTICE_TAG, seq, len(sl.notice_head)) + sl.notice_head + key_bytes
-        )
+        tag = _SMALL_NOTICE_TAG if sl.size <= SMALL_OBJECT_BYTES else _NOTICE_TAG
+        self._notify(to_stage, _NOTICE.pack(tag, seq, len(sl.notice_head)) + sl.notice_head + key_bytes)
 
     def _notify(self, to_stage: int, notice: bytes) -> None:
         """Announce a key to the target stage. A full receiver queue (Linux queues only
@@ -601,7 +605,7 @@ class ShmConnector(Connector):
             return self._get_failed("connector is closed")
         hint = self._hints.pop(key, None) if self._hints else None  # one dict op: GIL-atomic
         if hint is not None:
-            name, seq = hint
+            name, seq, is_small = hint
             # Hot path: the notice named the slot and the publish; a slot mapped before is
             # used without a system call or a lock (the reference keeps the mapping alive).
             mp = self._maps_by_name.get(name)
@@ -610,14 +614,21 @@ class ShmConnector(Connector):
                 mp = self._map_by_slot_name(name)  # pinned until _unmap (None: unusable hint)
             if mp is not None:
                 try:
-                    res = self._claim(mp, key, key_bytes, seq)
-                    if res is None:
-                        res = self._await_publish(mp, key, key_bytes, seq)
+                    if is_small and mp.size > SMALL_OBJECT_BYTES:
+                        res = None  # not what a small notice may name: look it up by name
+                    else:
+                        res = self._claim(mp, key, key_bytes, seq)
+                        if res is None:
+                            res = self._await_publish(mp, key, key_bytes, seq)
                 finally:
                     if pinned:
                         self._unmap(mp)
                 if res is not None:
                     return res
+            if is_small:
+                # A small notice's get stays bounded (Arrivals.small), also when what it
+                # announced is gone and the key is looked up by name.
+                return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes), to_stage=to_stage)
         return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes))
 
     def _await_publish(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
@@ -647,8 +658,15 @@ class ShmConnector(Connector):
                 os.sched_yield()  # a producer sharing this CPU gets to finish
             word = mp.word.load()
 
-    def _get_by_name(self, key: str, key_bytes: bytes, khash: str) -> GetResult:
-        """Find the object through the key's name (no notice, or a stale one)."""
+    def _get_by_name(
+        self, key: str, key_bytes: bytes, khash: str, *, to_stage: int | None = None
+    ) -> GetResult:
+        """Find the object through the key's name (no notice, or a stale one).
+
+        ``to_stage`` set: the get of a small notice, bounded by SMALL_OBJECT_BYTES. A larger
+        object is left in place and announced again to ``to_stage`` (ourselves) by a notice
+        that is not small, so the receiver gets it the way it gets any large object.
+        """
         path = self._kprefix + khash
         try:
             fd = os.open(path, os.O_RDWR)
@@ -658,6 +676,10 @@ class ShmConnector(Connector):
             return self._get_failed(f"cannot open {key!r}: {exc}")
         try:
             st = os.fstat(fd)
+            if to_stage is not None and st.st_size > SMALL_OBJECT_BYTES:
+                os.close(fd)
+                self._notify(to_stage, _NOTICE.pack(_NOTICE_TAG, 0, 0) + key_bytes)  # "look it up by name"
+                return GetResult(GetStatus.NOT_YET)
             mp = self._cached_map(st)
             if mp is None:
                 mp = self._map(fd, st, None)
@@ -907,6 +929,8 @@ class ShmConnector(Connector):
         """Take every queued notice (no blocking): announced keys, and their hints.
         ``ready``: a poll just said a notice is queued."""
         keys = Arrivals()
+        small: set[str] = set()
+        keys.small = small
         recv = listener[0].recv
         poll = listener[1].poll
         hints = self._hints
@@ -921,7 +945,7 @@ class ShmConnector(Connector):
                 continue
             try:
                 tag, seq, name_len = _NOTICE.unpack_from(data)
-                if tag != _NOTICE_TAG or len(data) <= _NOTICE.size + name_len:
+                if (tag != _NOTICE_TAG and tag != _SMALL_NOTICE_TAG) or len(data) <= _NOTICE.size + name_len:
                     raise ValueError("malformed notice")
                 name = data[_NOTICE.size : _NOTICE.size + name_len]
                 key = data[_NOTICE.size + name_len :].decode("utf-8", "surrogatepass")
@@ -929,10 +953,18 @@ class ShmConnector(Connector):
                 keys.overflowed = True  # not a notice we understand: poll everything once
                 continue
             keys.append(key)
+            # The newest notice of a key is its hint, so it alone says whether it is small.
             # Hints are plain dict operations (atomic under the GIL; get() pops them
-            # without a lock). Re-inserted last: the newest hint is kept longest.
+            # without a lock). Re-inserted last: the newest hint is kept longest. A notice
+            # naming no slot says "look it up by name".
             hints.pop(key, None)
-            hints[key] = (name, seq)
+            if tag == _SMALL_NOTICE_TAG and name_len:
+                small.add(key)
+                hints[key] = (name, seq, True)
+            else:
+                small.discard(key)
+                if name_len:
+                    hints[key] = (name, seq, False)
         if len(hints) > _MAX_HINTS:
             with self._map_lock:
                 while len(hints) > _MAX_HINTS:
