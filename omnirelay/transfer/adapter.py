@@ -25,6 +25,7 @@ cleanup stays ordered before a reused id's puts.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -86,6 +87,7 @@ class TransferAdapter:
                 after_task=lambda: self._housekeep(False),
                 on_idle=lambda: self._housekeep(False),
                 idle_interval_s=config.reap_interval_s,
+                batch=config.is_send_batch,
             )
             self._sender = SendSide(
                 connector=connector,
@@ -147,8 +149,10 @@ class TransferAdapter:
         ``segment_generation`` older than the current one is dropped. A rejection records a
         failure for ``internal_id`` (drained by ``poll_events``).
         """
-        sender = self._require_sender()
-        self._ids.set(internal_id, external_id)  # before the task can finish and clean it up
+        sender = self._sender
+        if sender is None or self._is_closed:
+            sender = self._require_sender()  # raises, saying why
+        self._ids.ensure(internal_id, external_id)  # before the task can finish and clean it up
         return sender.admit(
             internal_id,
             external_id,
@@ -182,7 +186,7 @@ class TransferAdapter:
         """Wait for the next chunk of ``internal_id`` (scheduler thread; enqueue only)."""
         if self._receiver is None or self._is_closed:
             return False
-        self._ids.set(internal_id, external_id)
+        self._ids.ensure(internal_id, external_id)
         entry = self._receiver.register(internal_id, external_id)
         if entry is None:
             return False
@@ -209,10 +213,11 @@ class TransferAdapter:
         if ext is not None and not (self._sender is not None and self._sender.has_active_sender(ext)):
             self._ids.pop(internal_id)
 
-    def _dispatch(self, entry: LoadEntry) -> None:
-        """Queue a poll of ``entry`` on its request's lane (never runs it on the caller)."""
+    def _dispatch(self, entry: LoadEntry, *, inline: bool = False) -> None:
+        """Queue a poll of ``entry`` on its request's lane (never runs it on the caller;
+        ``inline``: the arrival leader runs it before it listens again)."""
         assert self._recv_lanes is not None
-        self._recv_lanes.submit(entry.internal_id, lambda: self._poll(entry))
+        self._recv_lanes.submit(entry.internal_id, functools.partial(self._poll, entry), inline=inline)
 
     def _poll(self, entry: LoadEntry) -> None:
         assert self._receiver is not None
@@ -223,7 +228,10 @@ class TransferAdapter:
         """One wait for arrival notices, by the receive pool's current leader.
 
         Polls only the entries whose key was announced; every ``fallback_poll_s`` all of
-        them (covers lost notices). An idle waiting request costs nothing in between.
+        them (covers lost notices). An idle waiting request costs nothing in between. The
+        first announced entry whose get the connector says is small (``Arrivals.small``:
+        a codec chunk, a hidden-state step) is polled by the leader itself, before it
+        listens again, without waking another worker; every other poll goes to the pool.
         """
         receiver = self._receiver
         assert receiver is not None
@@ -241,8 +249,14 @@ class TransferAdapter:
         if is_fallback:
             self._next_fallback = now + self.config.fallback_poll_s
         if keys or is_fallback:
+            small = getattr(keys, "small", None) or ()
+            inline = True
             for entry in receiver.entries_to_poll(keys, include_all=is_fallback):
-                self._dispatch(entry)
+                if inline and entry.key in small:
+                    self._dispatch(entry, inline=True)
+                    inline = False
+                else:
+                    self._dispatch(entry)
 
     # ----------------------------------------------------------------- scheduler
 

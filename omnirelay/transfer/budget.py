@@ -97,8 +97,9 @@ class ByteBudget:
         return n
 
     def is_over(self, edge: Edge) -> bool:
-        with self._cv:
-            return self._used.get(edge, 0) >= self.limit_bytes
+        # One dict read, atomic under the GIL: no lock on the send path. A sender that
+        # reads a stale value either waits one more reap pass or re-checks in the wait loop.
+        return self._used.get(edge, 0) >= self.limit_bytes
 
     def used(self, edge: Edge) -> int:
         with self._cv:

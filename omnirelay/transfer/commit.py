@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.transfer.payload_view import as_mapping, flag_value, is_empty_payload
+from omnirelay.transfer.payload_view import as_mapping, field, flag_value, is_empty_payload
 
 __all__ = ["PreparedChunk", "is_empty_nonterminal", "merge_runtime_info", "prepare_chunk"]
 
@@ -68,13 +68,24 @@ def prepare_chunk(kind: str, payload: Any) -> PreparedChunk:
     """Read one received payload. Raises ValueError/TypeError on a contract violation."""
     if is_empty_payload(payload):
         raise ValueError(f"received an empty payload ({type(payload).__name__})")
+    if kind == "ar":  # the payload is handed on as is: read its flags only, copy nothing
+        if not (type(payload) is dict or _is_map_like(payload)):
+            raise TypeError(f"payload part of type {type(payload).__name__} is not a mapping or a struct")
+        meta_part = field(payload, "meta")
+        if meta_part is None:
+            return PreparedChunk(payload, False, False)
+        if not (type(meta_part) is dict or _is_map_like(meta_part)):
+            raise TypeError(f"payload part of type {type(meta_part).__name__} is not a mapping or a struct")
+        return PreparedChunk(
+            payload,
+            flag_value(field(meta_part, "finished")),
+            flag_value(field(meta_part, "is_segment_finished")),
+        )
     fields = as_mapping(payload)
     meta_obj = fields.get("meta")
     meta = as_mapping(meta_obj) if meta_obj is not None else {}
     finished = flag_value(meta.get("finished"))
     segment = flag_value(meta.get("is_segment_finished"))
-    if kind == "ar":
-        return PreparedChunk(payload, finished, segment)
     codes_obj = fields.get("codes")
     prompt: list[int] = []
     if codes_obj is not None:

@@ -101,6 +101,10 @@ class TransferConfig:
     max_undrained_failures: int = 10_000
     #: How long ``shutdown`` waits for each thread to stop.
     shutdown_join_s: float = 5.0
+    #: Run the send workers under Linux's SCHED_BATCH (same CPU share, no preemption on
+    #: wakeup): ``save_async`` then hands a chunk to a worker without the worker preempting
+    #: the scheduler thread only to find the GIL held (see ``lanes.py``).
+    is_send_batch: bool = True
 
     def __post_init__(self) -> None:
         _integer("stage_id", self.stage_id, minimum=0)
@@ -134,6 +138,10 @@ class TransferConfig:
         _number("reap_interval_s", self.reap_interval_s, minimum=0.0, allow_equal=False)
         _integer("max_undrained_failures", self.max_undrained_failures, minimum=1)
         _number("shutdown_join_s", self.shutdown_join_s, minimum=0.0)
+        if not isinstance(self.is_send_batch, bool):
+            raise ConfigError(
+                f"transfer config 'is_send_batch' must be true or false, got {self.is_send_batch!r}"
+            )
 
     @property
     def is_sender(self) -> bool:

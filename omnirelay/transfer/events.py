@@ -120,7 +120,7 @@ class EventBox:
     """
 
     def __init__(self, max_external: int) -> None:
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())  # a leaf lock: never re-entered
         self._ready: dict[str, ChunkInput] = {}
         self._failed: dict[str, list[TransferFailure]] = {}
         self._external: dict[str, list[TransferFailure]] = {}

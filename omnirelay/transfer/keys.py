@@ -50,6 +50,12 @@ class IdMap:
         with self._lock:
             self._external[internal_id] = external_id
 
+    def ensure(self, internal_id: str, external_id: str) -> None:
+        """``set``, skipped when the mapping is already there (one lock-free dict read:
+        the hot path of every chunk after a request's first)."""
+        if self._external.get(internal_id) != external_id:
+            self.set(internal_id, external_id)
+
     def get(self, internal_id: str) -> str | None:
         with self._lock:
             return self._external.get(internal_id)

@@ -36,7 +36,11 @@ __all__ = [
 
 def field(obj: Any, name: str, default: Any = None) -> Any:
     """``obj[name]`` for a mapping, ``obj.name`` otherwise; ``default`` when absent or None."""
-    value = obj.get(name, default) if isinstance(obj, Mapping) else getattr(obj, name, default)
+    # A plain dict first: an ABC isinstance check costs more than the lookup (hot path).
+    if type(obj) is dict or isinstance(obj, Mapping):
+        value = obj.get(name, default)
+    else:
+        value = getattr(obj, name, default)
     return default if value is None else value
 
 
@@ -45,8 +49,10 @@ def flag_value(value: Any) -> bool:
 
     Raises ValueError for anything else (a flag with several elements is a contract violation).
     """
-    if value is None:
+    if value is None or value is False:
         return False
+    if value is True:
+        return True
     if isinstance(value, bool | int):
         return bool(value)
     item = getattr(value, "item", None)
@@ -73,6 +79,8 @@ def is_empty_payload(payload: Any) -> bool:
     """SPEC §4.8: an empty or falsy payload is never committed."""
     if payload is None:
         return True
+    if type(payload) is dict:
+        return not payload
     if isinstance(payload, msgspec.Struct):
         return all(getattr(payload, f) is None for f in payload.__struct_fields__)
     try:
@@ -83,7 +91,7 @@ def is_empty_payload(payload: Any) -> bool:
 
 def as_mapping(obj: Any) -> dict[str, Any]:
     """A shallow dict of a mapping, msgspec struct or dataclass (None struct fields omitted)."""
-    if isinstance(obj, Mapping):
+    if type(obj) is dict or isinstance(obj, Mapping):
         return dict(obj)
     if isinstance(obj, msgspec.Struct):
         return {f: v for f in obj.__struct_fields__ if (v := getattr(obj, f)) is not None}
@@ -112,7 +120,7 @@ def _meta_factory(struct_type: type) -> type | None:
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
-    if isinstance(obj, MutableMapping):
+    if type(obj) is dict or isinstance(obj, MutableMapping):
         obj[name] = value
     else:
         setattr(obj, name, value)
@@ -128,7 +136,7 @@ def stamp_flags(payload: Any, *, finished: bool, segment_finished: bool) -> Any:
     """
     meta = field(payload, "meta")
     if meta is None:
-        if isinstance(payload, MutableMapping):
+        if type(payload) is dict or isinstance(payload, MutableMapping):
             meta = payload["meta"] = {}
         else:
             factory = _meta_factory(type(payload)) if isinstance(payload, msgspec.Struct) else None

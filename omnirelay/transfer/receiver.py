@@ -130,14 +130,17 @@ class ReceiveSide:
 
     def entries_to_poll(self, keys: Iterable[str], *, include_all: bool) -> list[LoadEntry]:
         """Entries to poll now: those whose key was announced (all on a fallback pass)."""
+        out: list[LoadEntry] = []
         with self._lock:
             if include_all:
-                candidates: Iterable[LoadEntry] = list(self._entries.values())
+                candidates: Iterable[LoadEntry | None] = list(self._entries.values())
             else:
-                candidates = [e for k in keys if (e := self._by_key.get(k)) is not None]
-            out = [e for e in candidates if not e.is_queued]
-            for e in out:
-                e.is_queued = True
+                by_key = self._by_key
+                candidates = [by_key.get(k) for k in keys]
+            for e in candidates:  # one loop (on the arrival leader's path to a chunk)
+                if e is not None and not e.is_queued:
+                    e.is_queued = True
+                    out.append(e)
             return out
 
     def is_registered(self, internal_id: str) -> bool:
