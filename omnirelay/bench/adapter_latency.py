@@ -45,6 +45,7 @@ from omnirelay.bench.adapter_latency_roles import (
     schedule,
     sender_main,
 )
+from omnirelay.bench.transfer import pin_cpus
 from omnirelay.connectors.sweep import sweep
 
 __all__ = ["ADAPTER_TARGETS", "render_adapter_latency", "run_adapter_latency"]
@@ -67,6 +68,7 @@ def run_adapter_latency(
     warmup: int = 100,
     seed: int = 0,
     timeout_s: float = 600.0,
+    pin: bool = True,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     if n_latency < 1 or n_hol < 1 or warmup < 0:
@@ -80,6 +82,7 @@ def run_adapter_latency(
         f"{n_hol} codec chunks without and {n_hol} with a 64 MB stream, {warmup} warm-up each), "
         f"namespace {namespace}"
     )
+    send_cpu, recv_cpu = pin_cpus(pin)
     ctx = mp.get_context("spawn")
     s_ctrl, r_ctrl = ctx.Pipe()
     s_out_r, s_out_w = ctx.Pipe(duplex=False)
@@ -88,11 +91,13 @@ def run_adapter_latency(
     trials_bytes = msgspec.msgpack.encode(trials)
     wait_s = min(60.0, timeout_s)
     receiver = ctx.Process(
-        target=receiver_main, args=(namespace, trials_bytes, wait_s, r_ctrl, r_out_w, ready), name="receiver"
+        target=receiver_main,
+        args=(namespace, trials_bytes, wait_s, r_ctrl, r_out_w, ready, recv_cpu),
+        name="receiver",
     )
     sender = ctx.Process(
         target=sender_main,
-        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready),
+        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu),
         name="sender",
     )
     deadline = time.monotonic() + timeout_s
@@ -136,7 +141,12 @@ def run_adapter_latency(
         "ok": False,
         "error": "; ".join(errors) or None,
         "config": {"n_latency": n_latency, "n_hol": n_hol, "warmup": warmup, "seed": seed},
-        "env": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))},
+        "env": {
+            "python": platform.python_version(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "sender_cpu": send_cpu,
+            "receiver_cpu": recv_cpu,
+        },
         "leftover_objects": leftover,
     }
     if errors or len(reports) != 2:
@@ -267,8 +277,14 @@ def targets_met(result: dict[str, Any]) -> bool:
 
 def render_adapter_latency(result: dict[str, Any]) -> str:
     env = result["env"]
+    placed = (
+        f"sender pinned to CPU {env['sender_cpu']}, receiver to CPU {env['receiver_cpu']}"
+        if env.get("sender_cpu") is not None
+        else "unpinned"
+    )
     head = (
-        f"omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, {env['cpus']} CPUs"
+        "omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, "
+        f"{env['cpus']} CPUs, {placed}"
     )
     if "latency" not in result:
         return f"{head}\nRESULT: FAILED - {result['error']}"

@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from omnirelay.bench.tracing import TracingConnector
+from omnirelay.bench.transfer import pin_to
 from omnirelay.connectors import GetStatus, create_connector
 from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
 
@@ -117,10 +118,21 @@ def raw_namespace(namespace: str) -> str:
     return namespace + "raw"
 
 
+_CODES = torch.randint(0, 2048, (16, 50), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+
+
 def codec_chunk(seq: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    audio = torch.randint(0, 2048, (16, 50), generator=g, dtype=torch.int64)
-    return {"codes": {"audio": audio}, "meta": {"left_context_size": 25, "seq": seq}}
+    """A steady-state Talker → Code2Wav chunk: 25 new frames + 25 of left context, 16
+    codebooks. Its header is the same from chunk to chunk, as the real processor's is
+    (same shape, same meta); the trial's number travels in the codes themselves, so the
+    receiver still checks it got the right chunk."""
+    audio = _CODES.clone()
+    audio[0, 0] = seq
+    return {"codes": {"audio": audio}, "meta": {"left_context_size": 25}}
+
+
+def chunk_seq(payload: Any) -> int:
+    return int(payload["codes"]["audio"][0, 0])
 
 
 def _busy_wait_ns(ns: int) -> None:
@@ -254,7 +266,9 @@ def sender_main(
     ctrl: Connection,
     out: Connection,
     ready: Any,
+    cpu: int | None = None,
 ) -> None:
+    pin_to(cpu)
     torch.set_num_threads(1)
     trials = msgspec.msgpack.decode(trials_bytes, type=list[Trial])
     sender: _Sender | None = None
@@ -342,7 +356,7 @@ class _Receiver:
             if got.status is GetStatus.READY:
                 t1 = time.perf_counter_ns()
                 self.codec_get = (t_get, t1)
-                assert got.obj["meta"]["seq"] == seq
+                assert chunk_seq(got.obj) == seq
                 return t1
             if got.status is GetStatus.FAILED or time.monotonic() > deadline:
                 raise RuntimeError(f"raw get of {key}: {got.status} {got.error}")
@@ -373,7 +387,7 @@ class _Receiver:
                 if c.internal_id == "r-big":
                     self._on_big(c.is_finished)
                 elif c.internal_id == iid:
-                    assert c.payload["meta"]["seq"] == seq, (c.payload["meta"], seq)
+                    assert chunk_seq(c.payload) == seq, (chunk_seq(c.payload), seq)
                     ct = c.committed_time
                     self.published = round(ct * 1e9) if ct is not None else time.perf_counter_ns()
                     assert c.is_finished == is_last
@@ -405,8 +419,15 @@ class _Receiver:
 
 
 def receiver_main(
-    namespace: str, trials_bytes: bytes, wait_s: float, ctrl: Connection, out: Connection, ready: Any
+    namespace: str,
+    trials_bytes: bytes,
+    wait_s: float,
+    ctrl: Connection,
+    out: Connection,
+    ready: Any,
+    cpu: int | None = None,
 ) -> None:
+    pin_to(cpu)
     torch.set_num_threads(1)
     trials = msgspec.msgpack.decode(trials_bytes, type=list[Trial])
     receiver: _Receiver | None = None

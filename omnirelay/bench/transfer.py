@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PAYLOADS", "BenchRow", "make_payload", "run_transfer_bench"]
+__all__ = ["PAYLOADS", "BenchRow", "make_payload", "pin_cpus", "pin_to", "run_transfer_bench"]
 
 #: name -> (description, trials for latency, objects for throughput)
 PAYLOADS: dict[str, tuple[str, int, int]] = {
@@ -156,7 +156,8 @@ _TRANSPORTS: dict[str, Callable[[str, str], Any]] = {"ours": _Ours, "baseline": 
 
 
 # ---------------------------------------------------------------------- processes
-def _pin(cpu: int | None) -> None:
+def pin_to(cpu: int | None) -> None:
+    """Pin this process (all its threads) to ``cpu``; None, or not allowed here: unpinned."""
     if cpu is not None:
         try:
             os.sched_setaffinity(0, {cpu})
@@ -182,7 +183,7 @@ def _consumer_main(
     out: Any,
     cpu: int | None = None,
 ) -> None:
-    _pin(cpu)
+    pin_to(cpu)
     torch.set_num_threads(1)
     tr = _TRANSPORTS[kind]("consumer", namespace)
     peer.send("ready")
@@ -211,7 +212,7 @@ def _producer_main(
     out: Any,
     cpu: int | None = None,
 ) -> None:
-    _pin(cpu)
+    pin_to(cpu)
     torch.set_num_threads(1)
     tr = _TRANSPORTS[kind]("producer", namespace)
     obj = make_payload(payload)
@@ -306,7 +307,7 @@ def _measure(kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True
 
 
 def _floor_consumer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int | None = None) -> None:
-    _pin(cpu)
+    pin_to(cpu)
     import mmap
     import select
     import socket
@@ -329,7 +330,7 @@ def _floor_consumer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int 
 
 
 def _floor_producer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int | None = None) -> None:
-    _pin(cpu)
+    pin_to(cpu)
     import mmap
     import socket
 

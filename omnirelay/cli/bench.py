@@ -81,10 +81,16 @@ def register(sub: Any) -> None:
             "interleaved with the raw shm connector's one-way latency (put -> get) so the adapter's "
             "overhead is visible; (b) the same codec chunks without and with another request streaming "
             "64 MB payloads. Prints p50/p99/max against the targets (p50 <= 150 us; <= 5 ms added by the "
-            "64 MB stream)."
+            "64 MB stream). The sender is pinned to the first CPU this process may use and the receiver "
+            "to the second, as in bench transfer (--no-pin lets the scheduler place them)."
         ),
     )
     a.add_argument("--chunks", type=int, default=1000, help="measured chunks per series (default 1000)")
+    a.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the sender and receiver processes to two CPUs",
+    )
     a.add_argument(
         "--warmup", type=int, default=100, help="unmeasured chunks before each series (default 100)"
     )
@@ -214,7 +220,12 @@ def run_bench_adapter(args: argparse.Namespace) -> int:
 
     try:
         result = run_adapter_latency(
-            args.chunks, args.chunks, warmup=args.warmup, seed=args.seed, timeout_s=args.timeout
+            args.chunks,
+            args.chunks,
+            warmup=args.warmup,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            pin=not args.no_pin,
         )
     except ValueError as exc:
         raise SystemExit(f"omnirelay bench adapter: {exc}") from exc
