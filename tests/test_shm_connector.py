@@ -735,3 +735,47 @@ def test_an_announced_object_that_fails_to_encode_leaves_nothing(namespace: str)
     assert prod.pending_keys() == []
     prod.close()
     cons.close()
+
+
+def test_arrivals_say_which_objects_are_small(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    big = torch.zeros(512 * 1024, dtype=torch.uint8)  # 512 KiB: past SMALL_OBJECT_BYTES
+    assert prod.put(1, 2, "S_1_0", {"v": torch.arange(8)}).ok
+    assert prod.put(1, 2, "B_1_0", {"v": big}).ok
+    got = cons.wait_arrivals(2, timeout=30)
+    while len(got) < 2:
+        got += cons.wait_arrivals(2, timeout=30)
+    assert set(got) == {"S_1_0", "B_1_0"} and set(got.small) == {"S_1_0"}
+    assert torch.equal(cons.get(1, 2, "S_1_0").obj["v"], torch.arange(8))
+    assert torch.equal(cons.get(1, 2, "B_1_0").obj["v"], big)
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+
+
+def test_a_small_notices_get_leaves_a_large_object_and_announces_it_again(namespace: str) -> None:
+    """A small notice's get is bounded (Arrivals.small): when what it announced is gone and
+    the key's name leads to a large object, that object is left in place and the key is
+    announced again, not small, so the receiver fetches it like any large object."""
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    assert prod.put(1, 2, "K_1_0", {"v": 1}).ok
+    first = cons.wait_arrivals(2, timeout=30)
+    assert list(first) == ["K_1_0"] and set(first.small) == {"K_1_0"}  # its hint: a small slot
+    assert prod.cleanup("K_1_0")  # retracted before the reader came...
+    big = torch.ones(512 * 1024, dtype=torch.uint8)
+    assert prod.put(1, 2, "K_1_0", {"v": big}).ok  # ...and the key published again, large
+    # The get follows the small hint (the newer notice is not drained yet): bounded.
+    assert cons.get(1, 2, "K_1_0").status is GetStatus.NOT_YET
+    # All queued by now: the large put's early notice (small: it guessed from the last
+    # object) and its notice from its real slot, then the one the get sent. The newest
+    # decides: not small.
+    again = cons.wait_arrivals(2, timeout=0)
+    assert list(again) == ["K_1_0"] * 3 and set(again.small) == set()
+    assert torch.equal(cons.get(1, 2, "K_1_0").obj["v"], big)
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()

@@ -300,6 +300,21 @@ def test_only_announced_entries_are_polled_and_fallback_covers_lost_notices() ->
         p.audit()
 
 
+def test_a_small_arrival_is_polled_by_the_thread_that_took_its_notice() -> None:
+    """Arrivals.small: the arrival leader runs the get itself (no hand-off to a follower)."""
+    with make_pipeline() as p:
+        p.recv_conn.small_keys = {"E_0_0"}
+        assert p.receiver.load_async("r", "E")
+        p.recv_conn.wait_found_nothing("E_0_0")  # the registration's own poll came first
+        send(p, "s", "E", {"v": torch.arange(3)}, finished=True)
+        chunk = collect(p.receiver, ready_for("r")).ready[0]
+        assert torch.equal(chunk.payload["v"], torch.arange(3))
+        assert p.recv_conn.got_by["E_0_0"] == p.recv_conn.noticed_by["E_0_0"]
+        p.receiver.finish_requests(["r"])
+        p.sender.finish_requests(["s"])
+        p.audit()
+
+
 def test_one_requests_slow_get_does_not_delay_another_requests_chunk() -> None:
     with make_pipeline(receiver_kw={"num_recv_workers": 2}) as p:
         gate = Gate("big decode of A")

@@ -4,6 +4,7 @@ generation token's transition table, lanes, budget, events, and the public surfa
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Any
 
@@ -38,6 +39,13 @@ def test_config_defaults() -> None:
     c = TransferConfig(stage_id=1, send_to_stage=2, receive_from_stage=0)
     assert c.stall_timeout_s == 600.0 and c.is_sender and c.is_receiver
     assert not TransferConfig(stage_id=0).is_receiver
+
+
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_send_batch_flag_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ConfigError, match="is_send_batch"):
+        TransferConfig(stage_id=0, is_send_batch=value)
+    assert TransferConfig(stage_id=0).is_send_batch is True
 
 
 def test_zero_stall_timeout_warns() -> None:
@@ -315,6 +323,132 @@ def test_lanes_keep_submission_order_under_load() -> None:
     lanes.stop(5)
     for k, values in seen.items():
         assert values == list(range(k, 400, 8))
+
+
+class _Arrivals:
+    """A source for a LaneExecutor: blocks until the test feeds one batch of (lane, task,
+    inline) submissions, submits them, and records which thread ran it."""
+
+    def __init__(self) -> None:
+        self.lanes: LaneExecutor | None = None
+        self._cv = threading.Condition()
+        self._batches: list[list[tuple[str, Any, bool]]] = []
+        self.passes: list[int] = []  # thread ident of each pass that got a batch
+        self.num_waiting = 0
+
+    def feed(self, *items: tuple[str, Any, bool]) -> None:
+        with self._cv:
+            self._batches.append(list(items))
+            self._cv.notify_all()
+
+    def wait_listening(self, n: int) -> None:
+        """Until ``n`` passes have run and a worker waits in the source again."""
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.passes) >= n and self.num_waiting, 10)
+
+    def __call__(self) -> None:
+        assert self.lanes is not None
+        with self._cv:
+            self.num_waiting += 1
+            self._cv.wait_for(lambda: bool(self._batches), 0.05)
+            self.num_waiting -= 1
+            if not self._batches:
+                return
+            batch = self._batches.pop(0)
+            self.passes.append(threading.get_ident())
+            self._cv.notify_all()
+        for lane, task, inline in batch:
+            self.lanes.submit(lane, task, inline=inline)
+
+
+def _leader_pool(n: int = 2) -> tuple[LaneExecutor, _Arrivals, list[BaseException]]:
+    errors: list[BaseException] = []
+    src = _Arrivals()
+    lanes = LaneExecutor("t", n, on_error=errors.append, source=src)
+    src.lanes = lanes
+    lanes.start()
+    return lanes, src, errors
+
+
+def test_an_inline_task_runs_on_the_leader_which_keeps_the_lead() -> None:
+    lanes, src, errors = _leader_pool()
+    try:
+        gate = Gate("inline task")
+        ran_on: list[int] = []
+        src.feed(("A", lambda: (ran_on.append(threading.get_ident()), gate.enter()), True))
+        gate.wait_started()
+        # The leader runs it itself: same thread as the pass that submitted it.
+        assert ran_on == [src.passes[0]]
+        # It kept the lead: a batch fed now waits until the inline task is done, and the
+        # same thread then takes it (no follower was handed the lead meanwhile).
+        src.feed(("B", lambda: ran_on.append(threading.get_ident()), False))
+        gate.release()
+        src.wait_listening(2)
+        assert lanes.wait_idle(10)
+        assert src.passes == [src.passes[0]] * 2 and ran_on == [src.passes[0]] * 2
+        assert errors == [] and lanes.lanes() == []
+    finally:
+        assert lanes.stop(5) == []
+
+
+def test_a_task_that_is_not_inline_hands_the_lead_to_a_follower() -> None:
+    lanes, src, errors = _leader_pool()
+    try:
+        gate = Gate("long task")
+        src.feed(("A", gate.enter, False))
+        gate.wait_started()
+        # While A's task blocks its worker, the other worker listens: B is dispatched and runs.
+        done_b = threading.Event()
+        src.feed(("B", done_b.set, False))
+        assert done_b.wait(10)
+        assert len(set(src.passes)) == 2  # the second pass ran on the follower
+        gate.release()
+        assert lanes.wait_idle(10) and errors == []
+    finally:
+        assert lanes.stop(5) == []
+
+
+def test_only_the_first_inline_lane_of_a_pass_runs_on_the_leader() -> None:
+    lanes, src, errors = _leader_pool()
+    try:
+        gate = Gate("inline task")
+        done = threading.Event()
+        src.feed(("A", gate.enter, True), ("B", done.set, True))
+        gate.wait_started()
+        assert done.wait(10)  # B was queued for the follower while A runs on the leader
+        gate.release()
+        assert lanes.wait_idle(10) and errors == []
+    finally:
+        assert lanes.stop(5) == []
+
+
+def test_stop_with_an_inline_lane_running_drops_queued_work_and_leaves_no_lane() -> None:
+    lanes, src, _ = _leader_pool()
+    gate = Gate("inline task")
+    src.feed(("A", gate.enter, True))
+    gate.wait_started()
+    assert lanes.submit("A", lambda: None)  # queued behind the running inline task
+    stopper = threading.Thread(target=lanes.stop, args=(5,))
+    stopper.start()
+    gate.release()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert lanes.lanes() == [] and lanes.num_dropped_at_stop == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
+@pytest.mark.parametrize("batch", [True, False])
+def test_batch_pools_run_their_workers_under_sched_batch(batch: bool) -> None:
+    lanes = LaneExecutor("t", 1, on_error=lambda e: None, batch=batch)
+    lanes.start()
+    seen: list[int] = []
+    try:
+        lanes.submit("A", lambda: seen.append(os.sched_getscheduler(0)))  # 0: the calling thread
+        assert lanes.wait_idle(10)
+    finally:
+        lanes.stop(5)
+    assert seen == [os.SCHED_BATCH if batch else os.SCHED_OTHER]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's policy is untouched
 
 
 # --------------------------------------------------------------------- budget, events

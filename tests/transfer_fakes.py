@@ -24,6 +24,7 @@ from typing import Any
 
 from omnirelay.connectors.base import (
     REAP_BATCH,
+    Arrivals,
     Connector,
     ConnectorHealth,
     GetResult,
@@ -132,6 +133,11 @@ class FakeConnector(Connector):
         self.corrupt: set[str] = set()  # get consumes it and returns FAILED
         self.lose_notices = False
         self.num_gets: dict[str, int] = {}
+        #: Keys announced as small (Arrivals.small), and which thread took / consumed each.
+        self.small_keys: set[str] = set()
+        self.noticed_by: dict[str, int] = {}
+        self.got_by: dict[str, int] = {}
+        self.found_nothing: dict[str, threading.Event] = {}  # set when a get saw NOT_YET
         self.num_reap_passes = 0
         self.num_closes = 0
         self.reaped = threading.Condition(self._lock)  # notified after every reap pass
@@ -172,7 +178,12 @@ class FakeConnector(Connector):
         with self.store.cond:
             item = self.store.objects.pop(key, None)
         if item is None:
+            with self._lock:
+                event = self.found_nothing.setdefault(key, threading.Event())
+            event.set()
             return GetResult(GetStatus.NOT_YET)
+        with self._lock:
+            self.got_by[key] = threading.get_ident()
         with self._lock:
             self._pending.pop(key, None)
         self.store.note(f"get:{key}")
@@ -185,9 +196,19 @@ class FakeConnector(Connector):
             q = self.store.arrivals.setdefault(to_stage, deque())
             if not q and timeout != 0:
                 self.store.cond.wait_for(lambda: bool(q) or self.closed, timeout)
-            keys = list(q)
+            keys = Arrivals(q)
             q.clear()
-            return keys
+        keys.small = {k for k in keys if k in self.small_keys}
+        with self._lock:
+            for k in keys:
+                self.noticed_by[k] = threading.get_ident()
+        return keys
+
+    def wait_found_nothing(self, key: str, timeout: float = GATE_TIMEOUT_S) -> None:
+        """Until a get of ``key`` has come back NOT_YET."""
+        with self._lock:
+            event = self.found_nothing.setdefault(key, threading.Event())
+        assert event.wait(timeout), f"no get of {key!r} came back NOT_YET"
 
     def cleanup(self, key: str) -> bool:
         gate = self.cleanup_gates.get(key)

@@ -211,8 +211,35 @@ class _Planner:
         return out
 
     def _lower_dict(self, d: dict[Any, Any]) -> dict[Any, Any]:
-        if not self.strict and set(map(type, d)) <= {str} and set(map(type, d.values())) <= _PLAIN_TYPES:
-            return d
+        if self.strict:
+            return self._lower_dict_checked(d)
+        # One pass with the common cases inline (str keys; plain values, nested dicts,
+        # tensors): every chunk's header goes through here, on a send worker just woken.
+        # Anything else takes the checked walk, which names the offending path.
+        out = {}
+        for key, value in d.items():
+            if type(key) is not str:
+                return self._lower_dict_checked(d)
+            tv = type(value)
+            if tv is str or tv is float or tv is bool or value is None or tv is int:
+                out[key] = value  # an int out of range surfaces at encode: then the strict walk
+            elif tv is dict:
+                try:
+                    out[key] = self._lower_dict(value)
+                except _PathError as exc:
+                    exc.segments.append(f"[{key!r}]")
+                    raise
+            elif tv is torch.Tensor:
+                out[key] = self._add_tensor(value)
+            else:
+                try:
+                    out[key] = self.lower(value)
+                except _PathError as exc:
+                    exc.segments.append(f"[{key!r}]")
+                    raise
+        return out
+
+    def _lower_dict_checked(self, d: dict[Any, Any]) -> dict[Any, Any]:
         out = {}
         for key, value in d.items():
             kt = type(key)
@@ -366,7 +393,7 @@ class EncodePlan:
         mv[:pos] = head
         if not self._sources:
             return n
-        dst = np.frombuffer(mv, dtype=np.uint8, count=n)
+        dst = None  # a numpy view of the destination, made only for a copy that needs one
         for offset, nbytes, src in self._sources:
             start = self._data_start + offset
             if start > pos:
@@ -377,8 +404,12 @@ class EncodePlan:
                     if nbytes <= _SMALL_COPY and src.flags.c_contiguous:
                         mv[start:end] = src.data.cast("B")  # one memcpy, no array views
                     else:
+                        if dst is None:
+                            dst = np.frombuffer(mv, dtype=np.uint8, count=n)
                         np.copyto(dst[start:end].view(src.dtype).reshape(src.shape), src, casting="no")
                 elif isinstance(src, torch.Tensor):
+                    if dst is None:
+                        dst = np.frombuffer(mv, dtype=np.uint8, count=n)
                     torch.from_numpy(dst[start:end]).view(src.dtype).view(src.shape).copy_(src)
                 else:
                     mv[start:end] = src
@@ -494,7 +525,7 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
         # Streams repeat headers (same shapes, same meta): a header seen before is not
         # parsed or validated again. The cache key holds the whole prefix (magic,
         # version, flags and total length were checked when it was cached).
-        header_len = int.from_bytes(mv[8:12], "little")
+        header_len = _U32.unpack_from(mv, 8)[0]
         if header_len <= _HEADER_CACHE_MAX_LEN:
             entry = _HEADER_CACHE.get(bytes(mv[: PREFIX_SIZE + header_len]))
             if entry is not None and len(mv) >= entry.total:
@@ -534,8 +565,11 @@ def _decode_tree(tree: bytes, reader: _Reader) -> Any:
 
 
 # A template node is (kind, value): a plain immutable value, a region (a new tensor or
-# array per decode), a dict of nodes, or a list of plain values (copied per decode).
-_T_PLAIN, _T_REGION, _T_DICT, _T_LIST = 0, 1, 2, 3
+# array per decode), a dict of nodes, or a list of plain values (copied per decode). A
+# torch region that numpy reads natively (every dtype but the opaque ones, bfloat16 and
+# float8) is a _T_TENSOR: ``(shape, numpy dtype, absolute start, region info)``, built
+# inline by _instantiate_dict (the hot path of every repeated chunk header).
+_T_PLAIN, _T_REGION, _T_DICT, _T_LIST, _T_TENSOR = 0, 1, 2, 3, 4
 _TEMPLATE_PLAIN: Final = frozenset({str, int, float, bool, bytes, type(None)})
 
 
@@ -572,7 +606,10 @@ def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
     if tp is _Ref:
         if obj.index >= len(regions):
             raise _NoTemplate
-        return _T_REGION, regions[obj.index]
+        r = regions[obj.index]
+        if r.kind == "torch" and r.torch_view is None and r.nbytes:
+            return _T_TENSOR, (r.shape, r.read_dtype, r.start, r)
+        return _T_REGION, r
     if tp is dict:
         return _T_DICT, tuple((k, *_node(v, regions)) for k, v in obj.items())
     if tp is list and all(type(v) in _TEMPLATE_PLAIN for v in obj):
@@ -586,6 +623,8 @@ def _instantiate(node: tuple[int, Any], reader: _Reader) -> Any:
         return _instantiate_dict(value, reader)
     if kind == _T_REGION:
         return reader._build(value)
+    if kind == _T_TENSOR:
+        return reader._build(value[3])
     if kind == _T_LIST:
         return list(value)
     return value
@@ -596,13 +635,21 @@ def _instantiate_dict(items: tuple[tuple[Any, int, Any], ...], reader: _Reader) 
     for key, kind, value in items:
         if kind == _T_PLAIN:
             out[key] = value
-        elif kind == _T_REGION:
-            out[key] = reader._build(value)
+        elif kind == _T_TENSOR:
+            if reader.copy:  # a tensor owning a copy of its bytes (numpy's allocator)
+                out[key] = _from_numpy(np.ndarray(value[0], value[1], reader.mv, value[2]).copy())
+            else:
+                out[key] = reader._build(value[3])
         elif kind == _T_DICT:
             out[key] = _instantiate_dict(value, reader)
+        elif kind == _T_REGION:
+            out[key] = reader._build(value)
         else:
             out[key] = list(value)
     return out
+
+
+_from_numpy = torch.from_numpy
 
 
 class _RegionInfo(NamedTuple):
