@@ -55,7 +55,7 @@ def register(sub: Any) -> None:
         help="cross-process transfers with cancellations, id reuse and early-stopping consumers; ends with a leak audit",
         description=(
             "Producer and consumer processes move >= 5,000 chunks over >= 500 requests through the "
-            "chunk transfer adapter, cancelling >= 10%% of requests at random points, reusing ids after "
+            "chunk transfer adapter, cancelling >= 10% of requests at random points, reusing ids after "
             "cancel, stopping consumers early, mixing codec-sized and 4 MB chunks; then audits for leaks."
         ),
     )
@@ -109,7 +109,7 @@ def register(sub: Any) -> None:
             "the critical path to the first audio (and to the last output) minus the model compute on "
             "that path, as a share of TTFA (and of the end-to-end time). Prints p50/p99 per level, the "
             "overhead split by kind (control plane, transfers, scheduling, delivery) and the target: "
-            "overhead <= 10%% of TTFA at concurrency 1 (median request). Warm-up requests are not "
+            "overhead <= 10% of TTFA at concurrency 1 (median request). Warm-up requests are not "
             "counted; the run ends with a leak audit. Exit status 1 if the target is missed or "
             "something leaked."
         ),

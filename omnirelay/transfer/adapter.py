@@ -17,10 +17,14 @@ Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailu
 Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
-also runs the idle reap pass) and a pool of receive workers (one lane per internal id)
-whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
-announced entries (plus a slow fallback pass over all of them). See ``sender.py`` for how
-cleanup stays ordered before a reused id's puts.
+also runs the idle reap pass; ``SCHED_BATCH`` by default, so waking one never preempts the
+scheduler thread that holds the GIL) and a pool of receive workers (one lane per internal
+id) whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
+announced entries (plus a slow fallback pass over all of them). The leader polls the first
+announced *small* chunk itself (``Arrivals.small``: a codec chunk, a hidden-state step)
+before it listens again, so that chunk costs no thread hand-off at all; a large one goes
+to a worker while another listens. See ``sender.py`` for how cleanup stays ordered before
+a reused id's puts.
 """
 
 from __future__ import annotations
