@@ -77,6 +77,9 @@ _OVERFLOW_MARKER = b""
 _NOTICE_TAG = 0x4E  # "N"
 _SMALL_NOTICE_TAG = 0x53  # "S"
 _NOTICE = struct.Struct("<BQH")
+#: recv size for one notice: the longest a connector sends (a slot name is far shorter than
+#: 512 bytes) plus one, so a longer datagram shows as one that filled the buffer.
+_NOTICE_BUF = _NOTICE.size + 512 + MAX_KEY_BYTES + 1
 _MAX_HINTS = 8192
 #: A CLAIMED slot whose claimer never wrote its record is abandoned after this long.
 _UNRECORDED_CLAIM_S = 30.0
@@ -926,22 +929,27 @@ class ShmConnector(Connector):
         return self._drain(listener, ready=True) if ready else keys
 
     def _drain(self, listener: tuple[socket.socket, Any], *, ready: bool = False) -> Arrivals:
-        """Take every queued notice (no blocking): announced keys, and their hints.
-        ``ready``: a poll just said a notice is queued."""
+        """Take queued notices (no blocking): announced keys, and their hints.
+
+        ``ready``: a blocking poll just said a notice is queued. Then only that one is
+        taken: the first arrival after an idle wait costs one ``recv`` and no second
+        system call; any others are taken by the next call, whose drain comes first.
+        """
         keys = Arrivals()
         small: set[str] = set()
         keys.small = small
         recv = listener[0].recv
         poll = listener[1].poll
         hints = self._hints
+        first_only = ready
         while ready or poll(0):  # polling is cheaper than ending on a raised BlockingIOError
             ready = False
             try:
-                data = recv(65536)
+                data = recv(_NOTICE_BUF)
             except OSError:  # drained by another thread, or closed under us
                 break
-            if data == _OVERFLOW_MARKER:
-                keys.overflowed = True
+            if data == _OVERFLOW_MARKER or len(data) >= _NOTICE_BUF:
+                keys.overflowed = True  # lost notices, or one too long to be ours: poll all
                 continue
             try:
                 tag, seq, name_len = _NOTICE.unpack_from(data)
@@ -965,6 +973,8 @@ class ShmConnector(Connector):
                 small.discard(key)
                 if name_len:
                     hints[key] = (name, seq, False)
+            if first_only:
+                break
         if len(hints) > _MAX_HINTS:
             with self._map_lock:
                 while len(hints) > _MAX_HINTS:
