@@ -779,3 +779,49 @@ def test_a_small_notices_get_leaves_a_large_object_and_announces_it_again(namesp
     assert prod.pending_keys() == []
     prod.close()
     cons.close()
+
+
+@pytest.mark.parametrize(
+    ("send_ext", "drain_ext"),
+    [(True, True), (False, False), (True, False), (False, True)],
+    ids=["c-c", "py-py", "c-py", "py-c"],
+)
+def test_notices_round_trip_between_both_implementations(
+    namespace: str, send_ext: bool, drain_ext: bool
+) -> None:
+    import select
+
+    from omnirelay.connectors import notices
+
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = notices.address(namespace, 9)
+    rx.bind(addr)
+    rx.setblocking(False)
+    poller = select.poll()
+    poller.register(rx, select.POLLIN)
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tx.setblocking(False)
+    try:
+        key = "r/é\udcff/" + "x" * 5000  # a lone surrogate and a long key survive
+        sent = [
+            (notices.TAG_SMALL, 7, b"slot-a", key),
+            (notices.TAG_NORMAL, 2**64 - 1, b"slot-b", "K_1_0"),
+            (notices.TAG_NORMAL, 0, b"", "by-name"),  # names no slot: look it up by name
+        ]
+        for tag, seq, name, k in sent:
+            kb = k.encode("utf-8", "surrogatepass")
+            assert notices.send(tx, addr, tag, seq, name, kb, use_extension=send_ext) == 0
+        assert notices.send(tx, addr, 0, 0, b"", b"", use_extension=send_ext) == 0  # the marker
+        tx.sendto(b"\x4e" + b"\0" * 8 + b"\x40\x00" + b"short", addr)  # name longer than the datagram
+        tx.sendto(b"Z" * 20, addr)  # unknown tag
+        tx.sendto(b"\x4e" + b"\0" * 10 + b"k" * (notices.BUFSIZE + 10), addr)  # too long to be ours
+        assert notices.drain(rx, poller, 1, use_extension=drain_ext) == [sent[0]]  # just the first
+        assert notices.drain(rx, poller, use_extension=drain_ext) == [*sent[1:], None, None, None, None]
+        assert notices.drain(rx, poller, use_extension=drain_ext) == []  # empty: no error
+        missing = notices.address(namespace, 10)  # nobody listens there
+        assert notices.send(tx, missing, notices.TAG_NORMAL, 1, b"s", b"k", use_extension=send_ext) != 0
+    finally:
+        tx.close()
+        rx.close()
+    assert notices.drain(rx, poller, use_extension=drain_ext) == []  # closed: nothing, no raise
+    assert notices.send(tx, addr, notices.TAG_NORMAL, 1, b"s", b"k", use_extension=send_ext) != 0

@@ -45,7 +45,7 @@ def test_config_defaults() -> None:
 def test_send_batch_flag_must_be_a_bool(value: Any) -> None:
     with pytest.raises(ConfigError, match="is_send_batch"):
         TransferConfig(stage_id=0, is_send_batch=value)
-    assert TransferConfig(stage_id=0).is_send_batch is True
+    assert TransferConfig(stage_id=0).is_send_batch is False
 
 
 def test_zero_stall_timeout_warns() -> None:
@@ -327,7 +327,8 @@ def test_lanes_keep_submission_order_under_load() -> None:
 
 class _Arrivals:
     """A source for a LaneExecutor: blocks until the test feeds one batch of (lane, task,
-    inline) submissions, submits them, and records which thread ran it."""
+    now) items, submits them (``now``: runs them with ``run_now``, after the others), and
+    records which thread ran each pass."""
 
     def __init__(self) -> None:
         self.lanes: LaneExecutor | None = None
@@ -357,8 +358,12 @@ class _Arrivals:
             batch = self._batches.pop(0)
             self.passes.append(threading.get_ident())
             self._cv.notify_all()
-        for lane, task, inline in batch:
-            self.lanes.submit(lane, task, inline=inline)
+        for lane, task, now in batch:
+            if not now:
+                self.lanes.submit(lane, task)
+        for lane, task, now in batch:
+            if now:
+                self.lanes.run_now(lane, lambda t: t(), task)
 
 
 def _leader_pool(n: int = 2) -> tuple[LaneExecutor, _Arrivals, list[BaseException]]:
@@ -370,17 +375,17 @@ def _leader_pool(n: int = 2) -> tuple[LaneExecutor, _Arrivals, list[BaseExceptio
     return lanes, src, errors
 
 
-def test_an_inline_task_runs_on_the_leader_which_keeps_the_lead() -> None:
+def test_a_task_run_now_runs_on_the_leader_which_keeps_the_lead() -> None:
     lanes, src, errors = _leader_pool()
     try:
-        gate = Gate("inline task")
+        gate = Gate("task run now")
         ran_on: list[int] = []
         src.feed(("A", lambda: (ran_on.append(threading.get_ident()), gate.enter()), True))
         gate.wait_started()
         # The leader runs it itself: same thread as the pass that submitted it.
         assert ran_on == [src.passes[0]]
-        # It kept the lead: a batch fed now waits until the inline task is done, and the
-        # same thread then takes it (no follower was handed the lead meanwhile).
+        # It kept the lead: a batch fed now waits until that task is done, and the same
+        # thread then takes it (no follower was handed the lead meanwhile).
         src.feed(("B", lambda: ran_on.append(threading.get_ident()), False))
         gate.release()
         src.wait_listening(2)
@@ -408,12 +413,12 @@ def test_a_task_that_is_not_inline_hands_the_lead_to_a_follower() -> None:
         assert lanes.stop(5) == []
 
 
-def test_only_the_first_inline_lane_of_a_pass_runs_on_the_leader() -> None:
+def test_lanes_submitted_before_a_task_run_now_go_to_a_follower_meanwhile() -> None:
     lanes, src, errors = _leader_pool()
     try:
-        gate = Gate("inline task")
+        gate = Gate("task run now")
         done = threading.Event()
-        src.feed(("A", gate.enter, True), ("B", done.set, True))
+        src.feed(("B", done.set, False), ("A", gate.enter, True))
         gate.wait_started()
         assert done.wait(10)  # B was queued for the follower while A runs on the leader
         gate.release()
@@ -422,9 +427,26 @@ def test_only_the_first_inline_lane_of_a_pass_runs_on_the_leader() -> None:
         assert lanes.stop(5) == []
 
 
-def test_stop_with_an_inline_lane_running_drops_queued_work_and_leaves_no_lane() -> None:
+def test_run_now_on_a_busy_lane_queues_behind_it() -> None:
+    lanes, src, errors = _leader_pool()
+    try:
+        gate = Gate("lane A")
+        order: list[str] = []
+        assert lanes.submit("A", gate.enter)  # from the test thread: a follower runs it
+        gate.wait_started()
+        src.feed(("A", lambda: order.append("now"), True))
+        src.wait_listening(1)  # the pass is over: "now" was queued, not run
+        assert order == []
+        gate.release()
+        assert lanes.wait_idle(10)
+        assert order == ["now"] and errors == [] and lanes.lanes() == []
+    finally:
+        assert lanes.stop(5) == []
+
+
+def test_stop_with_a_task_run_now_drops_queued_work_and_leaves_no_lane() -> None:
     lanes, src, _ = _leader_pool()
-    gate = Gate("inline task")
+    gate = Gate("task run now")
     src.feed(("A", gate.enter, True))
     gate.wait_started()
     assert lanes.submit("A", lambda: None)  # queued behind the running inline task

@@ -39,7 +39,6 @@ import mmap
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirelay.connectors import atomics, names, slot
+from omnirelay.connectors import atomics, names, notices, slot
 from omnirelay.connectors.base import (
     MAX_KEY_BYTES,
     REAP_BATCH,
@@ -69,17 +68,6 @@ __all__ = ["ShmConnector", "ShmOptions", "default_allocator", "notice_address"]
 
 _MIN_SLOT = 16 << 10
 _INSTANCES = itertools.count(1)
-#: An empty datagram: "notices were lost, poll everything you wait for" (keys are never empty).
-_OVERFLOW_MARKER = b""
-#: A notice: tag, publish seq, slot name length, then the slot name and the key. The
-#: tag says whether the named slot is small (at most SMALL_OBJECT_BYTES: a get of it is
-#: bounded; see ``Arrivals.small``).
-_NOTICE_TAG = 0x4E  # "N"
-_SMALL_NOTICE_TAG = 0x53  # "S"
-_NOTICE = struct.Struct("<BQH")
-#: recv size for one notice: the longest a connector sends (a slot name is far shorter than
-#: 512 bytes) plus one, so a longer datagram shows as one that filled the buffer.
-_NOTICE_BUF = _NOTICE.size + 512 + MAX_KEY_BYTES + 1
 _MAX_HINTS = 8192
 #: A CLAIMED slot whose claimer never wrote its record is abandoned after this long.
 _UNRECORDED_CLAIM_S = 30.0
@@ -96,9 +84,8 @@ _EARLY_NOTICE_MAX = SMALL_OBJECT_BYTES
 _PUBLISH_WAIT_NS = 50_000
 
 
-def notice_address(namespace: str, stage: int) -> bytes:
-    """Abstract-namespace socket address of a stage's arrival notices (nothing on disk)."""
-    return f"\0{names.PREFIX}{namespace}-n-{stage}".encode()
+#: Abstract-namespace socket address of a stage's arrival notices (nothing on disk).
+notice_address = notices.address
 
 
 def _slot_size(need: int) -> int:
@@ -477,42 +464,34 @@ class ShmConnector(Connector):
 
     def _announce(self, to_stage: int, sl: _Slot, seq: int, key_bytes: bytes) -> None:
         """Tell the target stage that publish ``seq`` of slot ``sl`` holds the key."""
-        tag = _SMALL_NOTICE_TAG if sl.size <= SMALL_OBJECT_BYTES else _NOTICE_TAG
-        self._notify(to_stage, _NOTICE.pack(tag, seq, len(sl.notice_head)) + sl.notice_head + key_bytes)
+        tag = notices.TAG_SMALL if sl.size <= SMALL_OBJECT_BYTES else notices.TAG_NORMAL
+        self._notify(to_stage, tag, seq, sl.notice_head, key_bytes)
 
-    def _notify(self, to_stage: int, notice: bytes) -> None:
+    def _notify(self, to_stage: int, tag: int, seq: int, name: bytes, key_bytes: bytes) -> None:
         """Announce a key to the target stage. A full receiver queue (Linux queues only
         ``net.unix.max_dgram_qlen`` datagrams, 10 by default) is remembered, and an overflow
         marker is sent as soon as there is room, so the receiver polls everything once."""
         addr = self._notice_addrs.get(to_stage)
         if addr is None:
-            addr = self._notice_addrs[to_stage] = notice_address(self.namespace, to_stage)
+            addr = self._notice_addrs[to_stage] = notices.address(self.namespace, to_stage)
         if self._overflow and to_stage in self._overflow:
             self._send_overflow_marker(to_stage)
-        try:
-            self._send_sock.sendto(notice, addr)
-            sent = True
-        except BlockingIOError:
-            sent = False
+        err = notices.send(self._send_sock, addr, tag, seq, name, key_bytes)
+        if err == errno.EAGAIN:
             with self._lock:
                 self._overflow.add(to_stage)
-        except OSError:
-            sent = False  # nobody listens yet: a new receiver polls on registration
+        # Any other error: nobody listens yet (a new receiver polls on registration).
         with self._lock:
-            if sent:
-                self._c.num_notices_sent += 1
-            else:
+            if err:
                 self._c.num_notices_lost += 1
+            else:
+                self._c.num_notices_sent += 1
 
     def _send_overflow_marker(self, to_stage: int) -> None:
-        addr = self._notice_addrs.get(to_stage) or notice_address(self.namespace, to_stage)
-        try:
-            self._send_sock.sendto(_OVERFLOW_MARKER, addr)
-        except BlockingIOError:
+        addr = self._notice_addrs.get(to_stage) or notices.address(self.namespace, to_stage)
+        if notices.send(self._send_sock, addr, 0, 0, b"", b"") == errno.EAGAIN:
             return  # still full: try again on the next put or reap
-        except OSError:
-            pass  # the receiver is gone; nothing to tell
-        with self._lock:
+        with self._lock:  # sent, or the receiver is gone: nothing more to tell
             self._overflow.discard(to_stage)
 
     def reap_consumed(self) -> int:
@@ -681,7 +660,7 @@ class ShmConnector(Connector):
             st = os.fstat(fd)
             if to_stage is not None and st.st_size > SMALL_OBJECT_BYTES:
                 os.close(fd)
-                self._notify(to_stage, _NOTICE.pack(_NOTICE_TAG, 0, 0) + key_bytes)  # "look it up by name"
+                self._notify(to_stage, notices.TAG_NORMAL, 0, b"", key_bytes)  # "look it up by name"
                 return GetResult(GetStatus.NOT_YET)
             mp = self._cached_map(st)
             if mp is None:
@@ -938,43 +917,25 @@ class ShmConnector(Connector):
         keys = Arrivals()
         small: set[str] = set()
         keys.small = small
-        recv = listener[0].recv
-        poll = listener[1].poll
         hints = self._hints
-        first_only = ready
-        while ready or poll(0):  # polling is cheaper than ending on a raised BlockingIOError
-            ready = False
-            try:
-                data = recv(_NOTICE_BUF)
-            except OSError:  # drained by another thread, or closed under us
-                break
-            if data == _OVERFLOW_MARKER or len(data) >= _NOTICE_BUF:
-                keys.overflowed = True  # lost notices, or one too long to be ours: poll all
+        for notice in notices.drain(listener[0], listener[1], 1 if ready else 0):
+            if notice is None:
+                keys.overflowed = True  # lost notices, or a datagram we do not understand
                 continue
-            try:
-                tag, seq, name_len = _NOTICE.unpack_from(data)
-                if (tag != _NOTICE_TAG and tag != _SMALL_NOTICE_TAG) or len(data) <= _NOTICE.size + name_len:
-                    raise ValueError("malformed notice")
-                name = data[_NOTICE.size : _NOTICE.size + name_len]
-                key = data[_NOTICE.size + name_len :].decode("utf-8", "surrogatepass")
-            except (struct.error, ValueError):
-                keys.overflowed = True  # not a notice we understand: poll everything once
-                continue
+            tag, seq, name, key = notice
             keys.append(key)
             # The newest notice of a key is its hint, so it alone says whether it is small.
             # Hints are plain dict operations (atomic under the GIL; get() pops them
             # without a lock). Re-inserted last: the newest hint is kept longest. A notice
             # naming no slot says "look it up by name".
             hints.pop(key, None)
-            if tag == _SMALL_NOTICE_TAG and name_len:
+            if tag == notices.TAG_SMALL and name:
                 small.add(key)
                 hints[key] = (name, seq, True)
             else:
                 small.discard(key)
-                if name_len:
+                if name:
                     hints[key] = (name, seq, False)
-            if first_only:
-                break
         if len(hints) > _MAX_HINTS:
             with self._map_lock:
                 while len(hints) > _MAX_HINTS:

@@ -17,9 +17,8 @@ Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailu
 Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
-also runs the idle reap pass; ``SCHED_BATCH`` by default, so waking one never preempts the
-scheduler thread that holds the GIL) and a pool of receive workers (one lane per internal
-id) whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
+also runs the idle reap pass; optionally ``SCHED_BATCH``, see ``TransferConfig.is_send_batch``)
+and a pool of receive workers (one lane per internal id) whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
 announced entries (plus a slow fallback pass over all of them). The leader polls the first
 announced *small* chunk itself (``Arrivals.small``: a codec chunk, a hidden-state step)
 before it listens again, so that chunk costs no thread hand-off at all; a large one goes
@@ -44,13 +43,9 @@ from omnirelay.transfer.keys import IdMap
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.payload_view import default_empty_payload
 from omnirelay.transfer.receiver import LoadEntry, PollOutcome, ReceiveSide
-from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook, SendSide
+from omnirelay.transfer.sender import Processor, ReleaseHook, SendSide
 
 __all__ = ["TransferAdapter"]
-
-
-def _identity_processor(request: BuildRequest) -> Any:
-    return request.output
 
 
 class TransferAdapter:
@@ -100,7 +95,7 @@ class TransferAdapter:
                 budget=self._budget,
                 box=self._box,
                 clock=clock,
-                processor=processor or _identity_processor,
+                processor=processor,
                 empty_payload=empty_payload,
                 release_hook=release_hook,
                 on_terminal_sent=self.cleanup,
@@ -217,11 +212,10 @@ class TransferAdapter:
         if ext is not None and not (self._sender is not None and self._sender.has_active_sender(ext)):
             self._ids.pop(internal_id)
 
-    def _dispatch(self, entry: LoadEntry, *, inline: bool = False) -> None:
-        """Queue a poll of ``entry`` on its request's lane (never runs it on the caller;
-        ``inline``: the arrival leader runs it before it listens again)."""
+    def _dispatch(self, entry: LoadEntry) -> None:
+        """Queue a poll of ``entry`` on its request's lane (never runs it on the caller)."""
         assert self._recv_lanes is not None
-        self._recv_lanes.submit(entry.internal_id, functools.partial(self._poll, entry), inline=inline)
+        self._recv_lanes.submit(entry.internal_id, functools.partial(self._poll, entry))
 
     def _poll(self, entry: LoadEntry) -> None:
         assert self._receiver is not None
@@ -254,13 +248,15 @@ class TransferAdapter:
             self._next_fallback = now + self.config.fallback_poll_s
         if keys or is_fallback:
             small = getattr(keys, "small", None) or ()
-            inline = True
+            mine: LoadEntry | None = None
             for entry in receiver.entries_to_poll(keys, include_all=is_fallback):
-                if inline and entry.key in small:
-                    self._dispatch(entry, inline=True)
-                    inline = False
+                if mine is None and entry.key in small:
+                    mine = entry
                 else:
                     self._dispatch(entry)
+            if mine is not None:  # after the others went to the pool: on this thread, now
+                assert self._recv_lanes is not None
+                self._recv_lanes.run_now(mine.internal_id, self._poll, mine)
 
     # ----------------------------------------------------------------- scheduler
 

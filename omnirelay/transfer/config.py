@@ -102,9 +102,13 @@ class TransferConfig:
     #: How long ``shutdown`` waits for each thread to stop.
     shutdown_join_s: float = 5.0
     #: Run the send workers under Linux's SCHED_BATCH (same CPU share, no preemption on
-    #: wakeup): ``save_async`` then hands a chunk to a worker without the worker preempting
-    #: the scheduler thread only to find the GIL held (see ``lanes.py``).
-    is_send_batch: bool = True
+    #: wakeup; see ``lanes.py``). Worth it only where the scheduler thread holds the GIL
+    #: and then blocks right after ``save_async`` on a CPU it shares with the workers
+    #: (measured, one CPU per process: enqueue -> put starts 50 -> 39 µs). Off by default:
+    #: where the scheduler thread goes on computing on that CPU (a CPU executor), a worker
+    #: that may not preempt it waits for its time slice (measured on the tiny pipeline,
+    #: 2 CPUs, 3 stages: +1.5 ms of transfer time before the first audio).
+    is_send_batch: bool = False
 
     def __post_init__(self) -> None:
         _integer("stage_id", self.stage_id, minimum=0)

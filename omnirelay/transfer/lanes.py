@@ -25,30 +25,32 @@ and runs the first itself. So a chunk's poll costs no extra thread hand-off, and
 decode never stops arrivals from being dispatched while another worker is free. A leader
 whose source returned nothing keeps the lead.
 
-A lane the source submits with ``inline=True`` (work known to be short: a small chunk's
-get) is run by the leader *without* handing the lead on, so no follower is woken for it —
-on this class of machine the woken follower's context switches and GIL hand-offs cost
+For work known to be short (a small chunk's get) the source calls :meth:`run_now`: the
+leader runs it on the spot, *without* handing the lead on, so no follower is woken for
+it — on this class of machine a woken follower's context switches and GIL hand-offs cost
 about as much as the short task itself. The leader listens again right after.
 
 Because a generation's cleanup task is submitted to the lane of its external id, it runs
 after every task of that id submitted before it and before every task submitted after it.
 
 ``batch=True`` runs the workers under Linux's ``SCHED_BATCH`` policy (same CPU share,
-no preemption on wakeup). For a pool woken by a thread of its own process that holds the
-GIL (the send pool, woken by ``save_async`` on the scheduler thread) that is what a wakeup
-should do: a woken worker that preempted the caller could only find the GIL held and
-switch back, which costs two context switches on the caller's critical path (measured:
-``submit`` 5.8 → 1.7 µs, caller → worker hand-off 15 → 4.6 µs, one CPU). The receive
-pool keeps the normal policy: its leader is woken by other processes' notices.
+no preemption on wakeup). A worker woken by a thread of its own process that holds the
+GIL and shares its CPU can only preempt it, find the GIL held and switch back: two
+context switches on the caller (measured, one CPU: ``submit`` 5.8 → 1.7 µs, caller →
+worker hand-off 15 → 4.6 µs). But a worker that may not preempt also waits out the
+caller's time slice when the caller goes on computing without the GIL (torch on the
+CPU), so it is an option (``TransferConfig.is_send_batch``), off by default.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
+from typing import Any
 
 __all__ = ["LaneExecutor"]
 
@@ -99,12 +101,9 @@ class LaneExecutor:
         self._run_queue: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
         self._lanes: dict[Hashable, deque[Task]] = {}
         self._owned: set[Hashable] = set()
-        #: The thread running the source now, the lanes it submitted meanwhile, and the
-        #: one it runs without handing the lead on.
+        #: The thread running the source now, and the lanes it submitted meanwhile.
         self._leader_ident: int | None = None
         self._held: list[Hashable] = []
-        self._inline: Hashable | None = None
-        self._has_inline = False
         self._num_running = 0
         self._is_stopped = False
         self._threads: list[threading.Thread] = []
@@ -118,12 +117,8 @@ class LaneExecutor:
             self._threads.append(t)
             t.start()
 
-    def submit(self, lane: Hashable, task: Task, *, inline: bool = False) -> bool:
-        """Queue ``task`` at the tail of ``lane``. Never blocks on I/O; False once stopped.
-
-        ``inline``: from the source only — the leader runs this lane's task itself and
-        keeps the lead meanwhile (the first such lane of a pass; later ones are queued).
-        """
+    def submit(self, lane: Hashable, task: Task) -> bool:
+        """Queue ``task`` at the tail of ``lane``. Never blocks on I/O; False once stopped."""
         with self._lock:
             if self._is_stopped:
                 return False
@@ -133,14 +128,35 @@ class LaneExecutor:
                 return True
             self._lanes[lane] = deque((task,))
             if self._leader_ident is not None and self._leader_ident == threading.get_ident():
-                # The leader runs or queues it when its source returns.
-                if inline and not self._has_inline:
-                    self._inline, self._has_inline = lane, True
-                else:
-                    self._held.append(lane)
+                self._held.append(lane)  # the leader runs or queues it when its source returns
             else:
                 self._run_queue.put(lane)
             return True
+
+    def run_now(self, lane: Hashable, fn: Callable[[Any], None], arg: Any) -> bool:
+        """For the source: run ``fn(arg)`` on the calling thread now if ``lane`` is idle,
+        keeping the lead meanwhile; queue it behind the lane's tasks otherwise. Lanes the
+        source submitted before are queued first, so a follower can take them meanwhile.
+        False once stopped."""
+        with self._lock:
+            if self._is_stopped:
+                return False
+            tasks = self._lanes.get(lane)
+            if tasks is not None:
+                tasks.append(functools.partial(fn, arg))  # keep the lane's order
+                return True
+            for held in self._held:
+                self._run_queue.put(held)
+            self._held.clear()
+            self._lanes[lane] = deque()
+            self._owned.add(lane)
+            self._num_running += 1
+        try:
+            fn(arg)
+        except Exception as exc:  # tasks report their own failures; this is the last net
+            self._on_error(exc)
+        self._release(lane)
+        return True
 
     # ----------------------------------------------------------------- workers
 
@@ -162,56 +178,41 @@ class LaneExecutor:
             if item is not _LEAD:
                 self._run_one(item)
                 continue
-            while True:  # holding the lead
-                lane, is_leading = self._lead()
-                if lane is None:
-                    break
+            lane = self._lead()
+            if lane is not None:
                 self._run_one(lane)
-                if not is_leading:
-                    break
-                with self._lock:  # ran inline: lead again, unless lanes wait for a worker
-                    if self._is_stopped or not self._run_queue.empty():
-                        self._run_queue.put(_LEAD)
-                        break
-            if self._is_stopped:
+            elif self._is_stopped:
                 return
 
-    def _lead(self) -> tuple[Hashable | None, bool]:
-        """Run the source while holding the lead; returns ``(lane to run now, still
-        leading)``. ``(None, False)``: the lead was put back in the run queue.
+    def _lead(self) -> Hashable | None:
+        """Run the source while holding the lead; returns the lane to run now, if any.
 
         The lead is handed on (queued after the other held lanes) only when this worker
-        goes off to run a task that was not submitted inline; otherwise the leader keeps it.
+        goes off to run a task; otherwise the leader keeps it and listens again.
         """
         me = threading.get_ident()
         while True:
             with self._lock:
                 if self._is_stopped:
-                    return None, False
+                    return None
                 self._leader_ident = me
             self._call(self._source)
             with self._lock:
                 self._leader_ident = None
                 held, self._held = self._held, []
-                inline, has_inline = self._inline, self._has_inline
-                self._inline, self._has_inline = None, False
                 if self._is_stopped:
-                    return None, False
-                if has_inline:
-                    for lane in held:
-                        self._run_queue.put(lane)
-                    return inline, True
+                    return None
                 if not held:
                     # Let queued lanes of other submitters go first, then lead again.
                     if not self._run_queue.empty():
                         self._run_queue.put(_LEAD)
-                        return None, False
+                        return None
                     continue
                 mine = held[0]
                 for lane in held[1:]:
                     self._run_queue.put(lane)
                 self._run_queue.put(_LEAD)
-                return mine, False
+                return mine
 
     def _run_one(self, lane: Hashable) -> None:
         with self._lock:
@@ -225,6 +226,11 @@ class LaneExecutor:
             task()
         except Exception as exc:  # tasks report their own failures; this is the last net
             self._on_error(exc)
+        self._release(lane)
+        self._call(self._after_task)
+
+    def _release(self, lane: Hashable) -> None:
+        """The owner of ``lane`` finished a task: queue the lane again or drop it."""
         with self._lock:
             self._num_running -= 1
             self._owned.discard(lane)
@@ -234,7 +240,6 @@ class LaneExecutor:
                 del self._lanes[lane]
                 if not self._lanes and self._num_idle_waiters:
                     self._is_idle.notify_all()
-        self._call(self._after_task)
 
     def _call(self, fn: Callable[[], None] | None) -> None:
         if fn is None:
@@ -269,7 +274,6 @@ class LaneExecutor:
                 for q in self._lanes.values():  # owned: the owner removes the lane when done
                     q.clear()
                 self._held.clear()
-                self._inline, self._has_inline = None, False
                 for _ in self._threads:
                     self._run_queue.put(_STOP)
             self._is_idle.notify_all()

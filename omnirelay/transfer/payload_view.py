@@ -134,6 +134,17 @@ def stamp_flags(payload: Any, *, finished: bool, segment_finished: bool) -> Any:
     payload without a meta gets one (a dict, or the struct's annotated meta type).
     Raises TypeError when no meta can be attached.
     """
+    if type(payload) is dict:  # the common shape, without the generic accessors
+        meta = payload.get("meta")
+        if meta is None:
+            payload["meta"] = {"finished": bool(finished), "is_segment_finished": bool(segment_finished)}
+            return payload
+        if type(meta) is dict:
+            if meta.get("finished") is None or not flag_value(meta.get("codec_streaming")):
+                meta["finished"] = bool(finished)
+            if meta.get("is_segment_finished") is None:
+                meta["is_segment_finished"] = bool(segment_finished)
+            return payload
     meta = field(payload, "meta")
     if meta is None:
         if type(payload) is dict or isinstance(payload, MutableMapping):

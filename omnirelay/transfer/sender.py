@@ -87,7 +87,7 @@ class SendSide:
         budget: ByteBudget,
         box: EventBox,
         clock: Callable[[], float],
-        processor: Processor,
+        processor: Processor | None,
         empty_payload: Callable[[bool, bool], Any],
         release_hook: ReleaseHook | None,
         on_terminal_sent: Callable[[str, str], None],
@@ -104,6 +104,7 @@ class SendSide:
         self._budget = budget
         self._box = box
         self._clock = clock
+        #: None: the output given to save_async is the payload (no BuildRequest is made).
         self._processor = processor
         self._empty_payload = empty_payload
         self._release_hook = release_hook
@@ -215,7 +216,7 @@ class SendSide:
         """One data task, on a send worker (SPEC §4.4)."""
         g = task.gen
         with self._lock:
-            may_run = self._is_current_locked(task) and g.may_run(is_terminal=task.is_terminal)
+            may_run = self._gens.get(task.external_id) is g and g.may_run(is_terminal=task.is_terminal)
             chunk_id = g.num_sent
             if may_run:
                 g.start()
@@ -244,22 +245,26 @@ class SendSide:
     def _send(self, task: _SendTask, chunk_id: int) -> tuple[_Failure | None, bool]:
         """Build, wait for budget, put. Returns (failure, terminal delivered)."""
         g = task.gen
-        request = BuildRequest(
-            task.internal_id,
-            task.external_id,
-            task.output,
-            task.context,
-            task.is_terminal or task.is_segment_end,
-            task.is_terminal,
-            task.is_segment_end,
-            chunk_id,
-        )
-        try:
-            payload = self._processor(request)
-        except Exception as exc:
-            return (FailureKind.SEND_FAILED, f"the processor raised {type(exc).__name__}: {exc}"), False
+        is_finished = task.is_terminal or task.is_segment_end
+        if self._processor is None:
+            payload = task.output
+        else:
+            request = BuildRequest(
+                task.internal_id,
+                task.external_id,
+                task.output,
+                task.context,
+                is_finished,
+                task.is_terminal,
+                task.is_segment_end,
+                chunk_id,
+            )
+            try:
+                payload = self._processor(request)
+            except Exception as exc:
+                return (FailureKind.SEND_FAILED, f"the processor raised {type(exc).__name__}: {exc}"), False
         if payload is None:
-            if not request.is_finished:
+            if not is_finished:
                 return None, False  # nothing to send this step
             payload = self._empty_payload(task.is_terminal, task.is_segment_end)
         try:
@@ -272,7 +277,7 @@ class SendSide:
         if waited is not None:
             return waited, False
         with self._lock:
-            if not (self._is_current_locked(task) and g.may_run(is_terminal=task.is_terminal)):
+            if not (self._gens.get(task.external_id) is g and g.may_run(is_terminal=task.is_terminal)):
                 return None, False  # cancelled while building (SPEC §4.4 step 6)
             put_id = g.before_put()
         key = make_key(task.external_id, self._stage, put_id)
