@@ -278,7 +278,8 @@ def targets_met(result: dict[str, Any]) -> bool:
 def render_adapter_latency(result: dict[str, Any]) -> str:
     env = result["env"]
     placed = (
-        f"sender pinned to CPU {env['sender_cpu']}, receiver to CPU {env['receiver_cpu']}"
+        f"(a) with the sender pinned to CPU {env['sender_cpu']} and the receiver to CPU "
+        f"{env['receiver_cpu']}, (b) unpinned"
         if env.get("sender_cpu") is not None
         else "unpinned"
     )

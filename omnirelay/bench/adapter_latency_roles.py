@@ -14,10 +14,18 @@ thread on the sender admits the next one as soon as the previous put finished; t
 processor builds each (a 64 MB copy) on a send worker; the receiver consumes each and
 re-registers at once. Build, put and get intervals of the stream are recorded so the
 report can say how many codec chunks really overlapped it.
+
+Placement: with pinning (the default) each process runs on one CPU of its own during the
+latency series (a), as in ``bench transfer``. Both processes are unpinned for the
+head-of-line series (b): a 64 MB copy and a codec chunk's send in one process need two
+CPUs between them (as a stage process with a GPU has); pinned to one, the series would
+measure how the kernel time-slices that CPU, not whether the adapter keeps the chunk
+from queueing behind the copy.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -29,7 +37,7 @@ import msgspec
 import torch
 
 from omnirelay.bench.tracing import TracingConnector
-from omnirelay.bench.transfer import pin_to
+from omnirelay.bench.transfer import pin_to, unpin_process
 from omnirelay.connectors import GetStatus, create_connector
 from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
 
@@ -155,7 +163,17 @@ def _recv(ctrl: Connection, timeout: float) -> Any:
 
 
 class _Sender:
-    def __init__(self, namespace: str, trials: list[Trial], ctrl: Connection, seed: int, wait_s: float):
+    def __init__(
+        self,
+        namespace: str,
+        trials: list[Trial],
+        ctrl: Connection,
+        seed: int,
+        wait_s: float,
+        all_cpus: set[int],
+    ):
+        self.all_cpus = all_cpus
+        self.unpinned = False
         self.trials = trials
         self.ctrl = ctrl
         self.wait_s = wait_s
@@ -207,6 +225,9 @@ class _Sender:
     def run(self) -> None:
         pacer: threading.Thread | None = None
         for seq, trial in enumerate(self.trials):
+            if trial.phase != "latency" and not self.unpinned:
+                unpin_process(self.all_cpus)  # (b) needs more than one CPU: see the module docstring
+                self.unpinned = True
             if trial.phase == "hol_with" and pacer is None:
                 pacer = threading.Thread(target=self._stream, name="hol-stream", daemon=True)
                 pacer.start()
@@ -268,6 +289,7 @@ def sender_main(
     ready: Any,
     cpu: int | None = None,
 ) -> None:
+    all_cpus = os.sched_getaffinity(0)
     pin_to(cpu)
     torch.set_num_threads(1)
     trials = msgspec.msgpack.decode(trials_bytes, type=list[Trial])
@@ -276,7 +298,7 @@ def sender_main(
     try:
         if not ready.wait(wait_s):
             raise TimeoutError("the receiver never became ready")
-        sender = _Sender(namespace, trials, ctrl, seed, wait_s)
+        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus)
         report = sender.report
         sender.run()
         sender.audit()
@@ -292,7 +314,11 @@ def sender_main(
 
 
 class _Receiver:
-    def __init__(self, namespace: str, trials: list[Trial], ctrl: Connection, wait_s: float):
+    def __init__(
+        self, namespace: str, trials: list[Trial], ctrl: Connection, wait_s: float, all_cpus: set[int]
+    ):
+        self.all_cpus = all_cpus
+        self.unpinned = False
         self.trials = trials
         self.ctrl = ctrl
         self.wait_s = wait_s
@@ -322,6 +348,9 @@ class _Receiver:
     def run(self) -> None:
         received: dict[str, int] = {}
         for seq, trial in enumerate(self.trials):
+            if trial.phase != "latency" and not self.unpinned:
+                unpin_process(self.all_cpus)
+                self.unpinned = True
             if trial.phase == "hol_with" and not self.big_open:
                 self.big_open = True
                 self.adapter.load_async("r-big", BIG_EXT)
@@ -427,13 +456,14 @@ def receiver_main(
     ready: Any,
     cpu: int | None = None,
 ) -> None:
+    all_cpus = os.sched_getaffinity(0)
     pin_to(cpu)
     torch.set_num_threads(1)
     trials = msgspec.msgpack.decode(trials_bytes, type=list[Trial])
     receiver: _Receiver | None = None
     report = RoleReport()
     try:
-        receiver = _Receiver(namespace, trials, ctrl, wait_s)
+        receiver = _Receiver(namespace, trials, ctrl, wait_s, all_cpus)
         report = receiver.report
         ready.set()  # both arrival sockets are bound
         receiver.run()

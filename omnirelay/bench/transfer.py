@@ -38,7 +38,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PAYLOADS", "BenchRow", "make_payload", "pin_cpus", "pin_to", "run_transfer_bench"]
+__all__ = [
+    "PAYLOADS",
+    "BenchRow",
+    "make_payload",
+    "pin_cpus",
+    "pin_to",
+    "run_transfer_bench",
+    "unpin_process",
+]
 
 #: name -> (description, trials for latency, objects for throughput)
 PAYLOADS: dict[str, tuple[str, int, int]] = {
@@ -156,6 +164,15 @@ _TRANSPORTS: dict[str, Callable[[str, str], Any]] = {"ours": _Ours, "baseline": 
 
 
 # ---------------------------------------------------------------------- processes
+def unpin_process(cpus: set[int]) -> None:
+    """Let every thread of this process run on ``cpus`` again (affinity is per thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (OSError, ValueError):
+            pass  # a thread that just exited, or not allowed
+
+
 def pin_to(cpu: int | None) -> None:
     """Pin this process (all its threads) to ``cpu``; None, or not allowed here: unpinned."""
     if cpu is not None:

@@ -71,10 +71,13 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(
             f"{len(dead)} objects belong to dead processes; run `omnirelay doctor --reclaim` to remove them"
         )
-    from omnirelay.connectors import atomics
+    from omnirelay.connectors import atomics, notices
 
     if atomics.available():
-        print(f"shm connector: ready (lock-free 8-byte atomics: {atomics.backend()})")
+        print(
+            f"shm connector: ready (lock-free 8-byte atomics: {atomics.backend()}; "
+            f"arrival notices: {notices.backend()})"
+        )
     else:
         print(f"shm connector: UNAVAILABLE: {atomics.unavailable_reason()}")
     if args.json:
@@ -83,5 +86,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         out["shm_connector_ready"] = atomics.available()
         out["shm_connector_problem"] = atomics.unavailable_reason()
         out["shm_atomics"] = atomics.backend()
+        out["shm_notices"] = notices.backend()
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if atomics.available() else 1
