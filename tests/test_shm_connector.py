@@ -825,3 +825,72 @@ def test_notices_round_trip_between_both_implementations(
         rx.close()
     assert notices.drain(rx, poller, use_extension=drain_ext) == []  # closed: nothing, no raise
     assert notices.send(tx, addr, notices.TAG_NORMAL, 1, b"s", b"k", use_extension=send_ext) != 0
+
+
+@pytest.mark.parametrize("use_op", [True, False], ids=["c-claim", "python-claim"])
+def test_a_claim_takes_only_its_publish_of_its_key_and_records_the_claimer(use_op: bool) -> None:
+    import mmap
+
+    from omnirelay.connectors import atomics
+    from omnirelay.connectors.atomics import Word
+
+    op = atomics.claim_op(slot.CLAIM_LAYOUT)
+    if use_op:
+        assert op is not None, "the C extension is not built (pip install -e . compiles it)"
+    mm = mmap.mmap(-1, 1 << 16)
+    key = b"R_1_0"
+    slot.write_publish_header(
+        mm, key=key, payload_len=1000, owner_pid=1, owner_start=2, created_ns=3, from_stage=1, to_stage=2
+    )
+    word = Word(mm, slot.STAMP_OFFSET)
+    claim_word = Word(mm, slot.CLAIM_SEQ_OFFSET)
+
+    def claim(seq: int, k: bytes, size: int = len(mm)) -> tuple[int, int] | None:
+        if use_op:
+            assert op is not None
+            return op(word.addr, size, seq, k, 4242, 99)
+        if not word.cas(slot.stamp(slot.PUBLISHED, seq), slot.stamp(slot.CLAIMED, seq)):
+            return None
+        span = slot.read_payload_span(mm, size, k)
+        if span is None:
+            word.store(slot.stamp(slot.PUBLISHED, seq))
+            return None
+        slot.write_claimer_record(mm, slot.claimer_record(4242, 99))
+        claim_word.store(seq)
+        return span
+
+    word.store(slot.stamp(slot.PUBLISHED, 7))
+    assert claim(6, key) is None  # an older notice never takes the slot's next object
+    assert claim(7, b"R_1_1") is None  # another key: put back untouched
+    assert claim(7, key, size=slot.payload_offset(len(key)) + 999) is None  # would not fit
+    assert word.load() == slot.stamp(slot.PUBLISHED, 7) and claim_word.load() == 0
+    assert claim(7, key) == (slot.payload_offset(len(key)), 1000)
+    assert claim(7, key) is None  # exactly once
+    hdr = slot.read_header(mm, len(mm))
+    assert not isinstance(hdr, str)
+    assert (hdr.state, hdr.seq, hdr.claimer_pid, hdr.claimer_start, hdr.claim_seq) == (
+        slot.CLAIMED,
+        7,
+        4242,
+        99,
+        7,
+    )
+    word.release()
+    claim_word.release()
+    mm.close()
+
+
+def test_the_python_claim_steps_serve_hinted_and_by_name_gets(namespace: str) -> None:
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2, use_claim_op=False)
+    assert prod.put(1, 2, "H_1_0", {"v": torch.arange(4)}).ok
+    assert list(cons.wait_arrivals(2, timeout=30)) == ["H_1_0"]  # a hint: the notice's slot
+    assert torch.equal(cons.get(1, 2, "H_1_0").obj["v"], torch.arange(4))
+    assert prod.put(1, 2, "H_1_1", {"v": 5}).ok  # its notice is never read: by name
+    assert cons.get(1, 2, "H_1_1").obj == {"v": 5}
+    assert cons.get(1, 2, "H_1_1").status is GetStatus.NOT_YET  # consumed once
+    cons.wait_arrivals(2, timeout=0)
+    prod.reap_consumed()
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()

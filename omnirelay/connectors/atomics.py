@@ -29,7 +29,7 @@ from typing import Any
 
 from omnirelay.errors import ConnectorError
 
-__all__ = ["Word", "available", "unavailable_reason"]
+__all__ = ["Word", "available", "backend", "claim_op", "unavailable_reason"]
 
 _SEQ_CST = 5  # __ATOMIC_SEQ_CST
 _ACQUIRE = 2
@@ -96,6 +96,15 @@ def unavailable_reason() -> str | None:
     return None if available() else _REASON
 
 
+def claim_op(layout: tuple[int, ...]) -> Callable[..., tuple[int, int] | None] | None:
+    """The C extension's whole-claim operation (see ``_atomic_ops.c``), if it is built and
+    was compiled for this slot ``layout``; None: claim with the Python steps."""
+    if _EXT is None or tuple(_EXT.layout()) != tuple(layout):
+        return None
+    op: Callable[..., tuple[int, int] | None] = _EXT.claim
+    return op
+
+
 def backend() -> str:
     """Which implementation is in use (for ``omnirelay doctor``)."""
     if _EXT is not None:
@@ -115,6 +124,11 @@ class Word:
     """
 
     __slots__ = ("_addr", "_cell", "_exp", "_pexp", "cas", "load", "store")
+
+    @property
+    def addr(self) -> int:
+        """The word's address (for ``claim_op``); valid while this word is alive."""
+        return self._addr
 
     def __init__(self, buf: Any, offset: int, *, use_extension: bool = True) -> None:
         if not (_EXT is not None and use_extension) and _FUNCS is None:

@@ -204,6 +204,7 @@ class ShmConnector(Connector):
         stage_id: int | None = None,
         *,
         allocator: Callable[[str, int], mmap.mmap] = default_allocator,
+        use_claim_op: bool = True,
         **options: Any,
     ) -> None:
         self._closed = True  # until constructed: __del__ must not touch half-built state
@@ -222,6 +223,9 @@ class ShmConnector(Connector):
         self._allocator = allocator
         self._owner = names.self_owner()
         self._claimer_rec = slot.claimer_record(self._owner.pid, self._owner.start)
+        self._claimer = (self._owner.pid, self._owner.start)
+        #: A reader's whole claim in one C call (None: the Python steps, e.g. no extension).
+        self._claim_op = atomics.claim_op(slot.CLAIM_LAYOUT) if use_claim_op else None
         self._instance = next(_INSTANCES)  # several connectors of one namespace in one process
         self._overflow: set[int] = set()  # stages whose notice queue overflowed; marker owed
         self._edge_need: dict[int, int] = {}  # to_stage -> payload bytes of its last put
@@ -696,14 +700,20 @@ class ShmConnector(Connector):
         """Claim publish ``seq`` of the mapped slot and consume it; None if it is not there
         (claimed by another reader, already recycled, or a notice that named the wrong slot)."""
         stamp = seq << 8  # slot.stamp(state, seq) is stamp | state
-        if not mp.word.cas(stamp | _PUBLISHED, stamp | _CLAIMED):
-            return None
-        found = slot.read_payload_span(mp.mm, mp.size, key_bytes)
-        if found is None:
-            mp.word.store(stamp | _PUBLISHED)  # not ours to take: put it back untouched
-            return None
-        off, nbytes = found
-        self._record_claim(mp.mm, mp.claim_word, seq)
+        if self._claim_op is not None:  # the same steps, in one call
+            span = self._claim_op(mp.word.addr, mp.size, seq, key_bytes, *self._claimer)
+            if span is None:
+                return None
+            off, nbytes = span
+        else:
+            if not mp.word.cas(stamp | _PUBLISHED, stamp | _CLAIMED):
+                return None
+            found = slot.read_payload_span(mp.mm, mp.size, key_bytes)
+            if found is None:
+                mp.word.store(stamp | _PUBLISHED)  # not ours to take: put it back untouched
+                return None
+            off, nbytes = found
+            self._record_claim(mp.mm, mp.claim_word, seq)
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True)

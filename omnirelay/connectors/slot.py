@@ -60,6 +60,7 @@ from typing import Any
 
 __all__ = [
     "CLAIMED",
+    "CLAIM_LAYOUT",
     "CLAIM_SEQ_OFFSET",
     "FREE",
     "HEADER_SIZE",
@@ -110,6 +111,11 @@ _LENGTHS = struct.Struct("<I4xQ")  # key_len, payload_len
 _OFF_PAYLOAD_LEN = 24
 _OFF_CLAIMER_PID = 40
 _OFF_CLAIMER_START = 48
+
+
+#: What ``atomics.claim_op`` must have been compiled for (checked before it is used).
+CLAIM_LAYOUT = (STAMP_OFFSET, _OFF_KEY_LEN, _OFF_PAYLOAD_LEN, _OFF_CLAIMER_PID, _OFF_CLAIMER_START,
+                CLAIM_SEQ_OFFSET, HEADER_SIZE, PUBLISHED, CLAIMED)  # fmt: skip
 
 
 def stamp(state: int, seq: int) -> int:
