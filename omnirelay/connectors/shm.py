@@ -61,6 +61,7 @@ from omnirelay.connectors.base import (
     validate_key,
     validate_namespace,
 )
+from omnirelay.connectors.mappings import Mapping, MappingCache
 from omnirelay.errors import ConnectorError, OmniRelayError
 from omnirelay.payload import codec
 
@@ -166,19 +167,6 @@ class _Slot:
         return self.view
 
 
-@dataclass(eq=False)
-class _Mapping:
-    mm: mmap.mmap
-    word: atomics.Word
-    claim_word: atomics.Word
-    view: memoryview
-    size: int
-    ident: tuple[int, int]
-    slot_name: bytes | None = None  # as notices name it (ASCII bytes)
-    users: int = 0
-    retired: bool = False
-
-
 @dataclass
 class _Counters:
     num_puts: int = 0
@@ -237,13 +225,12 @@ class ShmConnector(Connector):
         self._publish_seq = 0
         self._claim_seq = 0
         self._c = _Counters()
-        self._map_lock = threading.Lock()  # consumer mapping cache and notice hints
-        self._maps: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
-        self._maps_by_name: dict[bytes, _Mapping] = {}  # slot name (as notices carry it) -> mapping
+        self._maps = MappingCache(
+            self._dir, self._slot_prefix_b, self.options.map_cache_bytes, self.options.map_cache_entries
+        )
+        self._hints_lock = threading.Lock()  # serializes evictions of old hints only
         #: key -> (slot name, seq, is the slot small), oldest first: the newest notice of each key.
         self._hints: dict[str, tuple[bytes, int, bool]] = {}
-        self._map_bytes = 0
-        self._map_misses = 0
         self._send_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._send_sock.setblocking(False)
         self._listen: dict[int, tuple[socket.socket, Any]] = {}  # stage -> (socket, its poll object)
@@ -594,10 +581,10 @@ class ShmConnector(Connector):
             name, seq, is_small = hint
             # Hot path: the notice named the slot and the publish; a slot mapped before is
             # used without a system call or a lock (the reference keeps the mapping alive).
-            mp = self._maps_by_name.get(name)
+            mp = self._maps.by_name.get(name)
             pinned = mp is None or mp.retired
             if pinned:
-                mp = self._map_by_slot_name(name)  # pinned until _unmap (None: unusable hint)
+                mp = self._maps.pin_by_slot_name(name)  # pinned until unpin (None: unusable hint)
             if mp is not None:
                 try:
                     if is_small and mp.size > SMALL_OBJECT_BYTES:
@@ -608,7 +595,7 @@ class ShmConnector(Connector):
                             res = self._await_publish(mp, key, key_bytes, seq)
                 finally:
                     if pinned:
-                        self._unmap(mp)
+                        self._maps.unpin(mp)
                 if res is not None:
                     return res
             if is_small:
@@ -617,7 +604,7 @@ class ShmConnector(Connector):
                 return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes), to_stage=to_stage)
         return self._get_by_name(key, key_bytes, names.key_hash_bytes(key_bytes))
 
-    def _await_publish(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
+    def _await_publish(self, mp: Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
         """The claim of publish ``seq`` failed; if its notice came before the object was
         written (small objects are announced early), wait up to ``_PUBLISH_WAIT_NS`` for
         the publish and claim it. If it does not come, mark the slot WAITING, so its
@@ -666,9 +653,9 @@ class ShmConnector(Connector):
                 os.close(fd)
                 self._notify(to_stage, notices.TAG_NORMAL, 0, b"", key_bytes)  # "look it up by name"
                 return GetResult(GetStatus.NOT_YET)
-            mp = self._cached_map(st)
+            mp = self._maps.pin_cached(st)
             if mp is None:
-                mp = self._map(fd, st, None)
+                mp = self._maps.map(fd, st, None)
         except (OSError, ValueError, ConnectorError) as exc:
             os.close(fd)
             self._remove_name_if(path, None)
@@ -677,8 +664,7 @@ class ShmConnector(Connector):
         try:
             hdr = slot.read_header(mp.mm, mp.size)
             if isinstance(hdr, str):
-                with self._map_lock:
-                    mp.retired = True
+                self._maps.retire(mp)
                 self._remove_name_if(path, st.st_ino)
                 return self._get_failed(f"corrupt object for key {key!r}: {hdr}")
             if hdr.key != key_bytes:
@@ -694,9 +680,9 @@ class ShmConnector(Connector):
             res = self._claim(mp, key, key_bytes, hdr.seq)
             return res if res is not None else GetResult(GetStatus.NOT_YET)
         finally:
-            self._unmap(mp)
+            self._maps.unpin(mp)
 
-    def _claim(self, mp: _Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
+    def _claim(self, mp: Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
         """Claim publish ``seq`` of the mapped slot and consume it; None if it is not there
         (claimed by another reader, already recycled, or a notice that named the wrong slot)."""
         stamp = seq << 8  # slot.stamp(state, seq) is stamp | state
@@ -767,114 +753,6 @@ class ShmConnector(Connector):
             self._c.num_get_failures += 1
             self._c.last_error = reason
         return GetResult(GetStatus.FAILED, error=reason)
-
-    def _map_by_slot_name(self, name: bytes) -> _Mapping | None:
-        """A pinned mapping of the slot a notice named, or None if it cannot be used."""
-        with self._map_lock:
-            mp = self._maps_by_name.get(name)
-            if mp is not None and not mp.retired:
-                self._maps.move_to_end(mp.ident)
-                mp.users += 1
-                return mp
-        if not name.startswith(self._slot_prefix_b) or b"/" in name or b"\0" in name or not name.isascii():
-            return None  # a notice from elsewhere: ignore its hint
-        try:
-            fd = os.open(os.path.join(self._dir, name.decode("ascii")), os.O_RDWR)
-        except OSError:
-            return None  # retired since: find the object by its key's name
-        try:
-            st = os.fstat(fd)
-            mp = self._cached_map(st)
-            if mp is None:
-                mp = self._map(fd, st, name)
-            else:
-                with self._map_lock:
-                    mp.slot_name = name
-                    self._maps_by_name[name] = mp
-            return mp
-        except (OSError, ValueError, ConnectorError):
-            return None
-        finally:
-            os.close(fd)
-
-    def _cached_map(self, st: os.stat_result) -> _Mapping | None:
-        """A pinned cached mapping of the file ``st`` describes, or None. The cache holds
-        the mapping, so the inode (and its number) cannot be reused while cached."""
-        with self._map_lock:
-            mp = self._maps.get((st.st_dev, st.st_ino))
-            if mp is None or mp.size != st.st_size or mp.retired:
-                return None
-            self._maps.move_to_end((st.st_dev, st.st_ino))
-            mp.users += 1
-            return mp
-
-    def _map(self, fd: int, st: os.stat_result, name: bytes | None) -> _Mapping:
-        ident = (st.st_dev, st.st_ino)
-        size = st.st_size
-        if size < slot.HEADER_SIZE:
-            raise ValueError(f"object is {size} bytes, smaller than the {slot.HEADER_SIZE}-byte slot header")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        try:
-            word = atomics.Word(mm, slot.STAMP_OFFSET)
-            claim_word = atomics.Word(mm, slot.CLAIM_SEQ_OFFSET)
-        except BaseException:
-            mm.close()
-            raise
-        mp = _Mapping(
-            mm=mm,
-            word=word,
-            claim_word=claim_word,
-            view=memoryview(mm),
-            size=size,
-            ident=ident,
-            slot_name=name,
-            users=1,
-        )
-        with self._map_lock:
-            old = self._maps.pop(ident, None)
-            if old is not None:
-                self._drop_locked(old)
-            if self.options.map_cache_entries and size <= self.options.map_cache_bytes:
-                self._maps[ident] = mp
-                if name is not None:
-                    self._maps_by_name[name] = mp
-                self._map_bytes += size
-                self._trim_maps_locked()
-            else:
-                mp.retired = True  # not cached: dropped with its last reference
-        return mp
-
-    def _drop_locked(self, mp: _Mapping) -> None:
-        """Forget a cached mapping. It is unmapped when its last reference goes, so a thread
-        that still holds it (or its atomic word) never touches unmapped memory."""
-        self._map_bytes -= mp.size
-        mp.retired = True
-        if mp.slot_name is not None and self._maps_by_name.get(mp.slot_name) is mp:
-            del self._maps_by_name[mp.slot_name]
-
-    def _trim_maps_locked(self) -> None:
-        """Evict least recently used mappings over the budget; every 64 misses also drop
-        mappings of slots their producer retired (their memory is freed with them)."""
-        self._map_misses += 1
-        scan_retired = self._map_misses % 64 == 0
-        for ident, mp in list(self._maps.items()):
-            over = (
-                len(self._maps) > self.options.map_cache_entries
-                or self._map_bytes > self.options.map_cache_bytes
-            )
-            if not over and not scan_retired:
-                break
-            if not over and mp.word.load() & 0xFF != slot.RETIRED:
-                continue
-            del self._maps[ident]
-            self._drop_locked(mp)
-
-    def _unmap(self, mp: _Mapping) -> None:
-        with self._map_lock:
-            mp.users -= 1
-            if mp.retired and mp.users == 0 and self._maps.get(mp.ident) is mp:
-                del self._maps[mp.ident]
-                self._drop_locked(mp)
 
     # ------------------------------------------------------------------ notices
     def _bind(self, stage: int) -> socket.socket:
@@ -947,7 +825,7 @@ class ShmConnector(Connector):
                 if name:
                     hints[key] = (name, seq, False)
         if len(hints) > _MAX_HINTS:
-            with self._map_lock:
+            with self._hints_lock:
                 while len(hints) > _MAX_HINTS:
                     try:  # get() pops hints without the lock: the oldest may change under us
                         hints.pop(next(iter(hints)), None)
@@ -972,14 +850,9 @@ class ShmConnector(Connector):
             self._retire(sl, mark=not claimed)
         for sl in free:
             self._retire(sl)
-        with self._map_lock:
-            maps = list(self._maps.values())
-            self._maps.clear()
-            self._maps_by_name.clear()
+        self._maps.clear()  # each mapping goes with its last reference
+        with self._hints_lock:
             self._hints.clear()
-            self._map_bytes = 0
-        for mp in maps:
-            mp.retired = True  # unmapped with its last reference
         with self._listen_lock:
             socks = list(self._listen.values())
             self._listen.clear()
