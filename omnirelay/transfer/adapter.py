@@ -17,8 +17,9 @@ Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailu
 Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
-also runs the idle reap pass; optionally ``SCHED_BATCH``, see ``TransferConfig.is_send_batch``)
-and a pool of receive workers (one lane per internal id) whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
+also runs the idle reap pass; optionally under ``SCHED_BATCH``, see
+``TransferConfig.is_send_batch``) and a pool of receive workers (one lane per internal id)
+whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
 announced entries (plus a slow fallback pass over all of them). The leader polls the first
 announced *small* chunk itself (``Arrivals.small``: a codec chunk, a hidden-state step)
 before it listens again, so that chunk costs no thread hand-off at all; a large one goes
