@@ -306,6 +306,7 @@ def test_a_small_arrival_is_polled_by_the_thread_that_took_its_notice() -> None:
         p.recv_conn.small_keys = {"E_0_0"}
         assert p.receiver.load_async("r", "E")
         p.recv_conn.wait_found_nothing("E_0_0")  # the registration's own poll came first
+        assert p.receiver.flush(10)  # ... and its worker let go of the request's lane
         send(p, "s", "E", {"v": torch.arange(3)}, finished=True)
         chunk = collect(p.receiver, ready_for("r")).ready[0]
         assert torch.equal(chunk.payload["v"], torch.arange(3))
