@@ -69,6 +69,7 @@ def run_adapter_latency(
     seed: int = 0,
     timeout_s: float = 600.0,
     pin: bool = True,
+    send_batch: bool = False,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     if n_latency < 1 or n_hol < 1 or warmup < 0:
@@ -97,7 +98,7 @@ def run_adapter_latency(
     )
     sender = ctx.Process(
         target=sender_main,
-        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu),
+        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu, send_batch),
         name="sender",
     )
     deadline = time.monotonic() + timeout_s
@@ -146,6 +147,7 @@ def run_adapter_latency(
             "cpus": len(os.sched_getaffinity(0)),
             "sender_cpu": send_cpu,
             "receiver_cpu": recv_cpu,
+            "send_batch": send_batch,
         },
         "leftover_objects": leftover,
     }
@@ -283,9 +285,10 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         if env.get("sender_cpu") is not None
         else "unpinned"
     )
+    policy = "SCHED_BATCH send workers (is_send_batch)" if env.get("send_batch") else "default thread policy"
     head = (
         "omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, "
-        f"{env['cpus']} CPUs, {placed}"
+        f"{env['cpus']} CPUs, {placed}, {policy}"
     )
     if "latency" not in result:
         return f"{head}\nRESULT: FAILED - {result['error']}"

@@ -171,6 +171,7 @@ class _Sender:
         seed: int,
         wait_s: float,
         all_cpus: set[int],
+        send_batch: bool = False,
     ):
         self.all_cpus = all_cpus
         self.unpinned = False
@@ -184,7 +185,9 @@ class _Sender:
             create_connector("shm", namespace=namespace, stage_id=SEND_STAGE), on_put=self._on_put
         )
         self.adapter = TransferAdapter(
-            self.conn, TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE), processor=self._build
+            self.conn,
+            TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE, is_send_batch=send_batch),
+            processor=self._build,
         )
         self.big_base = torch.randn(_BIG_SHAPE, generator=torch.Generator().manual_seed(1))
         self.big_put_done = threading.Event()
@@ -288,6 +291,7 @@ def sender_main(
     out: Connection,
     ready: Any,
     cpu: int | None = None,
+    send_batch: bool = False,
 ) -> None:
     all_cpus = os.sched_getaffinity(0)
     pin_to(cpu)
@@ -298,7 +302,7 @@ def sender_main(
     try:
         if not ready.wait(wait_s):
             raise TimeoutError("the receiver never became ready")
-        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus)
+        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus, send_batch)
         report = sender.report
         sender.run()
         sender.audit()
