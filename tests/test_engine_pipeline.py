@@ -48,10 +48,11 @@ def test_stage_two_produces_audio_before_stage_zero_finishes() -> None:
     counter = GatedCountingLM(gate_at_call=4)
     with ToyPipelineRun(executors={0: counter}) as run:
         run.submit("stream", [10], max_tokens=12)
-        run.pump(lambda: bool(run.tracks["stream"].audio))  # stage 0 is held at its 4th step
         track = run.tracks["stream"]
-        assert 0 not in track.finished and counter.reached.is_set() and counter.num_calls == 3
-        assert len(track.tokens[0]) == 3
+        # Stage 0 is held at its 4th step: audio made of its first 3 tokens still comes out.
+        # (Wait for all three facts: the audio can beat stage 0 to its gate.)
+        run.pump(lambda: bool(track.audio) and counter.reached.is_set() and len(track.tokens[0]) == 3)
+        assert 0 not in track.finished and counter.num_calls == 3
         counter.gate.set()
         run.wait_done()
         assert_complete_and_correct(track, 12)

@@ -184,7 +184,10 @@ def test_control_plane_round_trip_and_cleanup() -> None:
             assert await recv_messages(front, 1, 3) == [Released(1, rid) for rid in ("a", "b", "c")]
             assert front.send(1, Abort("x"))
             assert await asyncio.to_thread(inbox.wait, 5.0)
-            assert woke.is_set() and inbox.take_all() == [Abort("x")]
+            # The receiving thread wakes the engine after it has put the batch in the inbox:
+            # wait for the wake, don't assume it already happened.
+            assert await asyncio.to_thread(woke.wait, 5.0)
+            assert inbox.take_all() == [Abort("x")]
             assert not front.send(0, Abort("y"))  # no worker connected to stage 0
         finally:
             worker.close()
