@@ -731,3 +731,59 @@ def _equal(a: Any, b: Any) -> bool:
             type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
         )
     return type(a) is type(b) and a == b
+
+
+# ---------------------------------------------------------------- DecodeHint
+def _hint_payload(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "codes": {"audio": torch.randint(0, 2048, (16, 50), generator=g)},
+        "mask": torch.rand(3, generator=g) > 0.5,
+        "scalar": torch.tensor(float(seed)),
+        "meta": {"finished": False, "left_context_size": 25},
+    }
+
+
+def test_a_decode_hint_fills_outputs_made_ahead_for_a_repeated_header() -> None:
+    from omnirelay.payload.codec import DecodeHint
+
+    hint = DecodeHint()
+    hint.prepare()  # nothing decoded yet: nothing to make
+    assert hint.prepared == 0
+    first = encode(_hint_payload(1))
+    assert _equal(decode(first, hint=hint), _hint_payload(1))
+    hint.prepare()
+    assert hint.prepared == 3  # one per tensor of the header just decoded
+    hint.prepare()  # made already: not made twice
+    assert hint.prepared == 3
+    buf = bytearray(encode(_hint_payload(2)))  # same header, other data
+    got = decode(buf, hint=hint)
+    assert hint.prepared == 0  # all three used
+    assert _equal(got, _hint_payload(2))
+    buf[-64:] = bytes(64)  # the outputs own their bytes
+    assert _equal(got, _hint_payload(2))
+    again = decode(encode(_hint_payload(3)), hint=hint)  # no prepare: fresh outputs
+    assert _equal(again, _hint_payload(3))
+    assert again["codes"]["audio"].data_ptr() != got["codes"]["audio"].data_ptr()
+
+
+def test_a_decode_hint_made_for_another_header_is_not_used() -> None:
+    from omnirelay.payload.codec import DecodeHint
+
+    hint = DecodeHint()
+    decode(encode(_hint_payload(1)), hint=hint)
+    hint.prepare()
+    other = {"codes": {"audio": torch.arange(12).reshape(3, 4)}, "meta": {"finished": True}}
+    assert _equal(decode(encode(other), hint=hint), other)  # different header: made outputs dropped
+    assert hint.prepared == 0
+    hint.prepare()
+    assert hint.prepared == 1  # now made for the header last decoded
+    views = decode(encode(other), copy=False, hint=hint)  # views wanted: made outputs stay unused
+    assert _equal(views, other)
+    assert hint.prepared == 1
+    corrupt = bytearray(encode(other))
+    corrupt[:4] = b"XXXX"
+    with pytest.raises(PayloadMagicError):
+        decode(corrupt, hint=hint)
+    assert _equal(decode(encode(other), hint=hint), other)
+    assert hint.prepared == 0

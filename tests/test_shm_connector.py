@@ -671,6 +671,69 @@ def test_a_publish_during_the_readers_wait_is_claimed_without_a_second_notice(
     h.close()
 
 
+def test_a_reader_waiting_for_the_publish_makes_its_outputs_ahead(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a reader waits for an announced object, it makes the tensors of the header
+    its slot carried last; the get copies the bytes into them. A different header next
+    leaves them unused and still decodes right."""
+    chunk = {"codes": {"audio": torch.arange(800).reshape(16, 50)}, "meta": {"finished": False}}
+    h = _held_put(namespace, monkeypatch, "E_1_0", chunk)
+    assert h.finish().ok  # the first chunk of this stream: nothing to make ahead yet
+    assert _equal_chunk(h.cons.get(1, 2, "E_1_0").obj, chunk)
+    assert h.prod.reap_consumed() == 1
+    (mp,) = [m for m in h.cons._maps.by_name.values() if m.hint._entry is not None and m.hint._entry.tensors]
+    assert mp.hint.prepared == 0
+
+    nxt = {"codes": {"audio": torch.arange(800, 1600).reshape(16, 50)}, "meta": {"finished": False}}
+    got, seen = _held_put_got_while_waiting(h, mp, monkeypatch, "E_1_1", nxt)
+    assert _equal_chunk(got, nxt)
+    assert seen == 1  # the one tensor was made while the object was being written
+    assert mp.hint.prepared == 0  # and used
+    other = {"codes": {"audio": torch.arange(10)}, "meta": {"finished": True}}
+    got, seen = _held_put_got_while_waiting(h, mp, monkeypatch, "E_1_2", other)
+    assert _equal_chunk(got, other)
+    assert seen == 1 and mp.hint.prepared == 0  # made for the old header: dropped
+    h.close()
+
+
+def _held_put_got_while_waiting(
+    h: _Held, mp: Any, monkeypatch: pytest.MonkeyPatch, key: str, obj: Any
+) -> tuple[Any, int]:
+    """Put ``obj`` held after its notice; the reader gets it, and at its first pause the
+    put is let go. The object got, and how many outputs were made ahead at that pause."""
+    h.enc.armed = True
+    h.enc.announced.clear()
+    h.enc.release.clear()
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(h.prod.put(1, 2, key, obj)))
+    thread.start()
+    assert h.enc.announced.wait(30)
+    assert list(h.cons.wait_arrivals(2, timeout=30)) == [key]
+    real_yield = os.sched_yield
+    seen: list[int] = []
+
+    def writer_finishes() -> None:
+        seen.append(mp.hint.prepared)
+        h.enc.release.set()
+        thread.join(30)
+        monkeypatch.setattr(os, "sched_yield", real_yield)
+
+    monkeypatch.setattr(os, "sched_yield", writer_finishes)
+    got = h.cons.get(1, 2, key).obj
+    assert out[0].ok and len(seen) == 1
+    assert h.prod.reap_consumed() == 1
+    return got, seen[0]
+
+
+def _equal_chunk(a: Any, b: Any) -> bool:
+    return (
+        a["meta"] == b["meta"]
+        and a["codes"]["audio"].dtype == b["codes"]["audio"].dtype
+        and torch.equal(a["codes"]["audio"], b["codes"]["audio"])
+    )
+
+
 def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

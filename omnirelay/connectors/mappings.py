@@ -18,10 +18,11 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omnirelay.connectors import atomics, slot
 from omnirelay.errors import ConnectorError
+from omnirelay.payload.codec import DecodeHint
 
 __all__ = ["Mapping", "MappingCache"]
 
@@ -37,6 +38,9 @@ class Mapping:
     slot_name: bytes | None = None  # as notices name it (ASCII bytes)
     users: int = 0
     retired: bool = False
+    #: The stream through this slot: its last header, and outputs made ahead while the
+    #: next object is written (see codec.DecodeHint).
+    hint: DecodeHint = field(default_factory=DecodeHint)
 
 
 class MappingCache:

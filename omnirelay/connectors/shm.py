@@ -624,6 +624,10 @@ class ShmConnector(Connector):
             now = time.perf_counter_ns()
             if not deadline:
                 deadline = now + _PUBLISH_WAIT_NS
+                # Idle time until the publish: make the decode's outputs now, if this
+                # slot's stream is likely to repeat its last header.
+                mp.hint.prepare()
+                now = time.perf_counter_ns()
             elif now > deadline:
                 if mp.word.cas(writing, waiting):
                     return GetResult(GetStatus.NOT_YET)  # the producer announces it again
@@ -702,7 +706,7 @@ class ShmConnector(Connector):
             self._record_claim(mp.mm, mp.claim_word, seq)
         try:
             try:
-                obj = codec.decode(mp.view[off : off + nbytes], copy=True)
+                obj = codec.decode(mp.view[off : off + nbytes], copy=True, hint=mp.hint)
             except OmniRelayError as exc:
                 return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
         finally:

@@ -9,6 +9,8 @@ Interface (the connectors are written against exactly this):
 * :func:`encode` ``(obj) -> bytes`` — plan + write into a fresh buffer.
 * :func:`decode` ``(buf, *, copy=True)`` — rebuild the object; the same struct types come back.
 * :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
+* :class:`DecodeHint` — per-stream state a connector passes to ``decode(hint=)``: outputs
+  for a repeated header are made while the next object is still being written.
 
 Wire layout (version 1, little endian)::
 
@@ -64,6 +66,7 @@ __all__ = [
     "MAGIC",
     "PREFIX_SIZE",
     "WIRE_VERSION",
+    "DecodeHint",
     "EncodePlan",
     "decode",
     "encode",
@@ -467,6 +470,8 @@ class _Entry(NamedTuple):
     tree: bytes
     template: tuple[int, Any] | None
     total: int
+    #: The template's tensors as ``(start, shape, numpy dtype)``: what a DecodeHint makes ahead.
+    tensors: tuple[tuple[int, tuple[int, ...], np.dtype[Any]], ...]
 
 
 #: Validated headers by their prefix and header bytes (the prefix holds the total length).
@@ -512,13 +517,53 @@ def peek_total_size(buf: Any) -> int:
     return _read_prefix(_byte_view(buf))[1]
 
 
-def decode(buf: Any, *, copy: bool = True) -> Any:
+class DecodeHint:
+    """What one stream's next decode will likely need, made while it is still in flight.
+
+    A connector keeps one per stream (the shm connector: per mapped slot). ``decode`` with
+    ``hint`` records the header it decoded; :meth:`prepare` then makes fresh output tensors
+    for that header (numpy's allocator, as a copying decode uses) while the next object is
+    still being written. If the next header is the same, decode copies the bytes straight
+    into them: on a CPU whose caches went cold while it waited, it skips the two most
+    expensive steps (allocating the array and wrapping it in a tensor) on the critical path.
+    A different header, or no prepare, decodes as usual; the outputs are dropped.
+
+    Each prepared output is handed to at most one decode (a dict pop, atomic under the GIL).
+    """
+
+    __slots__ = ("_entry", "_made")
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+        #: start offset -> (tensor, its bytes as a writable 1-d uint8 memoryview)
+        self._made: dict[int, tuple[torch.Tensor, memoryview]] = {}
+
+    def prepare(self) -> None:
+        """Make the outputs of the last header decoded (a no-op if there are some already)."""
+        entry = self._entry
+        if entry is None or not entry.tensors or self._made:
+            return
+        made = {}
+        for start, shape, dtype in entry.tensors:
+            a = np.empty(shape, dtype)
+            made[start] = (_from_numpy(a), a.reshape(-1).view(np.uint8).data)
+        self._made = made
+
+    @property
+    def prepared(self) -> int:
+        """How many outputs are made and waiting (for tests and counters)."""
+        return len(self._made)
+
+
+def decode(buf: Any, *, copy: bool = True, hint: DecodeHint | None = None) -> Any:
     """Rebuild the object encoded at the start of ``buf`` (extra trailing bytes are ignored).
 
     With ``copy=True`` every tensor and array owns its memory. With ``copy=False`` they are
     views on ``buf`` and the caller keeps ``buf`` alive and unchanged while they are used;
     when ``buf`` is read-only (``bytes``) numpy views are read-only and torch tensors are
-    copied (torch cannot wrap read-only memory). Raises :class:`PayloadDecodeError`.
+    copied (torch cannot wrap read-only memory). ``hint``: the stream's :class:`DecodeHint`
+    (outputs made ahead are used if the header is the one they were made for; with
+    ``copy=True`` only). Raises :class:`PayloadDecodeError`.
     """
     mv = _byte_view(buf)
     if len(mv) >= PREFIX_SIZE:
@@ -530,6 +575,13 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
             entry = _HEADER_CACHE.get(bytes(mv[: PREFIX_SIZE + header_len]))
             if entry is not None and len(mv) >= entry.total:
                 reader = _Reader(mv, entry.regions, copy)
+                if hint is not None:
+                    if hint._entry is not entry:
+                        hint._entry = entry
+                        hint._made = {}
+                    elif copy and hint._made:
+                        reader.made = hint._made
+                        hint._made = {}
                 if entry.template is not None:
                     return _instantiate(entry.template, reader)
                 return _decode_tree(entry.tree, reader)
@@ -548,7 +600,15 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
     if header_len <= _HEADER_CACHE_MAX_LEN:
         if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
             _HEADER_CACHE.clear()
-        _HEADER_CACHE[bytes(mv[:head_end])] = _Entry(regions, tree, _template_of(tree, regions), total)
+        template = _template_of(tree, regions)
+        entry = _Entry(regions, tree, template, total, _template_tensors(template))
+        _HEADER_CACHE[bytes(mv[:head_end])] = entry
+        if hint is not None:
+            hint._entry = entry
+            hint._made = {}
+    elif hint is not None:
+        hint._entry = None
+        hint._made = {}
     return obj
 
 
@@ -617,6 +677,21 @@ def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
     raise _NoTemplate
 
 
+def _template_tensors(
+    template: tuple[int, Any] | None,
+) -> tuple[tuple[int, tuple[int, ...], np.dtype[Any]], ...]:
+    """The ``_T_TENSOR`` nodes of a template, in no particular order, as ``(start, shape, dtype)``."""
+    out: list[tuple[int, tuple[int, ...], np.dtype[Any]]] = []
+    todo = [template] if template is not None else []
+    while todo:
+        kind, value = todo.pop()
+        if kind == _T_TENSOR:
+            out.append((value[2], value[0], value[1]))
+        elif kind == _T_DICT:
+            todo.extend((k, v) for _, k, v in value)
+    return tuple(out)
+
+
 def _instantiate(node: tuple[int, Any], reader: _Reader) -> Any:
     kind, value = node
     if kind == _T_DICT:
@@ -636,7 +711,12 @@ def _instantiate_dict(items: tuple[tuple[Any, int, Any], ...], reader: _Reader) 
         if kind == _T_PLAIN:
             out[key] = value
         elif kind == _T_TENSOR:
-            if reader.copy:  # a tensor owning a copy of its bytes (numpy's allocator)
+            made = reader.made.pop(value[2], None) if reader.made else None
+            if made is not None:  # made ahead by a DecodeHint: one copy, no allocation
+                start = value[2]
+                made[1][:] = reader.mv[start : start + value[3].nbytes]
+                out[key] = made[0]
+            elif reader.copy:  # a tensor owning a copy of its bytes (numpy's allocator)
                 out[key] = _from_numpy(np.ndarray(value[0], value[1], reader.mv, value[2]).copy())
             else:
                 out[key] = reader._build(value[3])
@@ -677,12 +757,13 @@ _U8: Final[np.dtype[Any]] = np.dtype(np.uint8)
 class _Reader:
     """Per-decode state: the validated region table and the ``ext_hook`` that uses it."""
 
-    __slots__ = ("copy", "mv", "regions")
+    __slots__ = ("copy", "made", "mv", "regions")
 
     def __init__(self, mv: memoryview, regions: list[_RegionInfo], copy: bool) -> None:
         self.mv = mv
         self.copy = copy
         self.regions = regions
+        self.made: dict[int, tuple[torch.Tensor, memoryview]] | None = None  # from a DecodeHint
 
     def ext_hook(self, code: int, data: memoryview) -> Any:
         if code == _EXT_REGION:
