@@ -957,3 +957,24 @@ def test_the_python_claim_steps_serve_hinted_and_by_name_gets(namespace: str) ->
     assert prod.pending_keys() == []
     prod.close()
     cons.close()
+
+
+def test_a_stream_keeps_its_slot_while_other_pooled_slots_fit(namespace: str) -> None:
+    """Repeated small puts on one edge reuse the slot the edge used last (so the reader's
+    per-slot decode hint follows the stream), even with another free slot that fits."""
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    chunk = {"codes": {"audio": torch.arange(800).reshape(16, 50)}}
+    assert prod.put(1, 2, "A_1_0", chunk).ok and prod.put(1, 2, "B_1_0", chunk).ok  # two slots
+    for key in ("A_1_0", "B_1_0"):
+        assert cons.get(1, 2, key).is_ready
+    assert prod.reap_consumed() == 2
+    used = []
+    for i in range(5):
+        assert prod.put(1, 2, f"C_1_{i}", chunk).ok
+        used.append(prod._edge_slot[2])
+        assert torch.equal(cons.get(1, 2, f"C_1_{i}").obj["codes"]["audio"], chunk["codes"]["audio"])
+        assert prod.reap_consumed() == 1
+    assert all(sl is used[0] for sl in used) and len(prod._free) == 2  # the other one stayed idle
+    prod.close()
+    cons.close()

@@ -217,6 +217,9 @@ class ShmConnector(Connector):
         self._instance = next(_INSTANCES)  # several connectors of one namespace in one process
         self._overflow: set[int] = set()  # stages whose notice queue overflowed; marker owed
         self._edge_need: dict[int, int] = {}  # to_stage -> payload bytes of its last put
+        #: to_stage -> the small slot its last put used, taken again when free: a stream
+        #: keeps its slot, so the reader's per-slot DecodeHint follows the stream.
+        self._edge_slot: dict[int, _Slot] = {}
         self._lock = threading.Lock()  # producer books: pending, free pool, counters
         self._pending: OrderedDict[str, _Slot] = OrderedDict()
         self._free: list[_Slot] = []
@@ -268,7 +271,11 @@ class ShmConnector(Connector):
                     self._c.num_put_failures += 1
                     return PutResult(ok=False, error=f"key {key!r} is already published and not yet consumed")
                 del self._pending[key]  # consumed, not reaped yet: the key is free again
-            sl = self._take_free_locked(off + guess) if early and guess is not None else None
+            sl = (
+                self._take_free_locked(off + guess, self._edge_slot.get(to_stage))
+                if early and guess
+                else None
+            )
             if sl is not None:
                 self._publish_seq += 1
                 seq = self._publish_seq
@@ -293,7 +300,7 @@ class ShmConnector(Connector):
         announced = sl is not None
         if sl is None:
             with self._lock:
-                sl = self._take_free_locked(need)
+                sl = self._take_free_locked(need, self._edge_slot.get(to_stage))
                 self._publish_seq += 1
                 seq = self._publish_seq
             if sl is None:
@@ -355,6 +362,8 @@ class ShmConnector(Connector):
             self._pending[key] = sl
             self._c.num_puts += 1
             self._c.bytes_put += plan.nbytes
+            if sl.size <= _EARLY_NOTICE_MAX:
+                self._edge_slot[to_stage] = sl
         self.reap_consumed()  # after the notice: off the consumer's critical path
         return PutResult(ok=True, nbytes=plan.nbytes, handle=f"{names.PREFIX}{self.namespace}-k-{khash}")
 
@@ -372,13 +381,17 @@ class ShmConnector(Connector):
             self._c.last_error = reason
         return PutResult(ok=False, error=reason)
 
-    def _take_free_locked(self, need: int) -> _Slot | None:
-        """The smallest pooled slot that fits ``need`` without wasting much (lock held)."""
-        best = None
-        for sl in self._free:
-            fits = need <= sl.size <= max(4 * need, need + 2 * _MiB, _MIN_SLOT)
-            if fits and (best is None or sl.size < best.size):
-                best = sl
+    def _take_free_locked(self, need: int, prefer: _Slot | None = None) -> _Slot | None:
+        """The smallest pooled slot that fits ``need`` without wasting much (lock held);
+        ``prefer`` if it is pooled and fits."""
+        most = max(4 * need, need + 2 * _MiB, _MIN_SLOT)
+        if prefer is not None and prefer.pooled and need <= prefer.size <= most:
+            best: _Slot | None = prefer
+        else:
+            best = None
+            for sl in self._free:
+                if need <= sl.size <= most and (best is None or sl.size < best.size):
+                    best = sl
         if best is not None:
             self._free.remove(best)
             best.pooled = False
@@ -846,6 +859,7 @@ class ShmConnector(Connector):
             pending = list(self._pending.values())
             self._pending.clear()
             free, self._free = self._free, []
+            self._edge_slot.clear()
         for sl in pending:
             # Names are ours to remove. A reader mid-copy keeps its mapping (and its claim).
             if sl.khash is not None:
