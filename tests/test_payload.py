@@ -787,3 +787,15 @@ def test_a_decode_hint_made_for_another_header_is_not_used() -> None:
         decode(corrupt, hint=hint)
     assert _equal(decode(encode(other), hint=hint), other)
     assert hint.prepared == 0
+
+
+def test_a_decode_hint_makes_nothing_for_large_tensors() -> None:
+    from omnirelay.payload.codec import HINT_MAX_BYTES, DecodeHint
+
+    hint = DecodeHint()
+    big = {"x": torch.zeros(HINT_MAX_BYTES // 4 + 1)}  # one float32 over the bound
+    decode(encode(big), hint=hint)
+    decode(encode(big), hint=hint)
+    hint.prepare()
+    assert hint.prepared == 0
+    assert _equal(decode(encode(big), hint=hint), big)

@@ -978,3 +978,30 @@ def test_a_stream_keeps_its_slot_while_other_pooled_slots_fit(namespace: str) ->
     assert all(sl is used[0] for sl in used) and len(prod._free) == 2  # the other one stayed idle
     prod.close()
     cons.close()
+
+
+def test_a_reader_about_to_sleep_makes_the_next_outputs_of_its_streams(namespace: str) -> None:
+    """After a get, the stream's next outputs are made when the reader's wait_arrivals
+    finds nothing and is about to sleep; the next get of the same header uses them."""
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    chunk = {"codes": {"audio": torch.arange(800).reshape(16, 50)}, "meta": {"finished": False}}
+    for i in range(2):  # the first caches the header, the second records it on the slot's hint
+        assert prod.put(1, 2, f"C_1_{i}", chunk).ok
+        assert list(cons.wait_arrivals(2, timeout=0)) == [f"C_1_{i}"]
+        assert _equal_chunk(cons.get(1, 2, f"C_1_{i}").obj, chunk)
+        assert prod.reap_consumed() == 1
+    (mp,) = [m for m in cons._maps.by_name.values() if m.hint._entry is not None]
+    assert mp.hint.prepared == 0
+    assert list(cons.wait_arrivals(2, timeout=0)) == []  # not sleeping: nothing made
+    assert mp.hint.prepared == 0
+    assert list(cons.wait_arrivals(2, timeout=0.001)) == []  # would sleep: made first
+    assert mp.hint.prepared == 1
+    nxt = {"codes": {"audio": torch.arange(800, 1600).reshape(16, 50)}, "meta": {"finished": False}}
+    assert prod.put(1, 2, "C_1_2", nxt).ok
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["C_1_2"]
+    assert _equal_chunk(cons.get(1, 2, "C_1_2").obj, nxt)
+    assert mp.hint.prepared == 0  # used
+    assert prod.reap_consumed() == 1
+    prod.close()
+    cons.close()

@@ -234,6 +234,9 @@ class ShmConnector(Connector):
         self._hints_lock = threading.Lock()  # serializes evictions of old hints only
         #: key -> (slot name, seq, is the slot small), oldest first: the newest notice of each key.
         self._hints: dict[str, tuple[bytes, int, bool]] = {}
+        #: Mappings whose stream just decoded: their next outputs are made when a
+        #: wait_arrivals is about to sleep (idle time). Plain dict operations (GIL-atomic).
+        self._reprepare: dict[Mapping, None] = {}
         self._send_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._send_sock.setblocking(False)
         self._listen: dict[int, tuple[socket.socket, Any]] = {}  # stage -> (socket, its poll object)
@@ -720,6 +723,7 @@ class ShmConnector(Connector):
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True, hint=mp.hint)
+                self._reprepare[mp] = None
             except OmniRelayError as exc:
                 return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
         finally:
@@ -806,11 +810,23 @@ class ShmConnector(Connector):
         keys = self._drain(listener)
         if keys or keys.overflowed or timeout == 0:
             return keys
+        if self._reprepare:
+            self._prepare_idle()
         try:
             ready = listener[1].poll(-1 if timeout is None else timeout * 1000.0)
         except (OSError, ValueError):
             return keys  # closed under us
         return self._drain(listener, ready=True) if ready else keys
+
+    def _prepare_idle(self, limit: int = 8) -> None:
+        """About to sleep: make the next outputs of streams that decoded since (a few)."""
+        for _ in range(limit):
+            try:
+                mp = self._reprepare.popitem()[0]
+            except KeyError:
+                return
+            if not mp.retired:
+                mp.hint.prepare()
 
     def _drain(self, listener: tuple[socket.socket, Any], *, ready: bool = False) -> Arrivals:
         """Take queued notices (no blocking): announced keys, and their hints.

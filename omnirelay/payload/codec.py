@@ -517,6 +517,10 @@ def peek_total_size(buf: Any) -> int:
     return _read_prefix(_byte_view(buf))[1]
 
 
+#: A DecodeHint makes outputs ahead only for headers whose tensors hold at most this much.
+HINT_MAX_BYTES: Final = 256 << 10
+
+
 class DecodeHint:
     """What one stream's next decode will likely need, made while it is still in flight.
 
@@ -539,7 +543,8 @@ class DecodeHint:
         self._made: dict[int, tuple[torch.Tensor, memoryview]] = {}
 
     def prepare(self) -> None:
-        """Make the outputs of the last header decoded (a no-op if there are some already)."""
+        """Make the outputs of the last header decoded (a no-op if there are some already,
+        or if its tensors exceed :data:`HINT_MAX_BYTES`: a big copy dwarfs an allocation)."""
         entry = self._entry
         if entry is None or not entry.tensors or self._made:
             return
@@ -680,16 +685,19 @@ def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
 def _template_tensors(
     template: tuple[int, Any] | None,
 ) -> tuple[tuple[int, tuple[int, ...], np.dtype[Any]], ...]:
-    """The ``_T_TENSOR`` nodes of a template, in no particular order, as ``(start, shape, dtype)``."""
+    """The ``_T_TENSOR`` nodes of a template, in no particular order, as ``(start, shape,
+    dtype)``; none if they hold more than HINT_MAX_BYTES together (DecodeHint makes these)."""
     out: list[tuple[int, tuple[int, ...], np.dtype[Any]]] = []
     todo = [template] if template is not None else []
+    nbytes = 0
     while todo:
         kind, value = todo.pop()
         if kind == _T_TENSOR:
             out.append((value[2], value[0], value[1]))
+            nbytes += value[3].nbytes
         elif kind == _T_DICT:
             todo.extend((k, v) for _, k, v in value)
-    return tuple(out)
+    return tuple(out) if nbytes <= HINT_MAX_BYTES else ()
 
 
 def _instantiate(node: tuple[int, Any], reader: _Reader) -> Any:
