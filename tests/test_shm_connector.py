@@ -663,6 +663,9 @@ def test_a_publish_during_the_readers_wait_is_claimed_without_a_second_notice(
         results.append(h.finish())
         monkeypatch.setattr(os, "sched_yield", real_yield)
 
+    from omnirelay.connectors import shm as shm_module
+
+    monkeypatch.setattr(shm_module, "_PUBLISH_WAIT_NS", 30 * 10**9)  # only the hook ends the wait
     monkeypatch.setattr(os, "sched_yield", writer_finishes)
     assert h.cons.get(1, 2, "E_1_0").obj == {"v": 1}
     assert results[0].ok
@@ -719,6 +722,9 @@ def _held_put_got_while_waiting(
         thread.join(30)
         monkeypatch.setattr(os, "sched_yield", real_yield)
 
+    from omnirelay.connectors import shm as shm_module
+
+    monkeypatch.setattr(shm_module, "_PUBLISH_WAIT_NS", 30 * 10**9)  # only the hook ends the wait
     monkeypatch.setattr(os, "sched_yield", writer_finishes)
     got = h.cons.get(1, 2, key).obj
     assert out[0].ok and len(seen) == 1

@@ -80,6 +80,8 @@ _WRITING = slot.WRITING
 _WAITING = slot.WAITING
 #: Objects up to this size (slot bytes) are announced before they are encoded.
 _EARLY_NOTICE_MAX = SMALL_OBJECT_BYTES
+#: Streams whose next decode outputs wait to be made at the reader's next idle moment.
+_MAX_REPREPARE = 16
 #: How long a reader that finds an announced object still being written waits for it
 #: before it goes back to sleep (the producer then announces the object again).
 _PUBLISH_WAIT_NS = 50_000
@@ -637,14 +639,12 @@ class ShmConnector(Connector):
                 return GetResult(GetStatus.NOT_YET)  # the producer announces it again
             if word != writing:
                 return None  # consumed, withdrawn or recycled: the key's name tells
-            now = time.perf_counter_ns()
             if not deadline:
-                deadline = now + _PUBLISH_WAIT_NS
                 # Idle time until the publish: make the decode's outputs now, if this
-                # slot's stream is likely to repeat its last header.
+                # slot's stream is likely to repeat its last header (not counted as waiting).
                 mp.hint.prepare()
-                now = time.perf_counter_ns()
-            elif now > deadline:
+                deadline = time.perf_counter_ns() + _PUBLISH_WAIT_NS
+            elif time.perf_counter_ns() > deadline:
                 if mp.word.cas(writing, waiting):
                     return GetResult(GetStatus.NOT_YET)  # the producer announces it again
             else:
@@ -723,7 +723,8 @@ class ShmConnector(Connector):
         try:
             try:
                 obj = codec.decode(mp.view[off : off + nbytes], copy=True, hint=mp.hint)
-                self._reprepare[mp] = None
+                if mp.hint.can_prepare and len(self._reprepare) < _MAX_REPREPARE:
+                    self._reprepare[mp] = None  # bounded: a reader that never waits holds few
             except OmniRelayError as exc:
                 return self._get_failed(f"corrupt payload for key {key!r}: {exc}")
         finally:

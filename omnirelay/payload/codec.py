@@ -555,6 +555,12 @@ class DecodeHint:
         self._made = made
 
     @property
+    def can_prepare(self) -> bool:
+        """Whether :meth:`prepare` would make something now."""
+        entry = self._entry
+        return entry is not None and bool(entry.tensors) and not self._made
+
+    @property
     def prepared(self) -> int:
         """How many outputs are made and waiting (for tests and counters)."""
         return len(self._made)
