@@ -176,10 +176,22 @@ def _stage_workers(pid: int) -> list[int]:
     return out
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_aborts_the_request_and_leaves_nothing(run_env: dict[str, str], tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "omnirelay.cli.main", "run", "--prompt", "Hello, who are you?"]
     cmd += ["--out", str(tmp_path / "a.wav")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env)
+    # SIGINT at its default in the child, as in a terminal: a test run started as a
+    # background job (`cmd &` in a script) inherits it ignored, and Python keeps it so.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=run_env,
+        preexec_fn=_default_sigint,  # only a signal reset: safe after fork
+    )
     try:
         assert proc.stdout is not None and proc.stderr is not None
         sel = selectors.DefaultSelector()
