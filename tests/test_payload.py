@@ -740,6 +740,10 @@ def _hint_payload(seed: int) -> dict[str, Any]:
         "codes": {"audio": torch.randint(0, 2048, (16, 50), generator=g)},
         "mask": torch.rand(3, generator=g) > 0.5,
         "scalar": torch.tensor(float(seed)),
+        "hidden": {
+            "last": torch.randn(1, 8, generator=g).to(torch.bfloat16),
+            "h0": torch.tensor(seed).bfloat16(),
+        },
         "meta": {"finished": False, "left_context_size": 25},
     }
 
@@ -753,12 +757,12 @@ def test_a_decode_hint_fills_outputs_made_ahead_for_a_repeated_header() -> None:
     first = encode(_hint_payload(1))
     assert _equal(decode(first, hint=hint), _hint_payload(1))
     hint.prepare()
-    assert hint.prepared == 3  # one per tensor of the header just decoded
+    assert hint.prepared == 5  # one per tensor of the header just decoded (bfloat16 ones too)
     hint.prepare()  # made already: not made twice
-    assert hint.prepared == 3
+    assert hint.prepared == 5
     buf = bytearray(encode(_hint_payload(2)))  # same header, other data
     got = decode(buf, hint=hint)
-    assert hint.prepared == 0  # all three used
+    assert hint.prepared == 0  # all five used
     assert _equal(got, _hint_payload(2))
     buf[-64:] = bytes(64)  # the outputs own their bytes
     assert _equal(got, _hint_payload(2))

@@ -470,8 +470,9 @@ class _Entry(NamedTuple):
     tree: bytes
     template: tuple[int, Any] | None
     total: int
-    #: The template's tensors as ``(start, shape, numpy dtype)``: what a DecodeHint makes ahead.
-    tensors: tuple[tuple[int, tuple[int, ...], np.dtype[Any]], ...]
+    #: The template's tensors as ``(start, shape, numpy dtype, torch view dtype or None)``:
+    #: what a DecodeHint makes ahead.
+    tensors: tuple[tuple[int, tuple[int, ...], np.dtype[Any], torch.dtype | None], ...]
 
 
 #: Validated headers by their prefix and header bytes (the prefix holds the total length).
@@ -549,9 +550,10 @@ class DecodeHint:
         if entry is None or not entry.tensors or self._made:
             return
         made = {}
-        for start, shape, dtype in entry.tensors:
+        for start, shape, dtype, view in entry.tensors:
             a = np.empty(shape, dtype)
-            made[start] = (_from_numpy(a), a.reshape(-1).view(np.uint8).data)
+            t = _from_numpy(a)
+            made[start] = (t if view is None else t.view(view), a.reshape(-1).view(np.uint8).data)
         self._made = made
 
     @property
@@ -690,17 +692,20 @@ def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
 
 def _template_tensors(
     template: tuple[int, Any] | None,
-) -> tuple[tuple[int, tuple[int, ...], np.dtype[Any]], ...]:
+) -> tuple[tuple[int, tuple[int, ...], np.dtype[Any], torch.dtype | None], ...]:
     """The ``_T_TENSOR`` nodes of a template, in no particular order, as ``(start, shape,
     dtype)``; none if they hold more than HINT_MAX_BYTES together (DecodeHint makes these)."""
-    out: list[tuple[int, tuple[int, ...], np.dtype[Any]]] = []
+    out: list[tuple[int, tuple[int, ...], np.dtype[Any], torch.dtype | None]] = []
     todo = [template] if template is not None else []
     nbytes = 0
     while todo:
         kind, value = todo.pop()
         if kind == _T_TENSOR:
-            out.append((value[2], value[0], value[1]))
+            out.append((value[2], value[0], value[1], None))
             nbytes += value[3].nbytes
+        elif kind == _T_REGION and value.kind == "torch" and value.nbytes:  # bfloat16, float8
+            out.append((value.start, value.shape, value.read_dtype, value.torch_view))
+            nbytes += value.nbytes
         elif kind == _T_DICT:
             todo.extend((k, v) for _, k, v in value)
     return tuple(out) if nbytes <= HINT_MAX_BYTES else ()
@@ -805,6 +810,10 @@ class _Reader:
         raise PayloadDecodeError(f"unknown msgpack extension type {code}")
 
     def _build(self, r: _RegionInfo) -> Any:
+        made = self.made.pop(r.start, None) if self.made and r.kind == "torch" else None
+        if made is not None:  # made ahead by a DecodeHint: one copy, no allocation
+            made[1][:] = self.mv[r.start : r.start + r.nbytes]
+            return made[0]
         if r.kind == "bytes":
             return bytes(self.mv[r.start : r.start + r.nbytes])
         if r.nbytes == 0:
