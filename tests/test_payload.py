@@ -803,3 +803,85 @@ def test_a_decode_hint_makes_nothing_for_large_tensors() -> None:
     hint.prepare()
     assert hint.prepared == 0
     assert _equal(decode(encode(big), hint=hint), big)
+
+
+def _random_chunk_tree(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    dtypes = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float32, torch.float16, torch.float64]
+    out: dict[str, Any] = {}
+    for i in range(rng.randint(0, 5)):
+        key = rng.choice(["audio", "meta", "h", "ids", "x", "ü/..\0", ""]) + str(i)
+        roll = rng.random()
+        if roll < 0.3:
+            shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3)))
+            t = torch.zeros(shape, dtype=rng.choice(dtypes))
+            if t.dim() == 2 and rng.random() < 0.5:
+                t = t.t()  # non-contiguous
+            out[key] = t
+        elif roll < 0.45 and depth < 3:
+            out[key] = _random_chunk_tree(rng, depth + 1)
+        else:
+            out[key] = rng.choice([None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, "s", ""])
+    return out
+
+
+def test_the_flat_planner_writes_the_planners_bytes() -> None:
+    """Chunks of dicts, plain values and tensors take the flat path; its encoding is the
+    general planner's byte for byte, and it decodes back to the object."""
+    from omnirelay.payload.codec import _plan, _plan_flat
+
+    rng = random.Random(5)
+    taken = 0
+    for _ in range(300):
+        obj = _random_chunk_tree(rng)
+        flat = _plan_flat(obj)
+        assert flat is not None  # everything in these trees is on the flat path
+        taken += 1
+        general = _plan(obj, strict=False)
+        a, b = bytearray(flat.nbytes), bytearray(general.nbytes)
+        flat.write_into(a)
+        general.write_into(b)
+        assert a == b
+        assert _equal(decode(a), obj)
+    assert taken == 300
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"x": torch.zeros(2, dtype=torch.bfloat16)},  # opaque dtype: int view needed
+        {"x": torch.zeros(2, requires_grad=True)},
+        {"x": torch.zeros(2, dtype=torch.complex64).conj()},
+        {"x": torch.nn.Parameter(torch.zeros(2))},
+        {"x": np.zeros(2)},
+        {"x": [1, 2]},
+        {"x": (1,)},
+        {1: 2},
+        {"x": 2**64},
+        {"x": b"raw"},
+        {f"k{i}": torch.zeros(1) for i in range(65)},
+    ],
+    ids=[
+        "bf16",
+        "grad",
+        "conj",
+        "parameter",
+        "numpy",
+        "list",
+        "tuple",
+        "int-key",
+        "big-int",
+        "bytes",
+        "65-regions",
+    ],
+)
+def test_the_flat_planner_leaves_everything_else_to_the_planner(obj: dict[Any, Any]) -> None:
+    from omnirelay.payload.codec import _plan_flat
+
+    assert _plan_flat(obj) is None
+    try:
+        data = encode(obj)
+    except PayloadEncodeError:
+        return  # the planner's error, as before
+    assert _equal(
+        decode(data), obj if not isinstance(obj.get("x"), torch.nn.Parameter) else {"x": torch.zeros(2)}
+    )
