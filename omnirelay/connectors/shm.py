@@ -877,6 +877,7 @@ class ShmConnector(Connector):
             self._pending.clear()
             free, self._free = self._free, []
             self._edge_slot.clear()
+            self._reprepare.clear()
         for sl in pending:
             # Names are ours to remove. A reader mid-copy keeps its mapping (and its claim).
             if sl.khash is not None:
