@@ -628,11 +628,11 @@ class DecodeHint:
     def prepare(self) -> None:
         """Make the outputs of the last header decoded (a no-op if there are some already,
         or if its tensors exceed :data:`HINT_MAX_BYTES`: a big copy dwarfs an allocation)."""
-        entry = self._entry
-        if entry is None or not entry.tensors or self._made:
+        if not self.can_prepare:
             return
+        assert self._entry is not None  # Invariant: can_prepare says so
         made = {}
-        for start, shape, dtype, view in entry.tensors:
+        for start, shape, dtype, view in self._entry.tensors:
             a = np.empty(shape, dtype)
             t = _from_numpy(a)
             made[start] = (t if view is None else t.view(view), a.reshape(-1).view(np.uint8).data)
@@ -812,14 +812,9 @@ def _instantiate_dict(items: tuple[tuple[Any, int, Any], ...], reader: _Reader) 
         if kind == _T_PLAIN:
             out[key] = value
         elif kind == _T_TENSOR:
-            made = reader.made.pop(value[2], None) if reader.made else None
-            if made is not None:  # made ahead by a DecodeHint: one copy, no allocation
-                start = value[2]
-                made[1][:] = reader.mv[start : start + value[3].nbytes]
-                out[key] = made[0]
-            elif reader.copy:  # a tensor owning a copy of its bytes (numpy's allocator)
+            if reader.copy and not reader.made:  # a tensor owning a copy of its bytes (numpy's allocator)
                 out[key] = _from_numpy(np.ndarray(value[0], value[1], reader.mv, value[2]).copy())
-            else:
+            else:  # a view, or an output a DecodeHint made ahead
                 out[key] = reader._build(value[3])
         elif kind == _T_DICT:
             out[key] = _instantiate_dict(value, reader)
