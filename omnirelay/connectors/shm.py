@@ -812,6 +812,10 @@ class ShmConnector(Connector):
         if keys or keys.overflowed or timeout == 0:
             return keys
         if self._reprepare:
+            # The GIL goes first to any thread waiting for it (a scheduler woken by the
+            # chunk just handed over): making outputs ahead is idle work, and holding the
+            # GIL for it would stand between that thread and the chunk.
+            os.sched_yield()
             self._prepare_idle()
         try:
             ready = listener[1].poll(-1 if timeout is None else timeout * 1000.0)
