@@ -155,6 +155,56 @@ def test_enospc_put_fails_and_leaves_nothing(namespace: str) -> None:
     prod.close()
 
 
+def _closing_allocator(conn: list[ShmConnector]) -> Any:
+    """An allocator that closes the connector first: ``close`` runs while the put that
+    asked for the slot is in flight (forced on one thread, no timing involved)."""
+    from omnirelay.connectors.shm import default_allocator
+
+    def allocate(path: str, size: int) -> Any:
+        conn[0].close()
+        return default_allocator(path, size)
+
+    return allocate
+
+
+def test_close_during_a_put_withdraws_its_object(namespace: str) -> None:
+    holder: list[ShmConnector] = []
+    prod = ShmConnector(namespace, 1, allocator=_closing_allocator(holder))
+    holder.append(prod)
+    cons = ShmConnector(namespace, 2)
+    res = prod.put(1, 2, "W_1_0", {"x": torch.arange(8)})
+    assert not res.ok and "closed during the put" in (res.error or "")
+    assert prod.pending_keys() == []
+    assert cons.get(1, 2, "W_1_0").status is GetStatus.NOT_YET  # never visible after the put
+    cons.close()
+    assert shm_entries(namespace) == []  # close released the rest; the put its own object
+
+
+def test_close_during_a_put_that_a_reader_already_took(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder: list[ShmConnector] = []
+    prod = ShmConnector(namespace, 1, allocator=_closing_allocator(holder))
+    holder.append(prod)
+    cons = ShmConnector(namespace, 2)
+    got: list[Any] = []
+    real_link = os.link
+
+    def link_then_read(src: str, dst: str) -> None:
+        real_link(src, dst)  # the key's name exists now: a reader takes the object by it
+        got.append(cons.get(1, 2, "R_1_0"))
+
+    monkeypatch.setattr(os, "link", link_then_read)
+    res = prod.put(1, 2, "R_1_0", {"x": torch.arange(8)})
+    monkeypatch.undo()
+    assert len(got) == 1 and got[0].status is GetStatus.READY
+    assert torch.equal(got[0].obj["x"], torch.arange(8))
+    assert res.ok  # delivered: the reader has it
+    assert prod.pending_keys() == []
+    cons.close()
+    assert shm_entries(namespace) == []
+
+
 def _dead_pid() -> int:
     p = CTX.Process(target=os.getpid)
     p.start()

@@ -364,13 +364,30 @@ class ShmConnector(Connector):
                 return self._put_failed(key, f"cannot publish {key!r}: {exc}")
         with self._lock:
             self._busy.discard(sl)
-            self._pending[key] = sl
-            self._c.num_puts += 1
-            self._c.bytes_put += plan.nbytes
-            if sl.size <= _EARLY_NOTICE_MAX:
-                self._edge_slot[to_stage] = sl
+            closed = self._closed
+            if not closed:
+                self._pending[key] = sl
+                self._c.num_puts += 1
+                self._c.bytes_put += plan.nbytes
+                if sl.size <= _EARLY_NOTICE_MAX:
+                    self._edge_slot[to_stage] = sl
+        if closed:
+            return self._end_put_after_close(sl, key, seq)
         self.reap_consumed()  # after the notice: off the consumer's critical path
         return PutResult(ok=True, nbytes=plan.nbytes, handle=f"{names.PREFIX}{self.namespace}-k-{khash}")
+
+    def _end_put_after_close(self, sl: _Slot, key: str, seq: int) -> PutResult:
+        """``close`` ran while this put was in flight. It released what its tables held,
+        and this object was in none of them, so the put releases it itself: no name and no
+        file is left. Withdrawn if no reader has claimed it (a failed put), delivered
+        otherwise (the reader keeps its mapping until it is done)."""
+        if sl.khash is not None:
+            _unlink_quiet(self._kprefix + sl.khash)
+        if sl.word.cas(slot.stamp(_PUBLISHED, seq), slot.stamp(_CLAIMED, seq)):
+            self._retire(sl)
+            return self._put_failed(key, "the connector was closed during the put; the object was withdrawn")
+        self._retire(sl, mark=False)  # a reader claimed it first: it was delivered
+        return PutResult(ok=True, nbytes=sl.payload_len)
 
     def _withdraw(self, sl: _Slot, seq: int) -> None:
         """Give back a slot taken for publish ``seq`` that will not be published: its
