@@ -70,16 +70,6 @@ def prepare_chunk(kind: str, payload: Any) -> PreparedChunk:
     """Read one received payload. Raises ValueError/TypeError on a contract violation."""
     if is_empty_payload(payload):
         raise ValueError(f"received an empty payload ({type(payload).__name__})")
-    if kind == "ar" and type(payload) is dict:  # the common shape, without the generic accessors
-        meta_dict = payload.get("meta")
-        if meta_dict is None:
-            return PreparedChunk(payload, False, False)
-        if type(meta_dict) is dict:
-            return PreparedChunk(
-                payload,
-                flag_value(meta_dict.get("finished")),
-                flag_value(meta_dict.get("is_segment_finished")),
-            )
     if kind == "ar":  # the payload is handed on as is: read its flags only, copy nothing
         if not (type(payload) is dict or _is_map_like(payload)):
             raise TypeError(f"payload part of type {type(payload).__name__} is not a mapping or a struct")
