@@ -775,8 +775,10 @@ def _node(obj: Any, regions: list[_RegionInfo]) -> tuple[int, Any]:
 def _template_tensors(
     template: tuple[int, Any] | None,
 ) -> tuple[tuple[int, tuple[int, ...], np.dtype[Any], torch.dtype | None], ...]:
-    """The ``_T_TENSOR`` nodes of a template, in no particular order, as ``(start, shape,
-    dtype)``; none if they hold more than HINT_MAX_BYTES together (DecodeHint makes these)."""
+    """The tensors of a template (``_T_TENSOR`` nodes, and torch regions read through an
+    int view: bfloat16, float8), in no particular order, as ``(start, shape, numpy dtype,
+    torch view dtype or None)``; none if they hold more than HINT_MAX_BYTES together
+    (DecodeHint makes these)."""
     out: list[tuple[int, tuple[int, ...], np.dtype[Any], torch.dtype | None]] = []
     todo = [template] if template is not None else []
     nbytes = 0
