@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from omnirelay.errors import (
     SendFailedError,
     TransferError,
 )
+from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["Admission", "ChunkInput", "EventBox", "FailureKind", "TransferEvents", "TransferFailure"]
 
@@ -116,11 +118,17 @@ class TransferEvents(msgspec.Struct, frozen=True):
 class EventBox:
     """Ready chunks and failure records waiting to be drained; wakes ``wait`` callers.
 
-    Its lock is a leaf: no other lock is taken while it is held.
+    Its lock is a leaf: no other lock is taken while it is held. Waiters park on a
+    :class:`~omnirelay.transfer.wakeup.Parker` and are woken with the GIL released, so a
+    scheduler thread woken by a receive worker runs at once rather than after the worker's
+    next GIL release (``wakeup.py``). :meth:`publish_ready` leaves the wake-up to its caller,
+    which holds the receiver lock at that point; every other method wakes before returning.
     """
 
     def __init__(self, max_external: int) -> None:
-        self._cv = threading.Condition(threading.Lock())  # a leaf lock: never re-entered
+        self._lock = threading.Lock()  # a leaf lock: never re-entered
+        self._waiters: list[Parker] = []
+        self._spare: list[Parker] = []
         self._ready: dict[str, ChunkInput] = {}
         self._failed: dict[str, list[TransferFailure]] = {}
         self._external: dict[str, list[TransferFailure]] = {}
@@ -129,27 +137,38 @@ class EventBox:
         self.num_external_dropped = 0
         self.num_by_kind: dict[str, int] = {}
 
-    def publish_ready(self, item: ChunkInput) -> None:
-        with self._cv:
+    def _take_waiters_locked(self) -> list[Parker]:
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+        return waiters
+
+    def publish_ready(self, item: ChunkInput, wake: list[Parker]) -> None:
+        """Add a committed chunk; the waiters to wake are appended to ``wake`` — the caller
+        wakes them (:func:`~omnirelay.transfer.wakeup.wake_all`) once it holds no lock."""
+        with self._lock:
             # Invariant: one undrained chunk per request (registration refuses a second one).
             assert item.internal_id not in self._ready, item.internal_id
             self._ready[item.internal_id] = item
-            self._cv.notify_all()
+            if self._waiters:
+                wake += self._take_waiters_locked()
 
     def has_ready(self, internal_id: str) -> bool:
-        with self._cv:
+        with self._lock:
             return internal_id in self._ready
 
     def record(self, failure: TransferFailure) -> None:
-        """A failure for both the scheduler (by internal id) and the orchestrator."""
-        with self._cv:
+        """A failure for both the scheduler (by internal id) and the orchestrator. Call it
+        holding no other lock (it wakes waiters)."""
+        with self._lock:
             self._failed.setdefault(failure.internal_id, []).append(failure)
             self._record_external_locked(failure)
-            self._cv.notify_all()
+            woken = self._take_waiters_locked()
+        wake_all(woken)
 
     def record_external(self, failure: TransferFailure) -> None:
         """A failure the scheduler already has (a timeout it collected): orchestrator only."""
-        with self._cv:
+        with self._lock:
             self._record_external_locked(failure)
 
     def _record_external_locked(self, failure: TransferFailure) -> None:
@@ -167,12 +186,12 @@ class EventBox:
 
     def discard_request(self, internal_id: str) -> None:
         """The scheduler no longer tracks the request: drop its undrained chunk and failures."""
-        with self._cv:
+        with self._lock:
             self._ready.pop(internal_id, None)
             self._failed.pop(internal_id, None)
 
     def drain(self) -> tuple[tuple[ChunkInput, ...], tuple[TransferFailure, ...]]:
-        with self._cv:
+        with self._lock:
             ready = tuple(self._ready.values())
             failed = tuple(f for lst in self._failed.values() for f in lst)
             self._ready.clear()
@@ -180,14 +199,16 @@ class EventBox:
             return ready, failed
 
     def take_external(self) -> dict[str, list[TransferFailure]]:
-        with self._cv:
+        with self._lock:
             out, self._external = self._external, {}
             self._external_order.clear()
             return out
 
     def notify(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+        """Wake every waiter to re-check (its ``wake_if``, an injected clock)."""
+        with self._lock:
+            woken = self._take_waiters_locked()
+        wake_all(woken)
 
     def wait(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
         """Wait until a ready chunk or a failure is there to drain, or ``wake_if()`` holds
@@ -195,13 +216,34 @@ class EventBox:
 
         ``wake_if`` runs under this box's lock: it must be cheap and take no lock.
         """
-        with self._cv:
-            if wake_if is None:
-                return self._cv.wait_for(lambda: bool(self._ready or self._failed), timeout)
-            return self._cv.wait_for(lambda: bool(self._ready or self._failed) or wake_if(), timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me: Parker | None = None
+        try:
+            while True:
+                # Invariant here: ``me`` is not parked (a waker, or the timeout below, took it off).
+                with self._lock:
+                    if self._ready or self._failed or (wake_if is not None and wake_if()):
+                        return True
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    if me is None:
+                        me = self._spare.pop() if self._spare else Parker()
+                    self._waiters.append(me)
+                if not me.wait(left):
+                    with self._lock:
+                        is_owed = me not in self._waiters  # a waker took it: its write is coming
+                        if not is_owed:
+                            self._waiters.remove(me)
+                    if is_owed:
+                        me.wait(None)
+        finally:
+            if me is not None:
+                with self._lock:
+                    self._spare.append(me)
 
     def stats(self) -> dict[str, Any]:
-        with self._cv:
+        with self._lock:
             return {
                 "num_ready": len(self._ready),
                 "num_undrained_failures": sum(len(v) for v in self._failed.values()),
@@ -211,7 +253,7 @@ class EventBox:
             }
 
     def leak_state(self) -> dict[str, Any]:
-        with self._cv:
+        with self._lock:
             out: dict[str, Any] = {}
             if self._ready:
                 out["ready"] = list(self._ready)
@@ -224,7 +266,7 @@ class EventBox:
             return out
 
     def clear(self) -> None:
-        with self._cv:
+        with self._lock:
             self._ready.clear()
             self._failed.clear()
             self._external.clear()

@@ -13,9 +13,14 @@ Invariants (under ``_lock``):
   at most one worker, which is what makes each lane serial;
 * an owner takes one task per turn and re-queues the lane at the tail (round robin).
 
-Workers block in a C-level :class:`queue.SimpleQueue` of ready lanes, so handing a task to
-an idle worker is one ``put`` (no Python-level condition variable on either side: on this
-class of machine that halves the cost of a hand-off, which is what a codec chunk pays).
+Ready lanes wait in a FIFO under the executor's one lock; idle workers park, each on its
+own :class:`~omnirelay.transfer.wakeup.Parker`, most recently parked first. Queuing work pops
+one parked worker under the lock and wakes it once the lock is released, with the GIL
+released too (``wakeup.py`` says why): the worker takes the GIL at once instead of
+preempting its waker for nothing and waiting for the waker's next GIL release. Measured on
+one CPU of this class of machine (``scripts/handoff_microbench.py``): submit → task runs
+15–31 µs with a ``queue.SimpleQueue`` → 6–10 µs. One parker per worker wakes exactly one of
+them (no thundering herd on the GIL), the most recently parked, whose cache is warm.
 
 With a ``source`` (the receive side's arrival wait), the pool works leader/follower: one
 worker at a time holds the *lead* (a token in the run queue) and runs the source, which
@@ -34,23 +39,22 @@ Because a generation's cleanup task is submitted to the lane of its external id,
 after every task of that id submitted before it and before every task submitted after it.
 
 ``batch=True`` runs the workers under Linux's ``SCHED_BATCH`` policy (same CPU share,
-no preemption on wakeup). A worker woken by a thread of its own process that holds the
-GIL and shares its CPU can only preempt it, find the GIL held and switch back: two
-context switches on the caller (measured, one CPU: ``submit`` 5.8 → 1.7 µs, caller →
-worker hand-off 15 → 4.6 µs). But a worker that may not preempt also waits out the
-caller's time slice when the caller goes on computing without the GIL (torch on the
-CPU), so it is an option (``TransferConfig.is_send_batch``), off by default.
+no preemption on wakeup). It was the answer to the futile wake-up before workers were woken
+with the GIL released; now it only makes a woken worker wait until its waker blocks or its
+time slice ends, which is slower where the waker goes on computing on that CPU (torch on
+the CPU). It stays an option (``TransferConfig.is_send_batch``), off by default.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["LaneExecutor"]
 
@@ -69,6 +73,7 @@ class _Token:
 
 _LEAD = _Token("lead")  # run the source
 _STOP = _Token("stop")  # one per worker at stop()
+_IDLE = _Token("idle")  # a parked worker's idle timeout passed
 
 
 class LaneExecutor:
@@ -98,7 +103,9 @@ class LaneExecutor:
         self._lock = threading.Lock()
         self._is_idle = threading.Condition(self._lock)
         self._num_idle_waiters = 0
-        self._run_queue: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
+        #: The run queue (lanes and tokens) and the parked workers, both under ``_lock``.
+        self._ready: deque[Hashable] = deque()
+        self._parked: list[Parker] = []
         self._lanes: dict[Hashable, deque[Task]] = {}
         self._owned: set[Hashable] = set()
         #: The thread running the source now, and the lanes it submitted meanwhile.
@@ -111,14 +118,17 @@ class LaneExecutor:
 
     def start(self) -> None:
         if self._source is not None:
-            self._run_queue.put(_LEAD)
+            self._ready.append(_LEAD)  # no worker parked yet
         for i in range(self._num_workers):
             t = threading.Thread(target=self._work, args=(i,), name=f"{self._name}-{i}", daemon=True)
             self._threads.append(t)
             t.start()
 
     def submit(self, lane: Hashable, task: Task) -> bool:
-        """Queue ``task`` at the tail of ``lane``. Never blocks on I/O; False once stopped."""
+        """Queue ``task`` at the tail of ``lane``. Never blocks on I/O; False once stopped.
+
+        Where it wakes a worker, the worker may run before this returns (on a CPU shared
+        with the caller): see the module docstring."""
         with self._lock:
             if self._is_stopped:
                 return False
@@ -129,9 +139,24 @@ class LaneExecutor:
             self._lanes[lane] = deque((task,))
             if self._leader_ident is not None and self._leader_ident == threading.get_ident():
                 self._held.append(lane)  # the leader runs or queues it when its source returns
-            else:
-                self._run_queue.put(lane)
-            return True
+                return True
+            self._ready.append(lane)
+            parker = self._parked.pop() if self._parked else None
+        if parker is not None:
+            parker.wake()
+        return True
+
+    def _queue_locked(self, items: list[Hashable]) -> list[Parker]:
+        """Append ``items`` to the run queue; returns the parked workers to wake (one per
+        item, as many as are parked) once the lock is released."""
+        self._ready.extend(items)
+        parked = self._parked
+        n = min(len(items), len(parked))
+        if not n:
+            return []
+        woken = parked[-n:]
+        del parked[-n:]
+        return woken
 
     def run_now(self, lane: Hashable, fn: Callable[[Any], None], arg: Any) -> bool:
         """For the source: run ``fn(arg)`` on the calling thread now if ``lane`` is idle,
@@ -145,12 +170,12 @@ class LaneExecutor:
             if tasks is not None:
                 tasks.append(functools.partial(fn, arg))  # keep the lane's order
                 return True
-            for held in self._held:
-                self._run_queue.put(held)
+            woken = self._queue_locked(self._held) if self._held else []
             self._held.clear()
             self._lanes[lane] = deque()
             self._owned.add(lane)
             self._num_running += 1
+        wake_all(woken)
         try:
             fn(arg)
         except Exception as exc:  # tasks report their own failures; this is the last net
@@ -165,24 +190,44 @@ class LaneExecutor:
             _set_batch_policy()
         # Only worker 0 wakes up when idle, so an idle pool costs one wakeup per interval.
         idle_timeout = self._idle_interval_s if (index == 0 and self._on_idle is not None) else None
-        get = self._run_queue.get
+        me = Parker()
+        try:
+            while True:
+                item = self._next(me, idle_timeout)
+                if item is _IDLE:
+                    if not self._is_stopped:
+                        self._call(self._on_idle)
+                    continue
+                if item is _STOP:
+                    return
+                if item is not _LEAD:
+                    self._run_one(item)
+                    continue
+                lane = self._lead()
+                if lane is not None:
+                    self._run_one(lane)
+                elif self._is_stopped:
+                    return
+        finally:
+            me.close()
+
+    def _next(self, me: Parker, timeout: float | None) -> Hashable:
+        """The next run-queue item for the worker parked on ``me``, or ``_IDLE`` after
+        ``timeout`` seconds with nothing to do."""
         while True:
-            try:
-                item = get(timeout=idle_timeout)
-            except queue.Empty:
-                if not self._is_stopped:
-                    self._call(self._on_idle)
+            with self._lock:
+                if self._ready:
+                    return self._ready.popleft()
+                self._parked.append(me)
+            if me.wait(timeout):
                 continue
-            if item is _STOP:
-                return
-            if item is not _LEAD:
-                self._run_one(item)
-                continue
-            lane = self._lead()
-            if lane is not None:
-                self._run_one(lane)
-            elif self._is_stopped:
-                return
+            with self._lock:
+                if me in self._parked:
+                    self._parked.remove(me)
+                    return _IDLE
+            # A waker popped us just as the timeout passed: take its wake-up (it is written
+            # right after the waker's lock section), or a later park would see it as a new one.
+            me.wait(None)
 
     def _lead(self) -> Hashable | None:
         """Run the source while holding the lead; returns the lane to run now, if any.
@@ -204,15 +249,14 @@ class LaneExecutor:
                     return None
                 if not held:
                     # Let queued lanes of other submitters go first, then lead again.
-                    if not self._run_queue.empty():
-                        self._run_queue.put(_LEAD)
+                    if self._ready:
+                        self._ready.append(_LEAD)  # behind them: no worker to wake for it
                         return None
                     continue
                 mine = held[0]
-                for lane in held[1:]:
-                    self._run_queue.put(lane)
-                self._run_queue.put(_LEAD)
-                return mine
+                woken = self._queue_locked([*held[1:], _LEAD])
+            wake_all(woken)
+            return mine
 
     def _run_one(self, lane: Hashable) -> None:
         with self._lock:
@@ -231,15 +275,17 @@ class LaneExecutor:
 
     def _release(self, lane: Hashable) -> None:
         """The owner of ``lane`` finished a task: queue the lane again or drop it."""
+        woken: list[Parker] = []
         with self._lock:
             self._num_running -= 1
             self._owned.discard(lane)
             if self._lanes[lane]:
-                self._run_queue.put(lane)  # round robin: back at the tail
+                woken = self._queue_locked([lane])  # round robin: back at the tail
             else:
                 del self._lanes[lane]
                 if not self._lanes and self._num_idle_waiters:
                     self._is_idle.notify_all()
+        wake_all(woken)
 
     def _call(self, fn: Callable[[], None] | None) -> None:
         if fn is None:
@@ -265,6 +311,7 @@ class LaneExecutor:
 
         Returns the names of threads still alive after the join timeout.
         """
+        woken: list[Parker] = []
         with self._lock:
             if not self._is_stopped:
                 self._is_stopped = True
@@ -274,9 +321,11 @@ class LaneExecutor:
                 for q in self._lanes.values():  # owned: the owner removes the lane when done
                     q.clear()
                 self._held.clear()
-                for _ in self._threads:
-                    self._run_queue.put(_STOP)
+                # In front of what is queued: those lanes are gone (their entries are no-ops).
+                self._ready.clear()
+                woken = self._queue_locked([_STOP] * len(self._threads))
             self._is_idle.notify_all()
+        wake_all(woken)
         me = threading.current_thread()
         for t in self._threads:
             if t is not me:
