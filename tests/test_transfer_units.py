@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -28,9 +29,10 @@ from omnirelay.transfer import (
     stamp_flags,
 )
 from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, prepare_chunk
-from omnirelay.transfer.events import EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.events import Admission, ChunkInput, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import IdMap, check_external_id
-from tests.transfer_fakes import Gate
+from omnirelay.transfer.wakeup import wake_all
+from tests.transfer_fakes import Gate, collect, make_pipeline, ready_for, wait_until
 
 # --------------------------------------------------------------------- config
 
@@ -507,6 +509,192 @@ def test_event_box_keeps_failures_for_both_sides_and_bounds_the_external_copy() 
     assert box.drain() == ((), ())
     box.take_external()
     assert box.leak_state() == {}
+
+
+# --------------------------------------------------------------------- wake-ups
+
+
+class _ScriptedParker:
+    """A :class:`~omnirelay.transfer.wakeup.Parker` the test drives: a timed wait ends on a
+    wake-up or when the test ends it (a timeout), and ``wake`` can be held at its start, so
+    each step of a park/wake race happens when the test says."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.pending = 0
+        self.num_timed_waits = 0
+        self.num_untimed_waits = 0
+        self._end_timed = 0
+        self.wake_gate: Gate | None = None
+        self.is_closed = False
+
+    def wake(self) -> None:
+        if self.wake_gate is not None:
+            self.wake_gate.enter()
+        with self._cv:
+            self.pending += 1
+            self._cv.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cv:
+            if timeout is None:
+                self.num_untimed_waits += 1
+                self._cv.notify_all()
+                assert self._cv.wait_for(lambda: self.pending > 0, 10), "never woken"
+                self.pending -= 1
+                return True
+            self.num_timed_waits += 1
+            n = self.num_timed_waits
+            self._cv.notify_all()
+            assert self._cv.wait_for(lambda: self._end_timed >= n or self.pending > 0, 10), "never ended"
+            if self.pending:
+                self.pending -= 1
+                return True
+            return False
+
+    def end_timed_wait(self) -> None:
+        with self._cv:
+            self._end_timed += 1
+            self._cv.notify_all()
+
+    def wait_for(self, what: Callable[[_ScriptedParker], bool]) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: what(self), 10), "the parker never got there"
+
+    def close(self) -> None:
+        self.is_closed = True
+
+
+def _chunk(iid: str) -> ChunkInput:
+    return ChunkInput(
+        internal_id=iid, external_id=iid, chunk_id=0, is_finished=False, is_segment_finished=False
+    )
+
+
+def test_event_box_waiter_whose_timeout_races_a_waker_takes_the_wake_up_and_returns_the_chunk() -> None:
+    made: list[_ScriptedParker] = []
+    box = EventBox(10, parker=lambda: made.append(_ScriptedParker()) or made[-1])
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(box.wait(30)))
+    t.start()
+    wait_until(lambda: bool(made), "the waiter parked")
+    p = made[0]
+    p.wait_for(lambda q: q.num_timed_waits == 1)
+    wake: list[Any] = []
+    box.publish_ready(_chunk("a"), wake)  # pops the waiter; the caller wakes it later
+    assert wake == [p]
+    p.end_timed_wait()  # its timeout passes before the wake-up is written
+    p.wait_for(lambda q: q.num_untimed_waits == 1)  # it waits for the wake-up it is owed
+    assert t.is_alive() and result == []
+    wake_all(wake)
+    t.join(10)
+    assert result == [True] and p.pending == 0  # nothing left for the next park to misread
+    ready, _ = box.drain()
+    assert [c.internal_id for c in ready] == ["a"]
+    assert box.leak_state() == {} and box._waiters == [] and box._spare == [p]
+
+
+def test_event_box_notify_rechecks_wake_if_and_parks_again_when_it_does_not_hold() -> None:
+    made: list[_ScriptedParker] = []
+    box = EventBox(10, parker=lambda: made.append(_ScriptedParker()) or made[-1])
+    flag = threading.Event()
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(box.wait(None, wake_if=flag.is_set)))
+    t.start()
+    wait_until(lambda: bool(made), "the waiter parked")
+    p = made[0]
+    p.wait_for(lambda q: q.num_untimed_waits == 1)
+    box.notify()  # wake_if does not hold yet: the waiter parks again
+    p.wait_for(lambda q: q.num_untimed_waits == 2 and q.pending == 0)
+    assert t.is_alive() and result == []
+    flag.set()
+    box.notify()
+    t.join(10)
+    assert result == [True] and box._waiters == [] and len(made) == 1
+
+
+def test_event_box_wait_times_out_and_returns_at_once_when_something_is_there() -> None:
+    box = EventBox(10)
+    assert box.wait(0) is False and box.wait(0.005) is False
+    box.record(TransferFailure("i", "E", FailureKind.SEND_FAILED, "r", 0))
+    assert box.wait(None) is True and box.wait(0) is True
+    box.drain()
+    box.take_external()
+    assert box.leak_state() == {} and box._waiters == []
+
+
+def test_an_idle_worker_whose_timeout_races_a_submit_runs_the_task_and_not_the_idle_hook() -> None:
+    made: list[_ScriptedParker] = []
+    idles: list[int] = []
+    lanes = LaneExecutor(
+        "t",
+        1,
+        on_error=lambda e: None,
+        on_idle=lambda: idles.append(1),
+        idle_interval_s=30.0,
+        parker=lambda: made.append(_ScriptedParker()) or made[-1],
+    )
+    lanes.start()
+    wait_until(lambda: bool(made), "the worker parked")
+    p = made[0]
+    p.wait_for(lambda q: q.num_timed_waits == 1)
+    p.wake_gate = Gate("wake")
+    ran = threading.Event()
+    submitter = threading.Thread(target=lanes.submit, args=("A", ran.set))
+    submitter.start()
+    p.wake_gate.wait_started()  # the submit popped the worker and is about to wake it
+    p.end_timed_wait()  # the worker's idle timeout passes first
+    p.wait_for(lambda q: q.num_untimed_waits == 1)  # it waits for the wake-up it is owed
+    assert not ran.is_set() and idles == []
+    p.wake_gate.release()
+    submitter.join(10)
+    assert ran.wait(10) and lanes.wait_idle(10)
+    p.wake_gate = None
+    p.wait_for(lambda q: q.num_timed_waits == 2)  # parked again, idle timer running
+    p.end_timed_wait()  # a real idle timeout now: the idle hook runs
+    wait_until(lambda: idles == [1], "the idle hook ran")
+    assert lanes.stop(5) == [] and p.is_closed and p.pending == 0
+    assert lanes.lanes() == [] and lanes.stats()["num_running"] == 0
+
+
+def test_workers_are_woken_most_recently_parked_first_and_one_per_task() -> None:
+    made: list[_ScriptedParker] = []
+    lanes = LaneExecutor(
+        "t", 3, on_error=lambda e: None, parker=lambda: made.append(_ScriptedParker()) or made[-1]
+    )
+    lanes.start()
+    wait_until(lambda: len(made) == 3 and len(lanes._parked) == 3, "all workers parked")
+    last = lanes._parked[-1]
+    ran = threading.Event()
+    lanes.submit("A", ran.set)
+    assert ran.wait(10) and lanes.wait_idle(10)
+    assert [q.pending for q in made] == [0, 0, 0]
+    assert sum(q.num_untimed_waits for q in made) == 4  # 3 parks + the woken one parked again
+    assert last.num_untimed_waits == 2  # the most recently parked worker took the task
+    assert lanes.stop(5) == [] and all(q.is_closed for q in made)
+
+
+def test_adapters_leave_no_file_descriptors_behind() -> None:
+    import gc
+
+    def num_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def lifecycle() -> None:
+        with make_pipeline() as pl:
+            assert pl.sender.save_async("i", "e", {"x": 1}, is_finished=True) is Admission.ENQUEUED
+            assert pl.receiver.load_async("r", "e")
+            collect(pl.receiver, ready_for("r"))
+            pl.receiver.finish_requests(["r"])
+            pl.audit()
+
+    lifecycle()  # warm-up: imports, lazily made descriptors
+    gc.collect()
+    before = num_fds()
+    for _ in range(10):
+        lifecycle()
+    gc.collect()
+    assert num_fds() <= before
 
 
 # --------------------------------------------------------------------- public surface

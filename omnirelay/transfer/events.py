@@ -125,8 +125,9 @@ class EventBox:
     which holds the receiver lock at that point; every other method wakes before returning.
     """
 
-    def __init__(self, max_external: int) -> None:
+    def __init__(self, max_external: int, *, parker: Callable[[], Parker] = Parker) -> None:
         self._lock = threading.Lock()  # a leaf lock: never re-entered
+        self._new_parker = parker  # injectable: tests force the park/wake interleavings
         self._waiters: list[Parker] = []
         self._spare: list[Parker] = []
         self._ready: dict[str, ChunkInput] = {}
@@ -228,7 +229,7 @@ class EventBox:
                     if left is not None and left <= 0:
                         return False
                     if me is None:
-                        me = self._spare.pop() if self._spare else Parker()
+                        me = self._spare.pop() if self._spare else self._new_parker()
                     self._waiters.append(me)
                 if not me.wait(left):
                     with self._lock:

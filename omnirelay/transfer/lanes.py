@@ -90,9 +90,11 @@ class LaneExecutor:
         idle_interval_s: float = 0.1,
         source: Callable[[], None] | None = None,
         batch: bool = False,
+        parker: Callable[[], Parker] = Parker,
     ) -> None:
         assert num_workers >= 1
         self._is_batch = batch
+        self._new_parker = parker  # injectable: tests force the park/wake interleavings
         self._name = name
         self._num_workers = num_workers
         self._on_error = on_error
@@ -190,7 +192,7 @@ class LaneExecutor:
             _set_batch_policy()
         # Only worker 0 wakes up when idle, so an idle pool costs one wakeup per interval.
         idle_timeout = self._idle_interval_s if (index == 0 and self._on_idle is not None) else None
-        me = Parker()
+        me = self._new_parker()
         try:
             while True:
                 item = self._next(me, idle_timeout)
