@@ -29,9 +29,8 @@ from omnirelay.transfer import (
     stamp_flags,
 )
 from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, prepare_chunk
-from omnirelay.transfer.events import Admission, ChunkInput, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import IdMap, check_external_id
-from omnirelay.transfer.wakeup import wake_all
 from tests.transfer_fakes import Gate, collect, make_pipeline, ready_for, wait_until
 
 # --------------------------------------------------------------------- config
@@ -563,64 +562,6 @@ class _ScriptedParker:
 
     def close(self) -> None:
         self.is_closed = True
-
-
-def _chunk(iid: str) -> ChunkInput:
-    return ChunkInput(
-        internal_id=iid, external_id=iid, chunk_id=0, is_finished=False, is_segment_finished=False
-    )
-
-
-def test_event_box_waiter_whose_timeout_races_a_waker_takes_the_wake_up_and_returns_the_chunk() -> None:
-    made: list[_ScriptedParker] = []
-    box = EventBox(10, parker=lambda: made.append(_ScriptedParker()) or made[-1])
-    result: list[bool] = []
-    t = threading.Thread(target=lambda: result.append(box.wait(30)))
-    t.start()
-    wait_until(lambda: bool(made), "the waiter parked")
-    p = made[0]
-    p.wait_for(lambda q: q.num_timed_waits == 1)
-    wake: list[Any] = []
-    box.publish_ready(_chunk("a"), wake)  # pops the waiter; the caller wakes it later
-    assert wake == [p]
-    p.end_timed_wait()  # its timeout passes before the wake-up is written
-    p.wait_for(lambda q: q.num_untimed_waits == 1)  # it waits for the wake-up it is owed
-    assert t.is_alive() and result == []
-    wake_all(wake)
-    t.join(10)
-    assert result == [True] and p.pending == 0  # nothing left for the next park to misread
-    ready, _ = box.drain()
-    assert [c.internal_id for c in ready] == ["a"]
-    assert box.leak_state() == {} and box._waiters == [] and box._spare == [p]
-
-
-def test_event_box_notify_rechecks_wake_if_and_parks_again_when_it_does_not_hold() -> None:
-    made: list[_ScriptedParker] = []
-    box = EventBox(10, parker=lambda: made.append(_ScriptedParker()) or made[-1])
-    flag = threading.Event()
-    result: list[bool] = []
-    t = threading.Thread(target=lambda: result.append(box.wait(None, wake_if=flag.is_set)))
-    t.start()
-    wait_until(lambda: bool(made), "the waiter parked")
-    p = made[0]
-    p.wait_for(lambda q: q.num_untimed_waits == 1)
-    box.notify()  # wake_if does not hold yet: the waiter parks again
-    p.wait_for(lambda q: q.num_untimed_waits == 2 and q.pending == 0)
-    assert t.is_alive() and result == []
-    flag.set()
-    box.notify()
-    t.join(10)
-    assert result == [True] and box._waiters == [] and len(made) == 1
-
-
-def test_event_box_wait_times_out_and_returns_at_once_when_something_is_there() -> None:
-    box = EventBox(10)
-    assert box.wait(0) is False and box.wait(0.005) is False
-    box.record(TransferFailure("i", "E", FailureKind.SEND_FAILED, "r", 0))
-    assert box.wait(None) is True and box.wait(0) is True
-    box.drain()
-    box.take_external()
-    assert box.leak_state() == {} and box._waiters == []
 
 
 def test_an_idle_worker_whose_timeout_races_a_submit_runs_the_task_and_not_the_idle_hook() -> None:

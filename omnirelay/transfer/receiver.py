@@ -28,7 +28,6 @@ from omnirelay.transfer.commit import PreparedChunk, is_empty_nonterminal, merge
 from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.events import ChunkInput, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import check_external_id, make_key
-from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["LoadEntry", "PollOutcome", "ReceiveSide"]
 
@@ -182,7 +181,6 @@ class ReceiveSide:
                 reason = f"chunk {key!r} violates the payload contract: {exc}"
         else:
             reason = f"chunk {key!r} could not be received: {result.error or 'no reason given'}"
-        wake: list[Parker] = []
         with self._lock:
             if self._entries.get(entry.internal_id) is not entry:
                 # Cleanup is a commit barrier: the consumed data is dropped, no state recreated.
@@ -192,17 +190,13 @@ class ReceiveSide:
                 self._unregister_locked(entry)
                 self._counts["num_failed"] += 1
             else:
-                outcome = self._commit_locked(entry, prepared, wake)
-        if prepared is not None:
-            wake_all(wake)  # the scheduler thread, woken holding no lock of ours
-            return outcome
+                return self._commit_locked(entry, prepared)
         assert reason is not None
         self._record(entry.internal_id, entry.external_id, FailureKind.RECEIVE_FAILED, reason)
         return PollOutcome.DONE
 
-    def _commit_locked(self, entry: LoadEntry, chunk: PreparedChunk, wake: list[Parker]) -> PollOutcome:
-        """SPEC §4.8, under the lock, after the identity check. Waiters of the event box to
-        wake once the lock is released are appended to ``wake``."""
+    def _commit_locked(self, entry: LoadEntry, chunk: PreparedChunk) -> PollOutcome:
+        """SPEC §4.8, under the lock, after the identity check."""
         iid = entry.internal_id
         self._num_received[iid] = entry.chunk_id + 1  # consumed from the transport either way
         if chunk.is_finished:
@@ -239,8 +233,7 @@ class ReceiveSide:
                 additional_information=info,
                 committed_time=self._clock(),
                 is_waited=entry.is_waited,
-            ),
-            wake,
+            )
         )
         return PollOutcome.DONE
 
