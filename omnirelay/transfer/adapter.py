@@ -249,6 +249,13 @@ class TransferAdapter:
             self._next_fallback = now + self.config.fallback_poll_s
         if keys or is_fallback:
             small = getattr(keys, "small", None) or ()
+            if not is_fallback and len(keys) == 1 and keys[0] in small:
+                # The common arrival (one codec chunk or hidden-state step): no lists.
+                entry = receiver.take_announced(keys[0])
+                if entry is not None:
+                    assert self._recv_lanes is not None
+                    self._recv_lanes.run_now(entry.internal_id, self._poll, entry)
+                return
             mine: LoadEntry | None = None
             for entry in receiver.entries_to_poll(keys, include_all=is_fallback):
                 if mine is None and entry.key in small:

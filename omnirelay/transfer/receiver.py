@@ -143,6 +143,16 @@ class ReceiveSide:
                     out.append(e)
             return out
 
+    def take_announced(self, key: str) -> LoadEntry | None:
+        """``entries_to_poll([key], include_all=False)`` for one key, without the lists:
+        the arrival leader's path to a single small chunk."""
+        with self._lock:
+            e = self._by_key.get(key)
+            if e is None or e.is_queued:
+                return None
+            e.is_queued = True
+            return e
+
     def is_registered(self, internal_id: str) -> bool:
         with self._lock:
             return internal_id in self._entries
