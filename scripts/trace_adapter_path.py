@@ -58,7 +58,7 @@ def _instrument(role: str) -> None:
     if role == "sender":
         _around(adapter.TransferAdapter, "save_async", "save_async")
         _around(lanes.LaneExecutor, "submit", "lane_submit")
-        _around(lanes.LaneExecutor, "_run_one", "worker_task")
+        _around(lanes.LaneExecutor, "_run_task", "worker_task")
         _around(sender.SendSide, "_send", "send_task")
         _around(shm.ShmConnector, "put", "put", lambda a: a[0].stage_id == roles.SEND_STAGE)
         _around(shm.ShmConnector, "put", "raw_put", lambda a: a[0].stage_id == roles.RAW_SEND)

@@ -316,6 +316,26 @@ def test_a_small_arrival_is_polled_by_the_thread_that_took_its_notice() -> None:
         p.audit()
 
 
+def test_take_announced_hands_out_a_waiting_entry_once_and_never_a_queued_one() -> None:
+    """The leader's single-arrival path dedupes notices exactly as entries_to_poll does."""
+    with make_pipeline() as p:
+        side = p.receiver._receiver
+        assert side is not None
+        assert p.receiver.load_async("r", "E")
+        p.recv_conn.wait_found_nothing("E_0_0")
+        assert p.receiver.flush(10)  # the registration's poll ended: the entry waits
+        assert side.take_announced("E_0_1") is None  # not the key it waits for
+        entry = side.take_announced("E_0_0")
+        assert entry is not None and entry.is_queued
+        assert side.take_announced("E_0_0") is None  # a duplicate notice: already queued
+        assert side.entries_to_poll(["E_0_0"], include_all=False) == []
+        assert p.receiver._poll(entry) is None  # the poll the leader would run: not there yet
+        assert not entry.is_queued
+        p.receiver.finish_requests(["r"])
+        assert side.take_announced("E_0_0") is None  # cleaned: nothing to hand out
+        p.audit()
+
+
 def test_one_requests_slow_get_does_not_delay_another_requests_chunk() -> None:
     with make_pipeline(receiver_kw={"num_recv_workers": 2}) as p:
         gate = Gate("big decode of A")

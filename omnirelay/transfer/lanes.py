@@ -195,17 +195,17 @@ class LaneExecutor:
         me = self._new_parker()
         try:
             while True:
-                item = self._next(me, idle_timeout)
+                item, task = self._next(me, idle_timeout)
+                if task is not None:
+                    self._run_task(item, task)
+                    continue
                 if item is _IDLE:
                     if not self._is_stopped:
                         self._call(self._on_idle)
                     continue
                 if item is _STOP:
                     return
-                if item is not _LEAD:
-                    self._run_one(item)
-                    continue
-                lane = self._lead()
+                lane = self._lead()  # item is _LEAD
                 if lane is not None:
                     self._run_one(lane)
                 elif self._is_stopped:
@@ -213,20 +213,27 @@ class LaneExecutor:
         finally:
             me.close()
 
-    def _next(self, me: Parker, timeout: float | None) -> Hashable:
-        """The next run-queue item for the worker parked on ``me``, or ``_IDLE`` after
-        ``timeout`` seconds with nothing to do."""
+    def _next(self, me: Parker, timeout: float | None) -> tuple[Hashable, Task | None]:
+        """The next run-queue item for the worker parked on ``me``: a lane with its next
+        task, already claimed (one lock section from wake-up to task), a token with None,
+        or ``_IDLE`` after ``timeout`` seconds with nothing to do."""
         while True:
             with self._lock:
-                if self._ready:
-                    return self._ready.popleft()
+                while self._ready:
+                    item = self._ready.popleft()
+                    if isinstance(item, _Token):
+                        return item, None
+                    task = self._claim_locked(item)
+                    if task is not None:
+                        return item, task
+                    # else: dropped by stop(); look at the next item
                 self._parked.append(me)
             if me.wait(timeout):
                 continue
             with self._lock:
                 if me in self._parked:
                     self._parked.remove(me)
-                    return _IDLE
+                    return _IDLE, None
             # A waker popped us just as the timeout passed: take its wake-up (it is written
             # right after the waker's lock section), or a later park would see it as a new one.
             me.wait(None)
@@ -260,14 +267,23 @@ class LaneExecutor:
             wake_all(woken)
             return mine
 
+    def _claim_locked(self, lane: Hashable) -> Task | None:
+        """Take ``lane``'s next task and own the lane; None if stop() dropped its tasks."""
+        tasks = self._lanes.get(lane)
+        if not tasks:
+            return None
+        task = tasks.popleft()
+        self._owned.add(lane)
+        self._num_running += 1
+        return task
+
     def _run_one(self, lane: Hashable) -> None:
         with self._lock:
-            tasks = self._lanes.get(lane)
-            if tasks is None or not tasks:  # dropped by stop()
-                return
-            task = tasks.popleft()
-            self._owned.add(lane)
-            self._num_running += 1
+            task = self._claim_locked(lane)
+        if task is not None:
+            self._run_task(lane, task)
+
+    def _run_task(self, lane: Hashable, task: Task) -> None:
         try:
             task()
         except Exception as exc:  # tasks report their own failures; this is the last net
