@@ -104,7 +104,9 @@ class TransferConfig:
     #: Run the send workers under Linux's SCHED_BATCH (same CPU share, no preemption on
     #: wakeup; see ``lanes.py``). Worth it only where the scheduler thread holds the GIL
     #: and then blocks right after ``save_async`` on a CPU it shares with the workers
-    #: (measured, one CPU per process: enqueue -> put starts 50 -> 39 µs). Off by default:
+    #: (measured, one CPU per process, with the eventfd hand-off: bench adapter overhead
+    #: 77 -> 68 µs at the median of 5 paired runs; before it, enqueue -> put starts
+    #: 50 -> 39 µs). Off by default:
     #: where the scheduler thread goes on computing on that CPU (a CPU executor), a worker
     #: that may not preempt it waits for its time slice (measured on the tiny pipeline,
     #: 2 CPUs, 3 stages: +1.5 ms of transfer time before the first audio).
