@@ -62,7 +62,7 @@ def _instrument(role: str) -> None:
         _around(sender.SendSide, "_send", "send_task")
         _around(shm.ShmConnector, "put", "put", lambda a: a[0].stage_id == roles.SEND_STAGE)
         _around(shm.ShmConnector, "put", "raw_put", lambda a: a[0].stage_id == roles.RAW_SEND)
-        _around(shm.notices, "send", "notice_send")
+        _around(shm.ShmConnector, "_notify", "notice_send")
         _around(shm.codec, "plan_encode", "plan_encode")
         _around(shm.slot, "write_publish_header", "write_header")
     else:
@@ -71,6 +71,7 @@ def _instrument(role: str) -> None:
         _around(shm.ShmConnector, "get", "raw_get", lambda a: a[0].stage_id == roles.RAW_RECV)
         _around(shm.ShmConnector, "_claim", "claim_decode")
         _around(receiver.ReceiveSide, "entries_to_poll", "entries_to_poll")
+        _around(receiver.ReceiveSide, "take_announced", "take_announced")
         _around(receiver.ReceiveSide, "poll", "poll")
         _around(receiver, "prepare_chunk", "prepare_chunk")
         _around(receiver.ReceiveSide, "_commit_locked", "commit")

@@ -19,7 +19,7 @@ one parked worker under the lock and wakes it once the lock is released, with th
 released too (``wakeup.py`` says why): the worker takes the GIL at once instead of
 preempting its waker for nothing and waiting for the waker's next GIL release. Measured on
 one CPU of this class of machine (``scripts/handoff_microbench.py``): submit → task runs
-15–31 µs with a ``queue.SimpleQueue`` → 6–10 µs. One parker per worker wakes exactly one of
+15–26 µs with a ``queue.SimpleQueue`` → 6–15 µs. One parker per worker wakes exactly one of
 them (no thundering herd on the GIL), the most recently parked, whose cache is warm.
 
 With a ``source`` (the receive side's arrival wait), the pool works leader/follower: one
@@ -174,7 +174,7 @@ class LaneExecutor:
             if tasks is not None:
                 tasks.append(functools.partial(fn, arg))  # keep the lane's order
                 return True
-            woken = self._queue_locked(self._held) if self._held else []
+            woken = self._queue_locked(self._held)
             self._held.clear()
             self._lanes[lane] = deque()
             self._owned.add(lane)
