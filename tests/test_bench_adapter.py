@@ -22,6 +22,10 @@ def test_reduced_adapter_bench_runs_clean() -> None:
     assert result["ok"], f"{result['error']}\n{text}"
     lat = result["latency"]
     assert lat["adapter_published"]["n"] == 40 and lat["adapter"]["n"] == 40
+    assert lat["floor_wake"]["n"] == 40 and lat["raw_connector"]["n"] == 40
+    # The floor carries no object: it is below what moving one costs.
+    assert lat["floor_wake"]["p50_us"] < lat["raw_connector"]["p50_us"]
+    assert "(a) floor: one notice-sized datagram wakes the receiver" in text and "p50 / floor" in text
     # Published on the receive worker before the scheduler thread can drain it.
     assert lat["adapter_published"]["p50_us"] <= lat["adapter"]["p50_us"]
     assert "ready published on the receiver" in text and "leak audit" in text
@@ -36,6 +40,7 @@ def _run_result(adapter: float, raw: float, hol_p99: float, *, ok: bool = True) 
         "latency": {
             "adapter_published": {"p50_us": adapter, "p99_us": 2 * adapter},
             "raw_connector": {"p50_us": raw},
+            "floor_wake": {"p50_us": raw / 2},
             "overhead_p50_us": adapter - raw,
             "adapter": {"p50_us": adapter + 50},
         },
@@ -51,6 +56,8 @@ def test_several_runs_are_judged_on_their_medians() -> None:
     assert summary["ok"] and summary["targets_met"]  # one run over each target does not decide
     text = render_adapter_runs(summary)
     assert "| median |" in text and "targets met" in text and text.count("\n| ") == 5
+    assert summary["medians"]["floor_p50_us"] == 37.5
+    assert "as multiples of the floor (medians): raw connector 2.00x, adapter 3.87x" in text
 
     slow = summarize_adapter_runs([_run_result(160, 80, 3000), _run_result(150, 70, 3000)])
     assert (

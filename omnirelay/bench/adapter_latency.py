@@ -11,7 +11,10 @@ system-wide).
     ``get``, the consumer woken by ``wait_arrivals``) over the same shm namespace, so the
     adapter's own overhead is the difference. Target: p50 ≤ 150 µs. Also shown: the chunk
     handed over by ``poll_events`` on the scheduler thread (woken by ``wait_events``), one
-    thread wake-up later.
+    thread wake-up later; and, interleaved with both, the floor: one datagram of a notice's
+    size waking the receiver blocked in ``poll`` (no object at all), the least any
+    notice-driven hand-off between two processes costs here. Each series is shown as a
+    multiple of the floor.
 (b) **Head-of-line.** The same codec chunks of one request without, then with, another
     request streaming 64 MB payloads (built by the processor, put, consumed and re-requested
     back to back). Target: the 64 MB stream delays a codec chunk by ≤ 5 ms (judged on p99;
@@ -87,7 +90,7 @@ def run_adapter_latency(
     probe = cpu_probe_s()
     namespace = f"adlat{uuid.uuid4().hex[:10]}"
     log(
-        f"[bench adapter] {len(trials)} trials ({n_latency} raw + {n_latency} adapter interleaved, "
+        f"[bench adapter] {len(trials)} trials ({n_latency} each of raw, adapter and floor interleaved, "
         f"{n_hol} codec chunks without and {n_hol} with a 64 MB stream, {warmup} warm-up each), "
         f"namespace {namespace}"
     )
@@ -221,6 +224,7 @@ def summarize_adapter_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "adapter_p50_us": lat["adapter_published"]["p50_us"],
                 "adapter_p99_us": lat["adapter_published"]["p99_us"],
                 "raw_p50_us": lat["raw_connector"]["p50_us"],
+                "floor_p50_us": lat["floor_wake"]["p50_us"],
                 "overhead_p50_us": lat["overhead_p50_us"],
                 "to_scheduler_p50_us": lat["adapter"]["p50_us"],
                 "hol_added_p99_us": r["hol"]["added_us"]["p99_us"],
@@ -233,6 +237,7 @@ def summarize_adapter_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
             for k in (
                 "adapter_p50_us",
                 "raw_p50_us",
+                "floor_p50_us",
                 "overhead_p50_us",
                 "to_scheduler_p50_us",
                 "hol_added_p99_us",
@@ -255,17 +260,18 @@ def render_adapter_runs(summary: dict[str, Any]) -> str:
         f"over {len(summary['runs'])} runs (cpu probe: seconds of a fixed Python loop before each run; "
         "lower is a faster machine state):",
         "",
-        "| run | cpu probe | raw p50 | adapter p50 | adapter p99 | overhead p50 | to the scheduler p50 "
-        "| HOL added p99 | clean |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| run | cpu probe | floor p50 | raw p50 | adapter p50 | adapter p99 | overhead p50 "
+        "| to the scheduler p50 | HOL added p99 | clean |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for i, row in enumerate(summary["runs"], 1):
         if "adapter_p50_us" not in row:
-            lines.append(f"| {i} | | | | | | | | FAILED: {row.get('error')} |")
+            lines.append(f"| {i} | | | | | | | | | FAILED: {row.get('error')} |")
             continue
         probe = row["cpu_probe_s"]
         lines.append(
-            f"| {i} | {'' if probe is None else f'{probe:.2f} s'} | {_us(row['raw_p50_us'])} "
+            f"| {i} | {'' if probe is None else f'{probe:.2f} s'} | {_us(row['floor_p50_us'])} "
+            f"| {_us(row['raw_p50_us'])} "
             f"| {_us(row['adapter_p50_us'])} | {_us(row['adapter_p99_us'])} | {_us(row['overhead_p50_us'])} "
             f"| {_us(row['to_scheduler_p50_us'])} | {_us(row['hol_added_p99_us'])} | "
             f"{'yes' if row['ok'] else 'NO'} |"
@@ -273,12 +279,16 @@ def render_adapter_runs(summary: dict[str, Any]) -> str:
     med = summary["medians"]
     if med:
         lines.append(
-            f"| median | | {_us(med['raw_p50_us'])} | **{_us(med['adapter_p50_us'])}** | "
+            f"| median | | {_us(med['floor_p50_us'])} | {_us(med['raw_p50_us'])} "
+            f"| **{_us(med['adapter_p50_us'])}** | "
             f"| {_us(med['overhead_p50_us'])} | {_us(med['to_scheduler_p50_us'])} | "
             f"**{_us(med['hol_added_p99_us'])}** | |"
         )
+        fl = med["floor_p50_us"]
         lines += [
             "",
+            f"as multiples of the floor (medians): raw connector {med['raw_p50_us'] / fl:.2f}x, "
+            f"adapter {med['adapter_p50_us'] / fl:.2f}x",
             f"targets on the medians: adapter p50 <= {_us(t50)}: "
             f"{'met' if med['adapter_p50_us'] <= t50 else 'MISSED'}; HOL added p99 <= {_us(t99)}: "
             f"{'met' if med['hol_added_p99_us'] <= t99 else 'MISSED'}",
@@ -323,6 +333,7 @@ def _analyze(trials: list[Trial], s: RoleReport, r: RoleReport, warmup: int) -> 
         seg = segments.setdefault((trial.phase, trial.kind), {name: [] for name in SEGMENTS})
         for name, (a, b) in zip(SEGMENTS, ((t0, put[0]), put, (put[1], get[0]), get, (get[1], t1))):
             seg[name].append((b - a) / 1e3)
+    floor = _stats(lat[("latency", "wake")])
     raw = _stats(lat[("latency", "raw")])
     ada = _stats(lat[("latency", "adapter")])
     pub = _stats(published)
@@ -347,6 +358,7 @@ def _analyze(trials: list[Trial], s: RoleReport, r: RoleReport, warmup: int) -> 
         tails[f"{phase}/{kind}"] = {name: statistics.fmean(v[i] for i in idx) for name, v in seg.items()}
     return {
         "latency": {
+            "floor_wake": floor,
             "raw_connector": raw,
             "adapter_published": pub,
             "adapter": ada,
@@ -403,9 +415,14 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         return f"{head}\nRESULT: FAILED - {result['error']}"
     lat, hol, tg = result["latency"], result["hol"], result["targets"]
 
-    def row(name: str, st: dict[str, float], target: str = "", verdict: str = "") -> str:
+    floor50 = lat["floor_wake"]["p50_us"]
+
+    def row(
+        name: str, st: dict[str, float], target: str = "", verdict: str = "", *, vs_floor: bool = True
+    ) -> str:
+        times = f"{st['p50_us'] / floor50:.2f}x" if vs_floor else ""
         return (
-            f"| {name} | {st['n']:,} | {_us(st['p50_us'])} | {_us(st['p99_us'])} | {_us(st['max_us'])} "
+            f"| {name} | {st['n']:,} | {_us(st['p50_us'])} | {times} | {_us(st['p99_us'])} | {_us(st['max_us'])} "
             f"| {target} | {verdict} |"
         )
 
@@ -415,8 +432,12 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
     lines = [
         head,
         "",
-        "| measurement | n | p50 | p99 | max | target | verdict |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| measurement | n | p50 | p50 / floor | p99 | max | target | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+        row(
+            "(a) floor: one notice-sized datagram wakes the receiver blocked in poll (no object)",
+            lat["floor_wake"],
+        ),
         row("(a) raw connector one-way: put → object out of get", lat["raw_connector"]),
         row(
             "(a) adapter: save_async enqueue (stage 1) → ready published on the receiver (stage 2)",
@@ -424,14 +445,14 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
             f"p50 ≤ {_us(t50)}",
             "met" if a50 <= t50 else "MISSED",
         ),
-        f"| (a) adapter overhead over the raw connector (p50 − p50) | | {_us(lat['overhead_p50_us'])} | | | | |",
+        f"| (a) adapter overhead over the raw connector (p50 − p50) | | {_us(lat['overhead_p50_us'])} | | | | | |",
         row(
             "(a) adapter, to the scheduler: enqueue → the chunk out of poll_events (its thread woken)",
             lat["adapter"],
         ),
-        row("(b) codec chunk, no other traffic", hol["without_stream"]),
-        row("(b) codec chunk, another request streaming 64 MB payloads", hol["with_stream"]),
-        f"| (b) delay added by the 64 MB stream (with − without) | | {_us(added['p50_us'])} "
+        row("(b) codec chunk, no other traffic", hol["without_stream"], vs_floor=False),
+        row("(b) codec chunk, another request streaming 64 MB payloads", hol["with_stream"], vs_floor=False),
+        f"| (b) delay added by the 64 MB stream (with − without) | | {_us(added['p50_us'])} | "
         f"| {_us(added['p99_us'])} | {_us(added['max_us'])} | p99 ≤ {_us(t99)} | "
         f"{'met' if d99 <= t99 else 'MISSED'} |",
         "",
@@ -458,6 +479,7 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
 def _bd(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     med, tail = result["breakdown_p50_us"], result["breakdown_slowest_1pct_us"]
     return {
+        "(a) floor, median": med["latency/wake"],
         "(a) raw connector, median": med["latency/raw"],
         "(a) adapter, median": med["latency/adapter"],
         "(b) with the 64 MB stream, median": med["hol_with/adapter"],

@@ -9,6 +9,11 @@ connector or ``save_async``s on its adapter; the receiver takes ``t1`` when the 
 came out of ``get``, or when ``poll_events`` handed the chunk over after ``wait_events``,
 and answers :class:`Got`. ``perf_counter_ns`` is CLOCK_MONOTONIC, system-wide on Linux.
 
+A third kind of trial, interleaved with those two, measures the floor: the sender sends one
+datagram of a notice's size to a socket the receiver blocks on in ``poll`` (the way the
+shm connector's ``wait_arrivals`` does), and ``t1`` is taken when ``recv`` returned it. It
+carries no object; it is what waking a process through any notice costs on this machine.
+
 In the ``hol_with`` phase a second request streams 64 MB payloads meanwhile: a pacer
 thread on the sender admits the next one as soon as the previous put finished; the
 processor builds each (a 64 MB copy) on a send worker; the receiver consumes each and
@@ -28,6 +33,7 @@ from __future__ import annotations
 import os
 import random
 import select
+import socket
 import threading
 import time
 import traceback
@@ -54,7 +60,11 @@ __all__ = [
     "sender_main",
 ]
 
-Kind = Literal["raw", "adapter"]
+Kind = Literal["raw", "adapter", "wake"]
+#: The latency series' kinds, interleaved in this order.
+LATENCY_KINDS: tuple[Kind, ...] = ("raw", "adapter", "wake")
+#: The floor's datagram: as long as a codec chunk's arrival notice.
+_WAKE_DATAGRAM = b"w" * 96
 #: Adapter stages 1 → 2; raw connector stages 3 → 4, in a namespace of their own so that
 #: the two pairs' objects and arrival notices never mix.
 SEND_STAGE, RECV_STAGE, RAW_SEND, RAW_RECV = 1, 2, 3, 4
@@ -112,12 +122,13 @@ _ENC = msgspec.msgpack.Encoder()
 
 
 def schedule(n_latency: int, n_hol: int, warmup: int) -> list[Trial]:
-    """Interleaved raw/adapter trials, then the codec request without and with the stream."""
+    """Interleaved raw/adapter/wake trials, then the codec request without and with the
+    stream."""
     out: list[Trial] = []
     m = n_latency + warmup
-    for i in range(2 * m):
-        kind: Kind = "raw" if i % 2 == 0 else "adapter"
-        out.append(Trial("latency", i // 2, kind, "lat", kind == "adapter" and i == 2 * m - 1))
+    for i in range(m):
+        for kind in LATENCY_KINDS:
+            out.append(Trial("latency", i, kind, "lat", kind == "adapter" and i == m - 1))
     for phase in ("hol_without", "hol_with"):
         m = n_hol + warmup
         out += [Trial(phase, i, "adapter", f"codec_{phase}", i == m - 1) for i in range(m)]
@@ -126,6 +137,11 @@ def schedule(n_latency: int, n_hol: int, warmup: int) -> list[Trial]:
 
 def raw_namespace(namespace: str) -> str:
     return namespace + "raw"
+
+
+def wake_address(namespace: str) -> bytes:
+    """The floor series' socket (abstract: nothing on disk)."""
+    return f"\0omnirelay-bench-{namespace}-wake".encode()
 
 
 _CODES = torch.randint(0, 2048, (16, 50), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
@@ -195,6 +211,8 @@ class _Sender:
             TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE, is_send_batch=send_batch),
             processor=self._build,
         )
+        self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.wake_addr = wake_address(namespace)
         self.big_base = torch.randn(_BIG_SHAPE, generator=torch.Generator().manual_seed(1))
         self.big_put_done = threading.Event()
         self.codec_put = (0, 0)
@@ -250,6 +268,9 @@ class _Sender:
                 self.codec_put = (t0, time.perf_counter_ns())
                 if not result.ok:
                     raise RuntimeError(f"raw put of {key} failed: {result.error}")
+            elif trial.kind == "wake":
+                self.wake_sock.sendto(_WAKE_DATAGRAM, self.wake_addr)
+                self.codec_put = (t0, time.perf_counter_ns())
             else:
                 self.adapter.save_async(f"s-{trial.ext}", trial.ext, payload, is_finished=trial.is_last)
             self.report.times_ns.append(t0)
@@ -285,6 +306,7 @@ class _Sender:
     def close(self) -> None:
         self.adapter.shutdown()
         self.raw.close()
+        self.wake_sock.close()
 
 
 def sender_main(
@@ -339,6 +361,11 @@ class _Receiver:
         self.adapter = TransferAdapter(
             self.conn, TransferConfig(stage_id=RECV_STAGE, receive_from_stage=SEND_STAGE)
         )
+        self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.wake_sock.bind(wake_address(namespace))
+        self.wake_sock.setblocking(False)
+        self.wake_poller = select.poll()
+        self.wake_poller.register(self.wake_sock, select.POLLIN)
         self.watch_key: str | None = None
         self.codec_get = (0, 0)
         self.published = 0  # ns: the last adapter trial's chunk published ready
@@ -366,12 +393,14 @@ class _Receiver:
                 self.adapter.load_async("r-big", BIG_EXT)
             if trial.kind == "raw":
                 t1 = self._raw_trial(seq, trial)
+            elif trial.kind == "wake":
+                t1 = self._wake_trial(seq)
             else:
                 n = received.get(trial.ext, 0)
                 t1 = self._adapter_trial(seq, trial, n)
                 received[trial.ext] = n + 1
             self.report.times_ns.append(t1)
-            self.report.published_ns.append(t1 if trial.kind == "raw" else self.published)
+            self.report.published_ns.append(self.published if trial.kind == "adapter" else t1)
             self.report.spans_ns.append(self.codec_get)
             _send(self.ctrl, Got(seq, t1))
         if self.big_open:
@@ -399,6 +428,18 @@ class _Receiver:
                 return t1
             if got.status is GetStatus.FAILED or time.monotonic() > deadline:
                 raise RuntimeError(f"raw get of {key}: {got.status} {got.error}")
+
+    def _wake_trial(self, seq: int) -> int:
+        """The floor: block in poll until the sender's datagram wakes us; t1 after recv."""
+        _send(self.ctrl, Ready(seq))
+        if not self.wake_poller.poll(self.wait_s * 1000.0):
+            raise TimeoutError(f"no wake-up datagram within {self.wait_s:g} s")
+        t_recv = time.perf_counter_ns()
+        data = self.wake_sock.recv(4096)
+        t1 = time.perf_counter_ns()
+        self.codec_get = (t_recv, t1)
+        assert data == _WAKE_DATAGRAM, data
+        return t1
 
     def _adapter_trial(self, seq: int, trial: Trial, chunk_id: int) -> int:
         iid = f"r-{trial.ext}"
@@ -455,6 +496,7 @@ class _Receiver:
     def close(self) -> None:
         self.adapter.shutdown()
         self.raw.close()
+        self.wake_sock.close()
 
 
 def receiver_main(
