@@ -188,6 +188,37 @@ def test_prepare_generation_chunk_shapes() -> None:
         prepare_chunk("generation", {"codes": {"audio": "abc"}})
 
 
+@pytest.mark.parametrize(
+    ("payload", "flags"),
+    [
+        ({"x": 1}, (False, False)),
+        ({"x": 1, "meta": {"left_context_size": 25}}, (False, False)),
+        ({"meta": {"finished": True}}, (True, False)),
+        ({"meta": {"finished": False, "is_segment_finished": True}}, (False, True)),
+        ({"meta": {"finished": None, "is_segment_finished": None}}, (False, False)),
+        # Not plain bools: the generic accessors read them the same way.
+        ({"meta": {"finished": 1, "is_segment_finished": 0}}, (True, False)),
+        ({"meta": {"finished": torch.tensor([True])}}, (True, False)),
+        (_Payload(codes={"audio": [1]}, meta=_Meta(finished=True)), (True, False)),
+    ],
+)
+def test_prepare_ar_chunk_reads_the_flags_and_hands_the_payload_on(
+    payload: Any, flags: tuple[bool, bool]
+) -> None:
+    chunk = prepare_chunk("ar", payload)
+    assert chunk.payload is payload and (chunk.is_finished, chunk.is_segment_finished) == flags
+    assert chunk.fields is None and chunk.prompt_token_ids is None
+
+
+def test_prepare_ar_chunk_rejects_what_breaks_the_contract() -> None:
+    with pytest.raises(ValueError, match="empty payload"):
+        prepare_chunk("ar", {})
+    with pytest.raises(TypeError, match="not a mapping or a struct"):
+        prepare_chunk("ar", {"meta": 5})
+    with pytest.raises(ValueError):
+        prepare_chunk("ar", {"meta": {"finished": torch.tensor([True, False])}})
+
+
 def test_merge_runtime_info() -> None:
     first = prepare_chunk(
         "generation",
@@ -613,6 +644,39 @@ def test_workers_are_woken_most_recently_parked_first_and_one_per_task() -> None
     assert sum(q.num_untimed_waits for q in made) == 4  # 3 parks + the woken one parked again
     assert last.num_untimed_waits == 2  # the most recently parked worker took the task
     assert lanes.stop(5) == [] and all(q.is_closed for q in made)
+
+
+def test_the_idle_duty_worker_is_woken_last() -> None:
+    made: list[_ScriptedParker] = []
+    idles: list[int] = []
+    lanes = LaneExecutor(
+        "t",
+        3,
+        on_error=lambda e: None,
+        on_idle=lambda: idles.append(1),
+        idle_interval_s=30.0,
+        parker=lambda: made.append(_ScriptedParker()) or made[-1],
+    )
+    lanes.start()
+    wait_until(lambda: len(made) == 3 and len(lanes._parked) == 3, "all workers parked")
+    timed = [q for q in made if q.num_timed_waits]
+    assert len(timed) == 1 and lanes._parked[0] is timed[0]  # at the bottom of the stack
+    for n, lane in ((2, "A"), (3, "B")):  # one after the other: the same untimed worker takes both
+        ran = threading.Event()
+        lanes.submit(lane, ran.set)
+        assert ran.wait(10) and lanes.wait_idle(10)
+        wait_until(lambda n=n: sorted(q.num_untimed_waits for q in made) == [0, 1, n], "it parked again")
+    assert timed[0].num_timed_waits == 1 and timed[0].num_untimed_waits == 0 and idles == []
+    # All others busy: the idle-duty worker takes work too.
+    gates = [threading.Event() for _ in range(3)]
+    for i, g in enumerate(gates):
+        lanes.submit(f"busy{i}", g.wait)
+    wait_until(lambda: lanes.stats()["num_running"] == 3, "all three workers busy")
+    for g in gates:
+        g.set()
+    assert lanes.wait_idle(10)
+    timed[0].wait_for(lambda q: q.num_timed_waits == 2)  # it ran one and parked again
+    assert lanes.stop(5) == [] and all(q.is_closed for q in made) and idles == []
 
 
 def test_adapters_leave_no_file_descriptors_behind() -> None:

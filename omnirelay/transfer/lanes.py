@@ -20,7 +20,10 @@ released too (``wakeup.py`` says why): the worker takes the GIL at once instead 
 preempting its waker for nothing and waiting for the waker's next GIL release. Measured on
 one CPU of this class of machine (``scripts/handoff_microbench.py``): submit → task runs
 15–26 µs with a ``queue.SimpleQueue`` → 6–15 µs. One parker per worker wakes exactly one of
-them (no thundering herd on the GIL), the most recently parked, whose cache is warm.
+them (no thundering herd on the GIL), the most recently parked, whose cache is warm — except
+the worker with the idle duty (``on_idle``), which parks at the bottom: its park waits with a
+timeout (a poll, then a read), and were it the one woken every time, its idle timer would
+never run out (a worker woken each few ms keeps the task and parks on top again).
 
 With a ``source`` (the receive side's arrival wait), the pool works leader/follower: one
 worker at a time holds the *lead* (a token in the run queue) and runs the source, which
@@ -229,7 +232,13 @@ class LaneExecutor:
                     if task is not None:
                         return item, task
                     # else: dropped by stop(); look at the next item
-                self._parked.append(me)
+                if timeout is None:
+                    self._parked.append(me)
+                else:
+                    # The idle-duty worker parks at the bottom: woken last, so the hot
+                    # worker is one whose park is one blocking read (a timed park is a
+                    # poll and a read), and its idle timer runs while the others work.
+                    self._parked.insert(0, me)
             if me.wait(timeout):
                 continue
             with self._lock:
