@@ -595,18 +595,27 @@ class _ScriptedParker:
         self.is_closed = True
 
 
-def test_an_idle_worker_whose_timeout_races_a_submit_runs_the_task_and_not_the_idle_hook() -> None:
+def _scripted_lanes(
+    num_workers: int, idles: list[int] | None = None
+) -> tuple[LaneExecutor, list[_ScriptedParker]]:
+    """A started executor whose workers park on scripted parkers (in ``made``, in the order
+    the workers made them); with ``idles``, an idle hook (30 s interval) that appends to it."""
     made: list[_ScriptedParker] = []
-    idles: list[int] = []
     lanes = LaneExecutor(
         "t",
-        1,
+        num_workers,
         on_error=lambda e: None,
-        on_idle=lambda: idles.append(1),
+        on_idle=None if idles is None else (lambda: idles.append(1)),
         idle_interval_s=30.0,
         parker=lambda: made.append(_ScriptedParker()) or made[-1],
     )
     lanes.start()
+    return lanes, made
+
+
+def test_an_idle_worker_whose_timeout_races_a_submit_runs_the_task_and_not_the_idle_hook() -> None:
+    idles: list[int] = []
+    lanes, made = _scripted_lanes(1, idles)
     wait_until(lambda: bool(made), "the worker parked")
     p = made[0]
     p.wait_for(lambda q: q.num_timed_waits == 1)
@@ -630,11 +639,7 @@ def test_an_idle_worker_whose_timeout_races_a_submit_runs_the_task_and_not_the_i
 
 
 def test_workers_are_woken_most_recently_parked_first_and_one_per_task() -> None:
-    made: list[_ScriptedParker] = []
-    lanes = LaneExecutor(
-        "t", 3, on_error=lambda e: None, parker=lambda: made.append(_ScriptedParker()) or made[-1]
-    )
-    lanes.start()
+    lanes, made = _scripted_lanes(3)
     wait_until(lambda: len(made) == 3 and len(lanes._parked) == 3, "all workers parked")
     last = lanes._parked[-1]
     ran = threading.Event()
@@ -647,17 +652,8 @@ def test_workers_are_woken_most_recently_parked_first_and_one_per_task() -> None
 
 
 def test_the_idle_duty_worker_is_woken_last() -> None:
-    made: list[_ScriptedParker] = []
     idles: list[int] = []
-    lanes = LaneExecutor(
-        "t",
-        3,
-        on_error=lambda e: None,
-        on_idle=lambda: idles.append(1),
-        idle_interval_s=30.0,
-        parker=lambda: made.append(_ScriptedParker()) or made[-1],
-    )
-    lanes.start()
+    lanes, made = _scripted_lanes(3, idles)
     wait_until(lambda: len(made) == 3 and len(lanes._parked) == 3, "all workers parked")
     timed = [q for q in made if q.num_timed_waits]
     assert len(timed) == 1 and lanes._parked[0] is timed[0]  # at the bottom of the stack
