@@ -68,16 +68,6 @@ def _codes_to_prompt(codes: dict[str, Any]) -> list[int]:
 
 def prepare_chunk(kind: str, payload: Any) -> PreparedChunk:
     """Read one received payload. Raises ValueError/TypeError on a contract violation."""
-    if kind == "ar" and type(payload) is dict and payload:
-        # The common AR chunk, without the generic accessors (on the receive path to every
-        # chunk, right after a wake-up): a plain dict whose flags are plain bools or absent.
-        meta = payload.get("meta")
-        if meta is None:
-            return PreparedChunk(payload, False, False)
-        if type(meta) is dict:
-            fin, seg = meta.get("finished"), meta.get("is_segment_finished")
-            if (fin is None or fin is True or fin is False) and (seg is None or seg is True or seg is False):
-                return PreparedChunk(payload, fin is True, seg is True)
     if is_empty_payload(payload):
         raise ValueError(f"received an empty payload ({type(payload).__name__})")
     if kind == "ar":  # the payload is handed on as is: read its flags only, copy nothing
