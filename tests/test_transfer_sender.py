@@ -6,11 +6,13 @@ with the leak audit (no objects, no pending keys, no adapter state).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from omnirelay.transfer import Admission, BuildRequest, FailureKind, key_prefix
+from omnirelay.transfer.wakeup import Parker
 from tests.transfer_fakes import (
     FakeClock,
     Gate,
@@ -353,6 +355,38 @@ def test_chunks_of_one_request_keep_their_order() -> None:
         assert [c.payload["i"] for c in chunks] == list(range(50))
         assert [c.chunk_id for c in chunks] == list(range(50))
         p.receiver.finish_requests(["rr"])
+        p.audit()
+
+
+def test_send_workers_are_woken_only_once_the_sender_lock_is_released(monkeypatch: Any) -> None:
+    """A worker woken inside ``save_async``'s lock (or a cleanup's) would run into that lock
+    on its task's first step: a futile switch on a CPU it shares with the caller."""
+    woken_under_lock: list[bool] = []
+    wake = Parker.wake
+    # No idle timer firing meanwhile: every worker stays parked until a submit wakes one.
+    with make_pipeline(sender_kw={"reap_interval_s": 30.0}) as p:
+        side, lanes = p.sender._sender, p.sender._send_lanes
+        assert side is not None and lanes is not None
+        caller = threading.get_ident()
+
+        def recording_wake(self: Parker) -> None:
+            if threading.get_ident() == caller:
+                woken_under_lock.append(side._lock.locked())
+            wake(self)
+
+        monkeypatch.setattr(Parker, "wake", recording_wake)
+
+        def all_parked() -> bool:
+            return len(lanes._parked) == lanes.stats()["num_workers"]
+
+        wait_until(all_parked, "every send worker parked")
+        assert p.sender.save_async("a", "A", {"x": 1}) is Admission.ENQUEUED
+        assert p.sender.flush()
+        wait_until(all_parked, "the worker parked again")
+        p.sender.finish_requests(["a"])  # retires A's generation: its cleanup task is queued
+        assert p.sender.flush()
+        assert woken_under_lock == [False, False]  # one wake-up each, both after the lock
+        assert p.store.live_keys() == []
         p.audit()
 
 

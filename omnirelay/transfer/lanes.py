@@ -131,11 +131,14 @@ class LaneExecutor:
             self._threads.append(t)
             t.start()
 
-    def submit(self, lane: Hashable, task: Task) -> bool:
+    def submit(self, lane: Hashable, task: Task, *, wakes: list[Parker] | None = None) -> bool:
         """Queue ``task`` at the tail of ``lane``. Never blocks on I/O; False once stopped.
 
         Where it wakes a worker, the worker may run before this returns (on a CPU shared
-        with the caller): see the module docstring."""
+        with the caller): see the module docstring. A caller that holds a lock of its own
+        passes ``wakes``: the worker to wake is appended there instead, for the caller to
+        wake (:func:`~omnirelay.transfer.wakeup.wake_all`) once its lock is released. A
+        worker woken inside that lock would run into it on its task's first step."""
         with self._lock:
             if self._is_stopped:
                 return False
@@ -150,7 +153,10 @@ class LaneExecutor:
             self._ready.append(lane)
             parker = self._parked.pop() if self._parked else None
         if parker is not None:
-            parker.wake()
+            if wakes is None:
+                parker.wake()
+            else:
+                wakes.append(parker)
         return True
 
     def _queue_locked(self, items: list[Hashable]) -> list[Parker]:

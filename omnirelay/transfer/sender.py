@@ -30,6 +30,7 @@ from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import check_external_id, make_key
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.payload_view import read_flag, stamp_flags
+from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["BuildRequest", "Processor", "ReleaseHook", "SendSide"]
 
@@ -142,6 +143,7 @@ class SendSide:
                 self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, str(exc))
                 return Admission.REJECTED
         failure: _Failure | None = None
+        wakes: list[Parker] = []
         with self._lock:
             g = self._gens.get(external_id)
             if g is not None:
@@ -187,10 +189,11 @@ class SendSide:
                 task = _SendTask(
                     g, internal_id, external_id, output, context, is_finished, is_segment_finished
                 )
-                self._lanes.submit(external_id, functools.partial(self._run, task))
+                self._lanes.submit(external_id, functools.partial(self._run, task), wakes=wakes)
                 self._counts["num_admitted"] += 1
             else:
                 self._counts["num_rejected"] += 1
+        wake_all(wakes)  # outside the lock, which the woken worker's task takes first
         if failure is not None:
             self._record(internal_id, external_id, *failure)
             return Admission.REJECTED
@@ -334,11 +337,13 @@ class SendSide:
         """SPEC §4.4 step 10: the 'terminal task ends' row, then the 'any task finally' row."""
         g = task.gen
         hooks: list[str] = []
+        wakes: list[Parker] = []
         with self._lock:
             if task.is_terminal and g.end_terminal() and self._is_current_locked(task):
-                self._cancel_locked(g, hooks)  # the deferred cleanup_sender
+                self._cancel_locked(g, hooks, wakes)  # the deferred cleanup_sender
             if self._is_current_locked(task) and g.end_task():
-                self._retire_locked(g, hooks)
+                self._retire_locked(g, hooks, wakes)
+        wake_all(wakes)
         self._call_release(hooks)
 
     # ----------------------------------------------------------------- cleanup
@@ -350,25 +355,31 @@ class SendSide:
         reuses the id) is left alone.
         """
         hooks: list[str] = []
+        wakes: list[Parker] = []
         with self._lock:
             g = self._gens.get(external_id)
             if g is None:
                 hooks.append(external_id)  # no token: clear the sender maps only
             elif internal_id is None or g.internal_id == internal_id:
-                self._cancel_locked(g, hooks)
+                self._cancel_locked(g, hooks, wakes)
+        wake_all(wakes)
         self._call_release(hooks)
 
-    def _cancel_locked(self, g: SenderGeneration, hooks: list[str]) -> None:
+    def _cancel_locked(self, g: SenderGeneration, hooks: list[str], wakes: list[Parker]) -> None:
         if g.cancel() is CancelAction.RETIRE:
-            self._retire_locked(g, hooks)
+            self._retire_locked(g, hooks, wakes)
 
-    def _retire_locked(self, g: SenderGeneration, hooks: list[str]) -> None:
+    def _retire_locked(self, g: SenderGeneration, hooks: list[str], wakes: list[Parker]) -> None:
+        """Queue the cleanup task (the worker to wake goes to ``wakes``), drop the token;
+        the release hook of ``g``'s id goes to ``hooks``. Both are run after the lock."""
         # Invariant: the cleanup task is queued on the id's lane before the token is dropped,
         # so any later generation's put of this id queues behind it.
         assert self._gens.get(g.external_id) is g
         n = g.keys_to_clean()
         if n:
-            self._lanes.submit(g.external_id, functools.partial(self._run_cleanup, g.external_id, n))
+            self._lanes.submit(
+                g.external_id, functools.partial(self._run_cleanup, g.external_id, n), wakes=wakes
+            )
         del self._gens[g.external_id]
         hooks.append(g.external_id)
 
