@@ -30,6 +30,8 @@ def test_reduced_adapter_bench_runs_clean() -> None:
     assert lat["adapter_published"]["p50_us"] <= lat["adapter"]["p50_us"]
     assert "ready published on the receiver" in text and "leak audit" in text
     assert result["env"]["cpu_probe_s"] > 0 and "cpu probe" in text
+    # Every figure says which Python build measured it (the build moves them: README).
+    assert result["env"]["interpreter"]["version"] and "\npython: CPython " in text
 
 
 def _run_result(adapter: float, raw: float, hol_p99: float, *, ok: bool = True) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from omnirelay.bench.adapter_latency_roles import (
 )
 from omnirelay.bench.transfer import pin_cpus
 from omnirelay.connectors.sweep import sweep
+from omnirelay.interpreter import InterpreterInfo, interpreter_info
 
 __all__ = [
     "ADAPTER_TARGETS",
@@ -155,6 +156,7 @@ def run_adapter_latency(
         "config": {"n_latency": n_latency, "n_hol": n_hol, "warmup": warmup, "seed": seed},
         "env": {
             "python": platform.python_version(),
+            "interpreter": interpreter_info().to_dict(),
             "cpus": len(os.sched_getaffinity(0)),
             "sender_cpu": send_cpu,
             "receiver_cpu": recv_cpu,
@@ -411,6 +413,11 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         head += (
             f"; cpu probe {env['cpu_probe_s']:.2f} s (a fixed Python loop: lower is a faster machine state)"
         )
+    if env.get("interpreter") is not None:
+        interp = InterpreterInfo.from_dict(env["interpreter"])
+        head += f"\npython: {interp.describe()}"
+        if interp.is_likely_slow:
+            head += " - a build known to be slow (see `omnirelay doctor`)"
     if "latency" not in result:
         return f"{head}\nRESULT: FAILED - {result['error']}"
     lat, hol, tg = result["latency"], result["hol"], result["targets"]

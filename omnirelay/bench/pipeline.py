@@ -37,6 +37,7 @@ import torch
 
 from omnirelay.bench.session import DEFAULT_PIPELINE, load_run_config, open_tokenizer, start_pipeline
 from omnirelay.bench.timeline import SEGMENTS, RequestTimeline, StageTrace, drive_request
+from omnirelay.interpreter import interpreter_info
 
 if TYPE_CHECKING:
     from omnirelay.api import Pipeline
@@ -224,6 +225,7 @@ def bench_running_pipeline(
         "levels": [],
         "env": {
             "python": platform.python_version(),
+            "interpreter": interpreter_info().to_dict(),
             "torch": torch.__version__,
             "cpus": len(os.sched_getaffinity(0)),
             "loadavg_start": os.getloadavg(),

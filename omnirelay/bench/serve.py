@@ -39,6 +39,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from omnirelay.interpreter import interpreter_info
+
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_PIPELINE",
@@ -236,7 +238,11 @@ def run_serve_bench(
     _validate(levels, requests, warmup, timeout_s)
     if not text.strip():
         raise ValueError("--text must not be empty")
-    env = {"python": platform.python_version(), "httpx": httpx.__version__}
+    env = {
+        "python": platform.python_version(),
+        "interpreter": interpreter_info().to_dict(),
+        "httpx": httpx.__version__,
+    }
     if url is not None:
         report = asyncio.run(
             _drive(check_loopback_url(url), None, levels, requests, warmup, text, voice, timeout_s)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from omnirelay.interpreter import interpreter_info
+
 #: Targets of the connector issue, checked and printed by ``bench transfer``.
 TRANSFER_TARGETS_US = {"codec_chunk": 60.0, "prefill_4mb": 2500.0, "tensor_64mb": 60000.0}
 
@@ -83,7 +85,9 @@ def register(sub: Any) -> None:
             "overhead is visible; (b) the same codec chunks without and with another request streaming "
             "64 MB payloads. Prints p50/p99/max against the targets (p50 <= 150 us; <= 5 ms added by the "
             "64 MB stream). The sender is pinned to the first CPU this process may use and the receiver "
-            "to the second, as in bench transfer (--no-pin lets the scheduler place them)."
+            "to the second, as in bench transfer (--no-pin lets the scheduler place them). "
+            "The report names the Python build that ran it: the hot paths are interpreted, so "
+            "an unoptimized build (see omnirelay doctor) makes every figure slower."
         ),
     )
     a.add_argument("--chunks", type=int, default=1000, help="measured chunks per series (default 1000)")
@@ -204,7 +208,12 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         verdict = "meets" if p50 <= target else "MISSES"
         ok &= p50 <= target
         print(f"target {name}: p50 {p50:,.0f} µs {verdict} the {target:,.0f} µs target")
-    results["env"] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": _cpus()}
+    results["env"] = {
+        "python": platform.python_version(),
+        "interpreter": interpreter_info().to_dict(),
+        "torch": torch.__version__,
+        "cpus": _cpus(),
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -1,4 +1,5 @@
-"""``omnirelay doctor``: list transfer objects on this host; reclaim dead owners' objects."""
+"""``omnirelay doctor``: list transfer objects on this host; reclaim dead owners' objects;
+say whether the shm connector can run and which Python build runs omnirelay."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from omnirelay.connectors.sweep import sweep
+from omnirelay.interpreter import SLOW_BUILD_ADVICE, interpreter_info
 
 
 def register(sub: Any) -> None:
@@ -18,7 +20,8 @@ def register(sub: Any) -> None:
             "Lists every omnirelay transfer object on this host, by namespace, with its owner "
             "process (alive or dead), age and size. Published objects show the transfer key they "
             "carry. With --reclaim, objects whose owner process is dead are removed; objects of "
-            "live processes are never touched."
+            "live processes are never touched. It also says whether the shm connector can run here "
+            "and which Python build runs omnirelay, with a warning for builds known to be slow."
         ),
     )
     p.add_argument("--namespace", help="only this deployment namespace (default: all)")
@@ -80,6 +83,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         )
     else:
         print(f"shm connector: UNAVAILABLE: {atomics.unavailable_reason()}")
+    interp = interpreter_info()
+    print(f"python: {interp.describe()}")
+    if interp.is_likely_slow:
+        print(f"  warning: {SLOW_BUILD_ADVICE}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         out = report.to_dict()
@@ -87,5 +94,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         out["shm_connector_problem"] = atomics.unavailable_reason()
         out["shm_atomics"] = atomics.backend()
         out["shm_notices"] = notices.backend()
+        out["python"] = interp.to_dict()
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if atomics.available() else 1
