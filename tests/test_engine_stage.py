@@ -243,12 +243,17 @@ def test_a_send_failure_fails_the_live_request_fast() -> None:
     store = FakeStore()
     conn = FakeConnector(store, 0)
     conn.fail_after_create.add("R_0_1")
+    # The failing put waits until the request is inside its third step: were it free to
+    # fail at once, the loop could see the failure before that step and never reach it.
+    put_gate = conn.put_gates["R_0_1"] = Gate("put R_0_1")
     lm = GatedCountingLM(gate_at_call=3)
     engine = make_engine(0, conn, executor=lm)
     engine.add_request(text_request("R", [1], 50, final_stage_id=2))
     outputs: queue.Queue[StageOutput] = queue.Queue()
     loop = StageLoopThread(engine, lambda outs: [outputs.put(o) for o in outs]).start()
-    assert lm.reached.wait(TIMEOUT_S)  # two chunks saved; the second put fails meanwhile
+    assert lm.reached.wait(TIMEOUT_S)  # two chunks saved, the request live in its third step
+    put_gate.wait_started()
+    put_gate.release()  # the second put fails now
     assert engine.flush(TIMEOUT_S)
     lm.gate.set()
     got = collect_until_finished(outputs, loop)
