@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Compare two interpreters, or two checkouts, on ``omnirelay bench adapter``, run by run.
+
+This VM's speed drifts from minute to minute. Two series run one after the other compare
+the minutes as much as the builds. This script alternates instead: pair i runs the
+benchmark under side A, then under side B, each in a fresh process. It prints every
+pair's figures, the medians of each side, and the paired difference of the adapter p50
+(B - A), with the number of pairs that B won.
+
+A side is an interpreter (``--a`` / ``--b``, default: this one) and, optionally, a
+checkout to import omnirelay from (``--a-path`` / ``--b-path``, put first on PYTHONPATH;
+a checkout needs its C extensions built in place). Examples::
+
+    python scripts/pair_adapter_runs.py --a python3 --b ~/.venvs/omnirelay/bin/python
+    python scripts/pair_adapter_runs.py --a-path ../before --b-path . --pairs 12
+
+Each run is ``PY -m omnirelay.cli.main bench adapter --chunks N --json ...``; ``--json``
+writes every row and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+FIELDS = ("floor_us", "raw_us", "adapter_us", "overhead_us", "hol_p99_us")
+
+
+def run_once(python: str, path: str | None, chunks: int, out: str, timeout_s: float) -> dict[str, Any]:
+    """One ``bench adapter`` run; its figures, or ``{"error": ...}``."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.path.abspath(path) + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
+    cmd = [python, "-m", "omnirelay.cli.main", "bench", "adapter", "--chunks", str(chunks), "--json", out]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout_s:g} s"}
+    try:
+        with open(out) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}, no report: {' | '.join(tail)}"}
+    if "latency" not in d:
+        return {"error": d.get("error") or "the benchmark failed"}
+    lat = d["latency"]
+    interp = d.get("env", {}).get("interpreter") or {}
+    return {
+        "floor_us": lat["floor_wake"]["p50_us"],
+        "raw_us": lat["raw_connector"]["p50_us"],
+        "adapter_us": lat["adapter_published"]["p50_us"],
+        "overhead_us": lat["overhead_p50_us"],
+        "hol_p99_us": d["hol"]["added_us"]["p99_us"],
+        "clean": bool(d.get("leak_audit_clean")),
+        "python": interp.get("version") or d.get("env", {}).get("python"),
+    }
+
+
+def summarize(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """Medians per side over the pairs where both runs gave figures, and the paired
+    difference of the adapter p50."""
+    good = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
+    out: dict[str, Any] = {"num_pairs": len(pairs), "num_complete": len(good)}
+    if not good:
+        return out
+    for side, idx in (("a", 0), ("b", 1)):
+        out[side] = {k: statistics.median(p[idx][k] for p in good) for k in FIELDS}
+        out[side]["all_clean"] = all(p[idx]["clean"] for p in good)
+    diffs = [b["adapter_us"] - a["adapter_us"] for a, b in good]
+    out["adapter_diff_us"] = {"median": statistics.median(diffs), "mean": statistics.fmean(diffs)}
+    out["b_faster_in"] = sum(1 for d in diffs if d < 0)
+    return out
+
+
+def _row(label: str, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"  {label}: FAILED - {r['error']}"
+    clean = "clean" if r["clean"] else "LEAK AUDIT FAILED"
+    return (
+        f"  {label}: floor {r['floor_us']:5.0f}  raw {r['raw_us']:5.0f}  adapter {r['adapter_us']:5.0f}  "
+        f"overhead {r['overhead_us']:4.0f} µs  HOL p99 {r['hol_p99_us'] / 1e3:5.2f} ms  {clean}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--a", default=sys.executable, metavar="PYTHON", help="side A's interpreter (default: this one)"
+    )
+    parser.add_argument(
+        "--b", default=sys.executable, metavar="PYTHON", help="side B's interpreter (default: this one)"
+    )
+    parser.add_argument("--a-path", metavar="DIR", help="side A imports omnirelay from this checkout")
+    parser.add_argument("--b-path", metavar="DIR", help="side B imports omnirelay from this checkout")
+    parser.add_argument("--pairs", type=int, default=8, help="pairs of runs (default 8)")
+    parser.add_argument(
+        "--chunks", type=int, default=600, help="measured chunks per series and run (default 600)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="bound on each run in seconds (default 300)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every pair and the summary as JSON to PATH")
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error(f"--pairs must be >= 1, got {args.pairs}")
+    if args.chunks < 1:
+        parser.error(f"--chunks must be >= 1, got {args.chunks}")
+    sides = []
+    for name, python, path in (("A", args.a, args.a_path), ("B", args.b, args.b_path)):
+        exe = shutil.which(python)
+        if exe is None:
+            parser.error(f"side {name}: no interpreter {python!r} (give a path or a name on PATH)")
+        if path is not None and not os.path.isdir(os.path.join(path, "omnirelay")):
+            parser.error(f"side {name}: {path!r} holds no omnirelay package")
+        sides.append((exe, path))
+        print(f"side {name}: {exe}" + (f", omnirelay from {os.path.abspath(path)}" if path else ""))
+
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="omnirelay-pair-") as tmp:
+        for i in range(args.pairs):
+            got = [
+                run_once(exe, path, args.chunks, os.path.join(tmp, f"{i}-{n}.json"), args.timeout)
+                for n, (exe, path) in enumerate(sides)
+            ]
+            a, b = got
+            pairs.append((a, b))
+            print(f"pair {i + 1} of {args.pairs}")
+            print(_row("A", a))
+            print(_row("B", b))
+    summary = summarize(pairs)
+    print(f"\n{summary['num_complete']} of {summary['num_pairs']} pairs complete")
+    if summary["num_complete"]:
+        for side in ("a", "b"):
+            m = summary[side]
+            print(
+                f"  median {side.upper()}: floor {m['floor_us']:.0f}  raw {m['raw_us']:.0f}  adapter "
+                f"{m['adapter_us']:.0f}  overhead {m['overhead_us']:.0f} µs  HOL p99 {m['hol_p99_us'] / 1e3:.2f} ms"
+            )
+        d = summary["adapter_diff_us"]
+        print(
+            f"  adapter p50, B - A: median {d['median']:+.1f} µs, mean {d['mean']:+.1f} µs; "
+            f"B faster in {summary['b_faster_in']} of {summary['num_complete']} pairs"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"sides": [{"python": e, "path": p} for e, p in sides], "pairs": pairs, "summary": summary},
+                f,
+                indent=1,
+            )
+    ok = summary["num_complete"] == summary["num_pairs"] and all(
+        summary[s]["all_clean"] for s in ("a", "b") if s in summary
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""``scripts/pair_adapter_runs.py``: one reduced pair under this interpreter on both sides
+(the comparison itself is judged by hand, never here), the summary's arithmetic, and the
+refusals of bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "pair_adapter_runs.py"
+_spec = importlib.util.spec_from_file_location("pair_adapter_runs", _PATH)
+assert _spec is not None and _spec.loader is not None
+pair = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pair)
+
+
+def _figures(adapter: float, *, clean: bool = True) -> dict[str, object]:
+    return {
+        "floor_us": 30.0,
+        "raw_us": 80.0,
+        "adapter_us": adapter,
+        "overhead_us": adapter - 80.0,
+        "hol_p99_us": 4000.0,
+        "clean": clean,
+    }
+
+
+def test_the_summary_pairs_runs_and_leaves_failed_pairs_out() -> None:
+    pairs = [
+        (_figures(170.0), _figures(130.0)),
+        (_figures(160.0), _figures(165.0)),
+        (_figures(180.0), {"error": "exit 1"}),
+        (_figures(150.0), _figures(120.0)),
+    ]
+    s = pair.summarize(pairs)
+    assert (s["num_pairs"], s["num_complete"]) == (4, 3)
+    assert s["a"]["adapter_us"] == 160.0 and s["b"]["adapter_us"] == 130.0
+    assert s["adapter_diff_us"]["median"] == -30.0 and s["b_faster_in"] == 2
+    assert s["a"]["all_clean"] and s["b"]["all_clean"]
+    assert pair.summarize([(_figures(1.0), {"error": "x"})]) == {"num_pairs": 1, "num_complete": 0}
+
+
+def test_a_reduced_pair_runs_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "pair.json"
+    repo = str(_PATH.parent.parent)
+    assert pair.main(["--pairs", "1", "--chunks", "20", "--b-path", repo, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pair 1 of 1" in text and "B faster in" in text and "LEAK" not in text
+    report = json.loads(out.read_text())
+    ((a, b),) = report["pairs"]
+    assert a["clean"] and b["clean"] and a["adapter_us"] > a["raw_us"] > a["floor_us"] > 0
+    assert report["sides"][0]["python"] and report["sides"][1]["path"] == repo
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--pairs", "0"], "--pairs must be >= 1"),
+        (["--chunks", "0"], "--chunks must be >= 1"),
+        (["--a", "no-such-python-here"], "no interpreter 'no-such-python-here'"),
+        (["--b-path", "/"], "holds no omnirelay package"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_reason(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        pair.main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
