@@ -6,7 +6,7 @@ figure. On our two-CPU development VM, the same code gave ``bench adapter``'s co
 (enqueue -> ready) in 137 µs under Debian's python3.11 (built with profile-guided and
 link-time optimization, libpython linked into the executable) and in 166 µs under a pyenv
 3.11.7 built without ``--enable-optimizations`` that loads libpython as a shared library
-(medians of 30 runs each; 128 against 171 µs over 8 interleaved pairs: README).
+(medians of 30 runs each; 142 against 166 µs over 8 interleaved pairs: README).
 ``omnirelay doctor`` reports the build and warns about that combination; every benchmark
 records it beside its figures.
 
@@ -70,7 +70,7 @@ _PGO_FLAG = re.compile(r"(?<![\w-])--enable-optimizations(?![\w-])")
 SLOW_BUILD_ADVICE = (
     "this looks like an unoptimized CPython build (no profile-guided optimization, libpython "
     "as a shared library: pyenv's build with --enable-shared). A stage's hot paths are "
-    "interpreted Python: a codec chunk's transfer took a fifth to a third longer under such a "
+    "interpreted Python: a codec chunk's transfer took a sixth to a third longer under such a "
     "build than under Debian's python3.11 on the same machine. For serving and benchmarks use an optimized "
     "interpreter: a distribution's python3, a python.org or uv-managed build, or pyenv with "
     "PYTHON_CONFIGURE_OPTS='--enable-optimizations --with-lto'."
