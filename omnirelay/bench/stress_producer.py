@@ -213,8 +213,18 @@ class Producer:
     def _admit(self, req: _Request) -> None:
         n, last = req.num_admitted, req.num_admitted == self.s.num_chunks - 1
         payload = make_chunk(self.factory, req.plan, req.gen, n)
+        is_cancel_point = (
+            req.gen == 0 and req.plan.cancel_phase in ("before", "during") and n + 1 == req.plan.cancel_after
+        )
+        armed = make_key(req.plan.ext, STAGE, n) if is_cancel_point and req.plan.cancel_at_put_start else None
+        if armed is not None:
+            # Before the chunk is enqueued: a send worker may start its put before
+            # save_async returns here.
+            self.armed[armed] = threading.Event()
         admission = self.adapter.save_async(req.iid, req.plan.ext, payload, is_finished=last)
         if admission is not Admission.ENQUEUED:
+            if armed is not None:
+                del self.armed[armed]
             self.report.problems.append(f"{req.plan.ext} gen {req.gen} chunk {n}: save_async {admission}")
             return
         req.num_admitted += 1
@@ -223,12 +233,8 @@ class Producer:
         self.report.num_big_puts += int(n in req.plan.big[req.gen])
         if last:
             req.phase = Phase.ENDING
-        is_cancel_point = req.num_admitted == req.plan.cancel_after
-        if req.gen == 0 and req.plan.cancel_phase in ("before", "during") and is_cancel_point:
-            if req.plan.cancel_at_put_start:
-                self.armed[make_key(req.plan.ext, STAGE, n)] = threading.Event()
-            else:
-                self._cancel(req)
+        if is_cancel_point and armed is None:
+            self._cancel(req)
 
     # ------------------------------------------------------------------ events
 
