@@ -14,8 +14,9 @@ a checkout needs its C extensions built in place). Examples::
     python scripts/pair_adapter_runs.py --a python3 --b ~/.venvs/omnirelay/bin/python
     python scripts/pair_adapter_runs.py --a-path ../before --b-path . --pairs 12
 
-Each run is ``PY -m omnirelay.cli.main bench adapter --chunks N --json ...``; ``--json``
-writes every row and the summary.
+Each run is ``PY -m omnirelay.cli.main bench adapter --chunks N --json ...``; its report is
+read the way ``bench adapter --runs`` reads its own (``summarize_adapter_runs``, from the
+omnirelay this script imports). ``--json`` writes every report and the summary.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import sys
 import tempfile
 from typing import Any
 
-FIELDS = ("floor_us", "raw_us", "adapter_us", "overhead_us", "hol_p99_us")
+from omnirelay.bench.adapter_latency import summarize_adapter_runs
 
 
 def run_once(python: str, path: str | None, chunks: int, out: str, timeout_s: float) -> dict[str, Any]:
-    """One ``bench adapter`` run; its figures, or ``{"error": ...}``."""
+    """One ``bench adapter`` run: its report (the JSON it wrote), or ``{"error": ...}``."""
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = os.path.abspath(path) + (
@@ -47,48 +48,41 @@ def run_once(python: str, path: str | None, chunks: int, out: str, timeout_s: fl
         return {"error": f"no result within {timeout_s:g} s"}
     try:
         with open(out) as f:
-            d = json.load(f)
+            report: dict[str, Any] = json.load(f)
     except (OSError, ValueError):
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {proc.returncode}, no report: {' | '.join(tail)}"}
-    if "latency" not in d:
-        return {"error": d.get("error") or "the benchmark failed"}
-    lat = d["latency"]
-    interp = d.get("env", {}).get("interpreter") or {}
-    return {
-        "floor_us": lat["floor_wake"]["p50_us"],
-        "raw_us": lat["raw_connector"]["p50_us"],
-        "adapter_us": lat["adapter_published"]["p50_us"],
-        "overhead_us": lat["overhead_p50_us"],
-        "hol_p99_us": d["hol"]["added_us"]["p99_us"],
-        "clean": bool(d.get("leak_audit_clean")),
-        "python": interp.get("version") or d.get("env", {}).get("python"),
-    }
+    if "latency" not in report:
+        return {"error": report.get("error") or "the benchmark failed"}
+    return report
 
 
 def summarize(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """Medians per side over the pairs where both runs gave figures, and the paired
-    difference of the adapter p50."""
-    good = [(a, b) for a, b in pairs if "error" not in a and "error" not in b]
+    """Each side's medians (``summarize_adapter_runs``, as ``bench adapter --runs`` makes
+    them) over the pairs where both runs gave figures, and the paired difference of the
+    adapter p50."""
+    good = [(a, b) for a, b in pairs if "latency" in a and "latency" in b]
     out: dict[str, Any] = {"num_pairs": len(pairs), "num_complete": len(good)}
     if not good:
         return out
-    for side, idx in (("a", 0), ("b", 1)):
-        out[side] = {k: statistics.median(p[idx][k] for p in good) for k in FIELDS}
-        out[side]["all_clean"] = all(p[idx]["clean"] for p in good)
-    diffs = [b["adapter_us"] - a["adapter_us"] for a, b in good]
+    sides = [summarize_adapter_runs([p[idx] for p in good]) for idx in (0, 1)]
+    for name, side in zip(("a", "b"), sides):
+        out[name] = {**side["medians"], "all_ok": side["ok"]}
+    diffs = [b["adapter_p50_us"] - a["adapter_p50_us"] for a, b in zip(sides[0]["runs"], sides[1]["runs"])]
     out["adapter_diff_us"] = {"median": statistics.median(diffs), "mean": statistics.fmean(diffs)}
     out["b_faster_in"] = sum(1 for d in diffs if d < 0)
     return out
 
 
-def _row(label: str, r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"  {label}: FAILED - {r['error']}"
-    clean = "clean" if r["clean"] else "LEAK AUDIT FAILED"
+def _line(label: str, r: dict[str, Any]) -> str:
+    if "latency" not in r:
+        return f"  {label}: FAILED - {r.get('error')}"
+    (row,) = summarize_adapter_runs([r])["runs"]
+    clean = "clean" if row["ok"] else "LEAK AUDIT FAILED"
     return (
-        f"  {label}: floor {r['floor_us']:5.0f}  raw {r['raw_us']:5.0f}  adapter {r['adapter_us']:5.0f}  "
-        f"overhead {r['overhead_us']:4.0f} µs  HOL p99 {r['hol_p99_us'] / 1e3:5.2f} ms  {clean}"
+        f"  {label}: floor {row['floor_p50_us']:5.0f}  raw {row['raw_p50_us']:5.0f}  adapter "
+        f"{row['adapter_p50_us']:5.0f}  overhead {row['overhead_p50_us']:4.0f} µs  HOL p99 "
+        f"{row['hol_added_p99_us'] / 1e3:5.2f} ms  {clean}"
     )
 
 
@@ -135,16 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             a, b = got
             pairs.append((a, b))
             print(f"pair {i + 1} of {args.pairs}")
-            print(_row("A", a))
-            print(_row("B", b))
+            print(_line("A", a))
+            print(_line("B", b))
     summary = summarize(pairs)
     print(f"\n{summary['num_complete']} of {summary['num_pairs']} pairs complete")
     if summary["num_complete"]:
         for side in ("a", "b"):
             m = summary[side]
             print(
-                f"  median {side.upper()}: floor {m['floor_us']:.0f}  raw {m['raw_us']:.0f}  adapter "
-                f"{m['adapter_us']:.0f}  overhead {m['overhead_us']:.0f} µs  HOL p99 {m['hol_p99_us'] / 1e3:.2f} ms"
+                f"  median {side.upper()}: floor {m['floor_p50_us']:.0f}  raw {m['raw_p50_us']:.0f}  adapter "
+                f"{m['adapter_p50_us']:.0f}  overhead {m['overhead_p50_us']:.0f} µs  HOL p99 "
+                f"{m['hol_added_p99_us'] / 1e3:.2f} ms"
             )
         d = summary["adapter_diff_us"]
         print(
@@ -159,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
     ok = summary["num_complete"] == summary["num_pairs"] and all(
-        summary[s]["all_clean"] for s in ("a", "b") if s in summary
+        summary[s]["all_ok"] for s in ("a", "b") if s in summary
     )
     return 0 if ok else 1
 

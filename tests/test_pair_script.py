@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_bench_adapter import _run_result
+
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "pair_adapter_runs.py"
 _spec = importlib.util.spec_from_file_location("pair_adapter_runs", _PATH)
 assert _spec is not None and _spec.loader is not None
@@ -17,30 +19,22 @@ pair = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pair)
 
 
-def _figures(adapter: float, *, clean: bool = True) -> dict[str, object]:
-    return {
-        "floor_us": 30.0,
-        "raw_us": 80.0,
-        "adapter_us": adapter,
-        "overhead_us": adapter - 80.0,
-        "hol_p99_us": 4000.0,
-        "clean": clean,
-    }
-
-
 def test_the_summary_pairs_runs_and_leaves_failed_pairs_out() -> None:
     pairs = [
-        (_figures(170.0), _figures(130.0)),
-        (_figures(160.0), _figures(165.0)),
-        (_figures(180.0), {"error": "exit 1"}),
-        (_figures(150.0), _figures(120.0)),
+        (_run_result(170.0, 80.0, 4000.0), _run_result(130.0, 80.0, 4000.0)),
+        (_run_result(160.0, 80.0, 4000.0), _run_result(165.0, 80.0, 4000.0)),
+        (_run_result(180.0, 80.0, 4000.0), {"error": "exit 1"}),
+        (_run_result(150.0, 80.0, 4000.0), _run_result(120.0, 80.0, 4000.0)),
     ]
     s = pair.summarize(pairs)
     assert (s["num_pairs"], s["num_complete"]) == (4, 3)
-    assert s["a"]["adapter_us"] == 160.0 and s["b"]["adapter_us"] == 130.0
+    assert s["a"]["adapter_p50_us"] == 160.0 and s["b"]["adapter_p50_us"] == 130.0
     assert s["adapter_diff_us"]["median"] == -30.0 and s["b_faster_in"] == 2
-    assert s["a"]["all_clean"] and s["b"]["all_clean"]
-    assert pair.summarize([(_figures(1.0), {"error": "x"})]) == {"num_pairs": 1, "num_complete": 0}
+    assert s["a"]["all_ok"] and s["b"]["all_ok"]
+    assert pair.summarize([(_run_result(1.0, 1.0, 1.0), {"error": "x"})]) == {
+        "num_pairs": 1,
+        "num_complete": 0,
+    }
 
 
 def test_a_reduced_pair_runs_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,7 +45,11 @@ def test_a_reduced_pair_runs_both_sides(tmp_path: Path, capsys: pytest.CaptureFi
     assert "pair 1 of 1" in text and "B faster in" in text and "LEAK" not in text
     report = json.loads(out.read_text())
     ((a, b),) = report["pairs"]
-    assert a["clean"] and b["clean"] and a["adapter_us"] > a["raw_us"] > a["floor_us"] > 0
+    lat = a["latency"]
+    assert a["ok"] and b["ok"]
+    assert (
+        lat["adapter_published"]["p50_us"] > lat["raw_connector"]["p50_us"] > lat["floor_wake"]["p50_us"] > 0
+    )
     assert report["sides"][0]["python"] and report["sides"][1]["path"] == repo
 
 
