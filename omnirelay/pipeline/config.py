@@ -34,7 +34,7 @@ import msgspec
 
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.resolve import explain_stage_async_chunk, resolve_stage_async_chunk
-from omnirelay.pipeline.validate import validate_pipeline
+from omnirelay.pipeline.validate import CONNECTOR_BACKENDS, DEFAULT_CONNECTOR_NAME, validate_pipeline
 
 __all__ = [
     "CONNECTOR_BACKENDS",
@@ -53,11 +53,6 @@ __all__ = [
     "StageConfig",
 ]
 
-#: Connector backends a pipeline file may name (DESIGN.md §1; network backends later).
-CONNECTOR_BACKENDS = ("shm", "inproc")
-#: Name of the connector a stage uses when it names none; an ``shm`` connector without
-#: extras unless the file defines a connector of this name.
-DEFAULT_CONNECTOR_NAME = "default"
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_INPUT_WAIT_TIMEOUT_S = 600.0
 

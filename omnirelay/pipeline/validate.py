@@ -29,7 +29,17 @@ from omnirelay.pipeline.diagnostics import config_error
 if TYPE_CHECKING:
     from omnirelay.pipeline.config import PipelineConfig, StageConfig
 
-__all__ = ["NAMESPACE_PATTERN", "validate_pipeline"]
+__all__ = ["CONNECTOR_BACKENDS", "DEFAULT_CONNECTOR_NAME", "NAMESPACE_PATTERN", "validate_pipeline"]
+
+# The constants the config module re-exports live here, so that validation needs nothing
+# from the config module at run time (it is imported for annotations only): config
+# imports validate, never the other way round.
+
+#: Connector backends a pipeline file may name (network backends later).
+CONNECTOR_BACKENDS = ("shm", "inproc")
+#: Name of the connector a stage uses when it names none; an ``shm`` connector without
+#: extras unless the file defines a connector of this name.
+DEFAULT_CONNECTOR_NAME = "default"
 
 #: A deployment namespace becomes part of every /dev/shm name (DESIGN.md §3). The same
 #: rule as ``omnirelay.connectors.base.validate_namespace`` (a test keeps them equal);
@@ -228,8 +238,6 @@ def _check_final_outputs(cfg: PipelineConfig) -> None:
 
 
 def _check_connectors(cfg: PipelineConfig) -> None:
-    from omnirelay.pipeline.config import CONNECTOR_BACKENDS, DEFAULT_CONNECTOR_NAME
-
     for name, spec in cfg.connectors.items():
         if spec.backend not in CONNECTOR_BACKENDS:
             raise config_error(
