@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from omnirelay.bench.timeline import (
+from omnirelay.engine.interfaces import StageOutput
+from omnirelay.timeline import (
     SEGMENTS,
     StageEvent,
     StageTrace,
@@ -17,7 +18,6 @@ from omnirelay.bench.timeline import (
     critical_path,
     step_of,
 )
-from omnirelay.engine.interfaces import StageOutput
 
 UP = {0: None, 1: 0, 2: 1}
 MS = 1e-3
