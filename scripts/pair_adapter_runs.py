@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
-from omnirelay.bench.adapter_latency import summarize_adapter_runs
+from benchmarks.adapter_latency import summarize_adapter_runs
 
 
 def run_once(python: str, path: str | None, chunks: int, out: str, timeout_s: float) -> dict[str, Any]:

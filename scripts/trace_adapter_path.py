@@ -51,7 +51,7 @@ def _around(owner: Any, name: str, step: str, when: Callable[[tuple[Any, ...]], 
 
 
 def _instrument(role: str) -> None:
-    from omnirelay.bench import adapter_latency_roles as roles
+    from benchmarks import adapter_latency_roles as roles
     from omnirelay.connectors import shm
     from omnirelay.transfer import adapter, lanes, receiver, sender
 
@@ -87,13 +87,13 @@ def _role_main(role: str, out_path: str, target: Callable[..., None], *args: Any
 
 
 def traced_sender(*args: Any) -> None:
-    from omnirelay.bench import adapter_latency_roles as roles
+    from benchmarks import adapter_latency_roles as roles
 
     _role_main("sender", os.environ["OMNIRELAY_TRACE_DIR"] + "/sender.json", roles.sender_main, *args)
 
 
 def traced_receiver(*args: Any) -> None:
-    from omnirelay.bench import adapter_latency_roles as roles
+    from benchmarks import adapter_latency_roles as roles
 
     _role_main("receiver", os.environ["OMNIRELAY_TRACE_DIR"] + "/receiver.json", roles.receiver_main, *args)
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import trace_adapter_path as this  # the spawned processes import the wrappers by this name
 
-    from omnirelay.bench import adapter_latency
+    from benchmarks import adapter_latency
 
     warmup = 100
     with tempfile.TemporaryDirectory(prefix="omnirelay-trace-") as tmp:

@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import torch
 
+from benchmarks.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
 from omnirelay.api import Pipeline
-from omnirelay.bench.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
 from omnirelay.cli.main import main
 from omnirelay.connectors.sweep import sweep
 from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer

@@ -2,7 +2,7 @@
 
 Both run the same :func:`schedule` of trials, one chunk in flight. Per trial the receiver
 arms itself (a raw ``get`` that finds nothing, or a ``load_async`` whose first poll has
-come back empty — seen through :class:`~omnirelay.bench.tracing.TracingConnector`, so
+come back empty — seen through :class:`~benchmarks.tracing.TracingConnector`, so
 its waiting request is idle before the chunk leaves), then says :class:`Ready`; the
 sender waits a random gap, takes ``t0 = perf_counter_ns()`` and either ``put``s on a raw
 connector or ``save_async``s on its adapter; the receiver takes ``t1`` when the object
@@ -43,8 +43,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from omnirelay.bench.tracing import TracingConnector
-from omnirelay.bench.transfer import pin_to, unpin_process
+from benchmarks.tracing import TracingConnector
+from benchmarks.transfer import pin_to, unpin_process
 from omnirelay.connectors import GetStatus, create_connector
 from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
 

@@ -1,6 +1,6 @@
 """``omnirelay bench adapter``: what the chunk transfer adapter adds per codec chunk, across processes.
 
-Two spawned processes (:mod:`omnirelay.bench.adapter_latency_roles`): a sender (stage 1)
+Two spawned processes (:mod:`benchmarks.adapter_latency_roles`): a sender (stage 1)
 and a receiver (stage 2), one codec chunk (int64 16x50 + meta, 6.4 KB) in flight, a
 random gap before each send, latencies from ``perf_counter_ns`` (CLOCK_MONOTONIC,
 system-wide).
@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.bench.adapter_latency_roles import (
+from benchmarks.adapter_latency_roles import (
     RoleReport,
     Trial,
     raw_namespace,
@@ -48,7 +48,7 @@ from omnirelay.bench.adapter_latency_roles import (
     schedule,
     sender_main,
 )
-from omnirelay.bench.transfer import pin_cpus
+from benchmarks.transfer import pin_cpus
 from omnirelay.connectors.sweep import sweep
 from omnirelay.interpreter import InterpreterInfo, interpreter_info
 
