@@ -6,7 +6,7 @@ random gap before each send, latencies from ``perf_counter_ns`` (CLOCK_MONOTONIC
 system-wide).
 
 (a) **Adapter cost.** ``save_async`` on the sender (enqueue) → the chunk published ready on
-    the receiver (the receive worker's commit, ``ChunkInput.committed_time``), interleaved
+    the receiver (the receive worker's commit, told to the adapter's ``on_chunk_ready``), interleaved
     trial by trial with the raw connector's one-way latency (``put`` → the object out of
     ``get``, the consumer woken by ``wait_arrivals``) over the same shm namespace, so the
     adapter's own overhead is the difference. Target: p50 ≤ 150 µs. Also shown: the chunk

@@ -101,7 +101,7 @@ class RoleReport(msgspec.Struct):
     #: perf_counter_ns per trial (t0 on the sender, t1 on the receiver), schedule order.
     times_ns: list[int] = msgspec.field(default_factory=list)
     #: Per trial on the receiver: when its chunk was published ready (the receive worker's
-    #: commit, ``ChunkInput.committed_time``; CLOCK_MONOTONIC like perf_counter_ns), in ns.
+    #: commit, told to the adapter's ``on_chunk_ready``), perf_counter_ns.
     #: For raw trials, ``times_ns``.
     published_ns: list[int] = msgspec.field(default_factory=list)
     #: Per trial, the codec chunk's connector put (sender) or get (receiver) as (start, end).
@@ -359,7 +359,9 @@ class _Receiver:
             create_connector("shm", namespace=namespace, stage_id=RECV_STAGE), on_get=self._on_get
         )
         self.adapter = TransferAdapter(
-            self.conn, TransferConfig(stage_id=RECV_STAGE, receive_from_stage=SEND_STAGE)
+            self.conn,
+            TransferConfig(stage_id=RECV_STAGE, receive_from_stage=SEND_STAGE),
+            on_chunk_ready=self._on_ready,
         )
         self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.wake_sock.bind(wake_address(namespace))
@@ -372,6 +374,10 @@ class _Receiver:
         self.first_poll = threading.Event()
         self.big_open = False
         self.num_big = 0
+
+    def _on_ready(self, internal_id: str, is_waited: bool) -> None:
+        if internal_id != "r-big":  # the codec chunk of the trial in flight
+            self.published = time.perf_counter_ns()
 
     def _on_get(self, key: str, status: GetStatus, t0: int, t1: int) -> None:
         if key == self.watch_key:
@@ -468,8 +474,6 @@ class _Receiver:
                     self._on_big(c.is_finished)
                 elif c.internal_id == iid:
                     assert chunk_seq(c.payload) == seq, (chunk_seq(c.payload), seq)
-                    ct = c.committed_time
-                    self.published = round(ct * 1e9) if ct is not None else time.perf_counter_ns()
                     assert c.is_finished == is_last
                     if is_last:
                         self.adapter.finish_requests([iid])

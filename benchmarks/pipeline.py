@@ -166,7 +166,7 @@ def run_pipeline_bench(
 
     prompt_ids = encode_chat_prompt(open_tokenizer(config, err), prompt)
     trace = StageTrace()
-    pipe, startup_s = start_pipeline(config, on_stage_output=trace, stream=err)
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True, stream=err)
     try:
         report = bench_running_pipeline(
             pipe,
@@ -208,7 +208,8 @@ def bench_running_pipeline(
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
-    """The measurement on a running pipeline (started with ``on_stage_output=trace``);
+    """The measurement on a running pipeline (started with ``on_stage_output=trace,
+    trace_steps=True``);
     ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
     of the stages and the namespace; the pipeline keeps running."""
     from omnirelay.connectors.sweep import sweep

@@ -53,7 +53,7 @@ def trace() -> StageTrace:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_env: None, trace: StageTrace) -> Iterator[Pipeline]:
-    p = Pipeline.start("qwen3-omni-tiny", on_stage_output=trace)
+    p = Pipeline.start("qwen3-omni-tiny", on_stage_output=trace, trace_steps=True)
     yield p
     audit_stopped(p)  # nothing in /dev/shm for the namespace, no process, no socket dir
 

@@ -189,7 +189,7 @@ def run_run(args: argparse.Namespace) -> int:
     prompt_ids = encode_chat_prompt(tokenizer, args.prompt, system=args.system)
     sampling = sampling_overrides(config, max_tokens=args.max_tokens, seed=args.seed)
     trace = StageTrace()
-    pipe, startup_s = start_pipeline(config, on_stage_output=trace)
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True)
     writer = WavWriter(args.out) if args.out is not None else None
     out = sys.stdout
     try:

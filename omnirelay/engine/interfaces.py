@@ -105,7 +105,6 @@ class ItemResult(msgspec.Struct, kw_only=True):
     #: what the next stage's processor consumes (hidden states, codec frame …); handed to
     #: ``TransferAdapter.save_async(output=...)``; None = nothing for downstream this step
     next_stage_output: Any = None
-    compute_s: float = 0.0  # model compute time spent on this item (for overhead metrics)
 
 
 @runtime_checkable

@@ -1,9 +1,10 @@
 """The critical path of one client output, across stages (``run`` and ``bench pipeline``).
 
-* :class:`StageTrace` — the observer given to ``Pipeline.start(on_stage_output=...)``: for
-  the requests it is told to :meth:`~StageTrace.watch`, it keeps every stage's outputs as
-  :class:`StageEvent` s, with the step timing the engine puts in their ``metrics``
-  (:mod:`omnirelay.engine.stage_output`). Intermediate stages (the Talker) are seen too.
+* :class:`StageTrace` — the observer given to ``Pipeline.start(on_stage_output=...,
+  trace_steps=True)``: for the requests it is told to :meth:`~StageTrace.watch`, it keeps
+  every stage's outputs as :class:`StageEvent` s, with the step each was made by (the
+  metrics the stages' :class:`~omnirelay.timeline.recorder.StepRecorder` wrote).
+  Intermediate stages (the Talker) are seen too.
 * :func:`critical_path` — from a client output back to the submit: which steps of which
   stages the output waited for, and how the wall time splits into model compute and
   everything else (:class:`CriticalPath`).
@@ -26,9 +27,9 @@ From a step, the predecessor is what it waited for last:
 
 Along the way the wall time is split exactly into segments (:data:`SEGMENTS`), so
 ``compute_s + sum(segments) == wall_s``: ``compute`` is the model compute of each step on
-the path (the whole executor call: a batched request waited for all of it);
-``step_overhead`` is the rest of each step's executor call (input parsing, batching,
-output conversion); ``schedule`` the gap between two steps of one stage (engine tick,
+the path, the executor call's wall time (a batched request waited for all of it; input
+parsing and output conversion inside the executor count as compute, see
+:mod:`~omnirelay.timeline.recorder`); ``schedule`` the gap between two steps of one stage (engine tick,
 saves, outputs, waiting for a batch slot or for other requests' steps); ``transfer`` the
 producer's end to the chunk's commit at the consumer (send thread, processor, put,
 notice, get, commit); ``wake`` the commit to the consumer's step; ``forward`` the upstream's
@@ -48,39 +49,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirelay.engine.interfaces import StageOutput
+from omnirelay.timeline.recorder import Step, step_of
 
 __all__ = [
     "SEGMENTS",
     "CriticalPath",
     "StageEvent",
     "StageTrace",
-    "Step",
     "audio_length",
     "critical_path",
-    "step_of",
     "steps_by_stage",
     "upstream_map",
 ]
 
 #: How the time outside model compute on a critical path is split (see the module docstring).
-SEGMENTS = ("submit", "admit", "step_overhead", "schedule", "transfer", "wake", "forward", "deliver")
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One executor call of one stage, as one request saw it."""
-
-    stage_id: int
-    start_s: float
-    end_s: float
-    compute_s: float  # model compute of the whole call
-    input_time_s: float | None  # the arrival of the chunk it had been waiting for
-    item_compute_s: float = 0.0  # this request's share of the call's compute
-    arrival_s: float | None = None  # when the request reached the stage
-
-    @property
-    def wall_s(self) -> float:
-        return self.end_s - self.start_s
+SEGMENTS = ("submit", "admit", "schedule", "transfer", "wake", "forward", "deliver")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,22 +76,6 @@ class StageEvent:
     finished: bool
     finish_reason: str | None
     step: Step | None
-
-
-def step_of(stage_id: int, metrics: Mapping[str, float]) -> Step | None:
-    """The :class:`Step` in an output's metrics (None: the output was made by no step)."""
-    try:
-        return Step(
-            stage_id=stage_id,
-            start_s=float(metrics["step_start_s"]),
-            end_s=float(metrics["step_end_s"]),
-            compute_s=float(metrics["step_compute_s"]),
-            input_time_s=float(metrics["input_time_s"]) if "input_time_s" in metrics else None,
-            item_compute_s=float(metrics.get("item_compute_s", 0.0)),
-            arrival_s=float(metrics["arrival_s"]) if "arrival_s" in metrics else None,
-        )
-    except KeyError:
-        return None
 
 
 def audio_length(audio: Any) -> int:
@@ -199,7 +166,7 @@ class CriticalPath:
     def compute_by_stage(self) -> dict[int, float]:
         out: dict[int, float] = {}
         for s in self.path:
-            out[s.stage_id] = out.get(s.stage_id, 0.0) + min(s.compute_s, s.wall_s)
+            out[s.stage_id] = out.get(s.stage_id, 0.0) + s.wall_s
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -260,9 +227,7 @@ def critical_path(
     seg["deliver"] += target_s - node.end_s
     while True:
         cp.path.append(node)
-        compute = min(node.compute_s, node.wall_s)
-        cp.compute_s += compute
-        seg["step_overhead"] += node.wall_s - compute
+        cp.compute_s += node.wall_s
         steps = by_stage.get(stage, [])
         k = next((i for i, s in enumerate(steps) if s == node), None)
         prev = steps[k - 1] if k is not None and k > 0 else None

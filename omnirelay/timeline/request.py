@@ -22,12 +22,11 @@ from omnirelay.timeline.critical_path import (
     CriticalPath,
     StageEvent,
     StageTrace,
-    Step,
     audio_length,
     critical_path,
-    step_of,
     upstream_map,
 )
+from omnirelay.timeline.recorder import Step, step_of
 
 if TYPE_CHECKING:
     from omnirelay.api import Pipeline
@@ -149,7 +148,8 @@ def drive_request(
     on_output: Callable[[RequestOutput, float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> RequestTimeline:
-    """Submit one request on ``pipe`` (started with ``on_stage_output=trace``), read every
+    """Submit one request on ``pipe`` (started with ``on_stage_output=trace`` and
+    ``trace_steps=True``: without step times the critical paths are empty), read every
     output, and return its timeline. ``on_output(output, seconds_since_submit)`` sees each
     output as it arrives (streaming text, writing audio).
 

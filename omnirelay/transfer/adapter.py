@@ -61,7 +61,10 @@ class TransferAdapter:
         release_hook: ReleaseHook | None = None,
         empty_payload: Callable[[bool, bool], Any] = default_empty_payload,
         clock: Callable[[], float] = time.monotonic,
+        on_chunk_ready: Callable[[str, bool], None] | None = None,
     ) -> None:
+        """``on_chunk_ready(internal_id, is_waited)``: told of each ready chunk at its
+        commit, on a receive worker (see :class:`~omnirelay.transfer.receiver.ReceiveSide`)."""
         self.config = config
         self._connector = connector
         self._clock = clock
@@ -107,7 +110,9 @@ class TransferAdapter:
         self._recv_lanes: LaneExecutor | None = None
         self._next_fallback = clock() + config.fallback_poll_s  # read and written by the leader only
         if config.is_receiver:
-            self._receiver = ReceiveSide(connector=connector, config=config, box=self._box, clock=clock)
+            self._receiver = ReceiveSide(
+                connector=connector, config=config, box=self._box, clock=clock, on_chunk_ready=on_chunk_ready
+            )
             self._recv_lanes = LaneExecutor(
                 f"omnirelay-recv-s{config.stage_id}",
                 config.num_recv_workers,
