@@ -80,7 +80,6 @@ def run_adapter_latency(
     seed: int = 0,
     timeout_s: float = 600.0,
     pin: bool = True,
-    send_batch: bool = False,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     if n_latency < 1 or n_hol < 1 or warmup < 0:
@@ -110,7 +109,7 @@ def run_adapter_latency(
     )
     sender = ctx.Process(
         target=sender_main,
-        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu, send_batch),
+        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu),
         name="sender",
     )
     deadline = time.monotonic() + timeout_s
@@ -160,7 +159,6 @@ def run_adapter_latency(
             "cpus": len(os.sched_getaffinity(0)),
             "sender_cpu": send_cpu,
             "receiver_cpu": recv_cpu,
-            "send_batch": send_batch,
             "cpu_probe_s": probe,
         },
         "leftover_objects": leftover,
@@ -404,10 +402,9 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         if env.get("sender_cpu") is not None
         else "unpinned"
     )
-    policy = "SCHED_BATCH send workers (is_send_batch)" if env.get("send_batch") else "default thread policy"
     head = (
         "omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, "
-        f"{env['cpus']} CPUs, {placed}, {policy}"
+        f"{env['cpus']} CPUs, {placed}"
     )
     if env.get("cpu_probe_s") is not None:
         head += (

@@ -193,7 +193,6 @@ class _Sender:
         seed: int,
         wait_s: float,
         all_cpus: set[int],
-        send_batch: bool = False,
     ):
         self.all_cpus = all_cpus
         self.unpinned = False
@@ -208,7 +207,7 @@ class _Sender:
         )
         self.adapter = TransferAdapter(
             self.conn,
-            TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE, is_send_batch=send_batch),
+            TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE),
             processor=self._build,
         )
         self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -318,7 +317,6 @@ def sender_main(
     out: Connection,
     ready: Any,
     cpu: int | None = None,
-    send_batch: bool = False,
 ) -> None:
     all_cpus = os.sched_getaffinity(0)
     pin_to(cpu)
@@ -329,7 +327,7 @@ def sender_main(
     try:
         if not ready.wait(wait_s):
             raise TimeoutError("the receiver never became ready")
-        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus, send_batch)
+        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus)
         report = sender.report
         sender.run()
         sender.audit()

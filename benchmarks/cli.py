@@ -119,12 +119,6 @@ def _register_benches(bsub: Any) -> None:
         help="do not pin the sender and receiver processes to two CPUs",
     )
     a.add_argument(
-        "--send-batch",
-        action="store_true",
-        help="run the sender's send workers under SCHED_BATCH (TransferConfig.is_send_batch: for stages "
-        "whose scheduler thread waits after handing a chunk over; off by default)",
-    )
-    a.add_argument(
         "--warmup", type=int, default=100, help="unmeasured chunks before each series (default 100)"
     )
     a.add_argument(
@@ -287,7 +281,6 @@ def run_bench_adapter(args: argparse.Namespace) -> int:
                 seed=args.seed + i,
                 timeout_s=args.timeout,
                 pin=not args.no_pin,
-                send_batch=args.send_batch,
             )
         except ValueError as exc:
             raise SystemExit(f"omnirelay bench adapter: {exc}") from exc

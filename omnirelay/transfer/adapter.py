@@ -17,8 +17,7 @@ Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailu
 Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
-also runs the idle reap pass; optionally under ``SCHED_BATCH``, see
-``TransferConfig.is_send_batch``) and a pool of receive workers (one lane per internal id)
+also runs the idle reap pass) and a pool of receive workers (one lane per internal id)
 whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
 announced entries (plus a slow fallback pass over all of them). The leader polls the first
 announced *small* chunk itself (``Arrivals.small``: a codec chunk, a hidden-state step)
@@ -90,7 +89,6 @@ class TransferAdapter:
                 after_task=lambda: self._housekeep(False),
                 on_idle=lambda: self._housekeep(False),
                 idle_interval_s=config.reap_interval_s,
-                batch=config.is_send_batch,
             )
             self._sender = SendSide(
                 connector=connector,
