@@ -14,6 +14,12 @@ never imports it (``omnirelay bench`` loads it on use).
 * ``pipeline.py`` — ``bench pipeline``: time to first audio and runtime overhead of the
   tiny Qwen3-Omni pipeline (:mod:`omnirelay.timeline`).
 * ``serve.py`` — ``bench serve``: a load generator for the OpenAI-compatible server.
+* ``pair_adapter_runs.py`` — ``python -m benchmarks.pair_adapter_runs``: ``bench adapter``
+  under two interpreters or two checkouts (``--a-path`` / ``--b-path``), alternating run
+  by run, for before/after comparisons on a machine whose speed drifts.
+* ``soak_pipeline.py`` — ``python -m benchmarks.soak_pipeline``: hundreds of concurrent
+  requests with random aborts through the toy pipeline, then the idle CPU cost of
+  requests parked for chunks; leak audits throughout.
 * ``tracing.py`` — :class:`~benchmarks.tracing.TracingConnector`, a counting connector
   wrapper the transfer benchmarks inject.
 * ``anchor.py`` — the shm connector as a transport of an external transfer-anchor harness.

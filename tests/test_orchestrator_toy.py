@@ -113,7 +113,7 @@ def test_request_id_reuse_after_abort_and_after_completion(audited: Pipeline) ->
 
 def test_concurrent_requests_with_random_aborts(audited: Pipeline) -> None:
     """200 concurrent requests, 20% aborted at seeded random points (short requests: the
-    full-length run is ``scripts/soak_pipeline.py``); the fixture audits for leaks."""
+    full-length run is ``python -m benchmarks.soak_pipeline``); the fixture audits for leaks."""
     report = run_concurrent(audited, expect, num_requests=200, abort_fraction=0.2, seed=1234)
     assert report.num_completed + report.num_aborted == 200
     assert report.num_aborted >= 20 and report.num_completed >= 140
