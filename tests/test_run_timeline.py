@@ -146,3 +146,12 @@ def test_stage_trace_keeps_only_watched_requests() -> None:
     (event,) = trace.take("a")
     assert event.stage_id == 1 and event.token_ids == (5,) and event.step is None
     assert trace.take("a") == [] and trace.num_watched == 0
+
+
+def test_the_timeline_package_exports_what_it_lists() -> None:
+    import omnirelay.timeline as timeline
+
+    assert sorted(timeline.__all__) == sorted(set(timeline.__all__))
+    for name in timeline.__all__:
+        assert getattr(timeline, name) is not None, name
+    assert {"StageTrace", "StepRecorder", "critical_path", "drive_request"} <= set(timeline.__all__)

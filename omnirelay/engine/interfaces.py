@@ -68,6 +68,8 @@ class StageOutput(msgspec.Struct, kw_only=True):
     audio: Any = None  # new waveform samples this step (1-D float32 tensor), generation stages
     sample_rate: int | None = None
     error: str | None = None
+    #: a final output's counts and latencies at this stage (``engine/stage_output.py``);
+    #: an engine's step tracer may add its own keys (``engine/tracing.py``)
     metrics: dict[str, float] = {}
 
 
