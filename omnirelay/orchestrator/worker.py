@@ -386,7 +386,8 @@ def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtoc
         factory = load_engine_factory(spec.engine_factory)
         if spec.tracer_factory is None:
             return factory(spec.pipeline, spec.stage_id)
-        if "tracer" not in inspect.signature(factory).parameters:
+        params = inspect.signature(factory).parameters
+        if "tracer" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise ConfigError(
                 f"engine factory {spec.engine_factory!r} takes no tracer= argument, so its stages "
                 "cannot time their steps: add one, or start the pipeline without trace_steps"

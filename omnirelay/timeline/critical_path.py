@@ -27,15 +27,16 @@ From a step, the predecessor is what it waited for last:
 
 Along the way the wall time is split exactly into segments (:data:`SEGMENTS`), so
 ``compute_s + sum(segments) == wall_s``: ``compute`` is the model compute of each step on
-the path, the executor call's wall time (a batched request waited for all of it; input
-parsing and output conversion inside the executor count as compute, see
-:mod:`~omnirelay.timeline.recorder`); ``schedule`` the gap between two steps of one stage (engine tick,
-saves, outputs, waiting for a batch slot or for other requests' steps); ``transfer`` the
-producer's end to the chunk's commit at the consumer (send thread, processor, put,
-notice, get, commit); ``wake`` the commit to the consumer's step; ``forward`` the upstream's
-end to a forwarded stage's first step; ``submit`` the API call to the request's arrival
-in the stage whose admission started the path (control plane); ``admit`` that arrival to
-the stage's first step; ``deliver`` the step's end to the client reading the output.
+the path, taken as the executor call's wall time (a batched request waited for all of
+it; input parsing and output conversion inside the executor count as compute too, see
+:mod:`~omnirelay.timeline.recorder`); ``schedule`` the gap between two steps of one stage
+(engine tick, saves, outputs, waiting for a batch slot or for other requests' steps);
+``transfer`` the producer's end to the chunk's commit at the consumer (send thread,
+processor, put, notice, get, commit); ``wake`` the commit to the consumer's step;
+``forward`` the upstream's end to a forwarded stage's first step; ``submit`` the API call
+to the request's arrival in the stage whose admission started the path (control plane);
+``admit`` that arrival to the stage's first step; ``deliver`` the step's end to the
+client reading the output.
 
 The producer is found by time: exact unless a transfer took longer than one upstream
 step (then the walk credits one step too late and reports slightly *less* overhead).
