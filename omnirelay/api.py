@@ -49,6 +49,7 @@ from omnirelay.orchestrator.router import (
 )
 from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
+from omnirelay.timeline.recorder import StepRecorder
 
 __all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "validate_request_id"]
 
@@ -141,6 +142,7 @@ class Pipeline:
         idle_wait_s: float = 1.0,
         wait_slice_s: float = 0.01,
         on_stage_output: Callable[[StageOutput], None] | None = None,
+        trace_steps: bool = False,
     ) -> Pipeline:
         """Load the pipeline, spawn its workers, wait until every engine is built.
 
@@ -154,9 +156,12 @@ class Pipeline:
         worker's longest wait (it ticks its engine once after each, for stall timeouts);
         ``wait_slice_s``: the wait slices of an engine without ``wake()``.
         ``on_stage_output``: called on the front thread with every stage's outputs,
-        intermediate stages included, before they are routed (timelines, benchmarks: the
-        per-step ``metrics`` of :mod:`omnirelay.engine.stage_output`); it must be quick and
-        must not raise or block. Raises
+        intermediate stages included, before they are routed (timelines, benchmarks); it
+        must be quick and must not raise or block. ``trace_steps``: every stage records
+        its steps' times into the metrics of the outputs they make
+        (:class:`~omnirelay.timeline.StepRecorder`; what a
+        :class:`~omnirelay.timeline.StageTrace` observer reads); off, no timing work is
+        done. Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
         if isinstance(pipeline, PipelineConfig):
@@ -187,6 +192,7 @@ class Pipeline:
             idle_wait_s=idle_wait_s,
             wait_slice_s=wait_slice_s,
             on_stage_output=on_stage_output,
+            tracer_factory=StepRecorder if trace_steps else None,
         )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)

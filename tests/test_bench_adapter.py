@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omnirelay.bench.adapter_latency import (
+from benchmarks.adapter_latency import (
     render_adapter_latency,
     render_adapter_runs,
     run_adapter_latency,

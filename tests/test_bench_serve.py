@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omnirelay.bench.serve import check_loopback_url, render_serve_bench, run_serve_bench
+from benchmarks.serve import check_loopback_url, render_serve_bench, run_serve_bench
 from omnirelay.cli.main import main
 from omnirelay.serving import ServerConfig
 from tests.orchestrator_audit import child_pids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnirelay.bench.stress import render_stress, run_stress
+from benchmarks.stress import render_stress, run_stress
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_doctor_says_when_the_shm_connector_cannot_run(
 
 
 def test_bench_transfer_smoke(tmp_path: Path) -> None:
-    from omnirelay.bench.transfer import render_table, run_transfer_bench
+    from benchmarks.transfer import render_table, run_transfer_bench
 
     res = run_transfer_bench(["codec_chunk"], scale=0.02, log=lambda m: None)
     entry = res["payloads"]["codec_chunk"]

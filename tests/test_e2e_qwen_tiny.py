@@ -19,9 +19,8 @@ import msgspec
 import pytest
 import torch
 
+from benchmarks.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
 from omnirelay.api import Pipeline
-from omnirelay.bench.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
-from omnirelay.bench.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
 from omnirelay.cli.main import main
 from omnirelay.connectors.sweep import sweep
 from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
@@ -29,6 +28,7 @@ from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_rec
 from omnirelay.models.tiny import CACHE_ENV
 from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.orchestrator.worker import leak_paths
+from omnirelay.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
 from tests.orchestrator_audit import audit_stopped, child_pids
 from tests.test_models_support import tiny_cache, tiny_dir
 
@@ -53,7 +53,7 @@ def trace() -> StageTrace:
 
 @pytest.fixture(scope="module")
 def pipe(tiny_env: None, trace: StageTrace) -> Iterator[Pipeline]:
-    p = Pipeline.start("qwen3-omni-tiny", on_stage_output=trace)
+    p = Pipeline.start("qwen3-omni-tiny", on_stage_output=trace, trace_steps=True)
     yield p
     audit_stopped(p)  # nothing in /dev/shm for the namespace, no process, no socket dir
 

@@ -47,6 +47,7 @@ def make_engine(
     executor: Any = None,
     transfer_config: TransferConfig | None = None,
     clock: Any = time.monotonic,
+    tracer: Any = None,
 ) -> StageEngine:
     parts = build_stage_components(toy_registry(), pipeline, stage)
     roles = resolve_stage_roles(pipeline, stage)
@@ -60,6 +61,7 @@ def make_engine(
         processor=parts.processor,
         transfer_config=transfer_config,
         clock=clock,
+        tracer=tracer,
     )
 
 

@@ -120,7 +120,6 @@ def test_each_step_yields_one_frame_of_q_codebooks(talker: TalkerExecutor, paylo
         assert frame.shape == (1, Q) and frame.dtype == torch.int64 and frame.device.type == "cpu"
         assert res.token_ids == [int(frame[0, 0])]
         assert int(frame.min()) >= 0 and int(frame.max()) < 2048  # codec ids only
-        assert res.compute_s > 0
     assert len({tuple(r.next_stage_output[0].tolist()) for r in results}) > 1
     assert talker.num_live_requests() == 0
 

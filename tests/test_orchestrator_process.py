@@ -361,3 +361,10 @@ def test_workers_exit_when_the_front_dies() -> None:
             front.wait()
         assert front.stdout is not None
         front.stdout.close()
+
+
+def test_tracing_steps_needs_an_engine_factory_that_takes_a_tracer() -> None:
+    num_children = len(child_pids())
+    with pytest.raises(StageDiedError, match=r"takes no tracer= argument.*trace_steps"):
+        Pipeline.start(fake_config(), engine_factory=FACTORY, trace_steps=True)
+    assert len(child_pids()) == num_children

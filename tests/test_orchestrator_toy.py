@@ -28,6 +28,7 @@ from omnirelay.engine.toy import (
 )
 from omnirelay.errors import RequestFailedError
 from omnirelay.pipeline import load_pipeline
+from omnirelay.timeline import StageTrace, drive_request, steps_by_stage
 from tests.orchestrator_audit import audit_running, audit_stopped, pids_alive, transfer_objects
 from tests.orchestrator_load import run_concurrent
 
@@ -112,7 +113,7 @@ def test_request_id_reuse_after_abort_and_after_completion(audited: Pipeline) ->
 
 def test_concurrent_requests_with_random_aborts(audited: Pipeline) -> None:
     """200 concurrent requests, 20% aborted at seeded random points (short requests: the
-    full-length run is ``scripts/soak_pipeline.py``); the fixture audits for leaks."""
+    full-length run is ``python -m benchmarks.soak_pipeline``); the fixture audits for leaks."""
     report = run_concurrent(audited, expect, num_requests=200, abort_fraction=0.2, seed=1234)
     assert report.num_completed + report.num_aborted == 200
     assert report.num_aborted >= 20 and report.num_completed >= 140
@@ -177,3 +178,24 @@ def test_killed_worker_fails_its_requests_within_5s_and_health_says_so() -> None
     assert report.exitcodes[1] == -signal.SIGKILL and report.exitcodes[0] == 0 and report.exitcodes[2] == 0
     assert sweep(p.namespace).objects == []
     assert pids_alive(list(p.pids().values())) == []
+
+
+def test_a_pipeline_that_traces_steps_gives_each_output_its_step() -> None:
+    """``trace_steps=True``: every stage process records its steps into its outputs, so
+    a request's critical path can be walked from the last audio back to the submit."""
+    trace = StageTrace()
+    pipe = Pipeline.start("toy-3stage", on_stage_output=trace, trace_steps=True)
+    try:
+        tl = drive_request(
+            pipe, trace, [5], modalities=["text", "audio"], sampling={0: SamplingParams(max_tokens=8)}
+        )
+        assert tl.finish_reason == "stop" and tl.num_text_tokens == 8 and tl.audio_chunks
+        assert set(steps_by_stage(tl.events)) == {0, 1, 2}  # every stage timed its steps
+        assert all(a.step is not None for a in tl.arrivals if a.num_tokens or a.num_samples)
+        for cp in (tl.cp_first_audio, tl.cp_done):
+            assert cp is not None and cp.path and cp.path[-1].stage_id == 2
+            assert cp.compute_s + sum(cp.segments.values()) == pytest.approx(cp.wall_s, abs=1e-9)
+        audit_running(pipe)  # the tracers' per-request state included
+        assert trace.num_watched == 0
+    finally:
+        audit_stopped(pipe)

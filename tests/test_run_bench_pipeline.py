@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirelay.bench.pipeline import OVERHEAD_TARGET, percentile, target_met
+from benchmarks.pipeline import OVERHEAD_TARGET, percentile, target_met
 from omnirelay.cli.main import main
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnirelay.bench.session import Progress, load_run_config, sampling_overrides
 from omnirelay.cli.main import main
 from omnirelay.cli.run import WavWriter
+from omnirelay.cli.session import Progress, load_run_config, sampling_overrides
 from omnirelay.connectors.sweep import sweep
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.tiny import CACHE_ENV

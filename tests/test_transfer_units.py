@@ -42,13 +42,6 @@ def test_config_defaults() -> None:
     assert not TransferConfig(stage_id=0).is_receiver
 
 
-@pytest.mark.parametrize("value", ["true", 1, None])
-def test_send_batch_flag_must_be_a_bool(value: Any) -> None:
-    with pytest.raises(ConfigError, match="is_send_batch"):
-        TransferConfig(stage_id=0, is_send_batch=value)
-    assert TransferConfig(stage_id=0).is_send_batch is False
-
-
 def test_zero_stall_timeout_warns() -> None:
     with pytest.warns(StallTimeoutDisabledWarning, match="disabled"):
         TransferConfig(stage_id=0, stall_timeout_s=0)
@@ -488,21 +481,6 @@ def test_stop_with_a_task_run_now_drops_queued_work_and_leaves_no_lane() -> None
     stopper.join(10)
     assert not stopper.is_alive()
     assert lanes.lanes() == [] and lanes.num_dropped_at_stop == 1
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
-@pytest.mark.parametrize("batch", [True, False])
-def test_batch_pools_run_their_workers_under_sched_batch(batch: bool) -> None:
-    lanes = LaneExecutor("t", 1, on_error=lambda e: None, batch=batch)
-    lanes.start()
-    seen: list[int] = []
-    try:
-        lanes.submit("A", lambda: seen.append(os.sched_getscheduler(0)))  # 0: the calling thread
-        assert lanes.wait_idle(10)
-    finally:
-        lanes.stop(5)
-    assert seen == [os.SCHED_BATCH if batch else os.SCHED_OTHER]
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's policy is untouched
 
 
 # --------------------------------------------------------------------- budget, events

@@ -5,7 +5,7 @@ produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipelin
 sample rate: 24 kHz); then the timeline: time to first text token, time to first audio,
 each audio chunk's arrival and length, the total, and the critical paths to the first
 audio and to the last output with the share of their wall time spent outside model
-compute (see :mod:`omnirelay.bench.timeline`). ``--json`` writes all of it.
+compute (see :mod:`omnirelay.timeline`). ``--json`` writes all of it.
 
 The pipeline is shut down before the command returns (no process or /dev/shm object
 left); Ctrl-C aborts the request, shuts down, and exits with 130.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnirelay.bench.session import (
+from omnirelay.cli.session import (
     DEFAULT_MODEL_PIPELINE,
     DEFAULT_PIPELINE,
     load_run_config,
@@ -33,9 +33,9 @@ from omnirelay.bench.session import (
     sampling_overrides,
     start_pipeline,
 )
-from omnirelay.bench.timeline import SEGMENTS, CriticalPath, RequestTimeline, StageTrace, drive_request
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.timeline import SEGMENTS, CriticalPath, RequestTimeline, StageTrace, drive_request
 
 __all__ = ["WavWriter", "register", "render_timeline", "run_run"]
 
@@ -189,7 +189,7 @@ def run_run(args: argparse.Namespace) -> int:
     prompt_ids = encode_chat_prompt(tokenizer, args.prompt, system=args.system)
     sampling = sampling_overrides(config, max_tokens=args.max_tokens, seed=args.seed)
     trace = StageTrace()
-    pipe, startup_s = start_pipeline(config, on_stage_output=trace)
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True)
     writer = WavWriter(args.out) if args.out is not None else None
     out = sys.stdout
     try:

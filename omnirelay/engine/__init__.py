@@ -13,6 +13,7 @@ Files (one role each; read the architecture off the names):
 * ``stage_roles.py`` — a stage's sender/receiver roles from the pipeline's contracts.
 * ``admission.py`` — checks and sampling defaults of an arriving :class:`StageRequest`.
 * ``stage_output.py`` — request updates → :class:`StageOutput` messages.
+* ``tracing.py`` — :class:`StepTracer`, the optional per-step timing interface.
 * ``engine.py`` — :class:`StageEngine`: scheduler + executor + transfer adapter.
 * ``loop.py`` — :func:`run_stage_loop`, the worker loop; :class:`StageLoopThread`.
 * ``components.py`` — registry names → executor and chunk processor of a stage.
@@ -49,6 +50,7 @@ from omnirelay.engine.request import (
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, RequestUpdate, SchedulerOutput, StepUpdate
 from omnirelay.engine.stage_roles import StageRoles, resolve_stage_roles
+from omnirelay.engine.tracing import StepTracer
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -76,6 +78,7 @@ __all__ = [
     "StageOutput",
     "StageRequest",
     "StageRoles",
+    "StepTracer",
     "StepUpdate",
     "build_stage_components",
     "create_stage_engine",

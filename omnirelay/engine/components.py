@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omnirelay.engine.interfaces import Executor
 from omnirelay.engine.stage_roles import resolve_stage_roles
+from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
 from omnirelay.pipeline.registry import ComponentRegistry
@@ -95,11 +96,13 @@ def create_stage_engine(
     namespace: str | None = None,
     transfer_config: TransferConfig | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracer: StepTracer | None = None,
 ) -> StageEngine:
     """Executor, chunk processor, connector (only for a stage with a chunk edge: the
     backend of the connector its edges name) and the :class:`StageEngine` of ``stage``.
 
     ``namespace`` defaults to the pipeline's; it is required when the stage has a chunk edge.
+    ``tracer``: the engine's step tracer (:mod:`omnirelay.engine.tracing`; default none).
     """
     from omnirelay.connectors import create_connector
     from omnirelay.engine.engine import StageEngine
@@ -126,6 +129,7 @@ def create_stage_engine(
             transfer_config=transfer_config,
             clock=clock,
             release_hook=parts.release_hook,
+            tracer=tracer,
         )
     except BaseException:
         if connector is not None:

@@ -29,6 +29,11 @@ engine's own when it has no adapter) that a ready chunk, a transfer failure or a
 wakes. Parked requests are never polled by the engine; an idle stage wakes only when
 something arrives or the caller's timeout ends.
 
+Timing. Given a ``tracer`` (:class:`~omnirelay.engine.tracing.StepTracer`), the engine
+and its adapter report each executor call, each chunk made ready and taken, and each
+output a step made; the tracer may add keys to those outputs' ``metrics``. Without one
+(the default) no timing work is done.
+
 Ownership at the finish of a request:
 
 * normal finish after a terminal chunk was admitted: only the receive side is released
@@ -51,12 +56,13 @@ from typing import Any
 from omnirelay.connectors.base import Connector
 from omnirelay.engine.admission import admission_problem, stage_sampling
 from omnirelay.engine.generation_scheduler import GenerationScheduler
-from omnirelay.engine.interfaces import Executor, StageOutput, StageRequest
+from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
-from omnirelay.engine.stage_output import OutputBuilder, StepTiming
+from omnirelay.engine.stage_output import OutputBuilder
 from omnirelay.engine.stage_roles import StageRoles, resolve_stage_roles
+from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
 from omnirelay.transfer import (
@@ -109,6 +115,7 @@ class StageEngine:
         transfer_config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         release_hook: ReleaseHook | None = None,
+        tracer: StepTracer | None = None,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
         self.stage_id = stage.id
@@ -122,6 +129,8 @@ class StageEngine:
             )
         self._executor = executor
         self._clock = clock
+        #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
+        self._tracer = tracer
         self._user_release_hook = release_hook
         self._connector = connector
         scheduler_cls: type[BaseScheduler] = (
@@ -160,7 +169,12 @@ class StageEngine:
                 stage, pipeline_config, transfer_config, receiver_kind=scheduler_cls.receiver_kind
             )
             self._adapter = TransferAdapter(
-                connector, config, processor=processor, release_hook=self._on_sender_released, clock=clock
+                connector,
+                config,
+                processor=processor,
+                release_hook=self._on_sender_released,
+                clock=clock,
+                on_chunk_ready=None if tracer is None else tracer.chunk_ready,
             )
         elif transfer_config is not None:
             raise ConfigError(f"{stage.label} has no chunk edge; it takes no transfer_config")
@@ -282,32 +296,35 @@ class StageEngine:
             for request in sched.finished:
                 self._finish(request, None, outputs)
             if sched.batches:
-                results: list[Any] = []
-                timings: dict[str, StepTiming] = {}  # internal id -> its executor call
-                for batch in sched.batches:
-                    self._counts["num_executor_calls"] += 1
-                    self._counts["num_items"] += len(batch)
-                    self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
-                    start = self._clock()
-                    try:
-                        result = self._executor.step(list(batch))
-                    except Exception as exc:  # fails this batch's requests, not the stage
-                        self._counts["num_executor_errors"] += 1
-                        self.last_error = f"executor: {type(exc).__name__}: {exc}"
-                        results.append(exc)
-                        continue
-                    results.append(result)
-                    timing = StepTiming(start, self._clock(), _batch_compute(result))
-                    timings.update((item.internal_id, timing) for item in batch)
+                results = [self._call_executor(batch) for batch in sched.batches]
                 update = self._scheduler.update_from_output(sched, results)
                 if self._defers_loads:
                     self._deferred_loads.extend(update.chunk_loads)
                 else:
                     self._load(update.chunk_loads)
                 for u in update.updates:
-                    self._apply_update(u, outputs, timings.get(u.request.internal_id))
+                    self._apply_update(u, outputs)
             self._counts["num_outputs"] += len(outputs)
             return outputs
+
+    def _call_executor(self, batch: tuple[BatchItem, ...]) -> Any:
+        """One executor call: its results, or the exception it raised (which fails this
+        batch's requests, not the stage)."""
+        self._counts["num_executor_calls"] += 1
+        self._counts["num_items"] += len(batch)
+        self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
+        tracer = self._tracer
+        if tracer is not None:
+            tracer.call_started(batch)
+        try:
+            result = self._executor.step(list(batch))
+        except Exception as exc:
+            self._counts["num_executor_errors"] += 1
+            self.last_error = f"executor: {type(exc).__name__}: {exc}"
+            return exc
+        if tracer is not None:
+            tracer.call_ended(batch)
+        return result
 
     def _take_commands(self) -> list[_Command]:
         with self._cond:
@@ -400,6 +417,8 @@ class StageEngine:
         if adapter is None:
             return None
         events = adapter.poll_events()
+        if self._tracer is not None and events.ready:
+            self._tracer.chunks_taken(c.internal_id for c in events.ready)
         adapter.take_external_failures()  # the engine reports failures through its outputs
         for f in (*events.failed, *events.timed_out):
             self._counts["num_transfer_failures"] += 1
@@ -428,17 +447,17 @@ class StageEngine:
 
     # ----------------------------------------------------------------- results
 
-    def _apply_update(
-        self, update: RequestUpdate, outputs: list[StageOutput], timing: StepTiming | None
-    ) -> None:
+    def _apply_update(self, update: RequestUpdate, outputs: list[StageOutput]) -> None:
         request = update.request
         problem = self._save(update)
         if not request.is_finished:
-            out = self._outputs.step(update, timing)
+            out = self._outputs.step(update)
             if out is not None:
+                if self._tracer is not None:
+                    self._tracer.output_made(request, out)
                 outputs.append(out)
             return
-        self._finish(request, update, outputs, problem=problem, timing=timing)
+        self._finish(request, update, outputs, problem=problem)
 
     def _save(self, update: RequestUpdate) -> str | None:
         """``save_async`` this step's output (and the terminal at the finish) when a later
@@ -482,7 +501,6 @@ class StageEngine:
         update: RequestUpdate | None,
         outputs: list[StageOutput],
         problem: str | None = None,
-        timing: StepTiming | None = None,
     ) -> None:
         """A request left the scheduler: its final output, then its resources."""
         terminal_admitted = problem is None and request.external_id in self._sending
@@ -490,7 +508,10 @@ class StageEngine:
             assert self._sending[request.external_id] == request.internal_id
         reason = "error" if problem is not None else (request.status.finish_reason or "error")
         self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
-        outputs.append(self._outputs.final(request, update, error=problem, timing=timing))
+        out = self._outputs.final(request, update, error=problem)
+        if update is not None and self._tracer is not None:
+            self._tracer.output_made(request, out)  # made by this tick's step
+        outputs.append(out)
         self._cleanup(request, terminal_admitted=terminal_admitted)
 
     def _cleanup(self, request: Request, *, terminal_admitted: bool) -> None:
@@ -508,6 +529,8 @@ class StageEngine:
                 self._adapter.cleanup_receiver(iid)  # the send side cleans up after the terminal
             else:
                 self._adapter.cleanup(iid, ext)
+        if self._tracer is not None:
+            self._tracer.request_done(iid)  # after the receiver's cleanup: no commit can follow
 
     # ----------------------------------------------------------------- operations
 
@@ -563,6 +586,8 @@ class StageEngine:
             executor_leaks = getattr(self._executor, "leak_state", None)
             if callable(executor_leaks) and (leaks := executor_leaks()):
                 out["executor"] = leaks
+            if self._tracer is not None and (traced := self._tracer.leak_state()):
+                out["tracer"] = traced
             if self._adapter is not None:
                 out.update({f"transfer.{k}": v for k, v in self._adapter.leak_state().items()})
             return out
@@ -578,7 +603,8 @@ class StageEngine:
             self._watch.clear()
         self._notify()
         with self._step_lock:
-            for iid in list(self._scheduler.requests):
+            dropped = list(self._scheduler.requests)
+            for iid in dropped:
                 request = self._scheduler.abort(iid)
                 assert request is not None
                 try:
@@ -595,6 +621,9 @@ class StageEngine:
             self._adapter.shutdown()  # closes the connector: releases what it still owns
         elif self._connector is not None:
             self._connector.close()
+        if self._tracer is not None:
+            for iid in dropped:  # after the adapter stopped: no commit can follow
+                self._tracer.request_done(iid)
 
     close = shutdown
 
@@ -607,11 +636,3 @@ class StageEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _batch_compute(results: Any) -> float:
-    """Model compute of one executor call: the sum of its items' shares."""
-    try:
-        return float(sum(float(getattr(r, "compute_s", 0.0) or 0.0) for r in results))
-    except TypeError:  # not a list of results: the scheduler reports the problem
-        return 0.0

@@ -76,5 +76,4 @@ class GenerationScheduler(BaseScheduler):
             audio=result.audio,
             sample_rate=result.sample_rate,
             next_stage_output=result.next_stage_output,
-            compute_s=result.compute_s,
         )

@@ -68,6 +68,8 @@ class StageOutput(msgspec.Struct, kw_only=True):
     audio: Any = None  # new waveform samples this step (1-D float32 tensor), generation stages
     sample_rate: int | None = None
     error: str | None = None
+    #: a final output's counts and latencies at this stage (``engine/stage_output.py``);
+    #: an engine's step tracer may add its own keys (``engine/tracing.py``)
     metrics: dict[str, float] = {}
 
 
@@ -105,7 +107,6 @@ class ItemResult(msgspec.Struct, kw_only=True):
     #: what the next stage's processor consumes (hidden states, codec frame …); handed to
     #: ``TransferAdapter.save_async(output=...)``; None = nothing for downstream this step
     next_stage_output: Any = None
-    compute_s: float = 0.0  # model compute time spent on this item (for overhead metrics)
 
 
 @runtime_checkable

@@ -140,7 +140,6 @@ class Request:
         "_status",
         "additional_information",
         "arrival_time",
-        "compute_s",
         "error",
         "external_id",
         "extras",
@@ -155,7 +154,6 @@ class Request:
         "is_placeholder",
         "is_recompute",
         "is_upstream_exhausted",
-        "last_input_time",
         "num_chunks_received",
         "num_computed_tokens",
         "num_steps",
@@ -211,11 +209,7 @@ class Request:
         #: The next step recomputes tokens already computed before a preemption.
         self.is_recompute = False
         self.num_chunks_received = 0
-        #: When the newest attached chunk arrived, if this request had been waiting for it
-        #: (None: no chunk yet, or it was already there when asked for).
-        self.last_input_time: float | None = None
         self.num_steps = 0
-        self.compute_s = 0.0
         self.error: str | None = None
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None

@@ -80,7 +80,6 @@ class ARScheduler(BaseScheduler):
             sample_rate=result.sample_rate,
             next_stage_output=result.next_stage_output,
             is_recompute=is_recompute,
-            compute_s=result.compute_s,
         )
 
     def preempt(self, internal_id: str) -> Request:

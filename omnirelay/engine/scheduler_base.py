@@ -86,7 +86,6 @@ class RequestUpdate:
     next_stage_output: Any = None
     #: The step recomputed tokens already sent downstream (after a preemption).
     is_recompute: bool = False
-    compute_s: float = 0.0
 
     @property
     def is_finished(self) -> bool:
@@ -275,7 +274,6 @@ class BaseScheduler(abc.ABC):
                 assert not isinstance(batch_results, BaseException)
                 result = batch_results[i]
                 request.num_steps += 1
-                request.compute_s += result.compute_s
                 update = self._apply_result(request, item, result)
                 updates.append(update)
                 if request.is_finished:
@@ -345,7 +343,6 @@ class BaseScheduler(abc.ABC):
         if request.parked_from is RequestStatus.RUNNING:
             self._num_parked_running -= 1
         self._attach(request, chunk)
-        request.last_input_time = chunk.committed_time if chunk.is_waited else None
         request.unpark()
         self._sort_new(request, finished, loads)
 

@@ -9,10 +9,9 @@
 An aborted request's final output carries what a non-streaming request accumulated so
 far (partial output, SPEC §2.7); a streaming one has already sent it.
 
-An output made by a step carries that step's :class:`StepTiming` in its ``metrics``
-(:data:`STEP_METRICS`), so a front can rebuild a request's timeline across stages (the
-critical path of ``omnirelay run`` and ``omnirelay bench pipeline``). Times are the
-engine clock (``time.monotonic``: one clock for every process of a host).
+A final output's ``metrics`` carry the request's counts and latencies at this stage
+(:func:`_metrics`). Per-step timing is no part of it: an engine's optional tracer adds
+its own keys (:mod:`omnirelay.engine.tracing`).
 """
 
 from __future__ import annotations
@@ -27,43 +26,7 @@ from omnirelay.engine.interfaces import StageOutput
 from omnirelay.engine.request import Request
 from omnirelay.engine.scheduler_base import RequestUpdate
 
-__all__ = ["STEP_METRICS", "OutputBuilder", "StepTiming", "concat_audio"]
-
-#: Per-step keys of ``StageOutput.metrics`` (see :meth:`StepTiming.metrics`).
-STEP_METRICS = (
-    "arrival_s",
-    "step_start_s",
-    "step_end_s",
-    "step_compute_s",
-    "item_compute_s",
-    "input_time_s",
-)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepTiming:
-    """One executor call as one of its requests saw it."""
-
-    start_s: float  # engine clock before the executor call
-    end_s: float  # engine clock after it
-    compute_s: float  # model compute of the whole call (every item of the batch)
-
-    def metrics(self, update: RequestUpdate) -> dict[str, float]:
-        """``arrival_s``: when the request reached this stage; ``step_start_s`` /
-        ``step_end_s``: the call; ``step_compute_s``: its model compute (the request waited
-        for all of it); ``item_compute_s``: this request's share; ``input_time_s``: when
-        the newest chunk this request consumed arrived, present only if the request had
-        been waiting for it (the step was gated by its upstream)."""
-        out = {
-            "arrival_s": update.request.arrival_time,
-            "step_start_s": self.start_s,
-            "step_end_s": self.end_s,
-            "step_compute_s": self.compute_s,
-            "item_compute_s": update.compute_s,
-        }
-        if update.request.last_input_time is not None:
-            out["input_time_s"] = update.request.last_input_time
-        return out
+__all__ = ["OutputBuilder", "concat_audio"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,7 +59,7 @@ class OutputBuilder:
         self.stage_id = stage_id
         self._acc: dict[str, _Accumulated] = {}
 
-    def step(self, update: RequestUpdate, timing: StepTiming | None = None) -> StageOutput | None:
+    def step(self, update: RequestUpdate) -> StageOutput | None:
         """The output of a step of a live request (None: nothing to say now)."""
         request = update.request
         if not (update.new_token_ids or update.text or update.audio is not None):
@@ -111,7 +74,6 @@ class OutputBuilder:
             text=update.text,
             audio=update.audio,
             sample_rate=update.sample_rate,
-            metrics={} if timing is None else timing.metrics(update),
         )
 
     def final(
@@ -120,7 +82,6 @@ class OutputBuilder:
         update: RequestUpdate | None,
         *,
         error: str | None = None,
-        timing: StepTiming | None = None,
     ) -> StageOutput:
         """The request's last output (``finished=True``)."""
         reason = "error" if error is not None else request.status.finish_reason
@@ -149,10 +110,7 @@ class OutputBuilder:
             audio=audio,
             sample_rate=sample_rate,
             error=message if reason == "error" else None,
-            metrics={
-                **_metrics(request),
-                **(timing.metrics(update) if timing is not None and update is not None else {}),
-            },
+            metrics=_metrics(request),
         )
 
     def rejected(self, request_id: str, reason: str) -> StageOutput:
@@ -200,7 +158,6 @@ def _metrics(request: Request) -> dict[str, float]:
         "num_output_tokens": float(len(request.output_token_ids)),
         "num_steps": float(request.num_steps),
         "num_chunks_received": float(request.num_chunks_received),
-        "compute_s": request.compute_s,
     }
     end = request.finished_time
     if end is not None:

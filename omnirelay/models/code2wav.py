@@ -33,7 +33,6 @@ layout) are an error naming the request, never decoded into another codebook's t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,23 +104,17 @@ class Code2WavExecutor:
         """Decode every item's codes (engine thread); results in batch order."""
         inputs = [self._read(item) for item in batch]
         audio: dict[int, torch.Tensor] = {}
-        compute: dict[int, float] = {}
         with torch.inference_mode():
             for group in self._groups(inputs):
-                t0 = time.perf_counter()
                 is_stream = group[0][1].left_context is not None
                 pieces = self._decode_stream(group) if is_stream else self._decode_complete(group)
-                elapsed = time.perf_counter() - t0
-                num_frames = sum(x.codes.shape[1] for _, x in group)
-                for (i, x), piece in zip(group, pieces):
+                for (i, _), piece in zip(group, pieces):
                     audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
-                    compute[i] = elapsed * x.codes.shape[1] / num_frames
         return [
             ItemResult(
                 internal_id=x.item.internal_id,
                 audio=audio.get(i, torch.zeros(0, dtype=torch.float32)),
                 sample_rate=self.sample_rate,
-                compute_s=compute.get(i, 0.0),
             )
             for i, x in enumerate(inputs)
         ]

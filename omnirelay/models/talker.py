@@ -36,7 +36,6 @@ be recomputed (its Thinker input was consumed): that is an error, not a silent r
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -191,27 +190,19 @@ class TalkerExecutor:
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         hidden: dict[str, torch.Tensor] = {}  # last hidden state [1, H]
-        compute: dict[str, float] = {}
         decodes: list[tuple[BatchItem, _Sequence]] = []
         for item in batch:
             seq = self._seqs.get(item.internal_id)
             if seq is None:
-                t0 = time.perf_counter()
                 hidden[item.internal_id] = self._prefill(item)
-                compute[item.internal_id] = time.perf_counter() - t0
             else:
                 if seq.is_finished:
                     raise ModelError(f"request {item.internal_id!r}: stepped after its codec EOS")
                 self._absorb(item, seq)
                 decodes.append((item, seq))
         if decodes:
-            t0 = time.perf_counter()
             hidden.update(self._decode(decodes))
-            share = (time.perf_counter() - t0) / len(decodes)
-            for item, _ in decodes:
-                compute[item.internal_id] = share
 
-        t0 = time.perf_counter()
         seqs = [self._seqs[item.internal_id] for item in batch]
         last = torch.cat([hidden[item.internal_id] for item in batch], dim=0)  # [B, H]
         logits = self.model.codec_head(last).float()
@@ -235,7 +226,6 @@ class TalkerExecutor:
             for row, b in enumerate(speaking):
                 seqs[b].codec_embed = codec_embed[row : row + 1]
                 seqs[b].num_frames += 1
-        share = (time.perf_counter() - t0) / len(batch)
 
         results = []
         for b, (item, seq) in enumerate(zip(batch, seqs)):
@@ -247,7 +237,6 @@ class TalkerExecutor:
                     token_ids=[first[b]],
                     finished=is_eos,
                     next_stage_output=frames[b : b + 1].clone(),
-                    compute_s=compute[item.internal_id] + share,
                 )
             )
         return results

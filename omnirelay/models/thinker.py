@@ -24,7 +24,6 @@ Text-only prompts; audio/image/video inputs of the Thinker are not wired here.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +178,6 @@ class ThinkerExecutor:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
             )
             self._seqs[rid] = seq
-        t0 = time.perf_counter()
         ids = torch.tensor([item.input_token_ids], dtype=torch.long, device=self.device)
         n = ids.shape[1]
         positions = torch.arange(past, past + n, device=self.device).view(1, 1, n).expand(4, 1, n)
@@ -197,16 +195,13 @@ class ThinkerExecutor:
             return ItemResult(
                 internal_id=rid,
                 next_stage_output=self._stage_output(out.hidden_states, 0, list(item.all_token_ids)),
-                compute_s=time.perf_counter() - t0,
             )
         logits = self._logits(out.last_hidden_state[:, -1])
         (token,) = sample_rows(logits, [item.sampling], [seq.generator])
-        compute_s = time.perf_counter() - t0
-        return self._result(item, seq, token, out.hidden_states, 0, compute_s)
+        return self._result(item, seq, token, out.hidden_states, 0)
 
     def _decode(self, items: list[BatchItem]) -> dict[str, ItemResult]:
         """One new token for each item, in one forward pass."""
-        t0 = time.perf_counter()
         ids = [item.internal_id for item in items]
         tokens = torch.tensor(
             [[item.input_token_ids[0]] for item in items], dtype=torch.long, device=self.device
@@ -225,9 +220,8 @@ class ThinkerExecutor:
         logits = self._logits(out.last_hidden_state[:, -1])
         seqs = [self._seqs[i] for i in ids]
         sampled = sample_rows(logits, [item.sampling for item in items], [s.generator for s in seqs])
-        share = (time.perf_counter() - t0) / b
         return {
-            item.internal_id: self._result(item, seq, token, out.hidden_states, row, share)
+            item.internal_id: self._result(item, seq, token, out.hidden_states, row)
             for row, (item, seq, token) in enumerate(zip(items, seqs, sampled))
         }
 
@@ -244,7 +238,6 @@ class ThinkerExecutor:
         token: int,
         hidden_states: tuple[torch.Tensor | None, ...],
         row: int,
-        compute_s: float,
     ) -> ItemResult:
         finished = token in self.eos_token_ids
         text = seq.detokenizer.push([token])
@@ -256,7 +249,6 @@ class ThinkerExecutor:
             finished=finished,
             text=text or None,
             next_stage_output=self._stage_output(hidden_states, row, [*item.all_token_ids, token]),
-            compute_s=compute_s,
         )
 
     def _stage_output(

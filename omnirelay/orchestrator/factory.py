@@ -1,8 +1,9 @@
 """Where the process layer meets the engine and the processors: the ONE place to adjust.
 
-* :func:`build_stage_engine` ``(pipeline, stage_id) -> StageEngineProtocol`` — called in
-  the stage worker process (after ``spawn``) to build its engine: executor, connector,
-  next-stage processor. The pipeline's ``namespace`` is already filled in.
+* :func:`build_stage_engine` ``(pipeline, stage_id, *, tracer=None) -> StageEngineProtocol``
+  — called in the stage worker process (after ``spawn``) to build its engine: executor,
+  connector, next-stage processor, and the step tracer of a pipeline that traces steps.
+  The pipeline's ``namespace`` is already filled in.
 * :func:`build_input_builders` ``(pipeline) -> {stage_id: InputBuilder}`` — called in
   the front process: the orchestrator-side builders of forwarded (complete) inputs,
   resolved from each stage's ``stage_input_builder`` name (SPEC §1.6, §2.5). Names this
@@ -17,6 +18,7 @@ import msgspec
 import torch
 
 from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError
 from omnirelay.orchestrator.router import (
     ForwardedInput,
@@ -52,14 +54,19 @@ def default_registry() -> ComponentRegistry:
     return registry
 
 
-def build_stage_engine(pipeline: PipelineConfig, stage_id: int) -> StageEngineProtocol:
+def build_stage_engine(
+    pipeline: PipelineConfig, stage_id: int, *, tracer: StepTracer | None = None
+) -> StageEngineProtocol:
     """The real stage engine of ``stage_id`` (runs in the worker process): executor and
-    chunk processor from :func:`default_registry`, the stage's connector, the engine."""
+    chunk processor from :func:`default_registry`, the stage's connector, the engine
+    (with ``tracer``, its step tracer, if given)."""
     from omnirelay.engine.components import create_stage_engine
 
     if pipeline.namespace is None:
         raise ConfigError("build_stage_engine needs a pipeline with its namespace filled in")
-    return create_stage_engine(with_stage_device(pipeline, stage_id), stage_id, default_registry())
+    return create_stage_engine(
+        with_stage_device(pipeline, stage_id), stage_id, default_registry(), tracer=tracer
+    )
 
 
 def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:

@@ -37,6 +37,7 @@ import zmq
 
 from omnirelay.connectors.sweep import sweep
 from omnirelay.engine.interfaces import StageOutput
+from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import (
     InvalidRequestError,
     OmniRelayError,
@@ -159,6 +160,7 @@ class Orchestrator:
         idle_wait_s: float = 1.0,
         wait_slice_s: float = 0.01,
         on_stage_output: Callable[[StageOutput], None] | None = None,
+        tracer_factory: Callable[[], StepTracer] | None = None,
     ) -> None:
         self.config = msgspec.structs.replace(config, namespace=namespace)
         #: Sees every stage's outputs (intermediate stages too) before they are routed.
@@ -166,6 +168,8 @@ class Orchestrator:
         self.namespace = namespace
         self.router = Router(self.config, input_builders=input_builders)
         self._engine_factory = engine_factory
+        #: Each stage engine's step tracer (built in its worker); None: no step timing.
+        self._tracer_factory = tracer_factory
         self._startup_timeout_s = startup_timeout_s
         self._idle_wait_s = idle_wait_s
         self._wait_slice_s = wait_slice_s
@@ -221,6 +225,7 @@ class Orchestrator:
                 paths=paths,
                 parent_pid=os.getpid(),
                 engine_factory=self._engine_factory,
+                tracer_factory=self._tracer_factory,
                 idle_wait_s=self._idle_wait_s,
                 wait_slice_s=self._wait_slice_s,
             )

@@ -3,7 +3,7 @@
 * :class:`ParkingEngine` — a :class:`StageEngineProtocol` that takes every request and
   never produces anything: it holds them until abort or release. In stage 0 it keeps
   every downstream stage's prewarmed requests waiting for chunks that never come — the
-  idle state whose cost ``scripts/soak_pipeline.py`` measures.
+  idle state whose cost ``benchmarks/soak_pipeline.py`` measures.
 * :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(...,
   engine_factory="omnirelay.orchestrator.testing:build_parked_stage0_engine")``):
   stage 0 parks, the other stages are the real engines of the default factory.

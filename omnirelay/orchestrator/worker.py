@@ -4,7 +4,8 @@
 imported torch, and forking a process with torch's threads is undefined behaviour). It
 
 1. connects its control sockets, builds the engine through the factory named in
-   :class:`WorkerSpec` (``"module:function"``, called as ``factory(pipeline, stage_id)``),
+   :class:`WorkerSpec` (``"module:function"``, called as ``factory(pipeline, stage_id)``,
+   plus ``tracer=`` a new step tracer when the spec has a ``tracer_factory``),
    starts the control receive thread and says :class:`Hello` (or
    :class:`StartupFailed` and exits 1);
 2. runs :class:`WorkerLoop` until :class:`Shutdown`, SIGTERM, or the parent is gone
@@ -46,6 +47,7 @@ shuts the workers down in order). SIGTERM ends the loop cleanly.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import signal
 import sys
@@ -57,6 +59,7 @@ from types import FrameType
 from typing import Any
 
 from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.orchestrator.control import ControlPaths, Inbox, WorkerControl, parent_alive
 from omnirelay.orchestrator.messages import (
@@ -95,7 +98,8 @@ __all__ = [
 
 DEFAULT_ENGINE_FACTORY = "omnirelay.orchestrator.factory:build_stage_engine"
 
-EngineFactory = Callable[[PipelineConfig, int], StageEngineProtocol]
+#: ``factory(pipeline, stage_id)``, or ``factory(pipeline, stage_id, tracer=...)``.
+EngineFactory = Callable[..., StageEngineProtocol]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,8 @@ class WorkerSpec:
     paths: ControlPaths
     parent_pid: int
     engine_factory: str = DEFAULT_ENGINE_FACTORY
+    #: builds the engine's step tracer (a class pickled by reference); None: no timing
+    tracer_factory: Callable[[], StepTracer] | None = None
     #: an idle engine's wait; it steps once after each (stall timeouts are collected then)
     idle_wait_s: float = 1.0
     #: engines without ``wake()``: longest a control message waits while requests are parked
@@ -378,7 +384,15 @@ def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtoc
     """The engine, or None after telling the front why it could not be built."""
     try:
         factory = load_engine_factory(spec.engine_factory)
-        return factory(spec.pipeline, spec.stage_id)
+        if spec.tracer_factory is None:
+            return factory(spec.pipeline, spec.stage_id)
+        params = inspect.signature(factory).parameters
+        if "tracer" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(
+                f"engine factory {spec.engine_factory!r} takes no tracer= argument, so its stages "
+                "cannot time their steps: add one, or start the pipeline without trace_steps"
+            )
+        return factory(spec.pipeline, spec.stage_id, tracer=spec.tracer_factory())
     except _Stop:
         raise
     except Exception as exc:

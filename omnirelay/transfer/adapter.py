@@ -17,8 +17,7 @@ Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailu
 Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
-also runs the idle reap pass; optionally under ``SCHED_BATCH``, see
-``TransferConfig.is_send_batch``) and a pool of receive workers (one lane per internal id)
+also runs the idle reap pass) and a pool of receive workers (one lane per internal id)
 whose current leader blocks in ``connector.wait_arrivals`` and dispatches polls of the
 announced entries (plus a slow fallback pass over all of them). The leader polls the first
 announced *small* chunk itself (``Arrivals.small``: a codec chunk, a hidden-state step)
@@ -61,7 +60,10 @@ class TransferAdapter:
         release_hook: ReleaseHook | None = None,
         empty_payload: Callable[[bool, bool], Any] = default_empty_payload,
         clock: Callable[[], float] = time.monotonic,
+        on_chunk_ready: Callable[[str, bool], None] | None = None,
     ) -> None:
+        """``on_chunk_ready(internal_id, is_waited)``: told of each ready chunk at its
+        commit, on a receive worker (see :class:`~omnirelay.transfer.receiver.ReceiveSide`)."""
         self.config = config
         self._connector = connector
         self._clock = clock
@@ -87,7 +89,6 @@ class TransferAdapter:
                 after_task=lambda: self._housekeep(False),
                 on_idle=lambda: self._housekeep(False),
                 idle_interval_s=config.reap_interval_s,
-                batch=config.is_send_batch,
             )
             self._sender = SendSide(
                 connector=connector,
@@ -107,7 +108,9 @@ class TransferAdapter:
         self._recv_lanes: LaneExecutor | None = None
         self._next_fallback = clock() + config.fallback_poll_s  # read and written by the leader only
         if config.is_receiver:
-            self._receiver = ReceiveSide(connector=connector, config=config, box=self._box, clock=clock)
+            self._receiver = ReceiveSide(
+                connector=connector, config=config, box=self._box, clock=clock, on_chunk_ready=on_chunk_ready
+            )
             self._recv_lanes = LaneExecutor(
                 f"omnirelay-recv-s{config.stage_id}",
                 config.num_recv_workers,

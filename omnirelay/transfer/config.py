@@ -101,16 +101,6 @@ class TransferConfig:
     max_undrained_failures: int = 10_000
     #: How long ``shutdown`` waits for each thread to stop.
     shutdown_join_s: float = 5.0
-    #: Run the send workers under Linux's SCHED_BATCH (same CPU share, no preemption on
-    #: wakeup; see ``lanes.py``). Worth it only where the scheduler thread holds the GIL
-    #: and then blocks right after ``save_async`` on a CPU it shares with the workers
-    #: (measured, one CPU per process, with the eventfd hand-off: bench adapter overhead
-    #: 77 -> 68 µs at the median of 5 paired runs; before it, enqueue -> put starts
-    #: 50 -> 39 µs). Off by default:
-    #: where the scheduler thread goes on computing on that CPU (a CPU executor), a worker
-    #: that may not preempt it waits for its time slice (measured on the tiny pipeline,
-    #: 2 CPUs, 3 stages: +1.5 ms of transfer time before the first audio).
-    is_send_batch: bool = False
 
     def __post_init__(self) -> None:
         _integer("stage_id", self.stage_id, minimum=0)
@@ -144,10 +134,6 @@ class TransferConfig:
         _number("reap_interval_s", self.reap_interval_s, minimum=0.0, allow_equal=False)
         _integer("max_undrained_failures", self.max_undrained_failures, minimum=1)
         _number("shutdown_join_s", self.shutdown_join_s, minimum=0.0)
-        if not isinstance(self.is_send_batch, bool):
-            raise ConfigError(
-                f"transfer config 'is_send_batch' must be true or false, got {self.is_send_batch!r}"
-            )
 
     @property
     def is_sender(self) -> bool:

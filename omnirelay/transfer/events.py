@@ -84,9 +84,6 @@ class ChunkInput(msgspec.Struct, frozen=True):
     AR receivers get ``payload`` (the scheduler applies it as a pending prompt update).
     Generation receivers get ``prompt_token_ids`` and the merged ``additional_information``;
     each such chunk is a fresh one-shot prefill (``num_computed_tokens`` resets to 0).
-    ``committed_time`` is the receiver's clock at the commit; ``is_waited`` says the
-    consumer had asked for the chunk before it arrived (so its next step waited for the
-    upstream), as opposed to finding it already there. Step timelines use both.
     """
 
     internal_id: str
@@ -97,8 +94,6 @@ class ChunkInput(msgspec.Struct, frozen=True):
     payload: Any = None
     prompt_token_ids: list[int] | None = None
     additional_information: dict[str, Any] | None = None
-    committed_time: float | None = None
-    is_waited: bool = False
 
 
 class TransferEvents(msgspec.Struct, frozen=True):

@@ -18,8 +18,8 @@ own :class:`~omnirelay.transfer.wakeup.Parker`, most recently parked first. Queu
 one parked worker under the lock and wakes it once the lock is released, with the GIL
 released too (``wakeup.py`` says why): the worker takes the GIL at once instead of
 preempting its waker for nothing and waiting for the waker's next GIL release. Measured on
-one CPU of this class of machine (``scripts/handoff_microbench.py``): submit → task runs
-15–26 µs with a ``queue.SimpleQueue`` → 6–15 µs. One parker per worker wakes exactly one of
+one CPU (``docs/performance.md``): submit → task runs 15–26 µs with a
+``queue.SimpleQueue`` → 6–15 µs. One parker per worker wakes exactly one of
 them (no thundering herd on the GIL), the most recently parked, whose cache is warm — except
 the worker with the idle duty (``on_idle``), which parks at the bottom: its park waits with a
 timeout (a poll, then a read), and were it the one woken every time, its idle timer would
@@ -40,20 +40,11 @@ about as much as the short task itself. The leader listens again right after.
 
 Because a generation's cleanup task is submitted to the lane of its external id, it runs
 after every task of that id submitted before it and before every task submitted after it.
-
-``batch=True`` runs the workers under Linux's ``SCHED_BATCH`` policy (same CPU share,
-no preemption on wakeup). Where the caller holds the GIL and then blocks right after
-submitting (as ``bench adapter``'s sender does), a worker that does not preempt it on
-wake-up still saves a few µs (bench adapter, one CPU per process: overhead 77 → 68 µs at
-the median of 5 paired runs). But a worker that may not preempt also waits out the
-caller's time slice when the caller goes on computing without the GIL (torch on the CPU),
-so it is an option (``TransferConfig.is_send_batch``), off by default.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -94,11 +85,9 @@ class LaneExecutor:
         on_idle: Callable[[], None] | None = None,
         idle_interval_s: float = 0.1,
         source: Callable[[], None] | None = None,
-        batch: bool = False,
         parker: Callable[[], Parker] = Parker,
     ) -> None:
         assert num_workers >= 1
-        self._is_batch = batch
         self._new_parker = parker  # injectable: tests force the park/wake interleavings
         self._name = name
         self._num_workers = num_workers
@@ -199,8 +188,6 @@ class LaneExecutor:
     # ----------------------------------------------------------------- workers
 
     def _work(self, index: int) -> None:
-        if self._is_batch:
-            _set_batch_policy()
         # Only worker 0 wakes up when idle, so an idle pool costs one wakeup per interval.
         idle_timeout = self._idle_interval_s if (index == 0 and self._on_idle is not None) else None
         me = self._new_parker()
@@ -379,16 +366,3 @@ class LaneExecutor:
     def lanes(self) -> list[Hashable]:
         with self._lock:
             return list(self._lanes)
-
-
-def _set_batch_policy() -> None:
-    """Put the calling thread under SCHED_BATCH; where that is not possible (not Linux,
-    or refused by a sandbox) it keeps the normal policy, which is only slower."""
-    setter = getattr(os, "sched_setscheduler", None)
-    batch = getattr(os, "SCHED_BATCH", None)
-    if setter is None or batch is None:
-        return
-    try:
-        setter(threading.get_native_id(), batch, os.sched_param(0))
-    except OSError:
-        pass

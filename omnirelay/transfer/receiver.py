@@ -56,7 +56,8 @@ class LoadEntry:
         #: A poll of this entry is queued and not yet started (dedupes notices).
         self.is_queued = False
         self.is_timeout_reported = False
-        #: A poll found nothing: the consumer asked before the chunk arrived.
+        #: A poll found nothing: the consumer asked before the chunk arrived (told to
+        #: ``on_chunk_ready`` at the commit).
         self.is_waited = False
 
     def __repr__(self) -> str:
@@ -79,7 +80,11 @@ class ReceiveSide:
         config: TransferConfig,
         box: EventBox,
         clock: Callable[[], float],
+        on_chunk_ready: Callable[[str, bool], None] | None = None,
     ) -> None:
+        """``on_chunk_ready(internal_id, is_waited)``: called at each commit of a ready
+        chunk, on the receive worker, under the receiver's lock and before the chunk is
+        published (an engine's step tracer); it must be quick and take no lock of ours."""
         assert config.receive_from_stage is not None
         self._connector = connector
         self._stage = config.stage_id
@@ -88,6 +93,7 @@ class ReceiveSide:
         self._stall_timeout_s = config.stall_timeout_s
         self._box = box
         self._clock = clock
+        self._on_chunk_ready = on_chunk_ready
         self._lock = threading.Lock()
         self._entries: dict[str, LoadEntry] = {}
         self._by_key: dict[str, LoadEntry] = {}
@@ -231,6 +237,8 @@ class ReceiveSide:
                 return PollOutcome.REPOLL
         self._unregister_locked(entry)
         self._counts["num_committed"] += 1
+        if self._on_chunk_ready is not None:
+            self._on_chunk_ready(iid, entry.is_waited)
         self._box.publish_ready(
             ChunkInput(
                 internal_id=iid,
@@ -241,8 +249,6 @@ class ReceiveSide:
                 payload=chunk.payload if chunk.fields is None else None,
                 prompt_token_ids=chunk.prompt_token_ids,
                 additional_information=info,
-                committed_time=self._clock(),
-                is_waited=entry.is_waited,
             )
         )
         return PollOutcome.DONE

@@ -8,8 +8,8 @@ again; it runs only at the waker's next GIL release, whenever that comes. A
 GIL released: the woken thread takes the GIL at once and runs, and the waker resumes when
 it blocks (on a shared CPU) or goes on in parallel (on another one). The waker pays for it
 in wall time on a shared CPU — the woken thread runs first — which is the order a streaming
-pipeline wants: what it wakes is the chunk's next step. ``scripts/handoff_microbench.py``
-measures the difference.
+pipeline wants: what it wakes is the chunk's next step. The measured difference is in
+``docs/performance.md``.
 
 Rules for users: call :meth:`Parker.wake` outside every lock (a thread woken inside one
 would block on that lock, which is the futile switch again), and wake a parker once per

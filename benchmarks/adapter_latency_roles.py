@@ -2,7 +2,7 @@
 
 Both run the same :func:`schedule` of trials, one chunk in flight. Per trial the receiver
 arms itself (a raw ``get`` that finds nothing, or a ``load_async`` whose first poll has
-come back empty — seen through :class:`~omnirelay.bench.tracing.TracingConnector`, so
+come back empty — seen through :class:`~benchmarks.tracing.TracingConnector`, so
 its waiting request is idle before the chunk leaves), then says :class:`Ready`; the
 sender waits a random gap, takes ``t0 = perf_counter_ns()`` and either ``put``s on a raw
 connector or ``save_async``s on its adapter; the receiver takes ``t1`` when the object
@@ -43,8 +43,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from omnirelay.bench.tracing import TracingConnector
-from omnirelay.bench.transfer import pin_to, unpin_process
+from benchmarks.tracing import TracingConnector
+from benchmarks.transfer import pin_to, unpin_process
 from omnirelay.connectors import GetStatus, create_connector
 from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
 
@@ -101,7 +101,7 @@ class RoleReport(msgspec.Struct):
     #: perf_counter_ns per trial (t0 on the sender, t1 on the receiver), schedule order.
     times_ns: list[int] = msgspec.field(default_factory=list)
     #: Per trial on the receiver: when its chunk was published ready (the receive worker's
-    #: commit, ``ChunkInput.committed_time``; CLOCK_MONOTONIC like perf_counter_ns), in ns.
+    #: commit, told to the adapter's ``on_chunk_ready``), perf_counter_ns.
     #: For raw trials, ``times_ns``.
     published_ns: list[int] = msgspec.field(default_factory=list)
     #: Per trial, the codec chunk's connector put (sender) or get (receiver) as (start, end).
@@ -193,7 +193,6 @@ class _Sender:
         seed: int,
         wait_s: float,
         all_cpus: set[int],
-        send_batch: bool = False,
     ):
         self.all_cpus = all_cpus
         self.unpinned = False
@@ -208,7 +207,7 @@ class _Sender:
         )
         self.adapter = TransferAdapter(
             self.conn,
-            TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE, is_send_batch=send_batch),
+            TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE),
             processor=self._build,
         )
         self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -318,7 +317,6 @@ def sender_main(
     out: Connection,
     ready: Any,
     cpu: int | None = None,
-    send_batch: bool = False,
 ) -> None:
     all_cpus = os.sched_getaffinity(0)
     pin_to(cpu)
@@ -329,7 +327,7 @@ def sender_main(
     try:
         if not ready.wait(wait_s):
             raise TimeoutError("the receiver never became ready")
-        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus, send_batch)
+        sender = _Sender(namespace, trials, ctrl, seed, wait_s, all_cpus)
         report = sender.report
         sender.run()
         sender.audit()
@@ -359,7 +357,9 @@ class _Receiver:
             create_connector("shm", namespace=namespace, stage_id=RECV_STAGE), on_get=self._on_get
         )
         self.adapter = TransferAdapter(
-            self.conn, TransferConfig(stage_id=RECV_STAGE, receive_from_stage=SEND_STAGE)
+            self.conn,
+            TransferConfig(stage_id=RECV_STAGE, receive_from_stage=SEND_STAGE),
+            on_chunk_ready=self._on_ready,
         )
         self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.wake_sock.bind(wake_address(namespace))
@@ -372,6 +372,10 @@ class _Receiver:
         self.first_poll = threading.Event()
         self.big_open = False
         self.num_big = 0
+
+    def _on_ready(self, internal_id: str, is_waited: bool) -> None:
+        if internal_id != "r-big":  # the codec chunk of the trial in flight
+            self.published = time.perf_counter_ns()
 
     def _on_get(self, key: str, status: GetStatus, t0: int, t1: int) -> None:
         if key == self.watch_key:
@@ -468,8 +472,6 @@ class _Receiver:
                     self._on_big(c.is_finished)
                 elif c.internal_id == iid:
                     assert chunk_seq(c.payload) == seq, (chunk_seq(c.payload), seq)
-                    ct = c.committed_time
-                    self.published = round(ct * 1e9) if ct is not None else time.perf_counter_ns()
                     assert c.is_finished == is_last
                     if is_last:
                         self.adapter.finish_requests([iid])

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.bench.stress_plan import (
+from benchmarks.stress_plan import (
     Audit,
     Cancel,
     ChunkFactory,
@@ -46,7 +46,7 @@ from omnirelay.bench.stress_plan import (
     encode_message,
     jsonable,
 )
-from omnirelay.bench.stress_producer import StressTimeout, run_control_reader
+from benchmarks.stress_producer import StressTimeout, run_control_reader
 from omnirelay.connectors import create_connector
 from omnirelay.transfer import ChunkInput, TransferAdapter, TransferConfig
 

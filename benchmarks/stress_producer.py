@@ -4,7 +4,7 @@ It plays the stage-1 scheduler (``save_async`` one chunk per request per step, c
 and the orchestrator (release by id, SPEC §2.8; id reuse only once both stages let go
 of the old generation). Everything it waits for arrives on one inbox queue:
 
-* ``("put", key)`` — from :class:`~omnirelay.bench.tracing.TracingConnector`, after a
+* ``("put", key)`` — from :class:`~benchmarks.tracing.TracingConnector`, after a
   put succeeded: that request may admit its next chunk (one chunk in flight per request,
   like a model step producing one chunk per request);
 * ``("put_start", key)`` — a put of an *armed* key began; the send worker blocks in the
@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.bench.stress_plan import (
+from benchmarks.stress_plan import (
     Audit,
     Cancel,
     ChunkFactory,
@@ -53,7 +53,7 @@ from omnirelay.bench.stress_plan import (
     make_chunk,
     producer_iid,
 )
-from omnirelay.bench.tracing import TracingConnector
+from benchmarks.tracing import TracingConnector
 from omnirelay.connectors import create_connector
 from omnirelay.connectors.sweep import sweep
 from omnirelay.transfer import Admission, TransferAdapter, TransferConfig, key_prefix, make_key

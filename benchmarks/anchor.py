@@ -1,6 +1,7 @@
-"""Plug omnirelay's ``shm`` connector into ``shared/bench/transfer_anchor.py``::
+"""omnirelay's ``shm`` connector as a transport of a transfer-anchor harness: a
+``transfer_anchor.py`` that loads its transports as ``module:Class`` (not in this repository)::
 
-    python ../shared/bench/transfer_anchor.py --transport omnirelay.bench.anchor:OmniRelayShmTransport
+    python transfer_anchor.py --transport benchmarks.anchor:OmniRelayShmTransport
 
 The harness creates one instance per role (producer / consumer) in separate processes;
 both derive the same namespace from the run directory and channel it passes in.

@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""Soak the real multi-process pipeline and print a summary table.
+"""Soak the real multi-process pipeline and print a summary table (``python -m benchmarks.soak_pipeline``).
 
 1. **Load**: ``--requests`` concurrent requests (text + audio) through ``toy-3stage``
    (one spawned worker per stage, shm chunks), ``--abort-fraction`` of them aborted by
@@ -11,9 +10,10 @@
    and 2 hold them all waiting for chunks; the CPU time of each stage worker over
    ``--idle-seconds`` (target: under 2% of a core).
 
-Usage: ``python scripts/soak_pipeline.py [--requests 200] [--abort-fraction 0.2]
-[--seed 0] [--parked 500] [--idle-seconds 10] [--json PATH]``. Exit status 0 when
-every check passed.
+Usage, from a checkout's root: ``python -m benchmarks.soak_pipeline [--requests 200]
+[--abort-fraction 0.2] [--seed 0] [--parked 500] [--idle-seconds 10] [--json PATH]``.
+Exit status 0 when every check passed. The suite runs a reduced load of the same kind
+(``tests/orchestrator_load.py``).
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def table(title: str, rows: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak_pipeline", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--abort-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)

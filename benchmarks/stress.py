@@ -1,8 +1,8 @@
 """``omnirelay bench stress``: cross-process chunk transfers through the adapter, then a leak audit.
 
-:func:`run_stress` builds a seeded plan (:mod:`omnirelay.bench.stress_plan`), spawns a
-producer process (stage 1, :mod:`~omnirelay.bench.stress_producer`) and a consumer process
-(stage 2, :mod:`~omnirelay.bench.stress_consumer`) over one fresh shm namespace, collects
+:func:`run_stress` builds a seeded plan (:mod:`benchmarks.stress_plan`), spawns a
+producer process (stage 1, :mod:`~benchmarks.stress_producer`) and a consumer process
+(stage 2, :mod:`~benchmarks.stress_consumer`) over one fresh shm namespace, collects
 their reports, checks them and returns one JSON-able report; :func:`render_stress`
 prints it.
 
@@ -36,9 +36,9 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.bench.stress_consumer import consumer_main
-from omnirelay.bench.stress_plan import ConsumerReport, ProducerReport, RequestPlan, Settings, make_plan
-from omnirelay.bench.stress_producer import producer_main
+from benchmarks.stress_consumer import consumer_main
+from benchmarks.stress_plan import ConsumerReport, ProducerReport, RequestPlan, Settings, make_plan
+from benchmarks.stress_producer import producer_main
 from omnirelay.connectors.sweep import sweep
 
 __all__ = ["render_stress", "run_stress"]

@@ -1,22 +1,19 @@
-"""``scripts/pair_adapter_runs.py``: one reduced pair under this interpreter on both sides
+"""``benchmarks.pair_adapter_runs``: one reduced pair under this interpreter on both sides
 (the comparison itself is judged by hand, never here), the summary's arithmetic, and the
 refusals of bad arguments."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import pair_adapter_runs as pair
 from tests.test_bench_adapter import _run_result
 
-_PATH = Path(__file__).resolve().parent.parent / "scripts" / "pair_adapter_runs.py"
-_spec = importlib.util.spec_from_file_location("pair_adapter_runs", _PATH)
-assert _spec is not None and _spec.loader is not None
-pair = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pair)
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_summary_pairs_runs_and_leaves_failed_pairs_out() -> None:
@@ -39,7 +36,7 @@ def test_the_summary_pairs_runs_and_leaves_failed_pairs_out() -> None:
 
 def test_a_reduced_pair_runs_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "pair.json"
-    repo = str(_PATH.parent.parent)
+    repo = str(REPO)
     assert pair.main(["--pairs", "1", "--chunks", "20", "--b-path", repo, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "pair 1 of 1" in text and "B faster in" in text and "LEAK" not in text
@@ -68,3 +65,20 @@ def test_bad_arguments_are_refused_with_the_reason(
     with pytest.raises(SystemExit) as exc:
         pair.main(argv)
     assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_side_with_a_path_runs_that_checkout_from_any_directory(tmp_path: Path) -> None:
+    # A stand-in checkout whose bench command only says it ran. This test runs from the
+    # repository's root, whose own omnirelay must not shadow it.
+    main = tmp_path / "checkout" / "omnirelay" / "cli" / "main.py"
+    main.parent.mkdir(parents=True)
+    for pkg in (main.parent.parent, main.parent):
+        (pkg / "__init__.py").write_text("")
+    main.write_text(
+        "import json, sys\n"
+        "argv = sys.argv[1:]\n"
+        "with open(argv[argv.index('--json') + 1], 'w') as f:\n"
+        "    json.dump({'error': 'the stand-in checkout ran'}, f)\n"
+    )
+    report = pair.run_once(sys.executable, str(main.parents[2]), 20, str(tmp_path / "out.json"), 60.0)
+    assert report == {"error": "the stand-in checkout ran"}

@@ -3,11 +3,11 @@
 For each concurrency level (default 1, 4, 16) ``c`` client threads keep ``c`` requests
 in flight on one running ``qwen3-omni-tiny`` pipeline (real processes, shm connector)
 until ``requests`` requests finished; each request is a text+audio chat turn. Per
-request (:func:`~omnirelay.bench.timeline.drive_request`):
+request (:func:`~omnirelay.timeline.drive_request`):
 
 * **TTFA** — submit to the client reading the first audio samples;
 * **overhead to first audio** — wall time on the critical path to the first audio minus
-  the model compute on it (:func:`~omnirelay.bench.timeline.critical_path`), as a share of
+  the model compute on it (:func:`~omnirelay.timeline.critical_path`), as a share of
   TTFA; the same **to completion** (the last output), as a share of the end-to-end time.
 
 The table gives p50/p99 per level, the split of the overhead by kind (mean µs per
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from omnirelay.bench.session import DEFAULT_PIPELINE, load_run_config, open_tokenizer, start_pipeline
-from omnirelay.bench.timeline import SEGMENTS, RequestTimeline, StageTrace, drive_request
+from omnirelay.cli.session import DEFAULT_PIPELINE, load_run_config, open_tokenizer, start_pipeline
 from omnirelay.interpreter import interpreter_info
+from omnirelay.timeline import SEGMENTS, RequestTimeline, StageTrace, drive_request
 
 if TYPE_CHECKING:
     from omnirelay.api import Pipeline
@@ -166,7 +166,7 @@ def run_pipeline_bench(
 
     prompt_ids = encode_chat_prompt(open_tokenizer(config, err), prompt)
     trace = StageTrace()
-    pipe, startup_s = start_pipeline(config, on_stage_output=trace, stream=err)
+    pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True, stream=err)
     try:
         report = bench_running_pipeline(
             pipe,
@@ -208,7 +208,8 @@ def bench_running_pipeline(
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
-    """The measurement on a running pipeline (started with ``on_stage_output=trace``);
+    """The measurement on a running pipeline (started with ``on_stage_output=trace,
+    trace_steps=True``);
     ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
     of the stages and the namespace; the pipeline keeps running."""
     from omnirelay.connectors.sweep import sweep

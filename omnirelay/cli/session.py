@@ -5,8 +5,9 @@
   ``--device`` overrides.
 * :func:`open_tokenizer` — stage 0's tokenizer; the tiny model is built on first use and
   cached (announced on stderr, with the elapsed time).
-* :func:`start_pipeline` — the real multi-process pipeline, with progress on stderr; a
-  Ctrl-C during startup stops it cleanly once the stages are up (a second one forces).
+* :func:`start_pipeline` — the real multi-process pipeline, with progress on stderr
+  (and its stages timing their steps, for a timeline); a Ctrl-C during startup stops it
+  cleanly once the stages are up (a second one forces).
 * :func:`sampling_overrides` — per-stage :class:`SamplingParams` for ``--max-tokens`` and
   ``--seed``.
 * :class:`Progress` — ``label… done in 1.2 s`` on stderr (a ticking counter on a TTY).
@@ -226,18 +227,20 @@ def start_pipeline(
     config: PipelineConfig,
     *,
     on_stage_output: Callable[[StageOutput], None] | None = None,
+    trace_steps: bool = False,
     stream: TextIO | None = None,
 ) -> tuple[Pipeline, float]:
     """Start ``config``'s stage processes (progress on ``stream``); the pipeline and the
-    seconds it took. A Ctrl-C meanwhile shuts it down once it is up, then raises
-    ``KeyboardInterrupt``."""
+    seconds it took. ``on_stage_output`` and ``trace_steps``: as in
+    :meth:`Pipeline.start <omnirelay.api.Pipeline.start>` (a timeline needs both). A
+    Ctrl-C meanwhile shuts it down once it is up, then raises ``KeyboardInterrupt``."""
     from omnirelay.api import Pipeline
 
     out = stream if stream is not None else sys.stderr
     names = " -> ".join(s.name for s in config.stages)
     label = f"starting {config.num_stages} stage processes of {config.name} ({names})"
     with _deferred_interrupt(out) as held, Progress(label, out, done="ready") as progress:
-        pipe = Pipeline.start(config, on_stage_output=on_stage_output)
+        pipe = Pipeline.start(config, on_stage_output=on_stage_output, trace_steps=trace_steps)
     if held:
         pipe.shutdown()
         raise KeyboardInterrupt

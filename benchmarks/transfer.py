@@ -275,10 +275,12 @@ class BenchRow:
         return d
 
 
-def _measure(kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True) -> BenchRow:
+def _measure(
+    kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True, run_tag: str = "bench"
+) -> BenchRow:
     ctx = mp.get_context("spawn")
     p_cpu, c_cpu = pin_cpus(pin)
-    namespace = f"bench{uuid.uuid4().hex[:10]}"
+    namespace = f"{run_tag}{uuid.uuid4().hex[:6]}"
     prod_end, cons_end = ctx.Pipe()
     c_out_r, c_out_w = ctx.Pipe(duplex=False)
     p_out_r, p_out_w = ctx.Pipe(duplex=False)
@@ -370,11 +372,11 @@ def _floor_producer(ns: str, n: int, nbytes: int, peer: Any, out: Any, cpu: int 
     out.send(sent)
 
 
-def floor_us(payload: str, n: int, *, pin: bool = True) -> float:
+def floor_us(payload: str, n: int, *, pin: bool = True, run_tag: str = "bench") -> float:
     """One-way p50 of the bare minimum across two processes: copy the bytes into a mapped
     shared buffer, send a 1-byte datagram, wake the sleeping consumer, copy the bytes out."""
     nbytes = _nbytes(make_payload(payload))
-    ns = f"bench{uuid.uuid4().hex[:10]}"
+    ns = f"{run_tag}{uuid.uuid4().hex[:6]}"
     path = f"/dev/shm/omnirelay-{ns}-floor"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -425,6 +427,9 @@ def run_transfer_bench(
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     names = payloads or list(PAYLOADS)
+    # Every namespace of this run starts with its tag, so the leak audit sees this run's
+    # objects only, not those of another run on the machine.
+    run_tag = f"bench{uuid.uuid4().hex[:6]}"
     p_cpu, c_cpu = pin_cpus(pin)
     results: dict[str, Any] = {
         "payloads": {},
@@ -438,14 +443,14 @@ def run_transfer_bench(
         n_lat, n_tp = max(20, int(n_lat * scale)), max(5, int(n_tp * scale))
         entry: dict[str, Any] = {"description": desc, "nbytes": _nbytes(make_payload(name))}
         entry["limit_two_memcpy_us"] = memcpy_limit_us(name)
-        entry["floor_wakeup_two_memcpy_us"] = floor_us(name, n_lat, pin=pin)
+        entry["floor_wakeup_two_memcpy_us"] = floor_us(name, n_lat, pin=pin, run_tag=run_tag)
         kinds = ["ours", "baseline"] if baseline else ["ours"]
         for kind in kinds:
             log(f"[bench transfer] {name}: {kind} ({n_lat} one-way trials, {n_tp} streamed)")
-            row = _measure(kind, name, n_lat, n_tp, pin=pin)
+            row = _measure(kind, name, n_lat, n_tp, pin=pin, run_tag=run_tag)
             entry[kind] = row.to_dict()
         results["payloads"][name] = entry
-    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("omnirelay-bench")]
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"omnirelay-{run_tag}")]
     results["leaks"] = leftovers
     return results
 
@@ -479,8 +484,7 @@ def render_table(results: dict[str, Any]) -> str:
         else "processes not pinned (the scheduler places them)"
     )
     lines.append(
-        f"leak audit: {len(leaks)} omnirelay-bench* objects left in /dev/shm"
-        + (f": {leaks[:5]}" if leaks else "")
+        f"leak audit: {len(leaks)} objects of this run left in /dev/shm" + (f": {leaks[:5]}" if leaks else "")
     )
     return "\n".join(lines)
 

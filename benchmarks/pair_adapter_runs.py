@@ -1,22 +1,26 @@
-#!/usr/bin/env python
 """Compare two interpreters, or two checkouts, on ``omnirelay bench adapter``, run by run.
 
-This VM's speed drifts from minute to minute. Two series run one after the other compare
-the minutes as much as the builds. This script alternates instead: pair i runs the
-benchmark under side A, then under side B, each in a fresh process. It prints every
+A shared machine's speed drifts from minute to minute: two series run one after the
+other compare the minutes as much as the code. This tool alternates instead: pair i runs
+the benchmark under side A, then under side B, each in a fresh process. It prints every
 pair's figures, the medians of each side, and the paired difference of the adapter p50
-(B - A), with the number of pairs that B won.
+(B - A), with the number of pairs that B won. Use it for before/after comparisons of a
+change (the adapter's figures move by less than a machine's drift).
 
 A side is an interpreter (``--a`` / ``--b``, default: this one) and, optionally, a
-checkout to import omnirelay from (``--a-path`` / ``--b-path``, put first on PYTHONPATH;
-a checkout needs its C extensions built in place). Examples::
+checkout to run (``--a-path`` / ``--b-path``: the run starts in that directory with it
+first on PYTHONPATH, so it imports that checkout's omnirelay whichever directory this
+tool runs from; a checkout needs its C extensions built in place). From a checkout's
+root::
 
-    python scripts/pair_adapter_runs.py --a python3 --b ~/.venvs/omnirelay/bin/python
-    python scripts/pair_adapter_runs.py --a-path ../before --b-path . --pairs 12
+    python -m benchmarks.pair_adapter_runs --a python3 --b ~/.venvs/omnirelay/bin/python
+    python -m benchmarks.pair_adapter_runs --a-path ../before --b-path . --pairs 12
 
-Each run is ``PY -m omnirelay.cli.main bench adapter --chunks N --json ...``; its report is
-read the way ``bench adapter --runs`` reads its own (``summarize_adapter_runs``, from the
-omnirelay this script imports). ``--json`` writes every report and the summary.
+Each run is ``PY -m omnirelay.cli.main bench adapter --chunks N --json ...`` (a command
+every checkout has, whether its benchmarks live in ``benchmarks/`` or in the package);
+its report is read the way ``bench adapter --runs`` reads its own
+(``summarize_adapter_runs`` of this checkout). ``--json`` writes every report and the
+summary. Exit status 0 when every pair completed with a clean leak audit.
 """
 
 from __future__ import annotations
@@ -31,19 +35,20 @@ import sys
 import tempfile
 from typing import Any
 
-from omnirelay.bench.adapter_latency import summarize_adapter_runs
+from benchmarks.adapter_latency import summarize_adapter_runs
 
 
 def run_once(python: str, path: str | None, chunks: int, out: str, timeout_s: float) -> dict[str, Any]:
     """One ``bench adapter`` run: its report (the JSON it wrote), or ``{"error": ...}``."""
     env = dict(os.environ)
+    cwd = None
     if path is not None:
-        env["PYTHONPATH"] = os.path.abspath(path) + (
-            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
-        )
+        # ``-m`` puts the working directory first on sys.path: it must be the checkout too.
+        cwd = os.path.abspath(path)
+        env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [python, "-m", "omnirelay.cli.main", "bench", "adapter", "--chunks", str(chunks), "--json", out]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout_s:g} s"}
     try:
@@ -87,15 +92,17 @@ def _line(label: str, r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pair_adapter_runs", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument(
         "--a", default=sys.executable, metavar="PYTHON", help="side A's interpreter (default: this one)"
     )
     parser.add_argument(
         "--b", default=sys.executable, metavar="PYTHON", help="side B's interpreter (default: this one)"
     )
-    parser.add_argument("--a-path", metavar="DIR", help="side A imports omnirelay from this checkout")
-    parser.add_argument("--b-path", metavar="DIR", help="side B imports omnirelay from this checkout")
+    parser.add_argument("--a-path", metavar="DIR", help="side A runs this checkout")
+    parser.add_argument("--b-path", metavar="DIR", help="side B runs this checkout")
     parser.add_argument("--pairs", type=int, default=8, help="pairs of runs (default 8)")
     parser.add_argument(
         "--chunks", type=int, default=600, help="measured chunks per series and run (default 600)"

@@ -1,12 +1,12 @@
 """``omnirelay bench adapter``: what the chunk transfer adapter adds per codec chunk, across processes.
 
-Two spawned processes (:mod:`omnirelay.bench.adapter_latency_roles`): a sender (stage 1)
+Two spawned processes (:mod:`benchmarks.adapter_latency_roles`): a sender (stage 1)
 and a receiver (stage 2), one codec chunk (int64 16x50 + meta, 6.4 KB) in flight, a
 random gap before each send, latencies from ``perf_counter_ns`` (CLOCK_MONOTONIC,
 system-wide).
 
 (a) **Adapter cost.** ``save_async`` on the sender (enqueue) → the chunk published ready on
-    the receiver (the receive worker's commit, ``ChunkInput.committed_time``), interleaved
+    the receiver (the receive worker's commit, told to the adapter's ``on_chunk_ready``), interleaved
     trial by trial with the raw connector's one-way latency (``put`` → the object out of
     ``get``, the consumer woken by ``wait_arrivals``) over the same shm namespace, so the
     adapter's own overhead is the difference. Target: p50 ≤ 150 µs. Also shown: the chunk
@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.bench.adapter_latency_roles import (
+from benchmarks.adapter_latency_roles import (
     RoleReport,
     Trial,
     raw_namespace,
@@ -48,7 +48,7 @@ from omnirelay.bench.adapter_latency_roles import (
     schedule,
     sender_main,
 )
-from omnirelay.bench.transfer import pin_cpus
+from benchmarks.transfer import pin_cpus
 from omnirelay.connectors.sweep import sweep
 from omnirelay.interpreter import InterpreterInfo, interpreter_info
 
@@ -80,7 +80,6 @@ def run_adapter_latency(
     seed: int = 0,
     timeout_s: float = 600.0,
     pin: bool = True,
-    send_batch: bool = False,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     if n_latency < 1 or n_hol < 1 or warmup < 0:
@@ -110,7 +109,7 @@ def run_adapter_latency(
     )
     sender = ctx.Process(
         target=sender_main,
-        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu, send_batch),
+        args=(namespace, trials_bytes, seed, wait_s, s_ctrl, s_out_w, ready, send_cpu),
         name="sender",
     )
     deadline = time.monotonic() + timeout_s
@@ -160,7 +159,6 @@ def run_adapter_latency(
             "cpus": len(os.sched_getaffinity(0)),
             "sender_cpu": send_cpu,
             "receiver_cpu": recv_cpu,
-            "send_batch": send_batch,
             "cpu_probe_s": probe,
         },
         "leftover_objects": leftover,
@@ -404,10 +402,9 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         if env.get("sender_cpu") is not None
         else "unpinned"
     )
-    policy = "SCHED_BATCH send workers (is_send_batch)" if env.get("send_batch") else "default thread policy"
     head = (
         "omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, "
-        f"{env['cpus']} CPUs, {placed}, {policy}"
+        f"{env['cpus']} CPUs, {placed}"
     )
     if env.get("cpu_probe_s") is not None:
         head += (

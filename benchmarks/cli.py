@@ -1,0 +1,358 @@
+"""The benchmarks' command line: ``omnirelay bench BENCH ...`` (or ``python -m benchmarks BENCH ...``).
+
+:func:`main` parses the arguments after ``bench`` and runs one benchmark: ``transfer``,
+``stress``, ``adapter``, ``pipeline`` or ``serve``. Each prints its table, writes its
+figures with ``--json PATH`` and returns the exit status (1 when a target is missed or
+something leaked). ``omnirelay bench`` (:mod:`omnirelay.cli.bench`) imports this module
+only when a benchmark runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+#: Targets of the connector issue, checked and printed by ``bench transfer``.
+TRANSFER_TARGETS_US = {"codec_chunk": 60.0, "prefill_4mb": 2500.0, "tensor_64mb": 60000.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``omnirelay bench``: one sub-command per benchmark."""
+    p = argparse.ArgumentParser(
+        prog="omnirelay bench",
+        description="Run a benchmark (from a source checkout: the benchmarks/ package).",
+    )
+    _register_benches(p.add_subparsers(dest="bench", metavar="BENCH"))
+
+    def no_bench(args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=no_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark named in ``argv`` (the arguments after ``omnirelay bench``)."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _register_benches(bsub: Any) -> None:
+
+    t = bsub.add_parser(
+        "transfer",
+        help="connector latency/throughput across processes vs. the memcpy limit and a pickle baseline",
+        description=(
+            "Moves a codec chunk (int64 16x50 + meta), a bf16 1x2048 hidden step, a 4 MB f32 prefill "
+            "and a 64 MB tensor from a producer process to a consumer process through the shm "
+            "connector, and through a pickle-over-multiprocessing.shared_memory baseline. Prints "
+            "one-way latency p50/p99 and stream throughput side by side with the physical limit "
+            "(two memcpy of the same bytes, measured in the same run)."
+        ),
+    )
+    t.add_argument(
+        "--payloads",
+        default=None,
+        help="comma-separated subset of: codec_chunk,hidden_step,prefill_4mb,tensor_64mb",
+    )
+    t.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the number of trials (e.g. 0.1 for a quick run)"
+    )
+    t.add_argument("--no-baseline", action="store_true", help="skip the pickle baseline")
+    t.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin producer and consumer to two CPUs (default: pinned, like transfer_anchor.py --pin)",
+    )
+    t.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
+    t.set_defaults(func=run_bench_transfer)
+
+    s = bsub.add_parser(
+        "stress",
+        help="cross-process transfers with cancellations, id reuse and early-stopping consumers; ends with a leak audit",
+        description=(
+            "Producer and consumer processes move >= 5,000 chunks over >= 500 requests through the "
+            "chunk transfer adapter, cancelling >= 10% of requests at random points, reusing ids after "
+            "cancel, stopping consumers early, mixing codec-sized and 4 MB chunks; then audits for leaks."
+        ),
+    )
+    s.add_argument("--requests", type=int, default=600, help="number of requests (default 600)")
+    s.add_argument("--chunks", type=int, default=10, help="chunks per request (default 10)")
+    s.add_argument(
+        "--cancel-fraction", type=float, default=0.15, help="fraction of requests cancelled (default 0.15)"
+    )
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--timeout", type=float, default=600.0, help="bound on the whole run in seconds (default 600)"
+    )
+    s.add_argument("--json", metavar="PATH", help="write the counts and the audit as JSON to PATH")
+    s.set_defaults(func=run_bench_stress)
+
+    a = bsub.add_parser(
+        "adapter",
+        help="the transfer adapter's own cost per codec chunk across processes, and head-of-line blocking",
+        description=(
+            "Sender (stage 1) and receiver (stage 2) processes, one codec chunk (int64 16x50 + meta) in "
+            "flight: (a) save_async on the sender -> chunk published ready on the receiver (and handed to "
+            "its scheduler by poll_events), "
+            "interleaved with the raw shm connector's one-way latency (put -> get) so the adapter's "
+            "overhead is visible; (b) the same codec chunks without and with another request streaming "
+            "64 MB payloads. Prints p50/p99/max against the targets (p50 <= 150 us; <= 5 ms added by the "
+            "64 MB stream). The sender is pinned to the first CPU this process may use and the receiver "
+            "to the second, as in bench transfer (--no-pin lets the scheduler place them). "
+            "The report names the Python build that ran it: the hot paths are interpreted, so "
+            "an unoptimized build (see omnirelay doctor) makes every figure slower."
+        ),
+    )
+    a.add_argument("--chunks", type=int, default=1000, help="measured chunks per series (default 1000)")
+    a.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the sender and receiver processes to two CPUs",
+    )
+    a.add_argument(
+        "--warmup", type=int, default=100, help="unmeasured chunks before each series (default 100)"
+    )
+    a.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the whole benchmark N times and judge the targets on the medians of the runs "
+        "(a shared machine's speed varies from minute to minute; default 1)",
+    )
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--timeout", type=float, default=600.0, help="bound on each run in seconds")
+    a.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
+    a.set_defaults(func=run_bench_adapter)
+
+    q = bsub.add_parser(
+        "pipeline",
+        help="tiny Qwen3-Omni pipeline: time to first audio and runtime overhead at concurrency 1, 4, 16",
+        description=(
+            "Runs text+audio chat requests through the real multi-process qwen3-omni-tiny pipeline "
+            "(tiny seeded models, shm connector), keeping C requests in flight for each concurrency "
+            "level C. Per request: time to first audio (TTFA), and the runtime overhead: wall time on "
+            "the critical path to the first audio (and to the last output) minus the model compute on "
+            "that path, as a share of TTFA (and of the end-to-end time). Prints p50/p99 per level, the "
+            "overhead split by kind (control plane, transfers, scheduling, delivery) and the target: "
+            "overhead <= 10% of TTFA at concurrency 1 (median request). Warm-up requests are not "
+            "counted; the run ends with a leak audit. Exit status 1 if the target is missed or "
+            "something leaked."
+        ),
+    )
+    q.add_argument(
+        "--concurrency",
+        default="1,4,16",
+        help="comma-separated concurrency levels (default 1,4,16)",
+    )
+    q.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per level (default: max(8, 2 x concurrency))",
+    )
+    q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
+    q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
+    q.add_argument(
+        "--timeout", type=float, default=600.0, help="bound on each level in seconds (default 600)"
+    )
+    q.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    q.set_defaults(func=run_bench_pipeline)
+
+    v = bsub.add_parser(
+        "serve",
+        help="load generator for the OpenAI-compatible server: TTFA, real-time factor, requests/s",
+        description=(
+            "Sends streaming POST /v1/audio/speech requests (wav) to a server, keeping C requests in "
+            "flight for each concurrency level C, and prints per level: time to first audio p50/p99, "
+            "real-time factor (audio seconds received / wall seconds, and per request end-to-end time "
+            "/ audio duration), requests/s and errors. Without --url it starts the pipeline and a server "
+            "on 127.0.0.1 (a free port), and stops both at the end after a leak audit. Only loopback "
+            "servers are driven. Exit status 1 if a level had no successful request or something leaked."
+        ),
+    )
+    v.add_argument(
+        "--pipeline",
+        default="qwen3-omni-tiny",
+        help="the pipeline to start when no --url is given (default qwen3-omni-tiny)",
+    )
+    v.add_argument(
+        "--url", default=None, help="a running server on a loopback address, e.g. http://127.0.0.1:8000"
+    )
+    v.add_argument(
+        "--concurrency", default="1,8,32", help="comma-separated concurrency levels (default 1,8,32)"
+    )
+    v.add_argument(
+        "--requests", type=int, default=None, help="requests per level (default: max(8, 2 x concurrency))"
+    )
+    v.add_argument("--warmup", type=int, default=1, help="uncounted warm-up requests first (default 1)")
+    v.add_argument("--text", default=None, help="the input of every speech request")
+    v.add_argument("--voice", default="chelsie", help="the voice of every request (default chelsie)")
+    v.add_argument(
+        "--timeout", type=float, default=300.0, help="bound on each level in seconds (default 300)"
+    )
+    v.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    v.set_defaults(func=run_bench_serve)
+
+
+def run_bench_transfer(args: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks.transfer import render_table, run_transfer_bench
+    from omnirelay.interpreter import interpreter_info
+
+    payloads = [x.strip() for x in args.payloads.split(",")] if args.payloads else None
+    if args.scale <= 0:
+        raise SystemExit("omnirelay bench transfer: --scale must be > 0")
+    results = run_transfer_bench(
+        payloads, scale=args.scale, baseline=not args.no_baseline, pin=not args.no_pin
+    )
+    print(render_table(results))
+    ok = True
+    print()
+    for name, target in TRANSFER_TARGETS_US.items():
+        e = results["payloads"].get(name)
+        if e is None:
+            continue
+        p50 = e["ours"]["p50_us"]
+        verdict = "meets" if p50 <= target else "MISSES"
+        ok &= p50 <= target
+        print(f"target {name}: p50 {p50:,.0f} µs {verdict} the {target:,.0f} µs target")
+    results["env"] = {
+        "python": platform.python_version(),
+        "interpreter": interpreter_info().to_dict(),
+        "torch": torch.__version__,
+        "cpus": _cpus(),
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if ok and not results["leaks"] else 1
+
+
+def run_bench_stress(args: argparse.Namespace) -> int:
+    from benchmarks.stress import render_stress, run_stress
+
+    try:
+        report = run_stress(
+            requests=args.requests,
+            chunks=args.chunks,
+            cancel_fraction=args.cancel_fraction,
+            seed=args.seed,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench stress: {exc}") from exc
+    print(render_stress(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] else 1
+
+
+def run_bench_adapter(args: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks.adapter_latency import (
+        render_adapter_latency,
+        render_adapter_runs,
+        run_adapter_latency,
+        summarize_adapter_runs,
+        targets_met,
+    )
+
+    if args.runs < 1:
+        raise SystemExit(f"omnirelay bench adapter: --runs must be >= 1, got {args.runs}")
+    results: list[dict[str, Any]] = []
+    for i in range(args.runs):
+        if args.runs > 1:
+            print(f"[bench adapter] run {i + 1} of {args.runs}", file=sys.stderr, flush=True)
+        try:
+            result = run_adapter_latency(
+                args.chunks,
+                args.chunks,
+                warmup=args.warmup,
+                seed=args.seed + i,
+                timeout_s=args.timeout,
+                pin=not args.no_pin,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"omnirelay bench adapter: {exc}") from exc
+        result["env"].update(torch=torch.__version__)
+        results.append(result)
+    print(render_adapter_latency(results[-1]))
+    if args.runs == 1:
+        _write_json(args.json, results[0])
+        return 0 if results[0]["ok"] and targets_met(results[0]) else 1
+    summary = summarize_adapter_runs(results)
+    print()
+    print(render_adapter_runs(summary))
+    _write_json(args.json, {**summary, "results": results})
+    return 0 if summary["ok"] and summary["targets_met"] else 1
+
+
+def run_bench_pipeline(args: argparse.Namespace) -> int:
+    from benchmarks.pipeline import render_pipeline_bench, run_pipeline_bench, target_met
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(
+            f"omnirelay bench pipeline: --concurrency must be integers like 1,4,16: {exc}"
+        ) from exc
+    try:
+        report = run_pipeline_bench(
+            concurrency=levels,
+            requests=args.requests,
+            warmup=args.warmup,
+            prompt=args.prompt,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc
+    print(render_pipeline_bench(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] and target_met(report) is not False else 1
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.serve import DEFAULT_TEXT, render_serve_bench, run_serve_bench
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench serve: --concurrency must be integers like 1,8,32: {exc}") from exc
+    try:
+        report = run_serve_bench(
+            pipeline=args.pipeline,
+            url=args.url,
+            concurrency=levels,
+            requests=args.requests,
+            warmup=args.warmup,
+            text=args.text if args.text is not None else DEFAULT_TEXT,
+            voice=args.voice,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench serve: {exc}") from exc
+    print(render_serve_bench(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] else 1
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1))
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))

@@ -1,1 +1,0 @@
-"""Benchmarks behind `omnirelay bench` (scripts, never timed unit tests)."""

@@ -1,0 +1,40 @@
+"""One request's timeline across the stages of a pipeline (``omnirelay run``, ``bench pipeline``).
+
+* ``critical_path.py`` — :class:`StageTrace` (the front's observer of every stage's
+  outputs), :func:`critical_path` (from a client output back to the submit: which steps
+  it waited for, and the wall time split into model compute and the rest).
+* ``request.py`` — :func:`drive_request`: one request end to end, its
+  :class:`RequestTimeline`.
+* ``recorder.py`` — :class:`StepRecorder`, the stages' half: the step tracer a pipeline
+  started with ``trace_steps=True`` runs in every stage, writing each step's times into
+  its outputs' metrics; :func:`step_of` reads them back.
+"""
+
+from omnirelay.timeline.critical_path import (
+    SEGMENTS,
+    CriticalPath,
+    StageEvent,
+    StageTrace,
+    critical_path,
+    steps_by_stage,
+    upstream_map,
+)
+from omnirelay.timeline.recorder import STEP_METRICS, Step, StepRecorder, step_of
+from omnirelay.timeline.request import ClientArrival, RequestTimeline, drive_request
+
+__all__ = [
+    "SEGMENTS",
+    "STEP_METRICS",
+    "ClientArrival",
+    "CriticalPath",
+    "RequestTimeline",
+    "StageEvent",
+    "StageTrace",
+    "Step",
+    "StepRecorder",
+    "critical_path",
+    "drive_request",
+    "step_of",
+    "steps_by_stage",
+    "upstream_map",
+]
