@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
+
+import omnirelay
 
 __all__ = ["register", "run_bench"]
 
@@ -33,7 +36,20 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run_bench)
 
 
+def _checkout_root() -> Path | None:
+    """The source checkout omnirelay was imported from, if it holds the benchmarks.
+
+    An editable install imports omnirelay from its checkout, where ``benchmarks/`` sits
+    beside it; a console script does not put that directory on ``sys.path``.
+    """
+    root = Path(omnirelay.__file__).resolve().parent.parent
+    return root if (root / "benchmarks" / "cli.py").is_file() else None
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    root = _checkout_root()
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
     try:
         from benchmarks.cli import main
     except ModuleNotFoundError as exc:
@@ -41,9 +57,9 @@ def run_bench(args: argparse.Namespace) -> int:
             raise  # a dependency of the benchmarks is missing: say which
         print(
             "omnirelay bench: error: the benchmarks are not part of the installed omnirelay: they "
-            "are the benchmarks/ package of a source checkout. Run the command in the checkout's "
-            "root directory (cd /path/to/omnirelay && omnirelay bench ...), or point PYTHONPATH "
-            "at it (PYTHONPATH=/path/to/omnirelay omnirelay bench ...).",
+            "are the benchmarks/ package of a source checkout. Install omnirelay from a checkout "
+            "(pip install -e /path/to/omnirelay), or point PYTHONPATH at one "
+            "(PYTHONPATH=/path/to/omnirelay omnirelay bench ...).",
             file=sys.stderr,
         )
         return 1
