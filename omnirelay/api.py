@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import itertools
 import os
 import secrets
@@ -51,7 +52,7 @@ from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
 from omnirelay.timeline.recorder import StepRecorder
 
-__all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "validate_request_id"]
+__all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "chat_tokenizer", "validate_request_id"]
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -94,6 +95,29 @@ def _validate_prompt(prompt_token_ids: object) -> list[int] | None:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise InvalidRequestError(f"prompt_token_ids[{i}] must be an int >= 0, got {t!r}")
     return ids
+
+
+def chat_tokenizer(
+    pipeline: str | os.PathLike[str] | PipelineConfig, *, system: str | None = None
+) -> Callable[[str], list[int]]:
+    """A ``text -> prompt token ids`` function for ``Pipeline.start(..., tokenizer=...)``.
+
+    It is stage 0's tokenizer with the chat layout the Qwen3-Omni Thinker and Talker
+    expect: ``text`` becomes one user turn (after ``system``, if given) and the open
+    assistant turn. The tokenizer is loaded now, in this process; for the tiny pipeline
+    the tiny model is built first if it is not cached yet (a few seconds, once).
+    Raises :class:`ConfigError` when stage 0 is not a Qwen3-Omni Thinker.
+    """
+    from omnirelay.models import EXECUTOR_NAMES, encode_chat_prompt, load_tokenizer
+
+    config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
+    stage = config.stages[0]
+    if stage.executor not in EXECUTOR_NAMES:
+        raise ConfigError(
+            f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
+            "Thinker: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
+        )
+    return functools.partial(encode_chat_prompt, load_tokenizer(**stage.executor_args), system=system)
 
 
 class Pipeline:
