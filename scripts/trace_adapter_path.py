@@ -4,7 +4,7 @@
 Runs the adapter benchmark's latency series with both processes instrumented: each step
 of the send and receive paths (``save_async``, the lane submit, the send worker picking
 the task up, the put and its parts, the receiver's arrival drain, dispatch, get, claim,
-``prepare_chunk``, commit) appends ``(step, perf_counter_ns)`` to a per-process list.
+commit) appends ``(step, perf_counter_ns)`` to a per-process list.
 ``perf_counter_ns`` is CLOCK_MONOTONIC, so the two processes' marks share one time axis.
 Trials are then cut at each ``save_async`` (one chunk is in flight at a time) and every
 step's median offset from it is printed, sender and receiver interleaved in time order:
@@ -73,7 +73,6 @@ def _instrument(role: str) -> None:
         _around(receiver.ReceiveSide, "entries_to_poll", "entries_to_poll")
         _around(receiver.ReceiveSide, "take_announced", "take_announced")
         _around(receiver.ReceiveSide, "poll", "poll")
-        _around(receiver, "prepare_chunk", "prepare_chunk")
         _around(receiver.ReceiveSide, "_commit_locked", "commit")
 
 
