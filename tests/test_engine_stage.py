@@ -480,6 +480,14 @@ def test_construction_errors_name_the_problem() -> None:
         make_engine(0, FakeConnector(store, 0), transfer_config=TransferConfig(stage_id=0, send_to_stage=2))
     with pytest.raises(ConfigError, match="stage_id is 1, expected 0"):
         make_engine(0, FakeConnector(store, 0), transfer_config=TransferConfig(stage_id=1))
+
+    class ReadsNoChunks(SampleGenerator):
+        read_chunk = None  # a generation executor that cannot say what a chunk means
+
+    with pytest.raises(
+        ConfigError, match="stage 2 receives chunks as a generation stage: it needs a chunk reader"
+    ):
+        make_engine(2, FakeConnector(store, 2), executor=ReadsNoChunks())
     assert store.live_keys() == []
 
 

@@ -26,7 +26,7 @@ Either way the executor's ``finished`` also ends the request (FINISHED_STOPPED).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from omnirelay.engine.interfaces import BatchItem, ChunkReader, ItemResult
 from omnirelay.engine.request import Request, RequestStatus
@@ -38,11 +38,30 @@ __all__ = ["GenerationScheduler"]
 
 
 class GenerationScheduler(BaseScheduler):
-    def __init__(self, *, chunk_reader: ChunkReader | None = None, **kwargs: Any) -> None:
-        """``chunk_reader`` is required when the stage receives chunks (``receives_chunks``);
-        the other arguments are :class:`BaseScheduler`'s."""
-        super().__init__(**kwargs)
-        if self.receives_chunks and chunk_reader is None:
+    def __init__(
+        self,
+        *,
+        stage_id: int,
+        max_num_seqs: int,
+        receives_chunks: bool,
+        supports_batching: bool,
+        max_num_batched_tokens: int | None = None,
+        prefetch_chunks: bool = False,
+        clock: Callable[[], float],
+        chunk_reader: ChunkReader | None = None,
+    ) -> None:
+        """``chunk_reader`` is required when the stage receives chunks; the other
+        arguments are :class:`BaseScheduler`'s."""
+        super().__init__(
+            stage_id=stage_id,
+            max_num_seqs=max_num_seqs,
+            receives_chunks=receives_chunks,
+            supports_batching=supports_batching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefetch_chunks=prefetch_chunks,
+            clock=clock,
+        )
+        if receives_chunks and chunk_reader is None:
             raise ConfigError(
                 f"stage {self.stage_id} receives chunks as a generation stage: it needs a chunk reader "
                 "(the executor's read_chunk(runtime_info, payload) -> (prompt_token_ids, runtime_info), "
