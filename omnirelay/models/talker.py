@@ -4,8 +4,8 @@
   Talker stage (``execution_type = "ar"``). Each step of a request consumes what the
   engine committed from the Thinker (``BatchItem.additional_information``: a Thinker →
   Talker ``OmniPayload``, SPEC §5.1; ``is_upstream_exhausted`` once the Thinker's stream
-  ended), runs the Talker decoder for the first codebook, then the
-  code predictor for the other ``Q − 1``. ``release(id)`` frees the request.
+  ended), runs the Talker decoder for the first codebook, then the code predictor for the
+  other ``Q − 1``. ``release(id)`` frees the request.
 * :func:`create_talker` — the registry factory: ``create_talker(**executor_args)``.
 
 Step semantics (the reference model's ``generate``, split into steps):
