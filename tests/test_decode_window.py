@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omnirelay.errors import ModelError
+from omnirelay.payload import OmniPayload
 from omnirelay.processors import (
     TalkerToCode2WavConfig,
     TalkerToCode2WavProcessor,
@@ -64,11 +65,11 @@ def random_frames(num_frames: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 2048, (num_frames, Q), generator=torch.Generator().manual_seed(seed))
 
 
-def stream_payloads(frames: torch.Tensor, initial: int) -> list[dict[str, Any]]:
+def stream_payloads(frames: torch.Tensor, initial: int) -> list[OmniPayload]:
     """The Talker → Code2Wav payloads of one request, one frame per Talker step."""
     processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=initial))
     state = processor.new_state()
-    payloads: list[dict[str, Any]] = []
+    payloads: list[OmniPayload] = []
     for i in range(frames.shape[0]):
         out = processor.step(
             state, frames[i : i + 1], chunk_id=len(payloads), finished=i == frames.shape[0] - 1
@@ -79,15 +80,15 @@ def stream_payloads(frames: torch.Tensor, initial: int) -> list[dict[str, Any]]:
 
 
 def streamed_audio(
-    decoder: FakeCausalDecoder, payloads: list[dict[str, Any]], *, naive: bool = False
+    decoder: FakeCausalDecoder, payloads: list[OmniPayload], *, naive: bool = False
 ) -> torch.Tensor:
     """Decode each payload's window alone and concatenate what the trim emits."""
     pieces = []
     for payload in payloads:
-        if "codes" not in payload:
+        if payload.codes is None:
             continue
-        codes, lengths = codes_batch_from_flat([payload["codes"]["audio"]], Q)
-        left = payload["meta"]["left_context_size"]
+        codes, lengths = codes_batch_from_flat([payload.codes.audio], Q)
+        left = payload.meta.left_context_size
         wav = decoder(codes)
         if naive:  # the tempting wrong rule: drop the context's c·U samples
             pieces.append(wav[0, :, left * U :])
@@ -107,7 +108,7 @@ def one_shot(decoder: FakeCausalDecoder, frames: torch.Tensor) -> torch.Tensor:
 def test_streamed_chunks_equal_the_one_shot_decode(tail: int) -> None:
     frames = random_frames(4 + 25 * 3 + 7, seed=0)
     payloads = stream_payloads(frames, initial=4)
-    schedule = [(p["codes"]["audio"].numel() // Q, p["meta"]["left_context_size"]) for p in payloads]
+    schedule = [(p.codes.audio.numel() // Q, p.meta.left_context_size) for p in payloads]
     assert schedule == [(4, 0), (29, 4), (50, 25), (50, 25), (32, 25)]
     decoder = FakeCausalDecoder(tail=tail, receptive_frames=4)  # covered by every chunk's context
     expected = one_shot(decoder, frames)
@@ -142,14 +143,12 @@ def test_batch_padding_two_requests_of_different_length_in_one_window() -> None:
     payloads_a = stream_payloads(frames_a, initial=4)
     payloads_b = stream_payloads(frames_b, initial=0)
     assert len(payloads_a) == len(payloads_b) == 4
-    assert payloads_a[0]["codes"]["audio"].numel() != payloads_b[0]["codes"]["audio"].numel()
+    assert payloads_a[0].codes.audio.numel() != payloads_b[0].codes.audio.numel()
     audio: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     for pa, pb in zip(payloads_a, payloads_b):
         # Chunk k of both requests decoded together: the shorter one is right-padded.
-        codes, lengths = codes_batch_from_flat([pa["codes"]["audio"], pb["codes"]["audio"]], Q)
-        lefts = validate_left_context(
-            [pa["meta"]["left_context_size"], pb["meta"]["left_context_size"]], lengths
-        )
+        codes, lengths = codes_batch_from_flat([pa.codes.audio, pb.codes.audio], Q)
+        lefts = validate_left_context([pa.meta.left_context_size, pb.meta.left_context_size], lengths)
         assert codes.shape[-1] == max(lengths)
         piece_a, piece_b = split_stream_output(decoder(codes), lengths, lefts, U)
         audio["a"].append(piece_a)

@@ -19,6 +19,9 @@ from omnirelay.engine import (
     StepUpdate,
 )
 from omnirelay.engine.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
+from omnirelay.errors import ConfigError
+from omnirelay.payload import Codes, Meta, OmniPayload
+from omnirelay.processors import read_codec_chunk
 from omnirelay.transfer import ChunkInput, FailureKind, TransferEvents, TransferFailure
 
 S = RequestStatus
@@ -51,6 +54,7 @@ def _gen(**kw: Any) -> GenerationScheduler:
         "receives_chunks": True,
         "supports_batching": True,
         "clock": Clock(),
+        "chunk_reader": read_codec_chunk,
     }
     args.update(kw)
     return GenerationScheduler(**args)
@@ -85,15 +89,21 @@ def tick(
     return out, update
 
 
+def codes(ids: list[int] | torch.Tensor, **fields: Any) -> OmniPayload:
+    audio = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
+    return OmniPayload(codes=Codes(audio=audio), **fields)
+
+
 def ar_chunk(iid: str, rows: list[int], *, finished: bool = False, n: int = 0) -> ChunkInput:
-    payload = {"codes": {"audio": torch.tensor(rows, dtype=torch.int64)}, "meta": {"finished": finished}}
-    return ChunkInput(iid, iid.split("@")[0], n, finished, False, payload=payload)
+    return ChunkInput(iid, iid.split("@")[0], n, finished, False, payload=codes(rows))
 
 
-def gen_chunk(iid: str, ids: list[int], *, finished: bool = False, n: int = 0) -> ChunkInput:
-    return ChunkInput(
-        iid, iid.split("@")[0], n, finished, False, prompt_token_ids=ids, additional_information={}
-    )
+def gen_chunk(
+    iid: str, payload: Any, *, finished: bool = False, segment: bool = False, n: int = 0
+) -> ChunkInput:
+    """A committed chunk as the adapter hands it over; a list of ints is 1-D codes."""
+    body = codes(payload) if isinstance(payload, list) else payload
+    return ChunkInput(iid, iid.split("@")[0], n, finished, segment, payload=body)
 
 
 def assert_empty(sched: BaseScheduler) -> None:
@@ -291,11 +301,14 @@ def test_ar_receiver_runs_one_step_per_chunk_then_finishes_on_the_terminal() -> 
     assert out.is_empty and relay.num_calls == 0 and not sched.has_work()
     out, update = tick(sched, relay, TransferEvents(ready=(ar_chunk(r.internal_id, [10, 11]),)))
     (item,) = out.batches[0]
-    assert item.is_prefill and item.input_token_ids == [0, 0, 0] and item.additional_information is not None
+    assert item.is_prefill and item.input_token_ids == [0, 0, 0] and not item.is_upstream_exhausted
+    assert type(item.additional_information) is OmniPayload  # the chunk's payload, as it came
     assert update.updates[0].new_token_ids == (21, 23) and update.chunk_loads == ((r.internal_id, "r0"),)
     assert r.status is S.WAITING_FOR_CHUNK and r.parked_from is S.RUNNING and sched.num_slots_held == 1
     assert r.additional_information is None  # consumed once
-    _, update = tick(sched, relay, TransferEvents(ready=(ar_chunk(r.internal_id, [12], finished=True, n=1),)))
+    terminal = ar_chunk(r.internal_id, [12], finished=True, n=1)
+    out, update = tick(sched, relay, TransferEvents(ready=(terminal,)))
+    assert out.batches[0][0].is_upstream_exhausted  # the executor learns the stream ended
     assert update.updates[0].new_token_ids == (25,) and r.status is S.FINISHED_STOPPED
     assert r.output_token_ids == [21, 23, 25] and r.num_chunks_received == 2
     assert_empty(sched)
@@ -471,3 +484,82 @@ def test_generation_batches_many_streams_and_respects_max_num_seqs() -> None:
     assert out.num_items == 2
     assert all(r.status is S.FINISHED_STOPPED for r in reqs)
     assert_empty(sched)
+
+
+def test_generation_stage_reads_each_chunk_with_its_chunk_reader() -> None:
+    """docs/protocol.md §4.8 on the consuming side: the codec reader makes the prompt and
+    the runtime info; a chunk with nothing to compute is consumed, not run, and what it
+    carried is kept; a segment end runs on the placeholder; the terminal finishes."""
+    sched, synth = _gen(), SampleGenerator(samples_per_code=1)
+    r = _req(0, [0], stage=2, is_placeholder=True)
+    sched.add_request(r)
+    tick(sched, synth)
+    c0 = codes([1, 2, 3], meta=Meta(left_context_size=0))
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, c0),)))
+    (item,) = out.batches[0]
+    assert item.input_token_ids == [1, 2, 3] and item.num_computed_tokens == 0
+    info = item.additional_information
+    assert type(info) is OmniPayload and info.meta == Meta(left_context_size=0)
+    assert info.codes is not None and info.codes.audio is None  # 1-D codes became the prompt
+    # Nothing to compute and not the end: consumed, the request asks for the next chunk.
+    c1 = OmniPayload(speaker="ethan", codes=Codes(ref=torch.tensor([7])))
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, c1, n=1),)))
+    assert not out.batches and out.chunk_loads == ((r.internal_id, r.external_id),)
+    assert r.status is S.WAITING_FOR_CHUNK and synth.num_calls == 1
+    # ≥2-D codes stay in the runtime info (the executor decodes them) on the placeholder [0].
+    c2 = codes(torch.zeros(16, 4, dtype=torch.long))
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, c2, n=2),)))
+    (item,) = out.batches[0]
+    assert item.input_token_ids == [0]
+    info = item.additional_information
+    assert info.codes.audio.shape == (16, 4) and info.codes.ref.tolist() == [7]
+    assert info.speaker == "ethan" and info.meta == Meta(left_context_size=0)
+    # An empty segment end still runs, on the placeholder.
+    out, _ = tick(
+        sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, OmniPayload(), segment=True, n=3),))
+    )
+    assert out.batches[0][0].input_token_ids == [0]
+    # The end of the stream with no body: nothing to compute, the request finishes.
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, None, finished=True, n=4),)))
+    assert out.finished == (r,) and r.status is S.FINISHED_STOPPED and synth.num_calls == 3
+    assert_empty(sched)
+
+
+def test_generation_replace_flag_starts_the_runtime_info_afresh() -> None:
+    sched, synth = _gen(), SampleGenerator()
+    r = _req(0, [0], stage=2)
+    sched.add_request(r)
+    tick(sched, synth)
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, codes([5, 6], speaker="a")),)))
+    assert out.batches[0][0].additional_information.speaker == "a"
+    fresh = codes([7], meta=Meta(replace_runtime_additional_information=True))
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, fresh, finished=True, n=1),)))
+    (item,) = out.batches[0]
+    assert item.input_token_ids == [7] and item.additional_information.speaker is None
+    assert r.status is S.FINISHED_STOPPED
+    assert_empty(sched)
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"codes": {"audio": [1, 2]}}, "a codec chunk must be an OmniPayload, got dict"),
+        (OmniPayload(codes=Codes(audio="abc")), "codes.audio must be a tensor or a list, got str"),
+    ],
+)
+def test_a_chunk_the_reader_rejects_fails_the_request_with_the_reason(payload: Any, problem: str) -> None:
+    sched, synth = _gen(), SampleGenerator()
+    r = _req(0, [0], stage=2)
+    sched.add_request(r)
+    tick(sched, synth)
+    out, _ = tick(sched, synth, TransferEvents(ready=(gen_chunk(r.internal_id, payload),)))
+    assert out.finished == (r,) and not out.batches and r.status is S.FINISHED_ERROR
+    assert r.error is not None and "violates the payload contract" in r.error and problem in r.error
+    assert synth.num_calls == 0
+    assert_empty(sched)
+
+
+def test_a_chunk_receiving_generation_stage_needs_a_chunk_reader() -> None:
+    with pytest.raises(ConfigError, match="chunk reader"):
+        _gen(chunk_reader=None)
+    _gen(receives_chunks=False, chunk_reader=None)  # a complete-input stage reads no chunks

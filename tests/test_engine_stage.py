@@ -31,8 +31,9 @@ from omnirelay.engine.toy import (
     toy_registry,
 )
 from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.payload import Codes, OmniPayload
 from omnirelay.pipeline.config import PipelineConfig
-from omnirelay.transfer import TransferConfig
+from omnirelay.transfer import ChunkEnvelope, TransferConfig
 from tests.engine_harness import TIMEOUT_S, GatedCountingLM, fast_transfer_config
 from tests.transfer_fakes import FakeClock, FakeConnector, FakeStore, Gate
 
@@ -89,6 +90,12 @@ def text_request(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> Sta
     return StageRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens), **kw
     )
+
+
+def chunk(codes: list[int], *, finished: bool = False) -> ChunkEnvelope:
+    """A codec chunk as the upstream's adapter puts it (the toy processor's body)."""
+    audio = torch.tensor(codes, dtype=torch.int64)
+    return ChunkEnvelope(body=OmniPayload(codes=Codes(audio=audio)), is_finished=finished)
 
 
 def placeholder(rid: str, n: int = 2) -> StageRequest:
@@ -234,9 +241,9 @@ def test_every_step_output_is_saved_and_the_terminal_carries_the_last_one() -> N
     run_until_idle(engine)
     assert engine.flush(TIMEOUT_S)
     assert store.live_keys() == ["R_0_0", "R_0_1", "R_0_2"]
-    payloads = [store.objects[k][0] for k in store.live_keys()]
-    assert [p["codes"]["audio"].tolist() for p in payloads] == [[2], [3], [4]]
-    assert [p["meta"]["finished"] for p in payloads] == [False, False, True]
+    envelopes = [store.objects[k][0] for k in store.live_keys()]
+    assert [e.body.codes.audio.tolist() for e in envelopes] == [[2], [3], [4]]
+    assert [e.is_finished for e in envelopes] == [False, False, True]
     engine.release("R")
     audit(engine, store)
 
@@ -309,8 +316,7 @@ def test_parked_requests_do_no_work_per_tick_and_an_idle_wait_sleeps() -> None:
     assert time.thread_time() - cpu < 0.05 and engine.health()["num_wakeups"] == 0
     # One arrival: one get, one executor call with one item.
     sender = FakeConnector(store, 0)
-    payload = {"codes": {"audio": torch.tensor([4])}, "meta": {"finished": False}}
-    assert sender.put(0, 1, "p7_0_0", payload).ok
+    assert sender.put(0, 1, "p7_0_0", chunk([4])).ok
     assert engine.wait_for_work(TIMEOUT_S)
     (out,) = engine.step()
     assert out.request_id == "p7" and out.token_ids == [9]
@@ -353,7 +359,7 @@ def test_a_corrupt_chunk_fails_the_request_fast_with_the_reason() -> None:
     engine.add_request(placeholder("ok"))
     engine.step()
     t0 = time.monotonic()
-    assert FakeConnector(store, 0).put(0, 1, "C_0_0", {"meta": {"finished": False}}).ok
+    assert FakeConnector(store, 0).put(0, 1, "C_0_0", chunk([1])).ok
     assert engine.wait_for_work(TIMEOUT_S)
     (out,) = engine.step()
     assert time.monotonic() - t0 < 5.0  # not the 600 s stall timeout
@@ -374,8 +380,7 @@ def test_a_generation_stage_makes_audio_per_chunk() -> None:
     up = FakeConnector(store, 1)
     audio: list[float] = []
     for n, (codes, fin) in enumerate([([3, 4], False), ([5], False), ([], True)]):
-        payload = {"codes": {"audio": torch.tensor(codes, dtype=torch.int64)}, "meta": {"finished": fin}}
-        assert up.put(1, 2, f"A_1_{n}", payload).ok
+        assert up.put(1, 2, f"A_1_{n}", chunk(codes, finished=fin)).ok
         outs: list[StageOutput] = []
         while not outs:
             assert engine.wait_for_work(TIMEOUT_S)
@@ -405,7 +410,7 @@ def test_when_a_receiver_asks_for_its_next_chunk() -> None:
     relay.add_request(placeholder("R"))
     relay.step()
     assert num_registrations(relay) == 1  # chunk 0
-    assert up.put(0, 1, "R_0_0", {"codes": {"audio": torch.tensor([1, 2])}, "meta": {"finished": False}}).ok
+    assert up.put(0, 1, "R_0_0", chunk([1, 2])).ok
     assert relay.wait_for_work(TIMEOUT_S)
     outs = relay.step()
     assert [t for o in outs for t in o.token_ids] == [3, 5]
@@ -418,14 +423,14 @@ def test_when_a_receiver_asks_for_its_next_chunk() -> None:
     synth.step()
     assert num_registrations(synth) == 1
     mid = FakeConnector(store, 1)
-    assert mid.put(1, 2, "A_1_0", {"codes": {"audio": torch.tensor([7])}, "meta": {"finished": False}}).ok
+    assert mid.put(1, 2, "A_1_0", chunk([7])).ok
     assert synth.wait_for_work(TIMEOUT_S)
     outs = synth.step()
     assert [o.audio.tolist() for o in outs if o.audio is not None] == [[7.0]]
     assert num_registrations(synth) == 0  # not yet: the outputs go out first
     assert not synth.wait_for_work(0.0)  # registers window 1 (nothing there yet), then waits
     assert num_registrations(synth) == 1
-    assert mid.put(1, 2, "A_1_1", {"codes": {"audio": torch.tensor([8])}, "meta": {"finished": True}}).ok
+    assert mid.put(1, 2, "A_1_1", chunk([8], finished=True)).ok
     assert synth.wait_for_work(TIMEOUT_S)
     outs = synth.step()
     assert outs[-1].finished and [o.audio.tolist() for o in outs if o.audio is not None] == [[8.0]]
@@ -477,6 +482,14 @@ def test_construction_errors_name_the_problem() -> None:
         make_engine(0, FakeConnector(store, 0), transfer_config=TransferConfig(stage_id=0, send_to_stage=2))
     with pytest.raises(ConfigError, match="stage_id is 1, expected 0"):
         make_engine(0, FakeConnector(store, 0), transfer_config=TransferConfig(stage_id=1))
+
+    class ReadsNoChunks(SampleGenerator):
+        read_chunk = None  # a generation executor that cannot say what a chunk means
+
+    with pytest.raises(
+        ConfigError, match="stage 2 receives chunks as a generation stage: it needs a chunk reader"
+    ):
+        make_engine(2, FakeConnector(store, 2), executor=ReadsNoChunks())
     assert store.live_keys() == []
 
 

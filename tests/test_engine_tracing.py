@@ -10,7 +10,6 @@ engine's leak audit, which includes the tracer's per-request state.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 
@@ -18,7 +17,9 @@ from omnirelay.engine import BatchItem, ItemResult, SamplingParams, StageOutput
 from omnirelay.engine.request import Request
 from omnirelay.engine.toy import RelayLM
 from omnirelay.engine.tracing import StepTracer
+from omnirelay.payload import Codes, OmniPayload
 from omnirelay.timeline import STEP_METRICS, Step, StepRecorder, step_of
+from omnirelay.transfer import ChunkEnvelope
 from tests.engine_harness import TIMEOUT_S
 from tests.test_engine_stage import audit, make_engine, placeholder, run_until_idle, text_request
 from tests.transfer_fakes import FakeClock, FakeConnector, FakeStore
@@ -38,8 +39,10 @@ class TimedRelay(RelayLM):
         return super().step(batch)
 
 
-def chunk(rows: list[int], *, finished: bool = False) -> dict[str, Any]:
-    return {"codes": {"audio": torch.tensor(rows, dtype=torch.int64)}, "meta": {"finished": finished}}
+def chunk(rows: list[int], *, finished: bool = False) -> ChunkEnvelope:
+    """A codec chunk as the upstream's adapter puts it."""
+    audio = torch.tensor(rows, dtype=torch.int64)
+    return ChunkEnvelope(body=OmniPayload(codes=Codes(audio=audio)), is_finished=finished)
 
 
 def test_the_recorder_is_a_step_tracer() -> None:

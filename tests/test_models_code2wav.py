@@ -19,6 +19,7 @@ from omnirelay.models.code2wav import (
     frames_of_context_needed,
     measure_receptive_field,
 )
+from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.processors import TalkerToCode2WavConfig, TalkerToCode2WavProcessor
 from tests.test_models_support import item, single_thread, tiny_dir
 
@@ -46,14 +47,14 @@ def random_frames(num_frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (num_frames, Q), generator=torch.Generator().manual_seed(seed))
 
 
-def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list[dict[str, Any]]:
+def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list[OmniPayload]:
     """What the Talker → Code2Wav processor sends for these frames, one frame per Talker
     step, and a last step that samples codec EOS (finished; its frame is no audio)."""
     processor = TalkerToCode2WavProcessor(config)
     state = processor.new_state()
     steps = [(frames[t : t + 1], False) for t in range(frames.shape[0])]
     steps.append((torch.tensor([[EOS] + [0] * (Q - 1)]), True))
-    out: list[dict[str, Any]] = []
+    out: list[OmniPayload] = []
     for frame, finished in steps:
         payload = processor.step(state, frame, chunk_id=len(out), finished=finished)
         if payload is not None:
@@ -61,13 +62,11 @@ def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list
     return out
 
 
-def chunk_item(rid: str, payload: dict[str, Any]) -> Any:
-    """The generation scheduler's item for one committed chunk (SPEC §4.8: 1-D codes are
-    the prompt; meta without ``finished`` is the runtime info)."""
-    codes = payload.get("codes", {}).get("audio")
-    ids = [] if codes is None else codes.tolist()
-    meta = {k: v for k, v in payload["meta"].items() if k != "finished"}
-    return item(rid, input_ids=ids, info={"meta": meta})
+def chunk_item(rid: str, payload: OmniPayload) -> Any:
+    """The generation scheduler's item for one committed chunk (SPEC §4.8: Code2Wav's
+    chunk reader makes the 1-D codes the prompt and the rest the runtime info)."""
+    ids, info = Code2WavExecutor.read_chunk(None, payload)
+    return item(rid, input_ids=ids, info=info)
 
 
 def stream(
@@ -75,8 +74,7 @@ def stream(
 ) -> tuple[list[Any], Any]:
     payloads = chunk_payloads(frames, config)
     schedule = [
-        (p["codes"]["audio"].numel() // Q if "codes" in p else 0, p["meta"]["left_context_size"])
-        for p in payloads
+        (p.codes.audio.numel() // Q if p.codes is not None else 0, p.meta.left_context_size) for p in payloads
     ]
     pieces = [executor.step([chunk_item("r", p)])[0].audio for p in payloads]
     return schedule, torch.cat(pieces)
@@ -133,7 +131,7 @@ def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Co
 def test_stream_ending_on_a_boundary_gets_a_terminal_with_no_frames(code2wav: Code2WavExecutor) -> None:
     frames = random_frames(29, seed=3)
     payloads = chunk_payloads(frames, DEPLOY)
-    assert "codes" not in payloads[-1] and payloads[-1]["meta"]["finished"]
+    assert payloads[-1].codes is None  # the terminal: every frame went out before it
     (res,) = code2wav.step([chunk_item("r", payloads[-1])])
     assert res.audio.shape == (0,) and res.sample_rate == SAMPLE_RATE
     _, streamed = stream(code2wav, frames, DEPLOY)
@@ -160,7 +158,9 @@ def test_complete_input_uses_the_chunked_decode(code2wav: Code2WavExecutor) -> N
     flat = frames.T.reshape(-1).tolist()
     for it in (
         item("flat", input_ids=flat),  # codebook-major ids as the prompt
-        item("info", input_ids=[0], info={"codes": {"audio": frames.T}}),  # [Q, T] in the runtime info
+        item(
+            "info", input_ids=[0], info=OmniPayload(codes=Codes(audio=frames.T))
+        ),  # [Q, T] in the runtime info
         item("fwd", input_ids=[0], inputs={"codes": frames.T.unsqueeze(0)}),  # forwarded [1, Q, T]
     ):
         (res,) = pieces.step([it])
@@ -179,10 +179,11 @@ def test_complete_input_uses_the_chunked_decode(code2wav: Code2WavExecutor) -> N
         ({"input_ids": list(range(17))}, "not a multiple of Q=16"),
         ({"input_ids": [2150] * 16}, r"must lie in \[0, 2048\)"),
         (
-            {"input_ids": [0], "info": {"codes": {"audio": torch.zeros((5, Q), dtype=torch.long)}}},
+            {"input_ids": [0], "info": OmniPayload(codes=Codes(audio=torch.zeros((5, Q), dtype=torch.long)))},
             "codebook-major",
         ),
-        ({"input_ids": [1] * 32, "info": {"meta": {"left_context_size": 3}}}, "left_context_size"),
+        ({"input_ids": [1] * 32, "info": OmniPayload(meta=Meta(left_context_size=3))}, "left_context_size"),
+        ({"input_ids": [1] * 16, "info": {"meta": {"left_context_size": 0}}}, "must be the OmniPayload"),
     ],
 )
 def test_bad_codes_are_errors(code2wav: Code2WavExecutor, kwargs: dict[str, Any], match: str) -> None:

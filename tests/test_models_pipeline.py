@@ -16,6 +16,7 @@ from omnirelay.models import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt, reg
 from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field
 from omnirelay.models.talker import TalkerExecutor
 from omnirelay.models.thinker import ThinkerExecutor
+from omnirelay.payload import OmniPayload
 from omnirelay.pipeline import ComponentRegistry
 from omnirelay.processors import TalkerToCode2WavConfig, TalkerToCode2WavProcessor
 from tests.test_models_support import (
@@ -51,7 +52,8 @@ class Request:
             )
         )
         self.codec_state = self.codec.new_state()
-        self.codec_payloads: list[dict[str, Any]] = []
+        self.codec_payloads: list[OmniPayload] = []
+        self.codec_is_last: list[bool] = []
         self.audio: list[torch.Tensor] = []
 
     @property
@@ -65,10 +67,15 @@ class Request:
         k = len(self.talker_results)
         return self.thinker.payloads[k] if k < len(self.thinker.payloads) else None
 
+    def talker_exhausted(self) -> bool:
+        """The Thinker's last chunk is committed by the next Talker step (or before)."""
+        k = len(self.talker_results)
+        return bool(self.thinker.is_last) and self.thinker.is_last[-1] and k >= len(self.thinker.payloads) - 1
+
     def talker_ready(self) -> bool:
         # Until the Thinker is exhausted the Talker steps once per committed chunk.
         k = len(self.talker_results)
-        exhausted = bool(self.thinker.payloads) and self.thinker.payloads[-1]["meta"]["finished"]
+        exhausted = bool(self.thinker.is_last) and self.thinker.is_last[-1]
         return not self.talker_done and (k < len(self.thinker.payloads) or (exhausted and k > 0))
 
     def push_frame(self, result: Any) -> None:
@@ -79,6 +86,7 @@ class Request:
         )
         if payload is not None:
             self.codec_payloads.append(payload)
+            self.codec_is_last.append(finished)
 
 
 def test_thinker_talker_code2wav_stream_two_requests() -> None:
@@ -101,21 +109,19 @@ def test_thinker_talker_code2wav_stream_two_requests() -> None:
                 r.thinker.apply(res, is_last=len(r.thinker.tokens) + 1 >= THINKER_STEPS)
         ready = [r for r in requests if r.talker_ready()]
         if ready:
-            batch = [item(r.rid, sampling=sampled, info=r.talker_input()) for r in ready]
+            batch = [
+                item(r.rid, sampling=sampled, info=r.talker_input(), exhausted=r.talker_exhausted())
+                for r in ready
+            ]
             for r, res in zip(ready, talker.step(batch)):
                 r.push_frame(res)
-        chunks = [(r, p) for r in requests for p in r.codec_payloads[decoded[r.rid] :] if "codes" in p]
+        chunks = [(r, p) for r in requests for p in r.codec_payloads[decoded[r.rid] :] if p.codes is not None]
         for r in requests:
             decoded[r.rid] = len(r.codec_payloads)
         if chunks:
-            items = [
-                item(
-                    r.rid,
-                    input_ids=p["codes"]["audio"].tolist(),
-                    info={"meta": {"left_context_size": p["meta"]["left_context_size"]}},
-                )
-                for r, p in chunks
-            ]
+            # Each window as the generation scheduler reads it (Code2Wav's chunk reader).
+            reads = [(r, *code2wav.read_chunk(None, p)) for r, p in chunks]
+            items = [item(r.rid, input_ids=ids, info=info) for r, ids, info in reads]
             for (r, _), res in zip(chunks, code2wav.step(items)):
                 r.audio.append(res.audio)
         if all(r.talker_done for r in requests) and tick > THINKER_STEPS:
@@ -123,7 +129,7 @@ def test_thinker_talker_code2wav_stream_two_requests() -> None:
     _, holdback = measure_receptive_field(code2wav.model)
     for r in requests:
         assert r.thinker.text and len(r.thinker.tokens) == THINKER_STEPS
-        assert r.talker_done and r.codec_payloads[-1]["meta"]["finished"]
+        assert r.talker_done and r.codec_is_last[-1]
         frames = torch.cat([res.next_stage_output for res in r.talker_results])
         num_frames = r.codec_state.num_frames
         assert num_frames == len(r.talker_results) - int(r.talker_results[-1].finished)
@@ -175,7 +181,7 @@ def test_executors_reproduce_the_reference_generate() -> None:
     frames = []
     for step in range(num_codec):
         info = text.payloads[step] if step < len(text.payloads) else None
-        (res,) = talker.step([item("r", info=info)])
+        (res,) = talker.step([item("r", info=info, exhausted=step >= len(text.payloads) - 1)])
         frames.append(res.next_stage_output)
     talker.release("r")
     # generate() decodes the frames whose residual codebooks it computed: all but the last.

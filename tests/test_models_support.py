@@ -23,6 +23,7 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.models.tiny import CACHE_ENV, build_tiny
+from omnirelay.payload import OmniPayload
 from omnirelay.processors import ThinkerToTalkerProcessor
 
 __all__ = ["CACHE_ENV", "Lockstep", "item", "run_thinker", "single_thread", "tiny_cache", "tiny_dir"]
@@ -70,6 +71,7 @@ def item(
     sampling: SamplingParams | None = None,
     info: Any = None,
     inputs: Any = None,
+    exhausted: bool = False,
 ) -> BatchItem:
     return BatchItem(
         internal_id=rid,
@@ -81,6 +83,7 @@ def item(
         sampling=sampling or SamplingParams(),
         additional_information=info,
         inputs=inputs,
+        is_upstream_exhausted=exhausted,
     )
 
 
@@ -95,7 +98,9 @@ class Lockstep:
         self.tokens: list[int] = []
         self.text = ""
         self.results: list[ItemResult] = []
-        self.payloads: list[dict[str, Any]] = []
+        self.payloads: list[OmniPayload] = []
+        #: The finish flag the adapter's envelope carries with each payload.
+        self.is_last: list[bool] = []
         self.is_finished = False
         self._processor = (
             None if accept_hidden_layer is None else ThinkerToTalkerProcessor(accept_hidden_layer)
@@ -126,6 +131,7 @@ class Lockstep:
             )
             if payload is not None:
                 self.payloads.append(payload)
+                self.is_last.append(self.is_finished)
 
 
 def run_thinker(executor: Any, prompts: dict[str, list[int]], steps: int, **kw: Any) -> dict[str, Lockstep]:

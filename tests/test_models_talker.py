@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from omnirelay.errors import ModelError
 from omnirelay.models import Checkpoint, encode_chat_prompt
 from omnirelay.models.talker import TalkerExecutor
 from omnirelay.models.thinker import ThinkerExecutor
+from omnirelay.payload import OmniPayload
 from omnirelay.processors import TalkerToCode2WavProcessor
 from tests.test_models_support import item, run_thinker, single_thread, tiny_dir
 
@@ -43,7 +45,7 @@ THINKER_IDS: dict[str, list[int]] = {}
 
 
 @pytest.fixture(scope="module")
-def payloads(checkpoint: Checkpoint) -> dict[str, list[dict[str, Any]]]:
+def payloads(checkpoint: Checkpoint) -> dict[str, list[OmniPayload]]:
     """Thinker → Talker payloads of three requests (6, 8 and 3 Thinker steps)."""
     thinker = ThinkerExecutor.from_checkpoint(checkpoint)
     tok = thinker.tokenizer
@@ -56,6 +58,7 @@ def payloads(checkpoint: Checkpoint) -> dict[str, list[dict[str, Any]]]:
         prompt = encode_chat_prompt(tok, text)
         accept = thinker.accept_hidden_layer
         stream = run_thinker(thinker, {rid: prompt}, steps, accept_hidden_layer=accept)[rid]
+        assert stream.is_last[-1]  # each stream ends with its last payload
         out[rid] = stream.payloads
         THINKER_IDS[rid] = stream.all_ids
     return out
@@ -63,7 +66,7 @@ def payloads(checkpoint: Checkpoint) -> dict[str, list[dict[str, Any]]]:
 
 def talk(
     executor: TalkerExecutor,
-    streams: dict[str, list[dict[str, Any]]],
+    streams: dict[str, list[OmniPayload]],
     steps: int,
     sampling: SamplingParams = GREEDY,
     *,
@@ -83,7 +86,8 @@ def talk(
                 batch.append(item(rid, sampling=sampling, inputs=inputs))
             else:
                 info = chunks[step] if step < len(chunks) else None
-                batch.append(item(rid, sampling=sampling, info=info))
+                # The last chunk is the Thinker's terminal: from its step on, no more input.
+                batch.append(item(rid, sampling=sampling, info=info, exhausted=step >= len(chunks) - 1))
         if not batch:
             break
         for it, res in zip(batch, executor.step(batch)):
@@ -93,13 +97,13 @@ def talk(
     return results
 
 
-def whole_input(chunks: list[dict[str, Any]], all_ids: list[int]) -> dict[str, Any]:
+def whole_input(chunks: list[OmniPayload], all_ids: list[int]) -> OmniPayload:
     """The complete Thinker output in chunk 0's layout (what a full handoff carries)."""
     first = chunks[0]
-    rows = [first["embed"]["prefill"]] + [c["embed"]["decode"] for c in chunks[1:] if "embed" in c]
-    embed = dict(first["embed"], prefill=torch.cat(rows))
-    ids = dict(first["ids"], all=all_ids)
-    return dict(first, embed=embed, ids=ids, meta={"finished": True})
+    assert first.embed is not None and first.ids is not None
+    rows = [first.embed["prefill"]] + [c.embed["decode"] for c in chunks[1:] if c.embed is not None]
+    embed = {**first.embed, "prefill": torch.cat(rows)}
+    return msgspec.structs.replace(first, embed=embed, ids={**first.ids, "all": all_ids})
 
 
 def frames(results: list[Any]) -> torch.Tensor:
@@ -165,8 +169,8 @@ def test_talker_stops_on_codec_eos(checkpoint: Checkpoint, payloads: dict[str, A
     for res in stopped:
         payload = processor.step(state, res.next_stage_output, chunk_id=len(sent), finished=res.finished)
         if payload is not None:
-            sent.append(payload)
-    assert state.num_frames == k and sent[-1]["meta"]["finished"]
+            sent.append((payload, res.finished))
+    assert state.num_frames == k and sent[-1][1]  # the last payload goes out as the terminal
     assert executor.num_live_requests() == 0
 
 
@@ -174,8 +178,7 @@ def test_steps_without_a_chunk_before_the_thinker_ends_are_counted(
     talker: TalkerExecutor, payloads: dict[str, Any]
 ) -> None:
     rid = "a@s1.0"
-    chunk0 = dict(payloads[rid][0], meta={"finished": False})
-    talker.step([item(rid, info=chunk0)])
+    talker.step([item(rid, info=payloads[rid][0])])  # the Thinker is still running
     talker.step([item(rid)])  # the engine would not do this: no chunk, Thinker still running
     assert talker.num_starved_steps(rid) == 1
     talker.release(rid)
@@ -189,8 +192,8 @@ def test_input_errors_name_the_problem(talker: TalkerExecutor, payloads: dict[st
     with pytest.raises(ModelError, match="must be the Thinker's chunk 0"):
         talker.step([item("x", info=chunks[1])])
     with pytest.raises(ModelError, match="unknown speaker"):
-        talker.step([item("x", info=dict(chunks[0], speaker="Nobody"))])
-    no_turn = dict(chunks[0], ids={"all": [1, 2, 3] * 20, "prompt": [1, 2, 3] * 5})
+        talker.step([item("x", info=msgspec.structs.replace(chunks[0], speaker="Nobody"))])
+    no_turn = msgspec.structs.replace(chunks[0], ids={"all": [1, 2, 3] * 20, "prompt": [1, 2, 3] * 5})
     with pytest.raises(ModelError, match="assistant"):
         talker.step([item("x", info=no_turn)])
     with pytest.raises(ModelError, match=r"embed\.tts_pad"):
@@ -198,8 +201,8 @@ def test_input_errors_name_the_problem(talker: TalkerExecutor, payloads: dict[st
             [
                 item(
                     "x",
-                    info=dict(
-                        chunks[0], embed={k: v for k, v in chunks[0]["embed"].items() if k != "tts_pad"}
+                    info=msgspec.structs.replace(
+                        chunks[0], embed={k: v for k, v in chunks[0].embed.items() if k != "tts_pad"}
                     ),
                 )
             ]

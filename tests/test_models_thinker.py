@@ -90,12 +90,12 @@ def test_next_stage_output_is_what_the_talker_processor_takes(
     later = stream.results[1].next_stage_output["hidden_layers"]
     assert all(rows.shape == (1, 64) for rows in later.values())
     # The processor released chunk 0 (prompt + 1 generated row), then one row per step.
-    assert [p["embed"].get("prefill", p["embed"].get("decode")).shape[0] for p in stream.payloads] == [
+    assert [p.embed.get("prefill", p.embed.get("decode")).shape[0] for p in stream.payloads] == [
         len(prompt) + 1,
         1,
         1,
     ]
-    assert stream.payloads[-1]["meta"]["finished"] is True
+    assert stream.is_last == [False, False, True]
 
 
 def test_text_deltas_add_up_to_the_decoded_output(

@@ -18,7 +18,6 @@ import omnirelay.payload as payload_pkg
 from omnirelay.errors import (
     PayloadDecodeError,
     PayloadEncodeError,
-    PayloadError,
     PayloadMagicError,
     PayloadSchemaError,
     PayloadTruncatedError,
@@ -33,7 +32,6 @@ from omnirelay.payload import (
     Meta,
     OmniPayload,
     decode,
-    empty_payload,
     encode,
     peek_total_size,
     plan_encode,
@@ -89,13 +87,10 @@ def full_payload() -> OmniPayload:
             audio=torch.arange(16 * 50, dtype=torch.int64), ref=torch.zeros(16, 3, dtype=torch.int64)
         ),
         meta=Meta(
-            finished=torch.tensor(True),
-            is_segment_finished=False,
             left_context_size=25,
             first_audio=True,
             codec_frame_valid=torch.tensor([True, False]),
             replace_runtime_additional_information=False,
-            codec_streaming=True,
         ),
         embed={"prefill": torch.randn(7, 32, dtype=torch.bfloat16), "tts_bos": torch.randn(1, 32)},
         hidden_states={"output": torch.randn(7, 32, dtype=torch.float16)},
@@ -142,7 +137,6 @@ def test_exports() -> None:
             "OmniPayload",
             "TensorLike",
             "decode",
-            "empty_payload",
             "encode",
             "peek_total_size",
             "plan_encode",
@@ -168,26 +162,25 @@ def test_full_payload_round_trip_keeps_struct_types() -> None:
     sent = full_payload()
     got = round_trip(sent)
     assert type(got) is OmniPayload and type(got.codes) is Codes and type(got.meta) is Meta
-    assert got.meta.left_context_size == 25
-    assert got.is_finished() and not got.is_segment_finished()
+    assert got.meta.left_context_size == 25 and got.meta.first_audio is True
     assert got.extras["spans"] == [(0, 3), (3, 7)]
 
 
 def test_none_fields_are_omitted_and_come_back_none() -> None:
-    sent = OmniPayload(meta=Meta(finished=True))
+    sent = OmniPayload(meta=Meta(first_audio=True))
     got = round_trip(sent)
-    assert got.meta.finished is True and got.codes is None and got.meta.left_context_size is None
+    assert got.meta.first_audio is True and got.codes is None and got.meta.left_context_size is None
     assert len(encode(sent)) < 100
 
 
-def test_flags_and_empty_payload() -> None:
-    assert not empty_payload().is_finished() and empty_payload().meta is None
-    terminal = round_trip(empty_payload(finished=True))
-    assert terminal.is_finished() and terminal.codes is None
-    assert OmniPayload(meta=Meta(finished=np.array([1]))).is_finished()
-    assert not OmniPayload(meta=Meta(is_segment_finished=torch.tensor([False]))).is_segment_finished()
-    with pytest.raises(PayloadError, match="1-element"):
-        OmniPayload(meta=Meta(finished=torch.tensor([True, True]))).is_finished()
+def test_an_empty_payload_round_trips_and_finish_flags_are_not_payload_fields() -> None:
+    empty = round_trip(OmniPayload())
+    assert all(getattr(empty, f) is None for f in OmniPayload.__struct_fields__)
+    # Whether a chunk ends its stream travels in the transfer adapter's envelope.
+    for flag in ("finished", "is_segment_finished", "codec_streaming"):
+        assert flag not in Meta.__struct_fields__
+        with pytest.raises(TypeError, match=flag):
+            Meta(**{flag: True})
 
 
 @pytest.mark.parametrize(
@@ -456,7 +449,7 @@ def test_write_into_a_bigger_reused_buffer() -> None:
     assert peek_total_size(backing) == plan.nbytes
     assert_same(sent, decode(memoryview(backing)))
     assert_same(sent, decode(memoryview(backing)[: plan.nbytes], copy=False))
-    assert plan.num_regions == 9
+    assert plan.num_regions == 8
 
 
 def test_write_into_refuses_bad_buffers() -> None:
@@ -634,7 +627,9 @@ def test_fuzz_random_byte_flips() -> None:
     originals = [
         encode(full_payload()),
         encode({"x": (1, [torch.ones(2, 3, dtype=torch.bfloat16)], {"k": b"v" * 5000}), 7: np.arange(4)}),
-        encode(OmniPayload(codes=Codes(audio=torch.arange(800).reshape(16, 50)), meta=Meta(finished=True))),
+        encode(
+            OmniPayload(codes=Codes(audio=torch.arange(800).reshape(16, 50)), meta=Meta(left_context_size=0))
+        ),
     ]
     outcomes = {"ok": 0, "error": 0}
     for original in originals:
@@ -656,9 +651,7 @@ def test_fuzz_random_byte_flips() -> None:
 
 def test_microbenchmark_shape_only() -> None:
     """The codec-chunk payload of SPEC §5.2 (no timing asserts: see the bench command)."""
-    chunk = OmniPayload(
-        codes=Codes(audio=torch.arange(16 * 50)), meta=Meta(finished=False, left_context_size=25)
-    )
+    chunk = OmniPayload(codes=Codes(audio=torch.arange(16 * 50)), meta=Meta(left_context_size=25))
     plan = plan_encode(chunk)
     buf = bytearray(plan.nbytes)
     plan.write_into(buf)

@@ -12,12 +12,15 @@ import torch
 
 import omnirelay.processors as processors
 from omnirelay.errors import ConfigError, PayloadEncodeError
+from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.processors import (
     CodecStreamState,
     TalkerToCode2WavConfig,
     TalkerToCode2WavProcessor,
     flatten_codebook_major,
+    merge_runtime_info,
     parse_codec_chunk_ramp,
+    read_codec_chunk,
     unflatten_codebook_major,
 )
 
@@ -35,22 +38,30 @@ class Stream:
     def __init__(self, processor: TalkerToCode2WavProcessor, state: CodecStreamState | None = None) -> None:
         self.processor = processor
         self.state = state if state is not None else processor.new_state()
-        self.payloads: list[dict[str, Any]] = []
+        self.payloads: list[OmniPayload] = []
+        #: The finish flag the adapter's envelope carried with each payload.
+        self.finished: list[bool] = []
 
-    def step(self, codes: torch.Tensor | None, *, finished: bool = False, **kw: Any) -> dict[str, Any] | None:
+    def step(self, codes: torch.Tensor | None, *, finished: bool = False, **kw: Any) -> OmniPayload | None:
         out = self.processor.step(self.state, codes, chunk_id=len(self.payloads), finished=finished, **kw)
         if out is not None:
+            assert type(out) is OmniPayload
             self.payloads.append(out)  # the put succeeded: the adapter's counter moves
+            self.finished.append(finished)
         return out
 
 
-def summary(payloads: Sequence[dict[str, Any]]) -> list[tuple[int, int, bool]]:
-    """(frames sent, left context, finished) of each payload."""
+def summary(
+    payloads: Sequence[OmniPayload], finished: Sequence[bool] | None = None
+) -> list[tuple[int, int, bool]]:
+    """(frames sent, left context, finished) of each payload; ``finished``: the flags of
+    their envelopes (default: none was the last)."""
     rows = []
-    for p in payloads:
-        audio = p.get("codes", {}).get("audio")
+    for p, is_last in zip(payloads, finished if finished is not None else [False] * len(payloads)):
+        audio = None if p.codes is None else p.codes.audio
         sent = 0 if audio is None else audio.numel() // Q
-        rows.append((sent, p["meta"]["left_context_size"], p["meta"]["finished"]))
+        assert p.meta is not None
+        rows.append((sent, p.meta.left_context_size, is_last))
     return rows
 
 
@@ -92,7 +103,12 @@ def test_unflatten_rejects_a_length_that_is_not_a_multiple_of_q() -> None:
 def test_deploy_schedule_4_29_50_50_with_left_context_0_4_25_25() -> None:
     processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
     stream = run_frames(processor, 4 + 25 * 3)
-    assert summary(stream.payloads) == [(4, 0, False), (29, 4, False), (50, 25, False), (50, 25, True)]
+    assert summary(stream.payloads, stream.finished) == [
+        (4, 0, False),
+        (29, 4, False),
+        (50, 25, False),
+        (50, 25, True),
+    ]
 
 
 def test_payload_frames_are_the_last_frames_codebook_major() -> None:
@@ -101,24 +117,29 @@ def test_payload_frames_are_the_last_frames_codebook_major() -> None:
     stream = run_frames(processor, all_frames.shape[0])
     cumulative_new = 0
     for payload in stream.payloads:
-        window = unflatten_codebook_major(payload["codes"]["audio"], Q).T  # [total, Q]
-        left = payload["meta"]["left_context_size"]
+        window = unflatten_codebook_major(payload.codes.audio, Q).T  # [total, Q]
+        left = payload.meta.left_context_size
         new = window.shape[0] - left
         assert torch.equal(window, all_frames[cumulative_new - left : cumulative_new + new])
-        assert payload["codes"]["audio"].dtype == torch.long
+        assert payload.codes.audio.dtype == torch.long
         cumulative_new += new
     assert cumulative_new == all_frames.shape[0]
 
 
 def test_schedule_without_initial_chunk_is_25_50_50() -> None:
     stream = run_frames(TalkerToCode2WavProcessor(), 75)
-    assert summary(stream.payloads) == [(25, 0, False), (50, 25, False), (50, 25, True)]
+    assert summary(stream.payloads, stream.finished) == [(25, 0, False), (50, 25, False), (50, 25, True)]
 
 
 def test_tail_of_r_frames_is_flushed_on_finish() -> None:
     processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
     stream = run_frames(processor, 4 + 25 + 25 + 7)
-    assert summary(stream.payloads) == [(4, 0, False), (29, 4, False), (50, 25, False), (32, 25, True)]
+    assert summary(stream.payloads, stream.finished) == [
+        (4, 0, False),
+        (29, 4, False),
+        (50, 25, False),
+        (32, 25, True),
+    ]
 
 
 def test_stream_ending_on_a_boundary_gets_a_terminal_only_payload() -> None:
@@ -130,9 +151,9 @@ def test_stream_ending_on_a_boundary_gets_a_terminal_only_payload() -> None:
     eos = torch.full((1, Q), 2150)
     terminal = stream.step(eos, finished=True)
     assert terminal is not None
-    assert "codes" not in terminal
-    assert terminal["meta"] == {"finished": True, "left_context_size": 0}
-    assert summary(stream.payloads) == [(4, 0, False), (29, 4, False), (0, 0, True)]
+    assert terminal.codes is None
+    assert terminal.meta == Meta(left_context_size=0) and stream.finished[-1]
+    assert summary(stream.payloads, stream.finished) == [(4, 0, False), (29, 4, False), (0, 0, True)]
     assert stream.state.is_finished and not stream.state.frames
 
 
@@ -140,7 +161,7 @@ def test_missing_audio_update_still_delivers_the_terminal() -> None:
     stream = Stream(TalkerToCode2WavProcessor())
     assert stream.step(None, finished=False) is None
     terminal = stream.step(None, finished=True)
-    assert terminal is not None and terminal["meta"]["finished"] is True and "codes" not in terminal
+    assert terminal is not None and stream.finished == [True] and terminal.codes is None
 
 
 def test_step_after_finish_is_an_error() -> None:
@@ -169,14 +190,14 @@ def test_multi_frame_steps_count_frames_not_steps() -> None:
     bounds = [0, 2, 5, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 52, 55, 58, 60]
     for a, b in itertools.pairwise(bounds):
         stream.step(all_frames[a:b], finished=b == 60)
-    sent = summary(stream.payloads)
+    sent = summary(stream.payloads, stream.finished)
     assert sent[0] == (5, 0, False)  # the first step reaching I=4 frames
     assert sum(total - left for total, left, _ in sent) == 60
     assert sent[-1][2] is True
     cumulative = 0
     for payload in stream.payloads:
-        window = unflatten_codebook_major(payload["codes"]["audio"], Q).T
-        left = payload["meta"]["left_context_size"]
+        window = unflatten_codebook_major(payload.codes.audio, Q).T
+        left = payload.meta.left_context_size
         assert torch.equal(window, all_frames[cumulative - left : cumulative - left + window.shape[0]])
         cumulative += window.shape[0] - left
 
@@ -195,14 +216,14 @@ def test_first_audio_is_copied_on_chunk_0_only() -> None:
     processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=1))
     stream = Stream(processor)
     first = stream.step(frame(0), first_audio=False)
-    assert first is not None and first["meta"]["first_audio"] is False
+    assert first is not None and first.meta is not None and first.meta.first_audio is False
     stream = Stream(processor)
     first = stream.step(frame(0), first_audio=True)
-    assert first is not None and first["meta"]["first_audio"] is True
+    assert first is not None and first.meta is not None and first.meta.first_audio is True
     for i in range(1, 26):
         stream.step(frame(i), first_audio=True)
     assert len(stream.payloads) == 2
-    assert "first_audio" not in stream.payloads[1]["meta"]
+    assert stream.payloads[1].meta == Meta(left_context_size=1)  # no first_audio
 
 
 # ---------------------------------------------------------------- valid-frame filter
@@ -342,7 +363,7 @@ def test_from_extra_reads_codec_options_and_rejects_codec_typos() -> None:
 def test_ramp_schedule_replaces_initial_chunk() -> None:
     cfg = TalkerToCode2WavConfig(initial_codec_chunk_frames=4, codec_chunk_ramp=(2, 4, 8, 25))
     stream = run_frames(TalkerToCode2WavProcessor(cfg), 2 + 4 + 8 + 25 + 25 + 3)
-    assert summary(stream.payloads) == [
+    assert summary(stream.payloads, stream.finished) == [
         (2, 0, False),
         (6, 2, False),
         (14, 6, False),
@@ -358,7 +379,7 @@ def test_ramp_finish_on_a_threshold_sends_an_empty_terminal() -> None:
     for i in range(2):
         stream.step(frame(i))
     stream.step(None, finished=True)
-    assert summary(stream.payloads) == [(2, 0, False), (0, 0, True)]
+    assert summary(stream.payloads, stream.finished) == [(2, 0, False), (0, 0, True)]
 
 
 def test_per_request_initial_override_is_clamped_to_c() -> None:
@@ -369,7 +390,7 @@ def test_per_request_initial_override_is_clamped_to_c() -> None:
     stream = Stream(processor, state)
     for i in range(2 + 25):
         stream.step(frame(i))
-    assert summary(stream.payloads) == [(2, 0, False), (27, 2, False)]
+    assert summary(stream.payloads, stream.finished) == [(2, 0, False), (27, 2, False)]
 
 
 # ---------------------------------------------------------------- public surface
@@ -388,5 +409,50 @@ def test_processors_exports() -> None:
         "chunked_decode",
         "flatten_codebook_major",
         "unflatten_codebook_major",
-        "make_payload",
+        "read_codec_chunk",
     } <= set(processors.__all__)
+
+
+# ---------------------------------------------------------------- what a generation stage reads (SPEC §4.8)
+
+
+def test_read_codec_chunk_turns_codes_into_the_prompt() -> None:
+    one_d, info = read_codec_chunk(None, OmniPayload(codes=Codes(audio=torch.tensor([4, 5]))))
+    assert one_d == [4, 5] and info is not None and info.codes == Codes()  # the ids left the info
+    two_d, info = read_codec_chunk(None, OmniPayload(codes=Codes(audio=torch.ones(2, 3))))
+    assert two_d == [0] and info is not None and info.codes.audio.shape == (2, 3)  # stays, runs on [0]
+    empty_2d, _ = read_codec_chunk(None, OmniPayload(codes=Codes(audio=torch.ones(16, 0))))
+    assert empty_2d == []
+    listed, _ = read_codec_chunk(None, OmniPayload(codes=Codes(audio=[1, 2])))
+    assert listed == [1, 2]
+    floats, _ = read_codec_chunk(None, OmniPayload(codes=Codes(audio=torch.tensor([3.0, 4.0]))))
+    assert floats == [3, 4] and all(type(x) is int for x in floats)
+    missing, info = read_codec_chunk(None, OmniPayload(speaker="x"))
+    assert missing == [] and info is not None and info.speaker == "x"
+    nothing, same = read_codec_chunk(info, None)  # a boundary with no body keeps the info
+    assert nothing == [] and same is info
+    with pytest.raises(TypeError, match=r"codes\.audio must be a tensor or a list, got str"):
+        read_codec_chunk(None, OmniPayload(codes=Codes(audio="abc")))
+    with pytest.raises(TypeError, match="must be an OmniPayload, got dict"):
+        read_codec_chunk(None, {"codes": {"audio": [1]}})
+
+
+def test_runtime_info_merges_section_by_section_and_never_mutates() -> None:
+    first = OmniPayload(
+        codes=Codes(audio=[1], ref=torch.tensor([5])), meta=Meta(left_context_size=3), speaker="a"
+    )
+    _, info = read_codec_chunk(None, first)
+    assert info is not None and info.codes.ref.tolist() == [5] and info.codes.audio is None
+    assert info.meta == Meta(left_context_size=3) and info.speaker == "a"
+    second = OmniPayload(meta=Meta(first_audio=True), speaker="b", extras={"k": 1})
+    _, merged = read_codec_chunk(info, second)
+    assert merged is not None and merged.codes.ref.tolist() == [5]
+    assert merged.meta == Meta(left_context_size=3, first_audio=True) and merged.speaker == "b"
+    _, merged2 = read_codec_chunk(merged, OmniPayload(extras={"j": 2}))
+    assert merged2 is not None and merged2.extras == {"k": 1, "j": 2}
+    assert info.speaker == "a" and info.meta == Meta(left_context_size=3)  # never mutated
+    assert merged.extras == {"k": 1}
+    replace = OmniPayload(codes=Codes(audio=[2]), meta=Meta(replace_runtime_additional_information=True))
+    prompt, fresh = read_codec_chunk(merged, replace)
+    assert prompt == [2] and fresh is not None and fresh.speaker is None and fresh.codes.ref is None
+    assert merge_runtime_info(None, second) is second

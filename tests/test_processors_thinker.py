@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnirelay.errors import ConfigError, PayloadEncodeError
+from omnirelay.payload import OmniPayload
 from omnirelay.processors import ThinkerStreamState, ThinkerToTalkerProcessor
 
 H = 8
@@ -32,7 +33,9 @@ class Stream:
     def __init__(self, processor: ThinkerToTalkerProcessor, state: ThinkerStreamState) -> None:
         self.processor = processor
         self.state = state
-        self.payloads: list[dict[str, Any]] = []
+        self.payloads: list[OmniPayload] = []
+        #: The finish flag the adapter's envelope carried with each payload.
+        self.finished: list[bool] = []
         self.token_ids = list(state.prompt_ids)
 
     def step(self, hidden: Any, *, finished: bool = False, new_token: int | None = None, **kw: Any) -> Any:
@@ -42,8 +45,15 @@ class Stream:
             self.state, hidden, chunk_id=len(self.payloads), finished=finished, token_ids=self.token_ids, **kw
         )
         if out is not None:
+            assert type(out) is OmniPayload
             self.payloads.append(out)
+            self.finished.append(finished)
         return out
+
+
+def present(payload: OmniPayload) -> set[str]:
+    """The payload's fields that are set."""
+    return {f for f in OmniPayload.__struct_fields__ if getattr(payload, f) is not None}
 
 
 def new_stream(**kw: Any) -> Stream:
@@ -68,14 +78,14 @@ def test_chunk_0_waits_for_prompt_plus_one_generated_position() -> None:
     chunk0 = stream.step(layers(len(PROMPT), 1), new_token=501)
     assert chunk0 is not None
     n = len(PROMPT) + 1
-    assert torch.equal(chunk0["embed"]["prefill"], rows(0, n))
-    assert torch.equal(chunk0["hidden_states"]["output"], rows(0, n, scale=-1.0))
-    assert torch.equal(chunk0["embed"]["tts_bos"], torch.full((1, H), 1.0))
-    assert torch.equal(chunk0["embed"]["tts_eos"], torch.full((1, H), 2.0))
-    assert torch.equal(chunk0["embed"]["tts_pad"], torch.full((1, H), 3.0))
-    assert chunk0["ids"] == {"all": [*PROMPT, 500, 501], "prompt": PROMPT}
-    assert chunk0["meta"] == {"finished": False}
-    assert chunk0["speaker"] == "Ethan" and chunk0["language"] == "en"
+    assert torch.equal(chunk0.embed["prefill"], rows(0, n))
+    assert torch.equal(chunk0.hidden_states["output"], rows(0, n, scale=-1.0))
+    assert torch.equal(chunk0.embed["tts_bos"], torch.full((1, H), 1.0))
+    assert torch.equal(chunk0.embed["tts_eos"], torch.full((1, H), 2.0))
+    assert torch.equal(chunk0.embed["tts_pad"], torch.full((1, H), 3.0))
+    assert chunk0.ids == {"all": [*PROMPT, 500, 501], "prompt": PROMPT}
+    assert chunk0.meta is None and stream.finished == [False]  # the envelope says it is not the last
+    assert chunk0.speaker == "Ethan" and chunk0.language == "en"
     assert stream.state.num_cached_rows == 0 and not stream.state.cached_embed
 
 
@@ -85,15 +95,15 @@ def test_chunked_prefill_accumulates_until_the_prompt_is_covered() -> None:
     assert stream.step(layers(2, 3)) is None  # whole prompt, still no generated position
     chunk0 = stream.step(layers(5, 1), new_token=9)
     assert chunk0 is not None
-    assert torch.equal(chunk0["embed"]["prefill"], rows(0, 6))
-    assert "tts_bos" not in chunk0["embed"]  # absent embeddings are left out
+    assert torch.equal(chunk0.embed["prefill"], rows(0, 6))
+    assert "tts_bos" not in chunk0.embed  # absent embeddings are left out
 
 
 def test_finish_releases_chunk_0_early() -> None:
     stream = new_stream()
     out = stream.step(layers(0, 3), finished=True)
-    assert out is not None and out["meta"]["finished"] is True
-    assert torch.equal(out["embed"]["prefill"], rows(0, 3))
+    assert out is not None and stream.finished == [True]
+    assert torch.equal(out.embed["prefill"], rows(0, 3))
     assert stream.state.is_finished
     with pytest.raises(PayloadEncodeError, match="after the stream finished"):
         stream.step(layers(3, 1))
@@ -105,9 +115,9 @@ def test_decode_chunks_carry_one_row_of_layer_0_and_no_hidden_states() -> None:
     stream.step(layers(5, 1))
     out = stream.step(layers(6, 1), new_token=7)
     assert out is not None
-    assert set(out) == {"meta", "embed", "speaker", "language"}
-    assert torch.equal(out["embed"]["decode"], rows(6, 1))
-    assert out["meta"] == {"finished": False}
+    assert present(out) == {"embed", "speaker", "language"}
+    assert torch.equal(out.embed["decode"], rows(6, 1))
+    assert stream.finished[-1] is False
 
 
 def test_multi_row_decode_output_is_sent_not_dropped() -> None:
@@ -116,7 +126,7 @@ def test_multi_row_decode_output_is_sent_not_dropped() -> None:
     stream.step(layers(5, 1))
     out = stream.step(layers(6, 3))
     assert out is not None
-    assert torch.equal(out["embed"]["decode"], rows(6, 3))
+    assert torch.equal(out.embed["decode"], rows(6, 3))
 
 
 def test_decode_steps_may_omit_the_accept_layer() -> None:
@@ -124,14 +134,14 @@ def test_decode_steps_may_omit_the_accept_layer() -> None:
     stream.step(layers(0, len(PROMPT)))
     stream.step(layers(5, 1))
     out = stream.step({0: rows(6, 1)})
-    assert out is not None and torch.equal(out["embed"]["decode"], rows(6, 1))
+    assert out is not None and torch.equal(out.embed["decode"], rows(6, 1))
 
 
 def test_layers_are_found_by_int_or_str_key() -> None:
     stream = new_stream()
     stream.step(layers(0, len(PROMPT), str_keys=True))
     out = stream.step(layers(5, 1, str_keys=True))
-    assert out is not None and out["embed"]["prefill"].shape == (6, H)
+    assert out is not None and out.embed["prefill"].shape == (6, H)
     assert stream.step({"0": rows(6, 1)}) is not None
 
 
@@ -141,7 +151,7 @@ def test_empty_finishing_decode_step_sends_a_terminal() -> None:
     stream.step(layers(5, 1))
     assert stream.step({0: torch.empty(0, H)}) is None
     terminal = stream.step({0: torch.empty(0, H)}, finished=True)
-    assert terminal is not None and terminal["meta"] == {"finished": True} and "embed" not in terminal
+    assert terminal is not None and present(terminal) == {"speaker", "language"} and stream.finished[-1]
 
 
 def test_one_dimensional_layer_output_is_one_row() -> None:
@@ -149,7 +159,7 @@ def test_one_dimensional_layer_output_is_one_row() -> None:
     stream.step(layers(0, len(PROMPT)))
     stream.step({0: rows(5, 1)[0], ACCEPT: rows(5, 1)[0]})
     out = stream.step({0: rows(6, 1)[0]})
-    assert out is not None and out["embed"]["decode"].shape == (1, H)
+    assert out is not None and out.embed["decode"].shape == (1, H)
 
 
 @pytest.mark.parametrize(
@@ -196,7 +206,7 @@ def test_token_ids_may_be_tensors_and_are_validated() -> None:
     out = processor.step(
         state, layers(0, 6), chunk_id=0, finished=False, token_ids=torch.tensor([*PROMPT, 4])
     )
-    assert out is not None and out["ids"]["all"] == [*PROMPT, 4]
+    assert out is not None and out.ids["all"] == [*PROMPT, 4]
     with pytest.raises(PayloadEncodeError, match="prompt_ids must be a 1-D integer tensor"):
         processor.new_state(torch.ones(3))
     with pytest.raises(PayloadEncodeError, match="prompt_ids must contain ints"):
@@ -236,11 +246,11 @@ def test_stage_passes_the_request_voice_as_speaker(extras: Any, speaker: str | N
     context = SimpleNamespace(prompt_token_ids=tuple(PROMPT), extras=extras)
     assert request_voice(context) == speaker
     payload = _stage_payload(context)
-    assert payload.get("speaker") == speaker
+    assert payload.speaker == speaker
 
 
 def test_stage_without_extras_in_the_snapshot_uses_the_default_speaker() -> None:
     from types import SimpleNamespace
 
     payload = _stage_payload(SimpleNamespace(prompt_token_ids=tuple(PROMPT)))
-    assert "speaker" not in payload
+    assert payload.speaker is None

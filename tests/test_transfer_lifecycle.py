@@ -141,7 +141,7 @@ def test_inproc_many_interleaved_streams_arrive_in_order_exactly_once() -> None:
     hub = hub_for(ns)
     c0, c1 = _inproc_pair(ns)
     sender = TransferAdapter(c0, make_config(0, send_to_stage=1))
-    receiver = TransferAdapter(c1, make_config(1, receive_from_stage=0, receiver_kind="generation"))
+    receiver = TransferAdapter(c1, make_config(1, receive_from_stage=0))
     try:
         n_req, n_chunks = 40, 6
         for j in range(n_chunks):
@@ -158,7 +158,7 @@ def test_inproc_many_interleaved_streams_arrive_in_order_exactly_once() -> None:
             ev = receiver.poll_events()
             assert not ev.failed and not ev.timed_out
             for c in ev.ready:
-                got[c.internal_id].append(list(c.prompt_token_ids or []))
+                got[c.internal_id].append([] if c.payload is None else c.payload["codes"]["audio"].tolist())
                 if c.is_finished:
                     done.add(c.internal_id)
                 else:
@@ -213,7 +213,7 @@ def test_middle_stage_adapter_relays_and_cleans_both_roles() -> None:
     conns = [FakeConnector(store, s) for s in range(3)]
     first = TransferAdapter(conns[0], make_config(0, send_to_stage=1))
     middle = TransferAdapter(conns[1], make_config(1, receive_from_stage=0, send_to_stage=2))
-    last = TransferAdapter(conns[2], make_config(2, receive_from_stage=1, receiver_kind="generation"))
+    last = TransferAdapter(conns[2], make_config(2, receive_from_stage=1))
     adapters = [first, middle, last]
     try:
         for j in range(3):
@@ -234,7 +234,7 @@ def test_middle_stage_adapter_relays_and_cleans_both_roles() -> None:
         while not last.is_upstream_exhausted("t2"):
             assert last.load_async("t2", "REQ")
             (c,) = collect(last, ready_for("t2")).ready
-            prompts.append(c.prompt_token_ids)
+            prompts.append([] if c.payload is None else c.payload["codes"]["audio"].tolist())
         assert prompts == [[0, 0], [1, 1], []]
         last.finish_requests(["t2"])
         assert_no_leaks(adapters, conns, store.live_keys)

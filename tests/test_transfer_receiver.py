@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.transfer import FailureKind, StallTimeoutDisabledWarning
+from omnirelay.payload import Codes, Meta, OmniPayload
+from omnirelay.transfer import ChunkEnvelope, FailureKind, StallTimeoutDisabledWarning
 from tests.transfer_fakes import (
     FakeClock,
     Gate,
@@ -20,7 +21,6 @@ from tests.transfer_fakes import (
     failed_for,
     make_pipeline,
     ready_for,
-    wait_until,
 )
 
 
@@ -54,7 +54,7 @@ def test_late_result_after_cleanup_recreates_nothing(reregister: bool) -> None:
         assert p.recv_conn.num_gets["R_0_0"] == (2 if reregister else 1)
         assert p.receiver.poll_events().is_empty  # the late chunk was dropped
         state = p.receiver.leak_state()
-        assert "get_counters" not in state and "runtime_info" not in state
+        assert "get_counters" not in state
         assert "upstream_exhausted" not in state and "ready" not in state
         if reregister:
             assert state["registrations"] == ["i1"] and state["registrations_by_key"] == ["R_0_0"]
@@ -152,68 +152,57 @@ def test_corrupt_chunk_fails_the_request_fast_with_the_reason() -> None:
         p.audit()
 
 
-def test_payload_contract_violation_fails_fast() -> None:
+@pytest.mark.parametrize(
+    ("obj", "reason"),
+    [
+        ({"meta": {"finished": True}}, "expected a ChunkEnvelope, got dict"),
+        (ChunkEnvelope(body=1, is_finished=torch.tensor([True, False])), "is_finished must be a bool"),
+        (ChunkEnvelope(), "carries nothing"),
+    ],
+)
+def test_an_object_that_breaks_the_transfer_contract_fails_fast(obj: Any, reason: str) -> None:
     with make_pipeline() as p:
-        # A processor that streams its own finish flag (kept by the sender) gets it wrong.
-        send(p, "s1", "R", {"meta": {"codec_streaming": True, "finished": torch.tensor([True, False])}})
+        # Not what an adapter puts: a peer wrote something else under the chunk's key.
+        assert p.send_conn.put(0, 1, "R_0_0", obj).ok
         assert p.receiver.load_async("i1", "R")
         (failure,) = collect(p.receiver, failed_for("i1")).failed
-        assert failure.kind is FailureKind.RECEIVE_FAILED and "exactly one element" in failure.reason
-        p.receiver.take_external_failures()
+        assert (
+            failure.kind is FailureKind.RECEIVE_FAILED and "violates the transfer contract" in failure.reason
+        )
+        assert reason in failure.reason and "R_0_0" in failure.reason
+        assert not p.receiver.is_waiting_for_chunk("i1") and not p.receiver.is_upstream_exhausted("i1")
+        assert p.receiver.take_external_failures()["R"] == [failure]
         p.receiver.finish_requests(["i1"])
-        p.sender.finish_requests(["s1"])
         p.audit()
 
 
-# --------------------------------------------------------------------- commit semantics (SPEC §4.8)
+# --------------------------------------------------------------------- commit (SPEC §4.8)
 
 
-def test_generation_receiver_commit() -> None:
-    with make_pipeline(receiver_kw={"receiver_kind": "generation"}) as p:
-        send(p, "s1", "R", {"codes": {"audio": torch.tensor([1, 2, 3])}, "meta": {"left_context_size": 0}})
-        send(p, "s1", "R", {"speaker": "ethan", "codes": {"ref": torch.tensor([7])}})  # empty, not final
-        send(p, "s1", "R", {"codes": {"audio": torch.zeros(16, 4, dtype=torch.long)}})
-        send(p, "s1", "R", {"codes": {}}, is_segment_finished=True)
+def test_receiver_hands_every_body_over_unread_with_its_envelope_flags() -> None:
+    """What a chunk means is the consumer's business: the receiver commits every chunk
+    (one with nothing for a step too) and reads nothing but the envelope's flags."""
+    with make_pipeline() as p:
+        codes = OmniPayload(codes=Codes(audio=torch.tensor([1, 2, 3])), meta=Meta(left_context_size=0))
+        send(p, "s1", "R", codes)
+        send(p, "s1", "R", {"speaker": "ethan"})  # plain data, nothing for a codec step
+        send(p, "s1", "R", OmniPayload(), is_segment_finished=True)
         send(p, "s1", "R", None, finished=True)
 
         c0 = receive(p, "i1", "R")
-        assert c0.chunk_id == 0 and c0.prompt_token_ids == [1, 2, 3] and c0.payload is None
-        info0 = c0.additional_information
-        assert "audio" not in info0["codes"] and info0["meta"]["left_context_size"] == 0
-        assert "finished" not in info0["meta"]
-
-        c2 = receive(p, "i1", "R")  # chunk 1 was empty and non-terminal: consumed, not ready
-        assert c2.chunk_id == 2 and c2.prompt_token_ids == [0]
-        info2 = c2.additional_information
-        assert info2["codes"]["audio"].shape == (16, 4) and info2["speaker"] == "ethan"
-        assert info2["codes"]["ref"].tolist() == [7] and info2["meta"]["left_context_size"] == 0
-
-        c3 = receive(p, "i1", "R")  # an empty segment end still runs
-        assert c3.prompt_token_ids == [0] and c3.is_segment_finished
-        assert p.receiver.is_segment_finished("i1")
-
-        c4 = receive(p, "i1", "R")
-        assert c4.is_finished and c4.prompt_token_ids == [] and not c4.is_segment_finished
-        assert p.receiver.is_upstream_exhausted("i1") and not p.receiver.is_segment_finished("i1")
-        assert not p.receiver.load_async("i1", "R")
-        assert p.receiver.health()["receiver"]["num_empty_chunks"] == 1
-        p.receiver.finish_requests(["i1"])
-        p.audit()
-
-
-def test_generation_receiver_replace_flag_starts_from_empty_info() -> None:
-    with make_pipeline(receiver_kw={"receiver_kind": "generation"}) as p:
-        send(p, "s1", "R", {"codes": {"audio": [5, 6]}, "speaker": "a"})
-        send(
-            p,
-            "s1",
-            "R",
-            {"codes": {"audio": [7]}, "meta": {"replace_runtime_additional_information": True}},
-            finished=True,
-        )
-        assert receive(p, "i1", "R").prompt_token_ids == [5, 6]
+        assert c0.chunk_id == 0 and type(c0.payload) is OmniPayload and not c0.is_finished
+        assert torch.equal(c0.payload.codes.audio, torch.tensor([1, 2, 3]))
+        assert c0.payload.meta == Meta(left_context_size=0)
         c1 = receive(p, "i1", "R")
-        assert c1.prompt_token_ids == [7] and "speaker" not in c1.additional_information
+        assert c1.chunk_id == 1 and c1.payload == {"speaker": "ethan"}
+        c2 = receive(p, "i1", "R")
+        assert c2.chunk_id == 2 and c2.payload == OmniPayload() and c2.is_segment_finished
+        assert p.receiver.is_segment_finished("i1")
+        c3 = receive(p, "i1", "R")
+        assert c3.chunk_id == 3 and c3.payload is None and c3.is_finished and not c3.is_segment_finished
+        assert p.receiver.is_upstream_exhausted("i1") and not p.receiver.is_segment_finished("i1")
+        assert not p.receiver.load_async("i1", "R")  # nothing comes after the end of the stream
+        assert p.receiver.health()["receiver"]["num_committed"] == 4
         p.receiver.finish_requests(["i1"])
         p.audit()
 
@@ -227,13 +216,12 @@ def test_ar_receiver_commit_hands_the_payload_over() -> None:
         c0 = receive(p, "i1", "R")
         assert torch.equal(c0.payload["embed"], embed) and c0.payload["ids"] == [1, 2]
         assert c0.is_segment_finished and not c0.is_finished
-        assert c0.prompt_token_ids is None and c0.additional_information is None
         assert p.receiver.is_segment_finished("i1")
         c1 = receive(p, "i1", "R")
         assert torch.equal(c1.payload["embed"], embed + 1)
         assert not p.receiver.is_segment_finished("i1")  # a new segment started
         c2 = receive(p, "i1", "R")
-        assert c2.is_finished and c2.payload == {"meta": {"finished": True, "is_segment_finished": False}}
+        assert c2.is_finished and c2.payload is None  # the end of the stream, nothing else
         p.receiver.finish_requests(["i1"])
         p.audit()
 
@@ -376,12 +364,13 @@ def test_stall_timeout_reports_once_with_the_reason() -> None:
 
 def test_arrival_resets_the_stall_clock() -> None:
     clock = FakeClock()
-    with make_pipeline(clock=clock, receiver_kw={"receiver_kind": "generation"}) as p:
+    with make_pipeline(clock=clock) as p:
         assert p.receiver.load_async("w1", "W")
         clock.advance(500.0)
-        send(p, "s1", "W", {"speaker": "x"})  # empty non-terminal chunk: an arrival, not ready
-        wait_until(lambda: p.receiver.health()["receiver"]["num_empty_chunks"] == 1, "empty chunk taken")
-        assert p.receiver.is_waiting_for_chunk("w1")
+        send(p, "s1", "W", {"speaker": "x"})  # an arrival 500 s into the wait
+        (chunk,) = collect(p.receiver, ready_for("w1")).ready
+        assert chunk.payload == {"speaker": "x"}
+        assert p.receiver.load_async("w1", "W")  # the consumer waits for the next one
         clock.advance(500.0)
         assert p.receiver.poll_events().is_empty  # 500 s since the arrival, not 1000
         clock.advance(101.0)

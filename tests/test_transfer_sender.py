@@ -10,8 +10,9 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
-from omnirelay.transfer import Admission, BuildRequest, FailureKind, key_prefix
+from omnirelay.transfer import Admission, BuildRequest, ChunkEnvelope, FailureKind, key_prefix
 from omnirelay.transfer.wakeup import Parker
 from tests.transfer_fakes import (
     FakeClock,
@@ -199,8 +200,12 @@ def test_failed_terminal_is_cleaned_even_if_the_backend_created_it(mode: str) ->
 def test_put_that_raises_after_creating_the_object_fails_fast_and_is_cleaned() -> None:
     with make_pipeline() as p:
         p.send_conn.raise_after_create.add("R_0_0")
+        gate = Gate("put R_0_0")
+        p.send_conn.put_gates["R_0_0"] = gate  # the second chunk is admitted before the put fails
         p.sender.save_async("r1", "R", {"c": 0})
-        p.sender.save_async("r1", "R", {"c": 1})  # vetoed: the generation failed
+        gate.wait_started()
+        p.sender.save_async("r1", "R", {"c": 1})  # vetoed when it runs: the generation failed
+        gate.release()
         acc = collect(p.sender, failed_for("r1"))
         assert acc.failed[0].kind is FailureKind.SEND_FAILED and "exploded" in acc.failed[0].reason
         assert p.sender.flush()
@@ -401,12 +406,39 @@ def test_processor_sees_the_request_snapshot_and_the_chunk_id() -> None:
         p.sender.save_async("r1", "R", 0, context={"prompt": [1]})
         p.sender.save_async("r1", "R", None, context={"prompt": [1, 2]})  # nothing this step
         p.sender.save_async("r1", "R", 1, context={"prompt": [1, 2, 3]})
-        p.sender.save_async("r1", "R", None, is_finished=True)  # empty payload at the boundary
+        p.sender.save_async("r1", "R", None, is_finished=True)  # no body at the boundary
         chunks = read_chunks(p, "rr", "R", 3)
-        assert [c.payload.get("n") for c in chunks] == [0, 1, None] and chunks[2].is_finished
+        assert [c.payload for c in chunks] == [{"n": 0}, {"n": 1}, None] and chunks[2].is_finished
         assert seen == [(0, False, {"prompt": [1]}), (1, False, {"prompt": [1, 2]}),
                         (1, False, {"prompt": [1, 2, 3]}), (2, True, None)]  # fmt: skip
         p.receiver.finish_requests(["rr"])
+        p.audit()
+
+
+def test_a_processor_that_owns_its_finish_flag_returns_the_envelope_itself() -> None:
+    """The adapter wraps a body with the admission's flags; an envelope the processor
+    built is put as it is (a streaming processor knows when its own stream ends), and one
+    with a flag that is not a bool fails the request with the reason."""
+
+    def processor(req: BuildRequest) -> Any:
+        if req.external_id == "BAD":
+            return ChunkEnvelope(body=req.output, is_finished=torch.tensor([True, False]))
+        return ChunkEnvelope(body=req.output, is_finished=req.output == "last")
+
+    with make_pipeline(processor=processor) as p:
+        p.sender.save_async("s1", "R", "first")
+        p.sender.save_async("s1", "R", "last")  # not a terminal for the scheduler: ends the stream
+        chunks = read_chunks(p, "r1", "R", 2)
+        assert [(c.payload, c.is_finished) for c in chunks] == [("first", False), ("last", True)]
+        assert p.receiver.is_upstream_exhausted("r1")
+        p.sender.save_async("b1", "BAD", "x")
+        (failure,) = collect(p.sender, failed_for("b1")).failed
+        assert failure.kind is FailureKind.SEND_FAILED and "malformed" in failure.reason
+        assert "is_finished must be a bool" in failure.reason
+        assert not any(e.startswith("put_start:BAD") for e in p.store.log)
+        p.sender.take_external_failures()
+        p.sender.finish_requests(["s1", "b1"])
+        p.receiver.finish_requests(["r1"])
         p.audit()
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of the transfer adapter's parts: config, keys, payload view, commit, the
+"""Unit tests of the transfer adapter's parts: config, keys, the chunk envelope, the
 generation token's transition table, lanes, budget, events, and the public surface."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-import numpy as np
 import pytest
 import torch
 
 import omnirelay.transfer as transfer
-from omnirelay.errors import ConfigError, InvalidKeyError
+from omnirelay.errors import ConfigError, InvalidKeyError, PayloadEncodeError
+from omnirelay.payload import Codes, Meta, OmniPayload, decode, encode
 from omnirelay.transfer import (
     ByteBudget,
     CancelAction,
@@ -25,10 +24,8 @@ from omnirelay.transfer import (
     TransferConfig,
     key_prefix,
     make_key,
-    read_flag,
-    stamp_flags,
 )
-from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, prepare_chunk
+from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import IdMap, check_external_id
 from tests.transfer_fakes import Gate, collect, make_pipeline, ready_for, wait_until
@@ -60,7 +57,6 @@ def test_bad_stall_timeouts_are_rejected(value: Any) -> None:
         ("stage_id", 1.0),
         ("send_to_stage", 0),
         ("receive_from_stage", 0),
-        ("receiver_kind", "talker"),
         ("edge_budget_bytes", 0),
         ("backpressure_wait_s", -1),
         ("num_send_workers", 0),
@@ -83,6 +79,9 @@ def test_config_from_mapping_rejects_unknown_keys() -> None:
         TransferConfig.from_mapping({"stage_id": 0, "stall_timeout": 5})
     with pytest.raises(ConfigError, match="stage_id"):
         TransferConfig.from_mapping({})
+    # How a chunk is read is the consuming stage's business, not a transfer setting.
+    with pytest.raises(ConfigError, match="receiver_kind"):
+        TransferConfig.from_mapping({"stage_id": 1, "receive_from_stage": 0, "receiver_kind": "generation"})
 
 
 # --------------------------------------------------------------------- keys
@@ -102,139 +101,52 @@ def test_keys_and_ids() -> None:
     assert m.get("i") == "E" and len(m) == 1 and m.pop("i") == "E" and m.pop("i") is None
 
 
-# --------------------------------------------------------------------- payload view
-
-
-class _Meta(msgspec.Struct, kw_only=True):
-    finished: Any = None
-    is_segment_finished: Any = None
-    codec_streaming: bool | None = None
-
-
-class _Payload(msgspec.Struct, kw_only=True):
-    codes: Any = None
-    meta: _Meta | None = None
+# --------------------------------------------------------------------- chunk envelope
 
 
 @pytest.mark.parametrize(
-    ("payload", "expected"),
+    "envelope",
     [
-        ({"meta": {"finished": True}}, True),
-        ({"meta": {"finished": torch.tensor([True])}}, True),
-        ({"meta": {"finished": torch.tensor(False)}}, False),
-        ({"meta": {"finished": np.array([1])}}, True),
-        ({"meta": {}}, False),
-        ({}, False),
-        (None, False),
-        (_Payload(meta=_Meta(finished=torch.tensor([True]))), True),
-        (_Payload(meta=_Meta(finished=False)), False),
-        (_Payload(), False),
+        ChunkEnvelope(body={"codes": {"audio": torch.arange(4)}}),
+        ChunkEnvelope(body=OmniPayload(codes=Codes(audio=torch.arange(4)), meta=Meta(left_context_size=2))),
+        ChunkEnvelope(is_finished=True),  # the end of the stream, nothing new
+        ChunkEnvelope(body=[1, 2], is_segment_finished=True),
     ],
 )
-def test_read_flag_accepts_structs_dicts_bools_and_one_element_tensors(payload: Any, expected: bool) -> None:
-    assert read_flag(payload, "finished") is expected
-
-
-def test_read_flag_rejects_multi_element_flags() -> None:
-    with pytest.raises(ValueError, match="exactly one element"):
-        read_flag({"meta": {"finished": torch.tensor([True, True])}}, "finished")
-
-
-def test_stamp_flags() -> None:
-    d = stamp_flags({"codes": 1}, finished=True, segment_finished=False)
-    assert d["meta"] == {"finished": True, "is_segment_finished": False}
-    kept = stamp_flags(
-        {"meta": {"finished": False, "codec_streaming": True, "is_segment_finished": True}},
-        finished=True,
-        segment_finished=False,
+def test_envelope_round_trips_the_codec_with_its_flags_and_an_opaque_body(envelope: ChunkEnvelope) -> None:
+    assert check_envelope(envelope) is None
+    back = decode(encode(envelope))
+    assert type(back) is ChunkEnvelope and check_envelope(back) is None
+    assert (back.is_finished, back.is_segment_finished) == (
+        envelope.is_finished,
+        envelope.is_segment_finished,
     )
-    assert kept["meta"]["finished"] is False and kept["meta"]["is_segment_finished"] is True
-    overwritten = stamp_flags({"meta": {"finished": False}}, finished=True, segment_finished=False)
-    assert overwritten["meta"]["finished"] is True
-    s = stamp_flags(_Payload(), finished=True, segment_finished=True)
-    assert isinstance(s.meta, _Meta) and s.meta.finished is True and s.meta.is_segment_finished is True
-    with pytest.raises(TypeError, match="without a meta"):
-        stamp_flags(object(), finished=True, segment_finished=False)
-
-
-# --------------------------------------------------------------------- commit (pure)
-
-
-def test_prepare_generation_chunk_shapes() -> None:
-    one_d = prepare_chunk("generation", {"codes": {"audio": torch.tensor([4, 5])}})
-    assert one_d.prompt_token_ids == [4, 5] and one_d.fields == {"codes": {}}
-    two_d = prepare_chunk("generation", {"codes": {"audio": torch.ones(2, 3)}})
-    assert two_d.prompt_token_ids == [0] and two_d.fields is not None and "audio" in two_d.fields["codes"]
-    empty_2d = prepare_chunk("generation", {"codes": {"audio": torch.ones(16, 0)}})
-    assert empty_2d.prompt_token_ids == [] and is_empty_nonterminal(empty_2d)
-    listed = prepare_chunk("generation", {"codes": {"audio": [1, 2]}})
-    assert listed.prompt_token_ids == [1, 2]
-    missing = prepare_chunk("generation", {"speaker": "x"})
-    assert missing.prompt_token_ids == [] and is_empty_nonterminal(missing)
-    seg = prepare_chunk("generation", {"meta": {"is_segment_finished": True}})
-    assert seg.prompt_token_ids == [0] and not is_empty_nonterminal(seg)
-    struct = prepare_chunk("generation", _Payload(codes={"audio": [9]}, meta=_Meta(finished=True)))
-    assert struct.prompt_token_ids == [9] and struct.is_finished
-    with pytest.raises(ValueError, match="empty payload"):
-        prepare_chunk("ar", {})
-    with pytest.raises(TypeError, match=r"codes\.audio"):
-        prepare_chunk("generation", {"codes": {"audio": "abc"}})
+    assert type(back.body) is type(envelope.body)
+    assert encode(back) == encode(envelope)
 
 
 @pytest.mark.parametrize(
-    ("payload", "flags"),
+    ("obj", "problem"),
     [
-        ({"x": 1}, (False, False)),
-        ({"x": 1, "meta": {"left_context_size": 25}}, (False, False)),
-        ({"meta": {"finished": True}}, (True, False)),
-        ({"meta": {"finished": False, "is_segment_finished": True}}, (False, True)),
-        ({"meta": {"finished": None, "is_segment_finished": None}}, (False, False)),
-        # Not plain bools: the generic accessors read them the same way.
-        ({"meta": {"finished": 1, "is_segment_finished": 0}}, (True, False)),
-        ({"meta": {"finished": torch.tensor([True])}}, (True, False)),
-        (_Payload(codes={"audio": [1]}, meta=_Meta(finished=True)), (True, False)),
+        ({"meta": {"finished": True}}, "expected a ChunkEnvelope, got dict"),
+        (None, "expected a ChunkEnvelope, got NoneType"),
+        (ChunkEnvelope(body=1, is_finished=1), "is_finished must be a bool, got int"),
+        (
+            ChunkEnvelope(body=1, is_segment_finished=torch.tensor([True])),
+            "is_segment_finished must be a bool, got Tensor",
+        ),
+        (ChunkEnvelope(), "carries nothing"),
+        (ChunkEnvelope(is_segment_finished=False), "carries nothing"),
     ],
 )
-def test_prepare_ar_chunk_reads_the_flags_and_hands_the_payload_on(
-    payload: Any, flags: tuple[bool, bool]
-) -> None:
-    chunk = prepare_chunk("ar", payload)
-    assert chunk.payload is payload and (chunk.is_finished, chunk.is_segment_finished) == flags
-    assert chunk.fields is None and chunk.prompt_token_ids is None
+def test_check_envelope_says_what_is_wrong(obj: Any, problem: str) -> None:
+    reason = check_envelope(obj)
+    assert reason is not None and problem in reason
 
 
-def test_prepare_ar_chunk_rejects_what_breaks_the_contract() -> None:
-    with pytest.raises(ValueError, match="empty payload"):
-        prepare_chunk("ar", {})
-    with pytest.raises(TypeError, match="not a mapping or a struct"):
-        prepare_chunk("ar", {"meta": 5})
-    with pytest.raises(ValueError):
-        prepare_chunk("ar", {"meta": {"finished": torch.tensor([True, False])}})
-
-
-def test_merge_runtime_info() -> None:
-    first = prepare_chunk(
-        "generation",
-        {
-            "codes": {"audio": [1], "ref": 5},
-            "meta": {"finished": False, "left_context_size": 3},
-            "speaker": "a",
-        },
-    )
-    info = merge_runtime_info(None, first)
-    assert info == {"codes": {"ref": 5}, "meta": {"left_context_size": 3}, "speaker": "a"}
-    second = prepare_chunk("generation", {"meta": {"finished": True, "first_audio": True}, "speaker": "b"})
-    merged = merge_runtime_info(info, second)
-    assert merged == {
-        "codes": {"ref": 5},
-        "meta": {"left_context_size": 3, "first_audio": True},
-        "speaker": "b",
-    }
-    assert info["speaker"] == "a"  # never mutated
-    replace = prepare_chunk(
-        "generation", {"codes": {"audio": [2]}, "meta": {"replace_runtime_additional_information": True}}
-    )
-    assert "speaker" not in merge_runtime_info(merged, replace)
+def test_a_flag_that_is_not_a_bool_never_reaches_the_wire() -> None:
+    with pytest.raises(PayloadEncodeError, match="is_finished"):
+        encode(ChunkEnvelope(body=1, is_finished=torch.tensor([True, False])))
 
 
 # --------------------------------------------------------------------- generation token (SPEC §4.5 table)

@@ -22,6 +22,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from omnirelay.connectors.base import (
     REAP_BATCH,
     Arrivals,
@@ -81,6 +83,8 @@ def payload_nbytes(obj: Any) -> int:
     """A stand-in for the encoded size."""
     if isinstance(obj, bytes | bytearray | str):
         return len(obj)
+    if isinstance(obj, msgspec.Struct):  # the adapter's ChunkEnvelope, a typed payload
+        return 8 + sum(payload_nbytes(getattr(obj, f)) for f in obj.__struct_fields__)
     if isinstance(obj, dict):
         return 8 + sum(payload_nbytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):

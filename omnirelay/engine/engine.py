@@ -136,6 +136,10 @@ class StageEngine:
         scheduler_cls: type[BaseScheduler] = (
             GenerationScheduler if stage.execution_type is ExecutionType.GENERATION else ARScheduler
         )
+        scheduler_args: dict[str, Any] = {}
+        if scheduler_cls is GenerationScheduler:
+            # What a committed chunk means is the consuming model's business (SPEC §4.8).
+            scheduler_args["chunk_reader"] = getattr(executor, "read_chunk", None)
         self._scheduler: BaseScheduler = scheduler_cls(
             stage_id=stage.id,
             max_num_seqs=stage.max_num_seqs,
@@ -147,6 +151,7 @@ class StageEngine:
             # (scheduler_base: chunk prefetch).
             prefetch_chunks=scheduler_cls is ARScheduler,
             clock=clock,
+            **scheduler_args,
         )
         #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
         #: away: it registers once the step's outputs are on their way (see
@@ -165,9 +170,7 @@ class StageEngine:
                 raise ConfigError(
                     f"{stage.label} sends or receives chunks ({self.roles}); it needs a connector"
                 )
-            config = self.roles.transfer_config(
-                stage, pipeline_config, transfer_config, receiver_kind=scheduler_cls.receiver_kind
-            )
+            config = self.roles.transfer_config(stage, pipeline_config, transfer_config)
             self._adapter = TransferAdapter(
                 connector,
                 config,

@@ -4,7 +4,9 @@ Three parties, three surfaces (everything here is plain data):
 
 * **Executor** (``omnirelay.models`` or the toy executors): runs one batched step of a
   model. ``Executor.step(batch) -> list[ItemResult]``. It owns per-request model state
-  (KV caches) keyed by internal id and frees it in ``release``.
+  (KV caches) keyed by internal id and frees it in ``release``. A generation executor
+  that receives chunks also says what it makes of one: ``read_chunk``, a
+  :data:`ChunkReader`.
 * **StageEngine** (``omnirelay.engine``): one stage in one process — scheduler + executor
   + transfer adapter. Driven by the worker loop: ``add_request``, ``abort``, ``release``,
   ``step() -> list[StageOutput]``, ``has_work()``, ``wait_for_work(timeout)``,
@@ -17,12 +19,14 @@ Three parties, three surfaces (everything here is plain data):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
 __all__ = [
     "BatchItem",
+    "ChunkReader",
     "Executor",
     "ItemResult",
     "SamplingParams",
@@ -85,10 +89,16 @@ class BatchItem(msgspec.Struct, kw_only=True):
     num_computed_tokens: int
     is_prefill: bool
     sampling: SamplingParams
-    #: runtime info committed from upstream chunks (talker conditioning, codec codes …)
-    additional_information: dict[str, Any] | None = None
+    #: what the upstream chunks committed for this step, as the stage reads them: an AR
+    #: stage gets the chunk's payload as the upstream processor built it (a Talker: a
+    #: Thinker → Talker ``OmniPayload``); a generation stage the runtime info its
+    #: :data:`ChunkReader` made (Code2Wav: the merged codec ``OmniPayload``)
+    additional_information: Any = None
     #: a full input forwarded by the orchestrator (non-chunk edge)
     inputs: Any = None
+    #: a chunk-receiving request whose upstream's last chunk is committed (this step's or
+    #: an earlier one): no more input will come
+    is_upstream_exhausted: bool = False
 
 
 class ItemResult(msgspec.Struct, kw_only=True):
@@ -107,6 +117,17 @@ class ItemResult(msgspec.Struct, kw_only=True):
     #: what the next stage's processor consumes (hidden states, codec frame …); handed to
     #: ``TransferAdapter.save_async(output=...)``; None = nothing for downstream this step
     next_stage_output: Any = None
+
+
+#: How a chunk-receiving generation stage reads one committed chunk (docs/protocol.md
+#: §4.8): ``read_chunk(runtime_info, payload) -> (prompt_token_ids, runtime_info)``.
+#: ``runtime_info`` is what the request's earlier chunks left (``None`` before the first),
+#: ``payload`` the chunk's body (``None``: a boundary with nothing new). The prompt is what
+#: the step computes (a fresh one-shot prefill); the new runtime info goes to the step
+#: (``BatchItem.additional_information``) and to the next chunk's call. Called on the
+#: engine thread, once per committed chunk; pure. Raises ``TypeError`` or ``ValueError``
+#: when the payload breaks the stage's contract (the request then fails with the reason).
+ChunkReader = Callable[[Any, Any], tuple[list[int], Any]]
 
 
 @runtime_checkable

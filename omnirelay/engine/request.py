@@ -160,6 +160,7 @@ class Request:
         "output_token_ids",
         "parked_from",
         "prompt_token_ids",
+        "runtime_info",
         "sampling",
         "stage_id",
         "stream",
@@ -189,8 +190,12 @@ class Request:
         #: Tokens of ``prompt + output`` the executor has computed (its KV covers them).
         self.num_computed_tokens = 0
         self.sampling = sampling
-        #: Runtime info from upstream chunks, consumed by the next step (SPEC §4.9 postprocess).
-        self.additional_information: dict[str, Any] | None = None
+        #: What the upstream chunks committed for the next step, consumed by it (SPEC §4.9
+        #: postprocess): the chunk's payload (AR), or the runtime info (generation).
+        self.additional_information: Any = None
+        #: Generation receivers: what the committed chunks left for the next one to build on
+        #: (the stage's chunk reader's runtime info); kept across steps.
+        self.runtime_info: Any = None
         #: A full input forwarded by the orchestrator (non-chunk edge); passed every step.
         self.inputs = inputs
         self.is_placeholder = is_placeholder
@@ -334,19 +339,19 @@ class Request:
     # ----------------------------------------------------------------- chunk input
 
     def attach_ar_chunk(self, payload: Any, *, is_finished: bool) -> None:
-        """AR receiver: the payload is this request's runtime info for its next step."""
-        self.additional_information = payload if isinstance(payload, dict) else {"payload": payload}
+        """AR receiver: the chunk's payload, as it came, is the input of the next step."""
+        self.additional_information = payload
         self.has_ready_chunk = True
         self.num_chunks_received += 1
         if is_finished:
             self.is_upstream_exhausted = True
 
-    def attach_generation_chunk(
-        self, prompt_token_ids: list[int], info: dict[str, Any] | None, *, is_finished: bool
-    ) -> None:
-        """Generation receiver: a fresh one-shot prefill over the chunk's ids (SPEC §4.8)."""
+    def attach_generation_chunk(self, prompt_token_ids: list[int], info: Any, *, is_finished: bool) -> None:
+        """Generation receiver: a fresh one-shot prefill over the chunk's ids (SPEC §4.8);
+        ``info`` is the runtime info the stage's chunk reader made of it."""
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.runtime_info = info
         self.additional_information = info
         self.has_ready_chunk = True
         self.num_chunks_received += 1

@@ -9,8 +9,9 @@ Per tick (see :mod:`omnirelay.engine.scheduler_base` for the queues and the tick
   bounds the input tokens of one tick (always at least one item);
 * a chunk-receiving stage (a Talker) needs one committed chunk per step until its
   upstream is exhausted (SPEC §4.9): after each step it parks in WAITING_FOR_CHUNK,
-  keeping its slot, and the chunk's payload becomes the next step's
-  ``additional_information`` (consumed once). Once exhausted it decodes on its own.
+  keeping its slot, and the chunk's payload, as the upstream processor built it, becomes
+  the next step's ``additional_information`` (consumed once); ``is_upstream_exhausted``
+  says the last one came. Once exhausted it decodes on its own.
 
 Stops (in this order, per sampled token): a token in ``stop_token_ids`` (kept in the
 output) → FINISHED_STOPPED; ``max_tokens`` reached → FINISHED_LENGTH; tokens past either
@@ -28,10 +29,9 @@ __all__ = ["ARScheduler"]
 
 
 class ARScheduler(BaseScheduler):
-    receiver_kind = "ar"
-
-    def _attach(self, request: Request, chunk: ChunkInput) -> None:
+    def _attach(self, request: Request, chunk: ChunkInput) -> str | None:
         request.attach_ar_chunk(chunk.payload, is_finished=chunk.is_finished)
+        return None  # the executor reads the payload, and says what is wrong with it
 
     def _make_item(self, request: Request) -> BatchItem:
         all_ids = request.all_token_ids
@@ -46,6 +46,7 @@ class ARScheduler(BaseScheduler):
             sampling=request.sampling,
             additional_information=request.additional_information,
             inputs=request.inputs,
+            is_upstream_exhausted=request.is_upstream_exhausted,
         )
 
     def _apply_result(self, request: Request, item: BatchItem, result: ItemResult) -> RequestUpdate:

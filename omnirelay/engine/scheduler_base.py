@@ -44,7 +44,6 @@ from typing import Any
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.engine.request import Request, RequestStatus
-from omnirelay.transfer.config import ReceiverKind
 from omnirelay.transfer.events import ChunkInput, TransferEvents, TransferFailure
 
 __all__ = ["BaseScheduler", "ChunkLoad", "RequestUpdate", "SchedulerOutput", "StepUpdate"]
@@ -101,9 +100,6 @@ class StepUpdate:
 
 class BaseScheduler(abc.ABC):
     """Queues, slots, chunk parking and failures; subclasses decide what a step is."""
-
-    #: How a committed chunk attaches to a request: ``"ar"`` or ``"generation"``.
-    receiver_kind: ReceiverKind = "ar"
 
     def __init__(
         self,
@@ -286,8 +282,9 @@ class BaseScheduler(abc.ABC):
     # ----------------------------------------------------------------- subclass hooks
 
     @abc.abstractmethod
-    def _attach(self, request: Request, chunk: ChunkInput) -> None:
-        """Commit a ready chunk into the request (it is still parked)."""
+    def _attach(self, request: Request, chunk: ChunkInput) -> str | None:
+        """Commit a ready chunk into the request (it is still parked). Returns why the
+        chunk breaks the stage's payload contract (the request then fails), or None."""
 
     @abc.abstractmethod
     def _make_item(self, request: Request) -> BatchItem:
@@ -342,8 +339,14 @@ class BaseScheduler(abc.ABC):
         del self._parked[request.internal_id]
         if request.parked_from is RequestStatus.RUNNING:
             self._num_parked_running -= 1
-        self._attach(request, chunk)
+        problem = self._attach(request, chunk)
         request.unpark()
+        if problem is not None:
+            # The chunk was consumed: nothing can retry it, so the request ends here.
+            request.finish(RequestStatus.FINISHED_ERROR, self._clock(), problem)
+            del self.requests[request.internal_id]
+            finished.append(request)
+            return
         self._sort_new(request, finished, loads)
 
     def _apply_failure(self, failure: TransferFailure, finished: list[Request]) -> None:

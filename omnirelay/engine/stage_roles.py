@@ -15,7 +15,7 @@ import dataclasses
 
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.config import EdgeContract, PipelineConfig, StageConfig
-from omnirelay.transfer.config import ReceiverKind, TransferConfig
+from omnirelay.transfer.config import TransferConfig
 
 __all__ = ["StageRoles", "resolve_stage_roles"]
 
@@ -45,8 +45,6 @@ class StageRoles:
         stage: StageConfig,
         pipeline: PipelineConfig,
         given: TransferConfig | None,
-        *,
-        receiver_kind: ReceiverKind,
     ) -> TransferConfig:
         """The adapter config: ``given`` (tuning) with the roles filled in from the pipeline.
 
@@ -58,7 +56,6 @@ class StageRoles:
                 stage_id=stage.id,
                 send_to_stage=self.send_to_stage,
                 receive_from_stage=self.receive_from_stage,
-                receiver_kind=receiver_kind,
                 stall_timeout_s=pipeline.input_wait_timeout_s,
             )
         if given.stage_id != stage.id:
@@ -79,7 +76,6 @@ class StageRoles:
             given,
             send_to_stage=self.send_to_stage,
             receive_from_stage=self.receive_from_stage,
-            receiver_kind=receiver_kind,
         )
 
 

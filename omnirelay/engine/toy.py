@@ -10,11 +10,12 @@ Executors (registered by :func:`register_toys` under these names, as factories c
   received chunk (``codes.audio``), ``(row * multiplier + offset) % vocab``; finishes on
   the upstream's terminal chunk; forwards its tokens the same way.
 * ``toy.sample_generator`` — :class:`SampleGenerator`, generation: every input code *c*
-  becomes ``samples_per_code`` float32 samples ``c + j / samples_per_code``.
+  becomes ``samples_per_code`` float32 samples ``c + j / samples_per_code``; a received
+  chunk's 1-D codes are its prompt (``read_chunk``: the codec chunk reader).
 
 Processor (``toy.forward_chunk``, :func:`forward_chunk`): a step's output as the payload
-``{"codes": {"audio": output}, "meta": {"finished": ...}}`` — an AR receiver reads the
-rows from it, a generation receiver takes the 1-D codes as its prompt.
+``OmniPayload(codes=Codes(audio=output))`` — an AR receiver reads the rows from it, a
+generation receiver takes the 1-D codes as its prompt.
 
 Every executor counts its calls and batch sizes and keeps the set of internal ids it
 holds state for (dropped in ``release``), exposed by ``leak_state()``.
@@ -31,11 +32,12 @@ from typing import Any
 import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.payload.schema import Codes, OmniPayload
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
 from omnirelay.pipeline.parse import parse_pipeline
 from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.processors.codec_input import read_codec_chunk
 from omnirelay.transfer import BuildRequest
-from omnirelay.transfer.payload_view import field, read_flag
 
 __all__ = [
     "TOY_SAMPLE_RATE",
@@ -139,13 +141,13 @@ class RelayLM(ToyExecutor):
     def step_one(self, item: BatchItem) -> ItemResult:
         payload = item.additional_information
         rows: list[int] = []
-        finished = True  # no chunk attached: the upstream is exhausted
         if payload is not None:
-            codes = field(payload, "codes")
-            audio = None if codes is None else field(codes, "audio")
-            if audio is not None:
-                rows = [int(x) for x in torch.as_tensor(audio).reshape(-1).tolist()]
-            finished = read_flag(payload, "finished")
+            if type(payload) is not OmniPayload:
+                raise TypeError(f"RelayLM reads OmniPayload chunks, got {type(payload).__name__}")
+            if payload.codes is not None and payload.codes.audio is not None:
+                rows = [int(x) for x in torch.as_tensor(payload.codes.audio).reshape(-1).tolist()]
+        # No chunk attached: the upstream is exhausted (it decodes on its own).
+        finished = payload is None or item.is_upstream_exhausted
         tokens = [(r * self.multiplier + self.offset) % self.vocab_size for r in rows]
         return ItemResult(
             internal_id=item.internal_id,
@@ -159,6 +161,8 @@ class SampleGenerator(ToyExecutor):
     """Generation: each code c -> ``samples_per_code`` samples ``c + j / samples_per_code``."""
 
     execution_type = "generation"
+    #: A received chunk's 1-D codes are the prompt (docs/protocol.md §4.8).
+    read_chunk = staticmethod(read_codec_chunk)
 
     def __init__(
         self,
@@ -179,11 +183,11 @@ class SampleGenerator(ToyExecutor):
         )
 
 
-def forward_chunk(request: BuildRequest) -> Any:
+def forward_chunk(request: BuildRequest) -> OmniPayload | None:
     """The toy chunk processor: the step's output as ``codes.audio`` (None: nothing)."""
     if request.output is None:
         return None
-    return {"codes": {"audio": request.output}, "meta": {"finished": request.is_request_finished}}
+    return OmniPayload(codes=Codes(audio=request.output))
 
 
 # --------------------------------------------------------------------------- expectations

@@ -6,9 +6,15 @@
   with ``sample_rate = 24000``. It keeps no per-request state.
 * :func:`create_code2wav` — the registry factory: ``create_code2wav(**executor_args)``.
 
+A committed Talker → Code2Wav chunk (an :class:`~omnirelay.payload.OmniPayload`) is read
+by :meth:`Code2WavExecutor.read_chunk` (:func:`~omnirelay.processors.read_codec_chunk`,
+docs/protocol.md §4.8): its 1-D ``codes.audio`` becomes the item's ``input_token_ids``,
+the rest is merged into the request's runtime info, an ``OmniPayload`` handed to the step
+as ``additional_information``.
+
 Input of one item (first match wins):
 
-1. ``additional_information["codes"]["audio"]`` as a ``[Q, T]`` (or ``[1, Q, T]``) tensor
+1. the runtime info's ``codes.audio`` as a ``[Q, T]`` (or ``[1, Q, T]``) tensor
    (SPEC §4.8: a ≥2-D codes tensor stays in the runtime info);
 2. ``inputs["codes"]`` — a ``[Q, T]`` tensor, or a mapping with ``audio`` as in (1)
    (a complete input forwarded over a non-chunk edge);
@@ -42,6 +48,8 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.payload.schema import OmniPayload
+from omnirelay.processors.codec_input import read_codec_chunk
 from omnirelay.processors.decode_window import (
     DEFAULT_DECODE_CHUNK_FRAMES,
     DEFAULT_DECODE_LEFT_CONTEXT_FRAMES,
@@ -69,6 +77,8 @@ class Code2WavExecutor:
 
     execution_type = "generation"
     supports_batching = True
+    #: What a committed Talker → Code2Wav chunk means here (a ChunkReader; pure).
+    read_chunk = staticmethod(read_codec_chunk)
 
     def __init__(
         self,
@@ -171,13 +181,18 @@ class Code2WavExecutor:
 
     def _read(self, item: BatchItem) -> _Input:
         rid = item.internal_id
-        info = item.additional_information or {}
-        meta = _get(info, "meta")
-        left = _get(meta, "left_context_size")
-        codes = _codes_tensor(_get(_get(info, "codes"), "audio"))
-        if codes is None and item.inputs is not None:
-            forwarded = _get(item.inputs, "codes")
-            codes = _codes_tensor(_get(forwarded, "audio") if isinstance(forwarded, Mapping) else forwarded)
+        info = item.additional_information
+        if info is not None and type(info) is not OmniPayload:
+            raise ModelError(
+                f"request {rid!r}: the runtime info must be the OmniPayload read_chunk made, "
+                f"got {type(info).__name__}"
+            )
+        meta = None if info is None else info.meta
+        left = None if meta is None else meta.left_context_size
+        codes = _codes_tensor(None if info is None or info.codes is None else info.codes.audio)
+        if codes is None and isinstance(item.inputs, Mapping):  # a forwarded complete input
+            forwarded = item.inputs.get("codes")
+            codes = _codes_tensor(forwarded.get("audio") if isinstance(forwarded, Mapping) else forwarded)
         if codes is None:
             flat = torch.as_tensor(list(item.input_token_ids), dtype=torch.long)
             if flat.numel() % self.num_codebooks:
@@ -198,22 +213,13 @@ class Code2WavExecutor:
                 f"request {rid!r}: codec ids must lie in [0, {self.codebook_size}); got "
                 f"[{int(codes.min())}, {int(codes.max())}] — a stop token or a wrong layout reached Code2Wav"
             )
-        if left is not None:
-            if isinstance(left, torch.Tensor):
-                left = int(left.reshape(-1)[0])
-            if isinstance(left, bool) or not isinstance(left, int) or not 0 <= left <= codes.shape[1]:
-                raise ModelError(
-                    f"request {rid!r}: meta.left_context_size {left!r} is not an int in [0, {codes.shape[1]}]"
-                )
+        if left is not None and (
+            isinstance(left, bool) or not isinstance(left, int) or not 0 <= left <= codes.shape[1]
+        ):
+            raise ModelError(
+                f"request {rid!r}: meta.left_context_size {left!r} is not an int in [0, {codes.shape[1]}]"
+            )
         return _Input(item=item, codes=codes.to(torch.long), left_context=left)
-
-
-def _get(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
 
 
 def _codes_tensor(value: Any) -> torch.Tensor | None:

@@ -3,8 +3,9 @@
 * :class:`TalkerExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
   Talker stage (``execution_type = "ar"``). Each step of a request consumes what the
   engine committed from the Thinker (``BatchItem.additional_information``: a Thinker →
-  Talker payload, SPEC §5.1), runs the Talker decoder for the first codebook, then the
-  code predictor for the other ``Q − 1``. ``release(id)`` frees the request.
+  Talker ``OmniPayload``, SPEC §5.1; ``is_upstream_exhausted`` once the Thinker's stream
+  ended), runs the Talker decoder for the first codebook, then the code predictor for the
+  other ``Q − 1``. ``release(id)`` frees the request.
 * :func:`create_talker` — the registry factory: ``create_talker(**executor_args)``.
 
 Step semantics (the reference model's ``generate``, split into steps):
@@ -255,15 +256,14 @@ class TalkerExecutor:
                 "a Talker request cannot be recomputed after preemption — its Thinker chunks were consumed"
             )
         else:
-            chunk = parse_payload(payload, rid)
+            # A complete input forwarded by the orchestrator is the whole Thinker output.
+            is_complete = item.additional_information is None
+            chunk = parse_payload(payload, rid, is_finished=item.is_upstream_exhausted or is_complete)
         if not chunk.is_prefill:
             raise ModelError(
                 f"request {rid!r}: the Talker's first input must be the Thinker's chunk 0 "
                 "(embed.prefill, hidden_states.output, ids); got a decode chunk"
             )
-        if item.additional_information is None and item.inputs is not None and not chunk.is_finished:
-            # A complete input forwarded by the orchestrator is the whole Thinker output.
-            chunk = _finished(chunk)
         embeds, seq = self._conditioning(rid, chunk, item.sampling)
         cache = self._kv.prefill_cache(rid)
         n = embeds.shape[1]
@@ -349,16 +349,15 @@ class TalkerExecutor:
     def _absorb(self, item: BatchItem, seq: _Sequence) -> None:
         """Queue the Thinker rows of the chunk committed for this step (if any)."""
         payload = item.additional_information
-        if payload is None:
-            return
-        chunk = parse_payload(payload, item.internal_id)
-        if chunk.is_prefill:
-            raise ModelError(
-                f"request {item.internal_id!r}: a second chunk 0 arrived after the Talker started"
-            )
-        if chunk.decode_embed is not None:
-            self._queue_text(seq, chunk.decode_embed)
-        if chunk.is_finished:
+        if payload is not None:
+            chunk = parse_payload(payload, item.internal_id, is_finished=item.is_upstream_exhausted)
+            if chunk.is_prefill:
+                raise ModelError(
+                    f"request {item.internal_id!r}: a second chunk 0 arrived after the Talker started"
+                )
+            if chunk.decode_embed is not None:
+                self._queue_text(seq, chunk.decode_embed)
+        if item.is_upstream_exhausted:  # its last chunk may carry no body at all
             seq.is_upstream_finished = True
 
     def _queue_text(self, seq: _Sequence, rows: torch.Tensor) -> None:
@@ -426,12 +425,6 @@ class TalkerExecutor:
             step_input = predictor.model.codec_embedding[group](token).unsqueeze(1)
             total = total + step_input.squeeze(1)
         return torch.stack(codes, dim=1), total
-
-
-def _finished(chunk: ThinkerChunk) -> ThinkerChunk:
-    from dataclasses import replace
-
-    return replace(chunk, is_finished=True)
 
 
 class TextConditioner:

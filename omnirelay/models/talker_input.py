@@ -1,12 +1,13 @@
 """What the Talker reads from the Thinker → Talker payloads (SPEC §5.1), checked.
 
-* :func:`parse_payload` — one committed payload (a dict as built by
-  :class:`~omnirelay.processors.ThinkerToTalkerProcessor`, or an object with the same
-  attributes such as ``OmniPayload``) → :class:`ThinkerChunk`.
+* :func:`parse_payload` — one committed payload (the
+  :class:`~omnirelay.payload.OmniPayload` that
+  :class:`~omnirelay.processors.ThinkerToTalkerProcessor` built) → :class:`ThinkerChunk`.
 * :class:`ThinkerChunk` — chunk 0 (``prefill``: embeddings and accept-layer hidden
   states of the prompt and the first generated position(s), all token ids, the prompt
   ids, the TTS BOS/EOS/PAD embeddings, the speaker) or a later chunk (``decode``: one
-  embedding row per new Thinker token), plus ``is_finished``.
+  embedding row per new Thinker token), plus ``is_finished`` (the Thinker's stream
+  ended: the engine says so, ``BatchItem.is_upstream_exhausted``; the payload does not).
 * :func:`assistant_start` / :func:`user_positions` — where the open assistant turn
   starts and which prompt positions belong to user turns (the Qwen chat layout).
 
@@ -15,13 +16,14 @@ Shapes are checked here so that the executor's errors name the payload field at 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnirelay.errors import ModelError
+from omnirelay.payload.schema import OmniPayload
 
 __all__ = ["ThinkerChunk", "assistant_start", "parse_payload", "user_positions"]
 
@@ -46,20 +48,6 @@ class ThinkerChunk:
     @property
     def is_prefill(self) -> bool:
         return self.prefill_embed is not None
-
-
-def _field(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return bool(value.reshape(-1)[-1]) if value.numel() else False
-    return bool(value)
 
 
 def _rows(value: Any, what: str, request: str) -> torch.Tensor:
@@ -88,24 +76,26 @@ def _ids(value: Any, what: str, request: str) -> tuple[int, ...]:
     return tuple(int(t) for t in value)
 
 
-def parse_payload(payload: Any, request: str) -> ThinkerChunk:
-    """Read one payload; raise :class:`ModelError` naming the field if it is malformed."""
-    if isinstance(payload, Mapping) and set(payload) == {"payload"}:
-        payload = payload["payload"]  # the engine wraps a non-dict payload (a typed struct)
-    meta = _field(payload, "meta")
-    is_finished = _flag(_field(meta, "finished"))
-    embed = _field(payload, "embed")
-    prefill = _field(embed, "prefill")
-    decode = _field(embed, "decode")
+def parse_payload(payload: Any, request: str, *, is_finished: bool) -> ThinkerChunk:
+    """Read one payload; raise :class:`ModelError` naming the field if it is malformed.
+
+    ``is_finished``: no Thinker chunk comes after this one.
+    """
+    if type(payload) is not OmniPayload:
+        raise ModelError(
+            f"request {request!r}: a Thinker → Talker payload must be an OmniPayload, got {type(payload).__name__}"
+        )
+    embed = payload.embed or {}
+    prefill = embed.get("prefill")
+    decode = embed.get("decode")
     if prefill is None:
         rows = None if decode is None else _rows(decode, "embed.decode", request)
         return ThinkerChunk(is_finished=is_finished, decode_embed=rows)
     prefill_embed = _rows(prefill, "embed.prefill", request)
-    hidden = _field(_field(payload, "hidden_states"), "output")
-    prefill_hidden = _rows(hidden, "hidden_states.output", request)
-    ids = _field(payload, "ids")
-    token_ids = _ids(_field(ids, "all"), "ids.all", request)
-    prompt_ids = _ids(_field(ids, "prompt"), "ids.prompt", request)
+    prefill_hidden = _rows((payload.hidden_states or {}).get("output"), "hidden_states.output", request)
+    ids = payload.ids or {}
+    token_ids = _ids(ids.get("all"), "ids.all", request)
+    prompt_ids = _ids(ids.get("prompt"), "ids.prompt", request)
     if (
         not prompt_ids
         or len(token_ids) < prefill_embed.shape[0]
@@ -125,7 +115,7 @@ def parse_payload(payload: Any, request: str) -> ThinkerChunk:
         )
     tts: dict[str, torch.Tensor] = {}
     for name in ("tts_bos", "tts_eos", "tts_pad"):
-        value = _field(embed, name)
+        value = embed.get(name)
         if value is None:
             raise ModelError(f"request {request!r}: chunk 0 lacks embed.{name}; the Thinker must send it")
         row = _rows(value, f"embed.{name}", request)
@@ -135,7 +125,7 @@ def parse_payload(payload: Any, request: str) -> ThinkerChunk:
                 f"got {tuple(row.shape)}"
             )
         tts[name] = row
-    speaker = _field(payload, "speaker")
+    speaker = payload.speaker
     return ThinkerChunk(
         is_finished=is_finished,
         prefill_embed=prefill_embed,

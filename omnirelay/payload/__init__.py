@@ -2,8 +2,7 @@
 
 * :mod:`~omnirelay.payload.schema` — :class:`OmniPayload` (codes, meta, embed,
   hidden_states, ids, speaker, language, request_id, extras), :class:`Codes`,
-  :class:`Meta`, :func:`empty_payload`, and :func:`register_struct` for other families'
-  structs.
+  :class:`Meta`, and :func:`register_struct` for other families' structs.
 * :mod:`~omnirelay.payload.codec` — :func:`plan_encode` / :meth:`EncodePlan.write_into`
   (one copy per tensor into a caller's buffer), :func:`encode`, :func:`decode`,
   :func:`peek_total_size`. The receiver gets back the same struct types the sender built.
@@ -27,7 +26,6 @@ from omnirelay.payload.schema import (
     Meta,
     OmniPayload,
     TensorLike,
-    empty_payload,
     register_struct,
 )
 
@@ -42,7 +40,6 @@ __all__ = [
     "OmniPayload",
     "TensorLike",
     "decode",
-    "empty_payload",
     "encode",
     "peek_total_size",
     "plan_encode",

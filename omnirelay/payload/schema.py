@@ -6,7 +6,9 @@ Interface:
   ``codes`` (:class:`Codes`), ``meta`` (:class:`Meta`), ``embed``, ``hidden_states``,
   ``ids``, ``speaker``, ``language``, ``request_id`` and free-form ``extras`` for other
   model families. Every field defaults to ``None``; ``None`` fields are omitted on the wire.
-* :func:`empty_payload` — a payload with nothing in it (or only ``meta.finished``).
+  The processors of :mod:`omnirelay.processors` build it; the consuming stage's executor
+  reads it (docs/protocol.md §5). Whether a chunk ends its stream is not the payload's business: the transfer
+  adapter carries that in its own envelope (:class:`omnirelay.transfer.ChunkEnvelope`).
 * :func:`register_struct` — make a ``msgspec.Struct`` type encodable by the codec. The
   three structs here are registered at import.
 * :func:`struct_spec` / :func:`lookup_struct` — the codec's view of a registered struct:
@@ -28,8 +30,6 @@ import msgspec
 import numpy as np
 import torch
 
-from omnirelay.errors import PayloadError
-
 __all__ = [
     "Codes",
     "FieldSpec",
@@ -37,7 +37,6 @@ __all__ = [
     "OmniPayload",
     "StructSpec",
     "TensorLike",
-    "empty_payload",
     "lookup_struct",
     "register_struct",
     "struct_spec",
@@ -58,24 +57,23 @@ class Codes(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Meta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Per-chunk control data.
+    """Per-chunk control data for the consuming model.
 
-    ``finished`` and ``is_segment_finished`` may be a ``bool`` or a 1-element bool tensor
-    (the reference sends tensors, SPEC §3.7); read them with
-    :meth:`OmniPayload.is_finished` / :meth:`OmniPayload.is_segment_finished`.
+    ``left_context_size``: frames of already-sent context at the start of ``codes.audio``
+    (docs/protocol.md §5.2, §6.2). ``first_audio``: an upstream marker, on chunk 0 only.
+    ``codec_frame_valid``: which of a step's codec frames carry audio (§5.2).
+    ``replace_runtime_additional_information``: a generation consumer starts its runtime
+    info afresh from this chunk instead of merging it into the earlier ones (§4.8).
     """
 
-    finished: bool | TensorLike | None = None
-    is_segment_finished: bool | TensorLike | None = None
     left_context_size: int | None = None
     first_audio: bool | None = None
     codec_frame_valid: TensorLike | None = None
     replace_runtime_additional_information: bool | None = None
-    codec_streaming: bool | None = None
 
 
 class OmniPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One stage-edge chunk. The receiver decodes exactly this type (DESIGN §7)."""
+    """One stage-edge chunk's body. The receiver decodes exactly this type (docs/design.md §7)."""
 
     codes: Codes | None = None
     meta: Meta | None = None
@@ -86,35 +84,6 @@ class OmniPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
     language: str | None = None
     request_id: str | None = None
     extras: dict[str, Any] | None = None
-
-    def is_finished(self) -> bool:
-        """``meta.finished`` as a bool (``False`` when absent)."""
-        return _flag(self.meta.finished if self.meta is not None else None, "meta.finished")
-
-    def is_segment_finished(self) -> bool:
-        """``meta.is_segment_finished`` as a bool (``False`` when absent)."""
-        value = self.meta.is_segment_finished if self.meta is not None else None
-        return _flag(value, "meta.is_segment_finished")
-
-
-def empty_payload(*, finished: bool | None = None) -> OmniPayload:
-    """A payload with no data. With ``finished`` set it is a terminal-only chunk (SPEC §5.2)."""
-    if finished is None:
-        return OmniPayload()
-    return OmniPayload(meta=Meta(finished=finished))
-
-
-def _flag(value: Any, name: str) -> bool:
-    if value is None:
-        return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, torch.Tensor | np.ndarray):
-        size = value.numel() if isinstance(value, torch.Tensor) else value.size
-        if size == 1:
-            return bool(value.reshape(-1)[0].item())
-        raise PayloadError(f"{name} must be a bool or a 1-element tensor, got shape {tuple(value.shape)}")
-    raise PayloadError(f"{name} must be a bool or a 1-element tensor, got {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------- registry

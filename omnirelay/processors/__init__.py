@@ -2,16 +2,19 @@
 
 One file per role:
 
-* ``base`` — :data:`Payload` and :func:`make_payload`, the one place payloads are built.
+* ``base`` — :func:`check_chunk_id`, shared by the chunk processors. Every processor
+  returns a typed :class:`~omnirelay.payload.OmniPayload`.
 * ``thinker_to_talker`` — prefill and decode embeddings for the Talker (§5.1).
 * ``talker_to_code2wav`` — codec frames in decode windows, codebook-major (§5.2, §5.3).
 * ``code2wav_to_aligner`` — the full waveform for the forced aligner (§5.4).
 * ``decode_window`` — Code2Wav batch building and the streaming trim (§6).
+* ``codec_input`` — what a generation stage makes of a committed codec chunk: the prompt
+  ids and the merged runtime info (§4.8, the consuming side of §5.2).
 
 Processors know model semantics and nothing about transports.
 """
 
-from omnirelay.processors.base import Payload, check_chunk_id, make_payload
+from omnirelay.processors.base import check_chunk_id
 from omnirelay.processors.code2wav_to_aligner import (
     DEFAULT_SAMPLE_RATE,
     AlignerInput,
@@ -20,6 +23,7 @@ from omnirelay.processors.code2wav_to_aligner import (
     extract_waveform,
     segment_words,
 )
+from omnirelay.processors.codec_input import merge_runtime_info, read_codec_chunk
 from omnirelay.processors.decode_window import (
     chunked_decode,
     codes_batch_from_flat,
@@ -48,7 +52,6 @@ __all__ = [
     "EMBEDDING_LAYER",
     "AlignerInput",
     "CodecStreamState",
-    "Payload",
     "TalkerToCode2WavConfig",
     "TalkerToCode2WavProcessor",
     "ThinkerStreamState",
@@ -60,8 +63,9 @@ __all__ = [
     "codes_batch_from_flat",
     "extract_waveform",
     "flatten_codebook_major",
-    "make_payload",
+    "merge_runtime_info",
     "parse_codec_chunk_ramp",
+    "read_codec_chunk",
     "segment_words",
     "split_stream_output",
     "stream_trim",

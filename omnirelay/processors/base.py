@@ -1,17 +1,12 @@
-"""What every stage input processor shares: the payload builder and input helpers.
+"""What every stage input processor shares: the chunk-id cross-check.
 
 Processors turn one stage's per-step output into what the next stage should see
-(SPEC §5). They run on the sender's save thread, in the producing stage's process, and
-know nothing about transports.
+(docs/protocol.md §5). They run on the sender's save thread, in the producing stage's
+process, and know nothing about transports. Each returns a typed
+:class:`~omnirelay.payload.OmniPayload` (or ``None``: nothing to send this step); the
+transfer adapter carries it, unread, in its own envelope, which also says whether the
+chunk ends the stream.
 
-* :data:`Payload` — the value a processor returns. Until ``omnirelay.payload.schema``
-  lands this is a plain dict shaped like ``OmniPayload``::
-
-      {"codes": {"audio": Tensor}, "meta": {"finished": bool, "left_context_size": int, …},
-       "embed": {…}, "hidden_states": {…}, "ids": {…}, "speaker": str, "language": str}
-
-* :func:`make_payload` — the **one** place a payload is constructed. Switching every
-  processor to the typed struct means changing this function and :data:`Payload` only.
 * :func:`check_chunk_id` — the cross-check between the transfer adapter's put counter
   and the number of payloads a request's state has built.
 
@@ -22,44 +17,9 @@ and the message says which tensor, what shape was expected and what arrived.
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
-
 from omnirelay.errors import PayloadEncodeError
 
-__all__ = ["Payload", "check_chunk_id", "make_payload"]
-
-#: What a processor returns. A plain dict for now; becomes ``OmniPayload`` later.
-Payload: TypeAlias = dict[str, Any]
-
-
-def make_payload(
-    *,
-    meta: dict[str, Any],
-    codes: dict[str, Any] | None = None,
-    embed: dict[str, Any] | None = None,
-    hidden_states: dict[str, Any] | None = None,
-    ids: dict[str, Any] | None = None,
-    speaker: str | None = None,
-    language: str | None = None,
-) -> Payload:
-    """Build one payload. Sections that are ``None`` are left out.
-
-    ``meta`` is always present: every payload says whether it is the stream's last.
-    """
-    payload: Payload = {"meta": dict(meta)}
-    if codes is not None:
-        payload["codes"] = dict(codes)
-    if embed is not None:
-        payload["embed"] = dict(embed)
-    if hidden_states is not None:
-        payload["hidden_states"] = dict(hidden_states)
-    if ids is not None:
-        payload["ids"] = dict(ids)
-    if speaker is not None:
-        payload["speaker"] = speaker
-    if language is not None:
-        payload["language"] = language
-    return payload
+__all__ = ["check_chunk_id"]
 
 
 def check_chunk_id(chunk_id: int, num_payloads_built: int, *, processor: str) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from omnirelay.errors import PayloadEncodeError
+from omnirelay.payload.schema import OmniPayload
 from omnirelay.pipeline import PipelineConfig, StageConfig
-from omnirelay.processors.base import Payload, make_payload
 from omnirelay.processors.talker_to_code2wav import (
     CodecStreamState,
     TalkerToCode2WavConfig,
@@ -28,10 +28,6 @@ from omnirelay.processors.thinker_to_talker import ThinkerStreamState, ThinkerTo
 from omnirelay.transfer import BuildRequest
 
 __all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors", "request_voice"]
-
-
-def _terminal() -> Payload:
-    return make_payload(meta={"finished": True})
 
 
 def request_voice(context: Any) -> str | None:
@@ -62,12 +58,12 @@ class ThinkerToTalkerStage:
         self._states: dict[str, ThinkerStreamState] = {}
         self._proc: ThinkerToTalkerProcessor | None = None
 
-    def build(self, req: BuildRequest) -> Payload | None:
+    def build(self, req: BuildRequest) -> OmniPayload | None:
         out = req.output
         with self._lock:
             state = self._states.get(req.external_id)
-        if out is None:  # a step with no new rows: only the end of the stream is news
-            return _terminal() if req.is_finished else None
+        if out is None:  # a step with no new rows: the adapter's envelope carries the end
+            return None
         if not isinstance(out, dict) or "hidden_layers" not in out:
             raise PayloadEncodeError(
                 f"thinker_to_talker: stage {self.stage_id} step output must be the Thinker executor's "
@@ -110,7 +106,7 @@ class TalkerToCode2WavStage:
         self._lock = threading.Lock()
         self._states: dict[str, CodecStreamState] = {}
 
-    def build(self, req: BuildRequest) -> Payload | None:
+    def build(self, req: BuildRequest) -> OmniPayload | None:
         with self._lock:
             state = self._states.get(req.external_id)
             if state is None:

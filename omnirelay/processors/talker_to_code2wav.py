@@ -10,8 +10,8 @@ causal vocoder can re-decode the boundary (SPEC §6.2 trims the result).
 * :func:`parse_codec_chunk_ramp` — a ramp given as a list or a comma string.
 * :class:`CodecStreamState` — per request: accepted frames and the sent watermark.
 * :class:`TalkerToCode2WavProcessor` — ``new_state()`` once per request, then ``step()``
-  once per Talker scheduler step on the save thread, until a payload with
-  ``meta.finished`` is returned (then the state is spent).
+  once per Talker scheduler step on the save thread, until it is called with
+  ``finished`` (then it always returns a payload, and the state is spent).
 * :func:`flatten_codebook_major` / :func:`unflatten_codebook_major` — the wire layout
   ``[T, Q] → [Q, T] → flat`` and the receiver's inverse.
 
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from omnirelay.errors import ConfigError, PayloadEncodeError
-from omnirelay.processors.base import Payload, check_chunk_id, make_payload
+from omnirelay.payload.schema import Codes, Meta, OmniPayload
+from omnirelay.processors.base import check_chunk_id
 
 __all__ = [
     "DEFAULT_CODEC_STOP_TOKEN_IDS",
@@ -267,12 +268,13 @@ class TalkerToCode2WavProcessor:
         finished: bool,
         codec_frame_valid: torch.Tensor | bool | Sequence[bool] | None = None,
         first_audio: bool | None = None,
-    ) -> Payload | None:
+    ) -> OmniPayload | None:
         """Accept this step's frames and return the payload to put now, or ``None``.
 
         ``chunk_id`` is the adapter's count of successful puts for this request on this
         edge. When ``finished`` is true a payload is always returned: the tail flush, or a
-        terminal-only payload (``meta.finished`` and no codes) when every frame was sent.
+        terminal-only payload (no codes) when every frame was sent; the adapter's envelope
+        says it is the last.
         """
         if state.is_finished:
             raise PayloadEncodeError(f"{_PROCESSOR}: step() called after the stream finished")
@@ -336,14 +338,14 @@ class TalkerToCode2WavProcessor:
         left: int,
         finished: bool,
         first_audio: bool | None,
-    ) -> Payload:
-        meta: dict[str, Any] = {"finished": bool(finished), "left_context_size": left}
+    ) -> OmniPayload:
+        meta = Meta(left_context_size=left)
         if chunk_id == 0 and first_audio is not None:
-            meta["first_audio"] = bool(first_audio)
-        codes: dict[str, Any] | None = None
+            meta.first_audio = bool(first_audio)
+        codes: Codes | None = None
         if num_new > 0:
             total = left + num_new
-            codes = {"audio": flatten_codebook_major(state.tail_frames(total))}
+            codes = Codes(audio=flatten_codebook_major(state.tail_frames(total)))
             state.num_sent_frames += num_new
             if self.config.codec_chunk_ramp is not None:
                 while self._ramp_threshold(state.num_ramp_chunks) <= state.num_sent_frames:
@@ -353,7 +355,7 @@ class TalkerToCode2WavProcessor:
         if finished:
             state.is_finished = True
             state.frames.clear()
-        return make_payload(codes=codes, meta=meta)
+        return OmniPayload(codes=codes, meta=meta)
 
     def _drop_old_frames(self, state: CodecStreamState) -> None:
         """Forget entries that no future left context can reach."""

@@ -3,8 +3,8 @@
 * :class:`ThinkerStreamState` — per request: the prompt ids, speaker, language, and the
   rows cached while chunk 0 waits.
 * :class:`ThinkerToTalkerProcessor` — ``new_state()`` once per request, then ``step()``
-  once per Thinker scheduler step on the save thread, until a payload with
-  ``meta.finished`` is returned.
+  once per Thinker scheduler step on the save thread, until it is called with
+  ``finished`` (then it always returns a payload, and the state is spent).
 
 Chunk 0 carries the prefill: ``embed.prefill`` (layer-0 rows), ``hidden_states.output``
 (rows of layer ``accept_hidden_layer``), the TTS BOS/EOS/PAD embeddings, ``ids.all`` and
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from omnirelay.errors import ConfigError, PayloadEncodeError
-from omnirelay.processors.base import Payload, check_chunk_id, make_payload
+from omnirelay.payload.schema import OmniPayload, TensorLike
+from omnirelay.processors.base import check_chunk_id
 
 __all__ = ["EMBEDDING_LAYER", "ThinkerStreamState", "ThinkerToTalkerProcessor"]
 
@@ -93,7 +93,7 @@ class ThinkerToTalkerProcessor:
         tts_bos: torch.Tensor | None = None,
         tts_eos: torch.Tensor | None = None,
         tts_pad: torch.Tensor | None = None,
-    ) -> Payload | None:
+    ) -> OmniPayload | None:
         """Take this step's captured layers and return the payload to put now, or ``None``.
 
         ``hidden_layers`` maps a layer index (int or str) to this step's rows ``[n, H]``
@@ -140,17 +140,16 @@ class ThinkerToTalkerProcessor:
 
     def _first_chunk(
         self, state: ThinkerStreamState, token_ids: Sequence[int] | torch.Tensor, *, finished: bool
-    ) -> Payload:
-        embed: dict[str, Any] = dict(state.tts_embeds)
-        hidden_states: dict[str, Any] = {}
+    ) -> OmniPayload:
+        embed: dict[str, TensorLike] = dict(state.tts_embeds)
+        hidden_states: dict[str, TensorLike] = {}
         if state.cached_embed:
             embed["prefill"] = torch.cat(state.cached_embed, dim=0)
             hidden_states["output"] = torch.cat(state.cached_hidden, dim=0)
         state.cached_embed.clear()
         state.cached_hidden.clear()
         state.num_cached_rows = 0
-        payload = make_payload(
-            meta={"finished": bool(finished)},
+        payload = OmniPayload(
             embed=embed or None,
             hidden_states=hidden_states or None,
             ids={"all": _as_id_list(token_ids, "token_ids"), "prompt": list(state.prompt_ids)},
@@ -162,11 +161,10 @@ class ThinkerToTalkerProcessor:
 
     def _decode_chunk(
         self, state: ThinkerStreamState, embed: torch.Tensor, *, finished: bool
-    ) -> Payload | None:
+    ) -> OmniPayload | None:
         if embed.shape[0] == 0 and not finished:
             return None
-        payload = make_payload(
-            meta={"finished": bool(finished)},
+        payload = OmniPayload(
             embed={"decode": embed} if embed.shape[0] > 0 else None,
             speaker=state.speaker,
             language=state.language,

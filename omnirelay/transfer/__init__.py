@@ -4,12 +4,12 @@ Files, one role each:
 
 * ``config.py`` — :class:`TransferConfig` (flat, validated) and its warnings.
 * ``keys.py`` — transfer keys and the internal↔external id map.
-* ``payload_view.py`` — the only place payload flags are read or stamped.
+* ``envelope.py`` — :class:`ChunkEnvelope`: the finish flags around the processor's
+  body, which the adapter never reads (the transfer layer knows no model field).
 * ``generation.py`` — :class:`SenderGeneration`, the sender token and its transitions.
 * ``lanes.py`` — :class:`LaneExecutor`: FIFO per lane, parallel across lanes.
 * ``budget.py`` — :class:`ByteBudget`: unconsumed bytes per edge (backpressure).
 * ``events.py`` — plain data for the scheduler/orchestrator and the event mailbox.
-* ``commit.py`` — what a received chunk commits (AR and generation receivers).
 * ``sender.py`` / ``receiver.py`` — the two roles.
 * ``adapter.py`` — :class:`TransferAdapter`, the facade that owns the threads.
 """
@@ -24,11 +24,11 @@ from omnirelay.transfer.config import (
     TransferConfig,
     TransferConfigWarning,
 )
+from omnirelay.transfer.envelope import ChunkEnvelope
 from omnirelay.transfer.events import Admission, ChunkInput, FailureKind, TransferEvents, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import IdMap, key_prefix, make_key
 from omnirelay.transfer.lanes import LaneExecutor
-from omnirelay.transfer.payload_view import read_flag, stamp_flags
 from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "BuildRequest",
     "ByteBudget",
     "CancelAction",
+    "ChunkEnvelope",
     "ChunkInput",
     "FailureKind",
     "IdMap",
@@ -52,6 +53,4 @@ __all__ = [
     "TransferFailure",
     "key_prefix",
     "make_key",
-    "read_flag",
-    "stamp_flags",
 ]

@@ -41,8 +41,7 @@ from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.events import Admission, EventBox, TransferEvents, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from omnirelay.transfer.lanes import LaneExecutor
-from omnirelay.transfer.payload_view import default_empty_payload
-from omnirelay.transfer.receiver import LoadEntry, PollOutcome, ReceiveSide
+from omnirelay.transfer.receiver import LoadEntry, ReceiveSide
 from omnirelay.transfer.sender import Processor, ReleaseHook, SendSide
 
 __all__ = ["TransferAdapter"]
@@ -58,7 +57,6 @@ class TransferAdapter:
         *,
         processor: Processor | None = None,
         release_hook: ReleaseHook | None = None,
-        empty_payload: Callable[[bool, bool], Any] = default_empty_payload,
         clock: Callable[[], float] = time.monotonic,
         on_chunk_ready: Callable[[str, bool], None] | None = None,
     ) -> None:
@@ -98,7 +96,6 @@ class TransferAdapter:
                 box=self._box,
                 clock=clock,
                 processor=processor,
-                empty_payload=empty_payload,
                 release_hook=release_hook,
                 on_terminal_sent=self.cleanup,
                 housekeep=self._housekeep,
@@ -223,8 +220,7 @@ class TransferAdapter:
 
     def _poll(self, entry: LoadEntry) -> None:
         assert self._receiver is not None
-        while self._receiver.poll(entry) is PollOutcome.REPOLL and not self._stop.is_set():
-            pass  # an empty chunk moved the counter on; the next one may be there already
+        self._receiver.poll(entry)
 
     def _arrival_pass(self) -> None:
         """One wait for arrival notices, by the receive pool's current leader.

@@ -12,23 +12,18 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 from omnirelay.errors import ConfigError
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
-    "RECEIVER_KINDS",
-    "ReceiverKind",
     "StallTimeoutDisabledWarning",
     "TransferConfig",
     "TransferConfigWarning",
 ]
 
 DEFAULT_STALL_TIMEOUT_S = 600.0
-
-ReceiverKind = Literal["ar", "generation"]
-RECEIVER_KINDS: tuple[str, ...] = ("ar", "generation")
 
 
 class TransferConfigWarning(UserWarning):
@@ -77,9 +72,6 @@ class TransferConfig:
     stage_id: int
     send_to_stage: int | None = None
     receive_from_stage: int | None = None
-    #: How a received chunk is committed (SPEC §4.8): ``"ar"`` (Talker-like: the payload
-    #: becomes a pending prompt update) or ``"generation"`` (Code2Wav-like: codes become the prompt).
-    receiver_kind: ReceiverKind = "ar"
     #: Last-resort deadline on a waiting request's stall time; 0 disables it (warns).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     #: Unconsumed bytes one edge may hold before a sender waits (backpressure).
@@ -111,11 +103,6 @@ class TransferConfig:
         if recv_from is not None and recv_from == self.stage_id:
             raise ConfigError(
                 f"transfer config 'receive_from_stage' must differ from stage_id {self.stage_id}"
-            )
-        if self.receiver_kind not in RECEIVER_KINDS:
-            raise ConfigError(
-                f"transfer config 'receiver_kind' must be one of {', '.join(RECEIVER_KINDS)}, "
-                f"got {self.receiver_kind!r}"
             )
         stall = _number("stall_timeout_s", self.stall_timeout_s, minimum=0.0)
         if stall == 0.0:

@@ -81,9 +81,9 @@ class TransferFailure(msgspec.Struct, frozen=True):
 class ChunkInput(msgspec.Struct, frozen=True):
     """A committed chunk, handed to the scheduler once (ownership moves with it).
 
-    AR receivers get ``payload`` (the scheduler applies it as a pending prompt update).
-    Generation receivers get ``prompt_token_ids`` and the merged ``additional_information``;
-    each such chunk is a fresh one-shot prefill (``num_computed_tokens`` resets to 0).
+    ``payload`` is the body the upstream processor built, exactly as it came (``None``: a
+    boundary with nothing new); what it means is the consuming stage's business. The two
+    flags come from the chunk's envelope.
     """
 
     internal_id: str
@@ -92,8 +92,6 @@ class ChunkInput(msgspec.Struct, frozen=True):
     is_finished: bool
     is_segment_finished: bool
     payload: Any = None
-    prompt_token_ids: list[int] | None = None
-    additional_information: dict[str, Any] | None = None
 
 
 class TransferEvents(msgspec.Struct, frozen=True):

@@ -5,31 +5,31 @@
 * :meth:`ReceiveSide.entries_to_poll` (arrival thread) — the entries whose key was
   announced, or all of them on the slow fallback pass; each is marked queued once.
 * :meth:`ReceiveSide.poll` (a receive worker) — ``connector.get`` outside the lock, then
-  under the lock: the identity check and the commit.
+  under the lock: the identity check and the commit. A chunk is a
+  :class:`~omnirelay.transfer.envelope.ChunkEnvelope`: its flags are read, its body is
+  handed to the scheduler unread (what a chunk means is the consuming stage's business).
 * :meth:`ReceiveSide.cleanup_receiver` — drop every per-request map entry. No tombstones:
   a late result is rejected because its entry is no longer *the* registered object.
 
 A registration lives until its chunk is committed (or the request is cleaned); a new one is
 needed for the next chunk. Per request the receiver keeps: the registration, the get
-counter, the merged runtime info (generation receivers), the exhausted and
-segment-finished marks — all removed by ``cleanup_receiver``.
+counter, the exhausted and segment-finished marks — all removed by ``cleanup_receiver``.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from omnirelay.connectors.base import Connector, GetResult, GetStatus
 from omnirelay.errors import InvalidKeyError
-from omnirelay.transfer.commit import PreparedChunk, is_empty_nonterminal, merge_runtime_info, prepare_chunk
 from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import ChunkInput, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import check_external_id, make_key
 
-__all__ = ["LoadEntry", "PollOutcome", "ReceiveSide"]
+__all__ = ["LoadEntry", "ReceiveSide"]
 
 
 class LoadEntry:
@@ -64,12 +64,6 @@ class LoadEntry:
         return f"LoadEntry({self.internal_id!r}, key={self.key!r})"
 
 
-class PollOutcome(enum.Enum):
-    DONE = "done"  # committed, failed, or stale: the entry needs no more polls
-    WAIT = "wait"  # not there yet: wait for its notice
-    REPOLL = "repoll"  # an empty chunk moved the counter on: poll the next key now
-
-
 class ReceiveSide:
     """Registrations of one adapter; see the module docstring."""
 
@@ -89,7 +83,6 @@ class ReceiveSide:
         self._connector = connector
         self._stage = config.stage_id
         self._from_stage = config.receive_from_stage
-        self._kind = config.receiver_kind
         self._stall_timeout_s = config.stall_timeout_s
         self._box = box
         self._clock = clock
@@ -98,12 +91,11 @@ class ReceiveSide:
         self._entries: dict[str, LoadEntry] = {}
         self._by_key: dict[str, LoadEntry] = {}
         self._num_received: dict[str, int] = {}  # the get counter, by internal id
-        self._runtime_info: dict[str, dict[str, Any]] = {}
         self._exhausted: set[str] = set()
         self._segment_finished: set[str] = set()
         self._counts: dict[str, int] = dict.fromkeys(
-            ("num_registered", "num_polls", "num_committed", "num_empty_chunks", "num_stale_results",
-             "num_failed", "num_timeouts"),
+            ("num_registered", "num_polls", "num_committed", "num_stale_results", "num_failed",
+             "num_timeouts"),
             0,
         )  # fmt: skip
 
@@ -173,11 +165,11 @@ class ReceiveSide:
 
     # ----------------------------------------------------------------- poll and commit
 
-    def poll(self, entry: LoadEntry) -> PollOutcome:
+    def poll(self, entry: LoadEntry) -> None:
         """One get for ``entry``, on a receive worker. The get runs outside the lock."""
         with self._lock:
             if self._entries.get(entry.internal_id) is not entry:
-                return PollOutcome.DONE  # stale: cleaned (and maybe re-registered) meanwhile
+                return  # stale: cleaned (and maybe re-registered) meanwhile
             entry.is_queued = False
             key = entry.key
             self._counts["num_polls"] += 1
@@ -187,54 +179,40 @@ class ReceiveSide:
             result = GetResult(GetStatus.FAILED, error=f"connector.get raised {type(exc).__name__}: {exc}")
         if result.status is GetStatus.NOT_YET:
             entry.is_waited = True  # only this poll touches the entry (it was queued once)
-            return PollOutcome.WAIT
-        prepared: PreparedChunk | None = None
-        reason = None
+            return  # its arrival notice (or the fallback pass) polls it again
+        envelope: ChunkEnvelope | None = None
+        reason = ""
         if result.status is GetStatus.READY:
-            try:
-                prepared = prepare_chunk(self._kind, result.obj)
-            except (TypeError, ValueError, AttributeError) as exc:
-                reason = f"chunk {key!r} violates the payload contract: {exc}"
+            problem = check_envelope(result.obj)
+            if problem is None:
+                envelope = result.obj
+            else:
+                reason = f"chunk {key!r} violates the transfer contract: {problem}"
         else:
             reason = f"chunk {key!r} could not be received: {result.error or 'no reason given'}"
         with self._lock:
             if self._entries.get(entry.internal_id) is not entry:
                 # Cleanup is a commit barrier: the consumed data is dropped, no state recreated.
                 self._counts["num_stale_results"] += 1
-                return PollOutcome.DONE
-            if prepared is None:
-                self._unregister_locked(entry)
-                self._counts["num_failed"] += 1
-            else:
-                return self._commit_locked(entry, prepared)
-        assert reason is not None
+                return
+            if envelope is not None:
+                self._commit_locked(entry, envelope)
+                return
+            self._unregister_locked(entry)
+            self._counts["num_failed"] += 1
         self._record(entry.internal_id, entry.external_id, FailureKind.RECEIVE_FAILED, reason)
-        return PollOutcome.DONE
 
-    def _commit_locked(self, entry: LoadEntry, chunk: PreparedChunk) -> PollOutcome:
-        """SPEC §4.8, under the lock, after the identity check."""
+    def _commit_locked(self, entry: LoadEntry, chunk: ChunkEnvelope) -> None:
+        """docs/protocol.md §4.8, under the lock, after the identity check: the flags
+        move the request's marks; the body goes to the scheduler as it came."""
         iid = entry.internal_id
-        self._num_received[iid] = entry.chunk_id + 1  # consumed from the transport either way
+        self._num_received[iid] = entry.chunk_id + 1  # consumed from the transport
         if chunk.is_finished:
             self._exhausted.add(iid)
         if chunk.is_segment_finished:
             self._segment_finished.add(iid)
         else:
             self._segment_finished.discard(iid)
-        info: dict[str, Any] | None = None
-        if chunk.fields is not None:
-            info = merge_runtime_info(self._runtime_info.get(iid), chunk)
-            self._runtime_info[iid] = info
-            if is_empty_nonterminal(chunk):
-                # Not ready: stay registered for the next key; the arrival resets the stall clock.
-                del self._by_key[entry.key]
-                entry.chunk_id += 1
-                entry.key = make_key(entry.external_id, self._from_stage, entry.chunk_id)
-                entry.since = self._clock()
-                entry.is_queued = True
-                self._by_key[entry.key] = entry
-                self._counts["num_empty_chunks"] += 1
-                return PollOutcome.REPOLL
         self._unregister_locked(entry)
         self._counts["num_committed"] += 1
         if self._on_chunk_ready is not None:
@@ -246,12 +224,9 @@ class ReceiveSide:
                 chunk_id=entry.chunk_id,
                 is_finished=chunk.is_finished,
                 is_segment_finished=chunk.is_segment_finished,
-                payload=chunk.payload if chunk.fields is None else None,
-                prompt_token_ids=chunk.prompt_token_ids,
-                additional_information=info,
+                payload=chunk.body,
             )
         )
-        return PollOutcome.DONE
 
     def _unregister_locked(self, entry: LoadEntry) -> None:
         del self._entries[entry.internal_id]
@@ -290,7 +265,6 @@ class ReceiveSide:
             if entry is not None:
                 self._unregister_locked(entry)
             self._num_received.pop(internal_id, None)
-            self._runtime_info.pop(internal_id, None)
             self._exhausted.discard(internal_id)
             self._segment_finished.discard(internal_id)
             self._box.discard_request(internal_id)
@@ -314,7 +288,6 @@ class ReceiveSide:
                 "registrations": sorted(self._entries),
                 "registrations_by_key": sorted(self._by_key),
                 "get_counters": dict(self._num_received),
-                "runtime_info": sorted(self._runtime_info),
                 "upstream_exhausted": sorted(self._exhausted),
                 "segment_finished": sorted(self._segment_finished),
             }
@@ -325,6 +298,5 @@ class ReceiveSide:
             self._entries.clear()
             self._by_key.clear()
             self._num_received.clear()
-            self._runtime_info.clear()
             self._exhausted.clear()
             self._segment_finished.clear()

@@ -25,11 +25,11 @@ from omnirelay.connectors.base import Connector, PutResult
 from omnirelay.errors import InvalidKeyError
 from omnirelay.transfer.budget import ByteBudget, edge_name
 from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import check_external_id, make_key
 from omnirelay.transfer.lanes import LaneExecutor
-from omnirelay.transfer.payload_view import read_flag, stamp_flags
 from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["BuildRequest", "Processor", "ReleaseHook", "SendSide"]
@@ -56,7 +56,9 @@ class BuildRequest(NamedTuple):
     chunk_id: int
 
 
-#: Builds the payload of one chunk; ``None`` means "nothing to send this step".
+#: Builds the body of one chunk (opaque to the adapter); ``None`` means "nothing to send
+#: this step" (at a boundary: an envelope with no body still carries the finish flags).
+#: A :class:`ChunkEnvelope` return is put as it is: the processor decided its own flags.
 Processor = Callable[[BuildRequest], Any]
 #: Called with ``(external_id, "segment" | "request")`` when per-segment or per-request
 #: sender state must be dropped (processor caches: first chunk, frame history…).
@@ -64,6 +66,12 @@ ReleaseHook = Callable[[str, str], None]
 
 _Failure = tuple[FailureKind, str]
 _SKIP: _Failure = (FailureKind.SEND_FAILED, "")  # sentinel: the task lost its right to run
+
+
+class _Refused(NamedTuple):
+    """The processor raised: the chunk has no body, for this reason."""
+
+    reason: str
 
 
 class _SendTask(NamedTuple):
@@ -89,7 +97,6 @@ class SendSide:
         box: EventBox,
         clock: Callable[[], float],
         processor: Processor | None,
-        empty_payload: Callable[[bool, bool], Any],
         release_hook: ReleaseHook | None,
         on_terminal_sent: Callable[[str, str], None],
         housekeep: Callable[[bool], None],
@@ -105,9 +112,8 @@ class SendSide:
         self._budget = budget
         self._box = box
         self._clock = clock
-        #: None: the output given to save_async is the payload (no BuildRequest is made).
+        #: None: the output given to save_async is the body (no BuildRequest is made).
         self._processor = processor
-        self._empty_payload = empty_payload
         self._release_hook = release_hook
         self._on_terminal_sent = on_terminal_sent
         self._housekeep = housekeep
@@ -248,32 +254,26 @@ class SendSide:
     def _send(self, task: _SendTask, chunk_id: int) -> tuple[_Failure | None, bool]:
         """Build, wait for budget, put. Returns (failure, terminal delivered)."""
         g = task.gen
-        is_finished = task.is_terminal or task.is_segment_end
-        if self._processor is None:
-            payload = task.output
+        built = task.output if self._processor is None else self._build(task, chunk_id)
+        if type(built) is _Refused:
+            return (FailureKind.SEND_FAILED, built.reason), False
+        if type(built) is ChunkEnvelope:
+            # The processor decided its own flags: put them as they are, if well-formed.
+            problem = check_envelope(built)
+            if problem is not None:
+                return (
+                    FailureKind.SEND_FAILED,
+                    f"the processor's chunk envelope is malformed: {problem}",
+                ), False
+            envelope = built
+        elif built is None and not (task.is_terminal or task.is_segment_end):
+            return None, False  # nothing to send this step
         else:
-            request = BuildRequest(
-                task.internal_id,
-                task.external_id,
-                task.output,
-                task.context,
-                is_finished,
-                task.is_terminal,
-                task.is_segment_end,
-                chunk_id,
+            # docs/protocol.md §4.4 steps 4-5. No body at a boundary is no reason to stay
+            # silent: the finish flags are the downstream's only end-of-stream signal.
+            envelope = ChunkEnvelope(
+                body=built, is_finished=task.is_terminal, is_segment_finished=task.is_segment_end
             )
-            try:
-                payload = self._processor(request)
-            except Exception as exc:
-                return (FailureKind.SEND_FAILED, f"the processor raised {type(exc).__name__}: {exc}"), False
-        if payload is None:
-            if not is_finished:
-                return None, False  # nothing to send this step
-            payload = self._empty_payload(task.is_terminal, task.is_segment_end)
-        try:
-            stamp_flags(payload, finished=task.is_terminal, segment_finished=task.is_segment_end)
-        except (TypeError, ValueError, AttributeError) as exc:
-            return (FailureKind.SEND_FAILED, f"cannot stamp the finish flags: {exc}"), False
         waited = self._wait_for_budget(task)
         if waited is _SKIP:
             return None, False
@@ -285,7 +285,7 @@ class SendSide:
             put_id = g.before_put()
         key = make_key(task.external_id, self._stage, put_id)
         try:
-            result = self._connector.put(self._stage, self._to_stage, key, payload)
+            result = self._connector.put(self._stage, self._to_stage, key, envelope)
         except Exception as exc:  # the contract says put never raises; treat it as a failed put
             result = PutResult(ok=False, error=f"connector.put raised {type(exc).__name__}: {exc}")
         if not result.ok:
@@ -301,13 +301,25 @@ class SendSide:
             honored = g.put_succeeded(is_terminal=task.is_terminal)
         if task.is_segment_end and self._release_hook is not None:
             self._release_hook(task.external_id, "segment")
-        if not (honored and task.is_terminal):
-            return None, False
+        return None, honored and task.is_terminal and envelope.is_finished
+
+    def _build(self, task: _SendTask, chunk_id: int) -> Any:
+        """The processor's body for this chunk (outside every lock), or why it has none."""
+        assert self._processor is not None
+        request = BuildRequest(
+            task.internal_id,
+            task.external_id,
+            task.output,
+            task.context,
+            task.is_terminal or task.is_segment_end,
+            task.is_terminal,
+            task.is_segment_end,
+            chunk_id,
+        )
         try:
-            says_finished = read_flag(payload, "finished")
-        except ValueError:
-            says_finished = False
-        return None, says_finished
+            return self._processor(request)
+        except Exception as exc:
+            return _Refused(f"the processor raised {type(exc).__name__}: {exc}")
 
     def _wait_for_budget(self, task: _SendTask) -> _Failure | None:
         """Wait (bounded) while the edge holds more unconsumed bytes than its budget."""
