@@ -46,6 +46,7 @@ import torch
 from benchmarks.tracing import TracingConnector
 from benchmarks.transfer import pin_to, unpin_process
 from omnirelay.connectors import GetStatus, create_connector
+from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
 
 __all__ = [
@@ -144,21 +145,23 @@ def wake_address(namespace: str) -> bytes:
     return f"\0omnirelay-bench-{namespace}-wake".encode()
 
 
-_CODES = torch.randint(0, 2048, (16, 50), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+#: 50 frames of 16 codebooks, flat and codebook-major, as the Talker's processor sends them.
+_CODES = torch.randint(0, 2048, (16 * 50,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
 
 
-def codec_chunk(seq: int) -> dict[str, Any]:
+def codec_chunk(seq: int) -> OmniPayload:
     """A steady-state Talker → Code2Wav chunk: 25 new frames + 25 of left context, 16
     codebooks. Its header is the same from chunk to chunk, as the real processor's is
     (same shape, same meta); the trial's number travels in the codes themselves, so the
     receiver still checks it got the right chunk."""
     audio = _CODES.clone()
-    audio[0, 0] = seq
-    return {"codes": {"audio": audio}, "meta": {"left_context_size": 25}}
+    audio[0] = seq
+    return OmniPayload(codes=Codes(audio=audio), meta=Meta(left_context_size=25))
 
 
-def chunk_seq(payload: Any) -> int:
-    return int(payload["codes"]["audio"][0, 0])
+def chunk_seq(payload: OmniPayload) -> int:
+    assert payload.codes is not None and payload.codes.audio is not None
+    return int(payload.codes.audio[0])
 
 
 def _busy_wait_ns(ns: int) -> None:

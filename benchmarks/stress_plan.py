@@ -212,10 +212,6 @@ class ChunkFactory:
             return "tensor contents differ from what was sent"
         return None
 
-    @staticmethod
-    def is_finished(payload: Any) -> bool:
-        return bool(payload["meta"].get("finished", False))
-
 
 def make_chunk(factory: ChunkFactory, plan: RequestPlan, gen: int, idx: int) -> dict[str, Any]:
     return factory.make(plan.rid, gen, idx, is_big=idx in plan.big[gen])
