@@ -268,10 +268,16 @@ def test_a_terminal_that_fails_after_the_finish_is_reported_late() -> None:
     store = FakeStore()
     conn = FakeConnector(store, 0)
     conn.fail_after_create.add("R_0_1")
+    # The terminal put fails only once the finish went out: were it free to fail at once,
+    # the send worker could record the failure before ``run_until_idle`` stops looking,
+    # and the late error would come in the same batch as the finish.
+    put_gate = conn.put_gates["R_0_1"] = Gate("terminal put")
     engine = make_engine(0, conn)
     engine.add_request(text_request("R", [1], 2, final_stage_id=1))
     outs = run_until_idle(engine)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
+    put_gate.wait_started()
+    put_gate.release()
     assert engine.flush(TIMEOUT_S)
     late = run_until_idle(engine)
     assert [(o.finish_reason, o.finished) for o in late] == [("error", True)]
