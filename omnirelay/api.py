@@ -30,7 +30,6 @@ import itertools
 import os
 import secrets
 import threading
-import unicodedata
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +38,7 @@ from typing import Any, TypeVar
 from omnirelay.connectors.base import validate_namespace
 from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import ConfigError, InvalidKeyError, InvalidRequestError, PipelineError
+from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
 from omnirelay.orchestrator.router import (
@@ -52,7 +52,6 @@ from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
 
 __all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "validate_request_id"]
 
-MAX_REQUEST_ID_LEN = 256
 
 T = TypeVar("T")
 _NAMESPACE_COUNTER = itertools.count()
@@ -61,22 +60,13 @@ _NAMESPACE_COUNTER = itertools.count()
 def validate_request_id(request_id: object) -> str:
     """Return ``request_id`` if it is usable, else raise :class:`InvalidRequestError`.
 
-    Usable: a ``str`` of 1–256 characters, none of them a control character (C0/C1,
-    DEL) or a lone surrogate. Ids become parts of transfer keys and log lines.
+    The rules are :func:`omnirelay.ids.request_id_problem`'s: a ``str`` of 1–256
+    characters, none of them a control character or a lone surrogate.
     """
-    if not isinstance(request_id, str):
-        raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
-    if not request_id:
-        raise InvalidRequestError("request_id is empty; pass a non-empty id or None for a generated one")
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequestError(
-            f"request_id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_LEN}"
-        )
-    for i, ch in enumerate(request_id):
-        if unicodedata.category(ch) in ("Cc", "Cs"):
-            raise InvalidRequestError(
-                f"request_id contains a control character {ch!r} at position {i}; use printable characters"
-            )
+    problem = request_id_problem(request_id)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    assert isinstance(request_id, str)
     return request_id
 
 

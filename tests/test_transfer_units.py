@@ -15,7 +15,14 @@ import pytest
 import torch
 
 import omnirelay.transfer as transfer
-from omnirelay.errors import ConfigError, InvalidKeyError
+from omnirelay.api import validate_request_id
+from omnirelay.connectors.base import validate_key
+from omnirelay.engine.admission import admission_problem
+from omnirelay.engine.interfaces import SamplingParams, StageRequest
+from omnirelay.engine.stage_roles import resolve_stage_roles
+from omnirelay.engine.toy import toy_pipeline_config
+from omnirelay.errors import ConfigError, InvalidRequestError
+from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.transfer import (
     ByteBudget,
     CancelAction,
@@ -30,8 +37,15 @@ from omnirelay.transfer import (
 )
 from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, prepare_chunk
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
-from omnirelay.transfer.keys import IdMap, check_external_id
-from tests.transfer_fakes import Gate, collect, make_pipeline, ready_for, wait_until
+from omnirelay.transfer.keys import IdMap
+from tests.transfer_fakes import (
+    Gate,
+    collect,
+    failed_for,
+    make_pipeline,
+    ready_for,
+    wait_until,
+)
 
 # --------------------------------------------------------------------- config
 
@@ -99,14 +113,56 @@ def test_keys_and_ids() -> None:
     assert make_key("req-1", 1, 0) == "req-1_1_0"
     assert key_prefix("task", 1) == "task_1_"
     assert make_key("task_1", 1, 0) != make_key("task", 1, 10)  # "task_1_1_0" vs "task_1_10"
-    assert check_external_id("ok", 0) == "ok"
-    with pytest.raises(InvalidKeyError):
-        check_external_id("", 0)
-    with pytest.raises(InvalidKeyError, match="shorten"):
-        check_external_id("x" * 9000, 0)
+    assert request_id_problem("ok") is None
+    assert "empty" in str(request_id_problem(""))
+    assert "the limit is 256" in str(request_id_problem("x" * 9000))
+    # The longest usable id (4 UTF-8 bytes a character) still forms a key the connectors take.
+    longest = "\U0001f44d" * MAX_REQUEST_ID_LEN
+    assert request_id_problem(longest) is None
+    assert validate_key(make_key(longest, 10**6, 10**19))
     m = IdMap()
     m.set("i", "E")
     assert m.get("i") == "E" and len(m) == 1 and m.pop("i") == "E" and m.pop("i") is None
+
+
+BAD_IDS = ["", "x" * (MAX_REQUEST_ID_LEN + 1), "a\nb", "nul\x00", "del\x7f", "c1\x85", "\ud800", 5, None]
+GOOD_IDS = ["a", "x" * MAX_REQUEST_ID_LEN, "../../etc/passwd", "résumé 👍", "task_1_0", "a b", "nbsp\u00a0"]
+
+
+def test_every_boundary_applies_the_one_external_id_rule() -> None:
+    """The API raises, a stage's admission answers with the problem, the sender and the
+    receiver record a failure: each with the reason of :func:`request_id_problem`."""
+    pipeline = toy_pipeline_config()
+    stage = pipeline.stage(1)
+    roles = resolve_stage_roles(pipeline, stage)
+
+    def admission(rid: Any) -> str | None:
+        request = StageRequest(request_id=rid, prompt_token_ids=[1])
+        return admission_problem(request, SamplingParams(), stage=stage, roles=roles, is_active=False)
+
+    with make_pipeline() as p:
+        for i, rid in enumerate(BAD_IDS):
+            problem = request_id_problem(rid)
+            assert problem is not None, rid
+            with pytest.raises(InvalidRequestError, match="request_id"):
+                validate_request_id(rid)
+            assert admission(rid) == request_id_problem(rid, "request id")
+            assert p.sender.save_async(f"s{i}", rid, {"c": 0}) is Admission.REJECTED
+            assert not p.receiver.load_async(f"r{i}", rid)
+        want = request_id_problem("", "external request id")
+        sent = collect(p.sender, failed_for("s0")).failed
+        got = collect(p.receiver, failed_for("r0")).failed
+        assert [f.reason for f in sent if f.internal_id == "s0"] == [want]
+        assert [f.reason for f in got if f.internal_id == "r0"] == [want]
+        for rid in GOOD_IDS:
+            assert request_id_problem(rid) is None and validate_request_id(rid) == rid
+            assert admission(rid) is None
+        for i in range(len(BAD_IDS)):  # what a scheduler does with a failed request
+            p.sender.cleanup(f"s{i}")
+            p.receiver.cleanup(f"r{i}")
+        p.sender.take_external_failures()
+        p.receiver.take_external_failures()
+        p.audit()
 
 
 # --------------------------------------------------------------------- payload view

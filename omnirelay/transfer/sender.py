@@ -22,12 +22,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from omnirelay.connectors.base import Connector, PutResult
-from omnirelay.errors import InvalidKeyError
+from omnirelay.ids import request_id_problem
 from omnirelay.transfer.budget import ByteBudget, edge_name
 from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
-from omnirelay.transfer.keys import check_external_id, make_key
+from omnirelay.transfer.keys import make_key
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.payload_view import read_flag, stamp_flags
 from omnirelay.transfer.wakeup import Parker, wake_all
@@ -137,10 +137,9 @@ class SendSide:
     ) -> Admission:
         """SPEC §4.3 step 4, under the sender lock; queues the task on the id's lane."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
-            try:
-                check_external_id(external_id, self._stage)
-            except InvalidKeyError as exc:
-                self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, str(exc))
+            problem = request_id_problem(external_id, "external request id")
+            if problem is not None:
+                self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, problem)
                 return Admission.REJECTED
         failure: _Failure | None = None
         wakes: list[Parker] = []
