@@ -71,10 +71,12 @@ def run_until_idle(engine: StageEngine) -> list[StageOutput]:
 
 
 def audit(engine: StageEngine, store: FakeStore | None = None) -> None:
-    """The leak audit: settle the adapter, apply what it reported, then nothing is left."""
+    """The leak audit: settle the adapter, apply what it reported (and take the completed
+    releases, as the worker loop does after each step), then nothing is left."""
     for _ in range(10):
         assert engine.flush(TIMEOUT_S)
         run_until_idle(engine)
+        engine.take_released()
         if not engine.leak_state():
             break
     assert engine.leak_state() == {}, engine.leak_state()
@@ -198,6 +200,8 @@ def test_a_text_only_request_never_puts_a_chunk() -> None:
     assert h["num_saves"] == 0 and h["transfer"]["sender"]["num_admitted"] == 0
     assert not any(e.startswith("put_start") for e in store.log)
     engine.release("text-only")
+    assert engine.step() == []
+    assert engine.take_released() == ["text-only"]  # nothing to drain: complete at once
     audit(engine, store)
     assert not any(e.startswith("put_start") for e in store.log)
 
@@ -215,13 +219,15 @@ def test_release_removes_the_chunks_nobody_read_after_the_terminal_is_out() -> N
     engine.release("R")
     engine.step()
     # The prefix cleanup waits for the generation: a cleanup now would miss the terminal.
-    assert engine.leak_state()["pending_prefix_release"] == ["R"]
+    assert engine.leak_state()["releasing"] == ["R"]
     assert store.live_keys() == ["R_0_0", "R_0_1", "R_0_2"]
+    assert engine.take_released() == []  # not complete: the terminal is still being put
     gate.release()
     assert engine.flush(TIMEOUT_S)
-    run_until_idle(engine)  # the retirement reached the inbox: clean by prefix
+    run_until_idle(engine)  # the retirement came with the events: clean by prefix
     assert store.live_keys() == []
     assert engine.health()["num_keys_released"] == 4
+    assert engine.take_released() == ["R"]
     audit(engine, store)
 
 
@@ -512,6 +518,7 @@ def test_release_of_a_live_request_is_silent_and_the_id_can_be_used_again() -> N
     assert engine.step() == []  # no output: nobody waits for it any more
     assert engine.flush(TIMEOUT_S)
     run_until_idle(engine)
+    assert engine.take_released() == ["R"]
     assert engine.leak_state() == {} and store.live_keys() == []
     engine.add_request(text_request("R", [5], 2, final_stage_id=1))
     outs = run_until_idle(engine)

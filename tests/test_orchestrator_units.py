@@ -15,6 +15,7 @@ import torch
 import omnirelay.api as api
 import omnirelay.orchestrator as orchestrator_pkg
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
+from omnirelay.engine.toy import toy_pipeline_config
 from omnirelay.errors import ConfigError, InvalidRequestError, PipelineError, RequestFailedError
 from omnirelay.orchestrator.control import ControlPaths, FrontControl, Inbox, WorkerControl
 from omnirelay.orchestrator.handle import RequestHandle
@@ -42,7 +43,8 @@ from omnirelay.orchestrator.messages import (
     wire_output,
     wire_request,
 )
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.orchestrator import Orchestrator
+from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
 from omnirelay.orchestrator.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
 from omnirelay.pipeline import parse_pipeline
 
@@ -111,7 +113,7 @@ def test_every_message_round_trips() -> None:
         Released(1, "r"),
         StageFatal(1, "x"),
         HealthReply(1, 0, 3, 0, {"a": [1, 2], "nested": {"x": 1.5}}),
-        LeakStateReply(2, 0, {"worker": {"num_live_requests": 0}, "engine": {}}),
+        LeakStateReply(2, 0, {"worker": {"num_held_outputs": 0}, "engine": {}}),
         Goodbye(0),
     ]
     for m in to_front:
@@ -216,14 +218,20 @@ def test_orphaned_worker_gets_a_shutdown() -> None:
 
 
 class RecordingEngine:
-    """An in-process engine that records calls; ``wake``/``is_released`` are optional."""
+    """An in-process engine that records calls; ``wake`` is optional.
 
-    def __init__(self, *, with_wake: bool = True) -> None:
+    Its releases complete at once, or — with ``releases_drain`` — only when the test calls
+    :meth:`finish_draining` (as a transfer thread retiring the id's last sender would).
+    """
+
+    def __init__(self, *, with_wake: bool = True, releases_drain: bool = False) -> None:
         self.stage_id = 1
         self.calls: list[tuple[str, str]] = []
         self.requests: dict[str, int] = {}
         self.pending_outputs: list[StageOutput] = []
-        self.is_released_ids: set[str] = set()
+        self.releases_drain = releases_drain
+        self.draining: set[str] = set()
+        self.released: list[str] = []
         self.num_steps = 0
         self.num_wakes = 0
         self.fail_step = False
@@ -247,16 +255,36 @@ class RecordingEngine:
     def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))
         self.requests.pop(request_id, None)
+        if self.releases_drain:
+            self.draining.add(request_id)
+        else:
+            self.released.append(request_id)
+
+    def finish_draining(self, request_id: str) -> None:
+        with self.cond:
+            self.draining.remove(request_id)
+            self.released.append(request_id)
+            self.cond.notify_all()
 
     def step(self) -> list[StageOutput]:
         self.num_steps += 1
         if self.fail_step:
             raise RuntimeError("step broke")
         outs, self.pending_outputs = self.pending_outputs, []
+        for o in outs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
         return outs
 
+    def take_released(self) -> list[str]:
+        released, self.released = self.released, []
+        return released
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
     def has_work(self) -> bool:
-        return bool(self.pending_outputs)
+        return bool(self.pending_outputs or self.released)
 
     def wait_for_work(self, timeout: float) -> bool:
         with self.cond:
@@ -267,7 +295,10 @@ class RecordingEngine:
         return {"status": "healthy"}
 
     def leak_state(self) -> dict[str, Any]:
-        return {"requests": sorted(self.requests)}
+        out: dict[str, Any] = {"requests": sorted(self.requests)}
+        if self.draining or self.released:
+            out.update(draining=sorted(self.draining), released=self.released)
+        return out
 
     def shutdown(self) -> None:
         pass
@@ -307,47 +338,44 @@ def test_worker_loop_applies_commands_steps_and_acknowledges_releases() -> None:
     inbox.put(submit("a"))
     inbox.put(HealthRequest(7))
     loop.run_once()
-    assert engine.calls == [("add", "a")] and loop.live == {"a"}
+    assert engine.calls == [("add", "a")]
     assert engine.num_steps == 1  # a posted command makes a tick
     (reply,) = sent
     assert isinstance(reply, HealthReply) and reply.seq == 7 and reply.num_requests == 1
     sent.clear()
     engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, finished=True, token_ids=[3])]
+    inbox.put(HealthRequest(8))
     loop.run_once()
-    (outs,) = sent
-    assert isinstance(outs, Outputs) and outs.outputs[0].token_ids == [3] and loop.live == set()
+    outs, reply = sent
+    assert isinstance(outs, Outputs) and outs.outputs[0].token_ids == [3]
+    assert isinstance(reply, HealthReply) and reply.num_requests == 0  # the engine's count
     sent.clear()
     inbox.put(Abort("a"))
     inbox.put(Release("a"))
     inbox.put(LeakStateRequest(8, 0.0))
     loop.run_once()
     assert engine.calls[-2:] == [("abort", "a"), ("release", "a")]
-    # the acknowledgement follows the tick that applied the release, the query after it
+    # a release the engine completes at once is reported after that tick, the query after it
     assert [type(m).__name__ for m in sent] == ["Released", "LeakStateReply"]
+    assert sent[0] == Released(1, "a") and leak_paths(sent[1].state) == []
     inbox.put(Shutdown())
     loop.run_once()
     assert loop.is_stopping
 
 
-def test_release_ack_waits_for_is_released() -> None:
-    engine = RecordingEngine()
-    engine.is_released = lambda rid: rid in engine.is_released_ids  # type: ignore[attr-defined]
-    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=30.0)
+def test_released_is_said_exactly_when_the_engine_reports_the_release() -> None:
+    engine = RecordingEngine(releases_drain=True)
+    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01)
     inbox.put(Release("r"))
-    loop.run_once()
-    assert sent == []  # the engine still drains the id
-    engine.is_released_ids.add("r")
+    loop.run_once()  # applied, not complete: the id's chunks still drain in the engine
+    loop.run_once()  # however long that takes, the worker says nothing (no timeout)
+    assert engine.calls == [("release", "r")] and sent == []
+    engine.finish_draining("r")  # the engine's transfer thread: the last sender retired
     loop.run_once()
     assert sent == [Released(1, "r")]
-
-
-def test_release_ack_is_bounded() -> None:
-    engine = RecordingEngine()
-    engine.is_released = lambda rid: False  # type: ignore[attr-defined]
-    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=0.0)
-    inbox.put(Release("r"))
     loop.run_once()
-    assert sent == [Released(1, "r")]
+    assert sent == [Released(1, "r")]  # once
+    assert engine.leak_state() == {"requests": []}
 
 
 def test_leak_state_settles_then_reports() -> None:
@@ -604,3 +632,96 @@ def test_error_outputs_and_final_stages_are_never_held() -> None:
     final_engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, token_ids=[1])]
     final_loop.run_once()
     assert len(sent_outputs(final_sent)) == 1
+
+
+# ------------------------------------------------------------------------- id-reuse fence
+
+
+class RecordingFront:
+    """The orchestrator's side of the control plane, in process: records what it sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Any]] = []
+
+    def send(self, stage_id: int, message: Any) -> bool:
+        self.sent.append((stage_id, message))
+        return True
+
+    def take(self) -> list[tuple[int, str]]:
+        out = [(sid, type(m).__name__) for sid, m in self.sent]
+        self.sent.clear()
+        return out
+
+
+def make_orchestrator() -> tuple[Orchestrator, RecordingFront]:
+    """An orchestrator of the three-stage toy pipeline whose workers are the test: its
+    control plane records what it sends, and the test feeds it what workers say."""
+    orch = Orchestrator(toy_pipeline_config(), namespace="unit")
+    front = RecordingFront()
+    orch._control = front  # type: ignore[assignment]
+    return orch, front
+
+
+def text_only(rid: str) -> PipelineRequest:
+    return PipelineRequest(request_id=rid, prompt_token_ids=[1], modalities=("text",))
+
+
+def finished_text(rid: str) -> Outputs:
+    return Outputs(
+        0, [wire_output(StageOutput(request_id=rid, stage_id=0, finished=True, finish_reason="stop"))]
+    )
+
+
+def assert_front_books_empty(orch: Orchestrator) -> None:
+    """The front's leak audit: no request, no fence, no parked reuse."""
+    assert orch.num_requests == 0 and orch._handles == {}
+    assert orch._unreleased == {} and orch._parked == {}
+
+
+def test_a_reused_id_is_parked_until_the_last_stage_reports_released() -> None:
+    orch, front = make_orchestrator()
+    first = RequestHandle("R")
+    orch.admit(text_only("R"), first)
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert first.result(1).finish_reason == "stop"
+    assert front.take() == [(0, "Release"), (1, "Release"), (2, "Release")]
+    again = RequestHandle("R")
+    orch.admit(text_only("R"), again)  # the stages may still hold R's chunks: it waits
+    orch._on_message(2, Released(2, "R"))
+    orch._on_message(0, Released(0, "R"))
+    orch._on_message(0, Released(0, "R"))  # a duplicate changes nothing
+    assert front.take() == [] and not again.is_finished
+    # Stage 1 is still fenced: what it says about R belongs to the ended request.
+    orch._on_message(1, Outputs(1, [wire_output(StageOutput(request_id="R", stage_id=1, token_ids=[9]))]))
+    orch._on_message(1, RequestFailed(1, "R", "late failure of the ended request"))
+    assert orch.num_stale_messages == 2 and front.take() == []
+    orch._on_message(1, Released(1, "R"))  # the last one: the reuse is admitted now
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    for sid in range(3):
+        orch._on_message(sid, Released(sid, "R"))
+    assert_front_books_empty(orch)
+
+
+def test_a_dead_stage_drops_its_fences_and_an_aborted_reuse_leaves_nothing() -> None:
+    orch, front = make_orchestrator()
+    orch.admit(text_only("R"), RequestHandle("R"))
+    orch._on_message(0, finished_text("R"))
+    front.take()
+    parked = RequestHandle("R")
+    orch.admit(text_only("R"), parked)
+    orch.abort("R")  # a parked reuse aborts without reaching any stage
+    assert parked.result(1).is_aborted and front.take() == []
+    again = RequestHandle("R")
+    orch.admit(text_only("R"), again)
+    for sid in (0, 1):
+        orch._on_message(sid, Released(sid, "R"))
+    orch._execute(orch._stage_failed(2, "stage 2 died"))  # no Released will come from it
+    assert front.take() == [(0, "Submit")]  # admitted (stage 2 is not on a text-only path)
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    orch._on_message(0, Released(0, "R"))
+    orch._on_message(1, Released(1, "R"))
+    assert_front_books_empty(orch)

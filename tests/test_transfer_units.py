@@ -39,6 +39,7 @@ from omnirelay.transfer.commit import is_empty_nonterminal, merge_runtime_info, 
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from tests.transfer_fakes import (
+    GATE_TIMEOUT_S,
     Gate,
     collect,
     failed_for,
@@ -587,13 +588,30 @@ def test_event_box_keeps_failures_for_both_sides_and_bounds_the_external_copy() 
     fs = [TransferFailure(f"i{n}", "E", FailureKind.SEND_FAILED, f"r{n}", 0) for n in range(3)]
     for f in fs:
         box.record(f)
-    _, failed = box.drain()
+    _, failed, _ = box.drain()
     assert failed == tuple(fs)
     assert box.take_external() == {"E": fs[1:]} and box.num_external_dropped == 1
     box.record(fs[0])
     box.discard_request("i0")
-    assert box.drain() == ((), ())
+    assert box.drain() == ((), (), ())
     box.take_external()
+    assert box.leak_state() == {}
+
+
+def test_event_box_hands_each_retired_sender_over_once_and_wakes_a_waiter() -> None:
+    box = EventBox(max_external=2)
+    assert not box.wait(0)
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(box.wait(GATE_TIMEOUT_S)))
+    waiter.start()
+    box.record_retired("A")
+    waiter.join()
+    assert woke == [True]  # a retirement wakes a waiting scheduler, as a failure does
+    box.record_retired("B")
+    box.record_retired("A")  # a reused id retired twice before the drain: reported once
+    assert box.leak_state() == {"undrained_retirements": ["A", "B"]}
+    assert box.drain() == ((), (), ("A", "B"))
+    assert box.drain() == ((), (), ()) and not box.wait(0)
     assert box.leak_state() == {}
 
 

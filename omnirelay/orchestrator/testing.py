@@ -27,6 +27,7 @@ class ParkingEngine:
     def __init__(self, stage_id: int) -> None:
         self.stage_id = stage_id
         self._requests: dict[str, StageRequest] = {}
+        self._released: list[str] = []
         self._cond = threading.Condition()
         self._is_woken = False
         self.num_steps = 0
@@ -39,10 +40,18 @@ class ParkingEngine:
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._released.append(request_id)  # nothing to drain: complete at once
 
     def step(self) -> list[StageOutput]:
         self.num_steps += 1
         return []
+
+    def take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        return released
+
+    def num_requests(self) -> int:
+        return len(self._requests)
 
     def has_work(self) -> bool:
         return False

@@ -21,12 +21,14 @@ The loop (:meth:`WorkerLoop.run_once`), on the engine thread:
   just ended (the engine collects stall timeouts in ``step``); outputs go out as one
   :class:`Outputs` message — except the progress outputs of an intermediate stage (see
   below);
-* acknowledge the releases that tick applied (:class:`Released`: the front's fence
-  against a reused request id; see :meth:`WorkerLoop._acknowledge`), then answer
-  health / leak-state queries;
+* after every step, a :class:`Released` for each id the engine reports released
+  (``engine.take_released()``): the front's fence against a reused request id. It goes
+  out exactly when the engine's release is complete — at once for an engine with nothing
+  to drain, after the last sender generation of the id retired for the stage engine;
+* then answer health / leak-state queries;
 * otherwise wait without spinning: ``engine.wait_for_work(idle_wait_s)``, which the
   receive thread ends early through ``engine.wake()``. For an engine without ``wake``
-  (it is not part of the protocol): with no request in the engine, block on the inbox;
+  (optional in the protocol): with no request in the engine, block on the inbox;
   with requests parked, wait in ``wait_slice_s`` slices and look at the inbox between.
 
 Progress outputs of an intermediate stage (one whose ``final_output`` is false, a
@@ -56,7 +58,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.orchestrator.control import ControlPaths, Inbox, WorkerControl, parent_alive
 from omnirelay.orchestrator.messages import (
@@ -113,8 +115,6 @@ class WorkerSpec:
     wait_slice_s: float = 0.01
     #: how often the receive thread checks that the parent is alive
     parent_check_s: float = 0.5
-    #: longest a release acknowledgement waits for the engine's ``is_released`` (if any)
-    release_ack_timeout_s: float = 10.0
     #: an intermediate stage's progress outputs wait at most this long to go out with a
     #: later message (0: one message per step, as for a final-output stage) …
     progress_flush_s: float = 0.25
@@ -187,16 +187,9 @@ class WorkerLoop:
         self.stage_id = spec.stage_id
         wake = getattr(engine, "wake", None)
         self.engine_wake: Callable[[], None] | None = wake if callable(wake) else None
-        is_released = getattr(engine, "is_released", None)
-        self.engine_is_released: Callable[[str], bool] | None = is_released if callable(is_released) else None
-        #: Ids handed to the engine and not yet seen finished, aborted or released (the
-        #: queue depth in health; for engines without ``wake``, whether to wait in slices).
-        self.live: set[str] = set()
         self.is_stopping = False
         self._num_posted = 0  # commands posted since the last step
         self._needs_tick = False
-        #: releases posted → when to acknowledge anyway (see :meth:`_acknowledge`)
-        self._unacked: dict[str, float] = {}
         stage = next((s for s in spec.pipeline.stages if s.id == spec.stage_id), None)
         #: progress outputs are held (see the module docstring): an intermediate stage
         self.holds_progress = spec.progress_flush_s > 0 and stage is not None and not stage.final_output
@@ -217,63 +210,51 @@ class WorkerLoop:
         self._flush()
 
     def run_once(self) -> None:
-        """One iteration: apply control messages, tick, acknowledge, answer, or wait."""
+        """One iteration: apply control messages, tick, report releases, answer, or wait."""
         messages = self.inbox.take_all()
         queries: list[ToWorker] = []
         for message in messages:
             self._apply(message, queries)
         if self._num_posted or self._needs_tick or self.engine.has_work():
             self._step()
-        if self._unacked:
-            self._acknowledge()
         for query in queries:
             self._answer(query)
         if self.is_stopping or messages or self.engine.has_work():
             return
         self._wait()
 
-    def _acknowledge(self) -> None:
-        """Say :class:`Released` for the releases the last tick applied.
-
-        An engine with ``is_released(id)`` (optional, not in the protocol) may finish a
-        release later (a cancelled sender draining on a transfer thread): its ids are
-        acknowledged once it says so — the front admits a new request with the same id
-        only then — or after ``release_ack_timeout_s`` at the latest.
-        """
-        now = time.monotonic()
-        for rid, deadline in list(self._unacked.items()):
-            if self.engine_is_released is None or self.engine_is_released(rid) or now >= deadline:
-                del self._unacked[rid]
-                self.send(Released(self.stage_id, rid))
-
     def _wait(self) -> None:
         self._flush()
         self._needs_tick = True
         if self.engine_wake is not None:
             self.engine.wait_for_work(self.spec.idle_wait_s)
-        elif not self.live:
+        elif not self.engine.num_requests():
             self.inbox.wait(self.spec.idle_wait_s)
         else:
             self.engine.wait_for_work(self.spec.wait_slice_s)
 
     def _step(self) -> None:
+        """One engine step; its outputs go out (or are held), then its completed releases."""
         self._num_posted = 0
         self._needs_tick = False
         try:
             outputs = self.engine.step()
+            released = self.engine.take_released()
         except Exception as exc:
             self.send(StageFatal(self.stage_id, f"engine step failed: {exc!r}\n{traceback.format_exc()}"))
             raise
+        self._send_outputs(outputs)
+        for rid in released:
+            self.send(Released(self.stage_id, rid))
+
+    def _send_outputs(self, outputs: list[StageOutput]) -> None:
         if not outputs:
             if self._held and self._clock() - self._held_since >= self.spec.progress_flush_s:
                 self._flush()
             return
         is_progress = self.holds_progress
         for out in outputs:
-            if out.finished:
-                self.live.discard(out.request_id)
-                is_progress = False
-            elif out.error is not None:
+            if out.finished or out.error is not None:
                 is_progress = False
         wires = [wire_output(o) for o in outputs]
         now = self._clock()
@@ -308,18 +289,14 @@ class WorkerLoop:
             except Exception as exc:
                 self.send(RequestFailed(self.stage_id, rid, f"add_request failed: {exc!r}"))
                 return
-            self.live.add(rid)
             self._num_posted += 1
         elif isinstance(message, Abort):
-            self.live.discard(message.request_id)
             self.engine.abort(message.request_id)
             self._num_posted += 1
         elif isinstance(message, Release):
-            self.live.discard(message.request_id)
             if self._held:
                 self._held = [w for w in self._held if w.request_id != message.request_id]
-            self.engine.release(message.request_id)
-            self._unacked[message.request_id] = time.monotonic() + self.spec.release_ack_timeout_s
+            self.engine.release(message.request_id)  # Released once the engine says so
             self._num_posted += 1
         elif isinstance(message, HealthRequest | LeakStateRequest):
             queries.append(message)
@@ -337,7 +314,7 @@ class WorkerLoop:
                     seq=query.seq,
                     stage_id=self.stage_id,
                     pid=os.getpid(),
-                    num_requests=len(self.live),
+                    num_requests=self.engine.num_requests(),
                     engine=engine,
                 )
             )
@@ -355,8 +332,9 @@ class WorkerLoop:
         """
         deadline = time.monotonic() + query.settle_s
         while True:
+            self._flush()  # held progress outputs go out anyway before the loop waits
             state = {
-                "worker": {"num_live_requests": len(self.live)},
+                "worker": {"num_held_outputs": len(self._held)},
                 "engine": dict(self.engine.leak_state()),
             }
             remaining = deadline - time.monotonic()
