@@ -47,8 +47,8 @@ from omnirelay.orchestrator.router import (
     Router,
     requested_modalities,
 )
-from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY
 
 __all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "validate_request_id"]
 
@@ -139,7 +139,7 @@ class Pipeline:
         objects of dead owners in it are reclaimed first. ``engine_factory``:
         ``"module:function"`` building a stage engine in a worker (default: the real
         one). ``input_builders``: per stage id, the orchestrator-side builder of a
-        forwarded input (default: :func:`omnirelay.orchestrator.factory.build_input_builders`).
+        forwarded input (default: :func:`omnirelay.orchestrator.input_builders.build_input_builders`).
         ``tokenizer``: turns ``submit(text=...)`` into ids. ``idle_wait_s``: an idle
         worker's longest wait (it ticks its engine once after each, for stall timeouts);
         ``wait_slice_s``: the wait slices of an engine without ``wake()``.
@@ -165,7 +165,7 @@ class Pipeline:
         except InvalidKeyError as exc:
             raise ConfigError(str(exc)) from exc
         if input_builders is None:
-            from omnirelay.orchestrator.factory import build_input_builders
+            from omnirelay.orchestrator.input_builders import build_input_builders
 
             input_builders = build_input_builders(config)
         orch = Orchestrator(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -14,12 +16,19 @@ import torch
 
 import omnirelay.api as api
 import omnirelay.orchestrator as orchestrator_pkg
+import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
 from omnirelay.engine.toy import toy_pipeline_config
 from omnirelay.errors import ConfigError, InvalidRequestError, PipelineError, RequestFailedError
-from omnirelay.orchestrator.control import ControlPaths, FrontControl, Inbox, WorkerControl
+from omnirelay.orchestrator.control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
-from omnirelay.orchestrator.messages import (
+from omnirelay.orchestrator.orchestrator import Orchestrator
+from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
+from omnirelay.pipeline import parse_pipeline
+from omnirelay.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
+from omnirelay.worker.control import ControlPaths, Inbox, WorkerControl
+from omnirelay.worker.factory import build_stage_engine
+from omnirelay.worker.messages import (
     Abort,
     Goodbye,
     HealthReply,
@@ -43,20 +52,28 @@ from omnirelay.orchestrator.messages import (
     wire_output,
     wire_request,
 )
-from omnirelay.orchestrator.orchestrator import Orchestrator
-from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
-from omnirelay.orchestrator.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
-from omnirelay.pipeline import parse_pipeline
 
 # ------------------------------------------------------------------------ public surface
 
 
 def test_exports() -> None:
-    for name in orchestrator_pkg.__all__:
-        assert hasattr(orchestrator_pkg, name), name
+    for pkg in (orchestrator_pkg, worker_pkg):
+        for name in pkg.__all__:
+            assert hasattr(pkg, name), name
+        assert sorted(pkg.__all__) == pkg.__all__
     for name in api.__all__:
         assert hasattr(api, name), name
-    assert sorted(orchestrator_pkg.__all__) == orchestrator_pkg.__all__
+
+
+def test_the_worker_process_imports_nothing_of_the_front() -> None:
+    """Layering: orchestrator → worker → engine. A worker process loads its package and
+    the default engine factory without any of omnirelay.orchestrator."""
+    code = (
+        "import sys, omnirelay.worker, omnirelay.worker.factory; "
+        "print(sorted(m for m in sys.modules if m.startswith('omnirelay.orchestrator')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(
@@ -437,6 +454,7 @@ def test_load_engine_factory_errors() -> None:
         with pytest.raises(ConfigError):
             load_engine_factory(bad)
     assert callable(load_engine_factory("omnirelay.orchestrator.testing:build_parked_stage0_engine"))
+    assert load_engine_factory(worker_pkg.DEFAULT_ENGINE_FACTORY) is build_stage_engine
 
 
 def test_leak_paths() -> None:

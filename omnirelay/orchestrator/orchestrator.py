@@ -43,9 +43,23 @@ from omnirelay.errors import (
     PipelineError,
     StageDiedError,
 )
-from omnirelay.orchestrator.control import ControlPaths, FrontControl
+from omnirelay.orchestrator.control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
-from omnirelay.orchestrator.messages import (
+from omnirelay.orchestrator.router import (
+    Action,
+    ClientOutput,
+    InputBuilder,
+    PipelineRequest,
+    RequestOutput,
+    Router,
+    StageAbort,
+    StageRelease,
+    StageSubmit,
+)
+from omnirelay.pipeline import PipelineConfig
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
+from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.messages import (
     Abort,
     Goodbye,
     HealthReply,
@@ -65,19 +79,6 @@ from omnirelay.orchestrator.messages import (
     stage_output,
     wire_request,
 )
-from omnirelay.orchestrator.router import (
-    Action,
-    ClientOutput,
-    InputBuilder,
-    PipelineRequest,
-    RequestOutput,
-    Router,
-    StageAbort,
-    StageRelease,
-    StageSubmit,
-)
-from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
-from omnirelay.pipeline import PipelineConfig
 
 __all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "describe_exit"]
 

@@ -15,8 +15,8 @@ import threading
 from typing import Any
 
 from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput, StageRequest
-from omnirelay.orchestrator.factory import build_stage_engine
 from omnirelay.pipeline import PipelineConfig
+from omnirelay.worker.factory import build_stage_engine
 
 __all__ = ["ParkingEngine", "build_parked_stage0_engine"]
 

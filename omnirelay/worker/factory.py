@@ -1,0 +1,66 @@
+"""The default engine factory: where a worker process meets the engine, the executors
+and the processors.
+
+* :func:`build_stage_engine` ``(pipeline, stage_id) -> StageEngineProtocol`` — called in
+  the stage worker process (after ``spawn``) to build its engine: executor, connector,
+  next-stage processor. The pipeline's ``namespace`` is already filled in. It is
+  :data:`~omnirelay.worker.spec.DEFAULT_ENGINE_FACTORY`.
+* :func:`default_registry` — every executor and processor a shipped pipeline may name.
+
+Tests pass their own engine factory to ``Pipeline.start(engine_factory="module:function")``.
+The front side's counterpart (builders of forwarded inputs) is
+:mod:`omnirelay.orchestrator.input_builders`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.errors import ConfigError
+from omnirelay.pipeline import ComponentRegistry, PipelineConfig
+
+__all__ = ["build_stage_engine", "default_registry", "with_stage_device"]
+
+
+def default_registry() -> ComponentRegistry:
+    """Every executor and processor a shipped pipeline may name: the toys, and the model
+    executors of :mod:`omnirelay.models` (their heavy imports wait for a factory call)."""
+    from omnirelay.engine.toy import register_toys
+    from omnirelay.processors.stages import register_processors
+
+    registry = register_toys(ComponentRegistry())
+    register_processors(registry.processors)
+    try:
+        from omnirelay.models import register_executors
+    except ImportError:  # pragma: no cover - a build without the model package
+        return registry
+    register_executors(registry.executors)
+    return registry
+
+
+def build_stage_engine(pipeline: PipelineConfig, stage_id: int) -> StageEngineProtocol:
+    """The real stage engine of ``stage_id`` (runs in the worker process): executor and
+    chunk processor from :func:`default_registry`, the stage's connector, the engine."""
+    from omnirelay.engine.components import create_stage_engine
+
+    if pipeline.namespace is None:
+        raise ConfigError("build_stage_engine needs a pipeline with its namespace filled in")
+    return create_stage_engine(with_stage_device(pipeline, stage_id), stage_id, default_registry())
+
+
+def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:
+    """The pipeline with stage ``stage_id``'s ``devices`` handed to its model executor.
+
+    A Qwen3-Omni executor places its model by ``executor_args.device``; a stage that names
+    ``devices`` (``cuda:1``) and no ``executor_args.device`` gets ``device: <devices>``.
+    An explicit ``executor_args.device`` wins; other executors (toys) are left alone.
+    """
+    from omnirelay.models import EXECUTOR_NAMES
+
+    stage = pipeline.stage(stage_id)
+    if stage.devices is None or stage.executor not in EXECUTOR_NAMES or "device" in stage.executor_args:
+        return pipeline
+    placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
+    stages = tuple(placed if s.id == stage.id else s for s in pipeline.stages)
+    return msgspec.structs.replace(pipeline, stages=stages)
