@@ -1,8 +1,9 @@
 """A tiny in-test orchestrator over three stage engines in one process (inproc connector).
 
 :class:`ToyPipelineRun` builds the toy pipeline ``counter -> relay -> synth`` (chunked
-edges), one :class:`StageEngine` per stage, each driven by the real worker loop on its own
-thread (:class:`StageLoopThread`), and routes their outputs like the orchestrator does:
+edges), one :class:`StageEngine` per stage, each driven by a stage loop on its own thread
+(:class:`~tests.stage_loop.StageLoopThread`), and routes their outputs like the
+orchestrator does:
 
 * ``submit`` — stage 0 with the prompt; placeholders to every chunk-receiving stage up to
   the request's ``final_stage_id`` (prewarm);
@@ -38,15 +39,15 @@ from omnirelay.connectors.inproc import InprocConnector, hub_for
 from omnirelay.engine import (
     SamplingParams,
     StageEngine,
-    StageLoopThread,
     StageOutput,
     StageRequest,
     build_stage_components,
     create_stage_engine,
 )
-from omnirelay.engine.toy import CountingLM, toy_pipeline_config, toy_registry
+from omnirelay.models.toy import CountingLM, toy_pipeline_config, toy_registry
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import TransferConfig
+from tests.stage_loop import StageLoopThread
 
 TIMEOUT_S = 20.0
 _NS = itertools.count()

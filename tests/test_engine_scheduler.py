@@ -18,7 +18,7 @@ from omnirelay.engine import (
     SchedulerOutput,
     StepUpdate,
 )
-from omnirelay.engine.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
+from omnirelay.models.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
 from omnirelay.transfer import ChunkInput, FailureKind, TransferEvents, TransferFailure
 
 S = RequestStatus

@@ -14,15 +14,14 @@ from omnirelay.connectors.base import Connector
 from omnirelay.engine import (
     SamplingParams,
     StageEngine,
-    StageLoopThread,
     StageOutput,
     StageRequest,
     build_stage_components,
     create_stage_engine,
     resolve_stage_roles,
 )
-from omnirelay.engine.loop import run_stage_loop
-from omnirelay.engine.toy import (
+from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.models.toy import (
     CountingLM,
     RelayLM,
     SampleGenerator,
@@ -30,10 +29,10 @@ from omnirelay.engine.toy import (
     toy_pipeline_config,
     toy_registry,
 )
-from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import TransferConfig
 from tests.engine_harness import TIMEOUT_S, GatedCountingLM, fast_transfer_config
+from tests.stage_loop import StageLoopThread, run_stage_loop
 from tests.transfer_fakes import FakeClock, FakeConnector, FakeStore, Gate
 
 PIPELINE = toy_pipeline_config()

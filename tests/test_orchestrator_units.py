@@ -18,8 +18,8 @@ import omnirelay.api as api
 import omnirelay.orchestrator as orchestrator_pkg
 import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
-from omnirelay.engine.toy import toy_pipeline_config
 from omnirelay.errors import ConfigError, InvalidRequestError, PipelineError, RequestFailedError
+from omnirelay.models.toy import toy_pipeline_config
 from omnirelay.orchestrator.control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator
@@ -453,7 +453,7 @@ def test_load_engine_factory_errors() -> None:
     for bad in ("nocolon", "no_such_module_xyz:f", "omnirelay.api:no_such_function"):
         with pytest.raises(ConfigError):
             load_engine_factory(bad)
-    assert callable(load_engine_factory("omnirelay.orchestrator.testing:build_parked_stage0_engine"))
+    assert callable(load_engine_factory("tests.parking_engine:build_parked_stage0_engine"))
     assert load_engine_factory(worker_pkg.DEFAULT_ENGINE_FACTORY) is build_stage_engine
 
 

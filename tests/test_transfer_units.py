@@ -20,9 +20,9 @@ from omnirelay.connectors.base import validate_key
 from omnirelay.engine.admission import admission_problem
 from omnirelay.engine.interfaces import SamplingParams, StageRequest
 from omnirelay.engine.stage_roles import resolve_stage_roles
-from omnirelay.engine.toy import toy_pipeline_config
 from omnirelay.errors import ConfigError, InvalidRequestError
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
+from omnirelay.models.toy import toy_pipeline_config
 from omnirelay.transfer import (
     ByteBudget,
     CancelAction,

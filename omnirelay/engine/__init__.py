@@ -14,9 +14,10 @@ Files (one role each; read the architecture off the names):
 * ``admission.py`` — checks and sampling defaults of an arriving :class:`StageRequest`.
 * ``stage_output.py`` — request updates → :class:`StageOutput` messages.
 * ``engine.py`` — :class:`StageEngine`: scheduler + executor + transfer adapter.
-* ``loop.py`` — :func:`run_stage_loop`, the worker loop; :class:`StageLoopThread`.
 * ``components.py`` — registry names → executor and chunk processor of a stage.
-* ``toy.py`` — deterministic executors/processor and the three-stage toy pipeline.
+
+The loop that drives an engine in a worker process is :mod:`omnirelay.worker`; the toy
+executors of the ``toy-3stage`` pipeline are :mod:`omnirelay.models.toy`.
 """
 
 from omnirelay.engine.components import (
@@ -37,7 +38,6 @@ from omnirelay.engine.interfaces import (
     StageOutput,
     StageRequest,
 )
-from omnirelay.engine.loop import DEFAULT_IDLE_WAIT_S, StageLoopThread, run_stage_loop
 from omnirelay.engine.request import (
     ALLOWED_TRANSITIONS,
     FINISHED_STATUSES,
@@ -52,7 +52,6 @@ from omnirelay.engine.stage_roles import StageRoles, resolve_stage_roles
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
-    "DEFAULT_IDLE_WAIT_S",
     "FINISHED_STATUSES",
     "ARScheduler",
     "BaseScheduler",
@@ -72,7 +71,6 @@ __all__ = [
     "StageComponents",
     "StageEngine",
     "StageEngineProtocol",
-    "StageLoopThread",
     "StageOutput",
     "StageRequest",
     "StageRoles",
@@ -80,5 +78,4 @@ __all__ = [
     "build_stage_components",
     "create_stage_engine",
     "resolve_stage_roles",
-    "run_stage_loop",
 ]

@@ -1,11 +1,12 @@
-"""Small engines for tests and measurements of the process layer (STYLE 9).
+"""An engine that parks every request, for tests and measurements of the process layer.
 
 * :class:`ParkingEngine` — a :class:`StageEngineProtocol` that takes every request and
-  never produces anything: it holds them until abort or release. In stage 0 it keeps
-  every downstream stage's prewarmed requests waiting for chunks that never come — the
-  idle state whose cost ``scripts/soak_pipeline.py`` measures.
+  never produces anything: it holds them until abort or release (which completes at
+  once). In stage 0 it keeps every downstream stage's prewarmed requests waiting for
+  chunks that never come — an idle pipeline full of requests.
 * :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(...,
-  engine_factory="omnirelay.orchestrator.testing:build_parked_stage0_engine")``):
+  engine_factory="tests.parking_engine:build_parked_stage0_engine")``; workers are
+  spawned with the parent's ``sys.path``, so a test module's factory loads in them):
   stage 0 parks, the other stages are the real engines of the default factory.
 """
 

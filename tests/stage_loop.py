@@ -1,22 +1,23 @@
-"""The stage worker loop: how a worker process (or a test thread) drives a stage engine.
+"""A stage engine driven on a thread of the test process: the worker loop, minus the
+control plane (the worker process's loop is :class:`omnirelay.worker.WorkerLoop`).
 
 :func:`run_stage_loop` is the whole loop::
 
     while not should_stop():
         outputs = engine.step()            # commands, chunk events, one tick
         if outputs:
-            emit(outputs)                  # to the control plane
+            emit(outputs)                  # to the test
         released = engine.take_released()  # completed releases, after the outputs
         if released:
             on_released(released)
         if not engine.has_work():
             engine.wait_for_work(idle_wait_s)   # blocks: no polling while idle
 
-Commands (``add_request`` / ``abort`` / ``release``) come from another thread (the control
-plane's receiver) and wake the wait. ``idle_wait_s`` bounds how late a stall timeout is
+Commands (``add_request`` / ``abort`` / ``release``) come from another thread (the
+test's) and wake the wait. ``idle_wait_s`` bounds how late a stall timeout is
 noticed (``step`` collects them); with 1 s an idle stage wakes once a second.
 
-:class:`StageLoopThread` runs the loop on a thread (single-process mode, tests).
+:class:`StageLoopThread` runs the loop on a thread.
 """
 
 from __future__ import annotations
