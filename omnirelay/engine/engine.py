@@ -163,15 +163,10 @@ class StageEngine:
             raise ConfigError(f"{stage.label} has no chunk edge; it takes no transfer_config")
         # Engine-thread state (guarded by ``_step_lock`` for readers on other threads).
         self._step_lock = threading.RLock()
-        #: The scheduler's requests by external id (commands name requests by it).
-        self._live: dict[str, str] = {}
-        #: Finished here with a terminal admitted, generation not retired yet: external id
-        #: -> internal id (a failure of the terminal is still reported, late).
-        self._sending: dict[str, str] = {}
-        #: Released ids whose sender generation has not retired yet (then: prefix cleanup).
-        self._releasing: set[str] = set()
-        #: Ids whose release completed, until ``take_released`` hands them out.
-        self._released: list[str] = []
+        self._live: dict[str, str] = {}  # external id -> internal id of its live request
+        self._sending: dict[str, str] = {}  # finished, terminal admitted, generation not retired
+        self._releasing: set[str] = set()  # released ids whose sender generation has not retired
+        self._released: list[str] = []  # completed releases, until take_released() hands them out
         self._outputs = OutputBuilder(stage.id)
         self._seq = 0
         self._counts: dict[str, int] = dict.fromkeys(
