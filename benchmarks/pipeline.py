@@ -213,7 +213,7 @@ def bench_running_pipeline(
     ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
     of the stages and the namespace; the pipeline keeps running."""
     from omnirelay.connectors.sweep import sweep
-    from omnirelay.orchestrator.worker import leak_paths
+    from omnirelay.worker import leak_paths
 
     _check_options(concurrency, requests, warmup)
     err = stream if stream is not None else sys.stderr

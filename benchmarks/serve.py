@@ -251,8 +251,8 @@ def run_serve_bench(
         return _finish(report)
 
     from omnirelay.api import Pipeline
-    from omnirelay.orchestrator.worker import leak_paths
     from omnirelay.serving import ServerConfig, ServerThread, create_app
+    from omnirelay.worker import leak_paths
 
     pipe = Pipeline.start(pipeline)
     audit: dict[str, Any] = {}

@@ -33,8 +33,8 @@ import torch
 from omnirelay.api import Pipeline
 from omnirelay.connectors.sweep import sweep
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.engine.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
-from omnirelay.orchestrator.worker import leak_paths
+from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
+from omnirelay.worker import leak_paths
 
 PIPELINE = "toy-3stage"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -164,9 +164,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_idle(args: argparse.Namespace) -> dict[str, Any]:
-    pipe = Pipeline.start(
-        PIPELINE, engine_factory="omnirelay.orchestrator.testing:build_parked_stage0_engine"
-    )
+    pipe = Pipeline.start(PIPELINE, engine_factory="benchmarks.parking_engine:build_parked_stage0_engine")
     try:
         handles = [
             pipe.submit([i % 1000], modalities=["text", "audio"], sampling=SamplingParams(max_tokens=8))

@@ -31,7 +31,6 @@ import itertools
 import os
 import secrets
 import threading
-import unicodedata
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 from omnirelay.connectors.base import validate_namespace
 from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import ConfigError, InvalidKeyError, InvalidRequestError, PipelineError
+from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
 from omnirelay.orchestrator.router import (
@@ -48,13 +48,12 @@ from omnirelay.orchestrator.router import (
     Router,
     requested_modalities,
 )
-from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
 from omnirelay.timeline.recorder import StepRecorder
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY
 
 __all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "chat_tokenizer", "validate_request_id"]
 
-MAX_REQUEST_ID_LEN = 256
 
 T = TypeVar("T")
 _NAMESPACE_COUNTER = itertools.count()
@@ -63,22 +62,13 @@ _NAMESPACE_COUNTER = itertools.count()
 def validate_request_id(request_id: object) -> str:
     """Return ``request_id`` if it is usable, else raise :class:`InvalidRequestError`.
 
-    Usable: a ``str`` of 1–256 characters, none of them a control character (C0/C1,
-    DEL) or a lone surrogate. Ids become parts of transfer keys and log lines.
+    The rules are :func:`omnirelay.ids.request_id_problem`'s: a ``str`` of 1–256
+    characters, none of them a control character or a lone surrogate.
     """
-    if not isinstance(request_id, str):
-        raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__}")
-    if not request_id:
-        raise InvalidRequestError("request_id is empty; pass a non-empty id or None for a generated one")
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequestError(
-            f"request_id is {len(request_id)} characters long; the limit is {MAX_REQUEST_ID_LEN}"
-        )
-    for i, ch in enumerate(request_id):
-        if unicodedata.category(ch) in ("Cc", "Cs"):
-            raise InvalidRequestError(
-                f"request_id contains a control character {ch!r} at position {i}; use printable characters"
-            )
+    problem = request_id_problem(request_id)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    assert isinstance(request_id, str)
     return request_id
 
 
@@ -175,7 +165,7 @@ class Pipeline:
         objects of dead owners in it are reclaimed first. ``engine_factory``:
         ``"module:function"`` building a stage engine in a worker (default: the real
         one). ``input_builders``: per stage id, the orchestrator-side builder of a
-        forwarded input (default: :func:`omnirelay.orchestrator.factory.build_input_builders`).
+        forwarded input (default: :func:`omnirelay.orchestrator.input_builders.build_input_builders`).
         ``tokenizer``: turns ``submit(text=...)`` into ids. ``idle_wait_s``: an idle
         worker's longest wait (it ticks its engine once after each, for stall timeouts);
         ``wait_slice_s``: the wait slices of an engine without ``wake()``.
@@ -204,7 +194,7 @@ class Pipeline:
         except InvalidKeyError as exc:
             raise ConfigError(str(exc)) from exc
         if input_builders is None:
-            from omnirelay.orchestrator.factory import build_input_builders
+            from omnirelay.orchestrator.input_builders import build_input_builders
 
             input_builders = build_input_builders(config)
         orch = Orchestrator(

@@ -1,19 +1,23 @@
 """A tiny in-test orchestrator over three stage engines in one process (inproc connector).
 
 :class:`ToyPipelineRun` builds the toy pipeline ``counter -> relay -> synth`` (chunked
-edges), one :class:`StageEngine` per stage, each driven by the real worker loop on its own
-thread (:class:`StageLoopThread`), and routes their outputs like the orchestrator does:
+edges), one :class:`StageEngine` per stage, each driven by a stage loop on its own thread
+(:class:`~tests.stage_loop.StageLoopThread`), and routes their outputs like the
+orchestrator does:
 
 * ``submit`` — stage 0 with the prompt; placeholders to every chunk-receiving stage up to
   the request's ``final_stage_id`` (prewarm);
 * a request is complete when every stage it was submitted to reported ``finished``; then
   it is released on every stage;
 * an error output from any stage fails the request: abort on every stage, then release;
-* ``abort`` — abort and release on every stage.
+* ``abort`` — abort and release on every stage;
+* each stage's completed releases (``take_released``, after every step) are recorded per
+  request, as the orchestrator's id-reuse fence reads them.
 
 :meth:`ToyPipelineRun.close` stops the loops, drives the engines until they are quiet and
 runs the leak audit: no objects in the namespace, no pending keys, ``leak_state() == {}``
-on every engine (engine + executor + adapter maps).
+on every engine (engine + executor + adapter maps), and every ended request reported
+released by every stage.
 """
 
 from __future__ import annotations
@@ -35,15 +39,15 @@ from omnirelay.connectors.inproc import InprocConnector, hub_for
 from omnirelay.engine import (
     SamplingParams,
     StageEngine,
-    StageLoopThread,
     StageOutput,
     StageRequest,
     build_stage_components,
     create_stage_engine,
 )
-from omnirelay.engine.toy import CountingLM, toy_pipeline_config, toy_registry
+from omnirelay.models.toy import CountingLM, toy_pipeline_config, toy_registry
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import TransferConfig
+from tests.stage_loop import StageLoopThread
 
 TIMEOUT_S = 20.0
 _NS = itertools.count()
@@ -107,6 +111,8 @@ class Track:
     is_aborted: bool = False
     is_failed: bool = False
     is_done: bool = False
+    #: the stages that reported the request's release complete
+    released_by: set[int] = dataclasses.field(default_factory=set)
 
     def waveform(self) -> torch.Tensor:
         return torch.cat(self.audio) if self.audio else torch.zeros(0)
@@ -164,8 +170,15 @@ class ToyPipelineRun:
         self.outputs: queue.Queue[StageOutput] = queue.Queue()
         self.log: list[StageOutput] = []
         self.tracks: dict[str, Track] = {}
+        self._released_lock = threading.Lock()
         self.loops = [
-            StageLoopThread(e, self._emit, idle_wait_s=idle_wait_s, name=f"test-stage-{e.stage_id}")
+            StageLoopThread(
+                e,
+                self._emit,
+                on_released=lambda ids, s=e.stage_id: self._on_released(s, ids),  # type: ignore[misc]
+                idle_wait_s=idle_wait_s,
+                name=f"test-stage-{e.stage_id}",
+            )
             for e in self.engines
         ]
         self._is_started = False
@@ -185,6 +198,13 @@ class ToyPipelineRun:
     def _emit(self, outputs: list[StageOutput]) -> None:
         for o in outputs:
             self.outputs.put(o)
+
+    def _on_released(self, stage_id: int, request_ids: list[str]) -> None:
+        with self._released_lock:
+            for rid in request_ids:
+                track = self.tracks[rid]
+                assert track.is_done, f"stage {stage_id} released {rid!r} before it was told to"
+                track.released_by.add(stage_id)
 
     def submit(
         self,
@@ -298,6 +318,8 @@ class ToyPipelineRun:
                 while e.has_work():
                     for o in e.step():
                         self.outputs.put(o)
+                    self._on_released(e.stage_id, e.take_released())
+                self._on_released(e.stage_id, e.take_released())
             if all(not e.leak_state() for e in self.engines) and not any(e.has_work() for e in self.engines):
                 return
 
@@ -311,6 +333,11 @@ class ToyPipelineRun:
             assert c.health().num_live_objects == 0, c.health()
         for e in self.engines:
             assert e.leak_state() == {}, f"stage {e.stage_id} state left: {e.leak_state()}"
+        every_stage = set(range(len(self.engines)))
+        unreleased = {
+            t.request_id: t.released_by for t in self.tracks.values() if t.released_by != every_stage
+        }
+        assert not unreleased, f"releases not reported by every stage: {unreleased}"
 
     def close(self, *, audit: bool = True) -> None:
         try:

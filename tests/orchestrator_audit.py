@@ -15,7 +15,7 @@ from typing import Any
 
 from omnirelay.api import Pipeline
 from omnirelay.connectors.sweep import sweep
-from omnirelay.orchestrator.worker import leak_paths
+from omnirelay.worker import leak_paths
 
 
 def child_pids() -> list[int]:

@@ -17,8 +17,9 @@ Knobs in ``StageRequest.extras`` (deterministic interleavings, no sleeps):
 * ``reject_stage`` — that stage's ``add_request`` raises;
 * ``crash_stage`` — that stage's ``step`` raises (the engine is broken: the worker exits).
 
-It has no ``wake()`` (not part of the protocol): the worker waits in slices for it,
-while the real engine is woken by the control receive thread.
+It has no ``wake()`` (optional in the protocol): the worker waits in slices for it,
+while the real engine is woken by the control receive thread. Its releases complete at
+once (``take_released`` hands each out after the step that applied it).
 
 Build it in a worker with ``engine_factory="tests.orchestrator_fakes:build_scripted_engine"``.
 """
@@ -70,6 +71,7 @@ class ScriptedEngine:
         self.connector = connector
         self._reqs: dict[str, _Req] = {}
         self._arrived: set[str] = set()
+        self._released: list[str] = []
         self._next_fallback = 0.0
         self.num_steps = 0
 
@@ -89,6 +91,14 @@ class ScriptedEngine:
         self.connector.cleanup_prefix(f"{request_id}_{self.stage_id}_")
         prefix = f"{request_id}_{self.stage_id - 1}_"
         self._arrived = {k for k in self._arrived if not k.startswith(prefix)}
+        self._released.append(request_id)
+
+    def take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        return released
+
+    def num_requests(self) -> int:
+        return len(self._reqs)
 
     def has_work(self) -> bool:
         return any(self._runnable(r) for r in self._reqs.values())

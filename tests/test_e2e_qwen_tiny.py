@@ -27,8 +27,8 @@ from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
 from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
 from omnirelay.models.tiny import CACHE_ENV
 from omnirelay.orchestrator.router import stage_sampling_defaults
-from omnirelay.orchestrator.worker import leak_paths
 from omnirelay.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
+from omnirelay.worker import leak_paths
 from tests.orchestrator_audit import audit_stopped, child_pids
 from tests.test_models_support import tiny_cache, tiny_dir
 

@@ -18,8 +18,8 @@ from omnirelay.engine import (
     SchedulerOutput,
     StepUpdate,
 )
-from omnirelay.engine.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
 from omnirelay.errors import ConfigError
+from omnirelay.models.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
 from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.processors import read_codec_chunk
 from omnirelay.transfer import ChunkInput, FailureKind, TransferEvents, TransferFailure

@@ -14,15 +14,14 @@ from omnirelay.connectors.base import Connector
 from omnirelay.engine import (
     SamplingParams,
     StageEngine,
-    StageLoopThread,
     StageOutput,
     StageRequest,
     build_stage_components,
     create_stage_engine,
     resolve_stage_roles,
 )
-from omnirelay.engine.loop import run_stage_loop
-from omnirelay.engine.toy import (
+from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.models.toy import (
     CountingLM,
     RelayLM,
     SampleGenerator,
@@ -30,11 +29,11 @@ from omnirelay.engine.toy import (
     toy_pipeline_config,
     toy_registry,
 )
-from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.payload import Codes, OmniPayload
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import ChunkEnvelope, TransferConfig
 from tests.engine_harness import TIMEOUT_S, GatedCountingLM, fast_transfer_config
+from tests.stage_loop import StageLoopThread, run_stage_loop
 from tests.transfer_fakes import FakeClock, FakeConnector, FakeStore, Gate
 
 PIPELINE = toy_pipeline_config()
@@ -74,10 +73,12 @@ def run_until_idle(engine: StageEngine) -> list[StageOutput]:
 
 
 def audit(engine: StageEngine, store: FakeStore | None = None) -> None:
-    """The leak audit: settle the adapter, apply what it reported, then nothing is left."""
+    """The leak audit: settle the adapter, apply what it reported (and take the completed
+    releases, as the worker loop does after each step), then nothing is left."""
     for _ in range(10):
         assert engine.flush(TIMEOUT_S)
         run_until_idle(engine)
+        engine.take_released()
         if not engine.leak_state():
             break
     assert engine.leak_state() == {}, engine.leak_state()
@@ -207,6 +208,8 @@ def test_a_text_only_request_never_puts_a_chunk() -> None:
     assert h["num_saves"] == 0 and h["transfer"]["sender"]["num_admitted"] == 0
     assert not any(e.startswith("put_start") for e in store.log)
     engine.release("text-only")
+    assert engine.step() == []
+    assert engine.take_released() == ["text-only"]  # nothing to drain: complete at once
     audit(engine, store)
     assert not any(e.startswith("put_start") for e in store.log)
 
@@ -224,13 +227,15 @@ def test_release_removes_the_chunks_nobody_read_after_the_terminal_is_out() -> N
     engine.release("R")
     engine.step()
     # The prefix cleanup waits for the generation: a cleanup now would miss the terminal.
-    assert engine.leak_state()["pending_prefix_release"] == ["R"]
+    assert engine.leak_state()["releasing"] == ["R"]
     assert store.live_keys() == ["R_0_0", "R_0_1", "R_0_2"]
+    assert engine.take_released() == []  # not complete: the terminal is still being put
     gate.release()
     assert engine.flush(TIMEOUT_S)
-    run_until_idle(engine)  # the retirement reached the inbox: clean by prefix
+    run_until_idle(engine)  # the retirement came with the events: clean by prefix
     assert store.live_keys() == []
     assert engine.health()["num_keys_released"] == 4
+    assert engine.take_released() == ["R"]
     audit(engine, store)
 
 
@@ -277,10 +282,16 @@ def test_a_terminal_that_fails_after_the_finish_is_reported_late() -> None:
     store = FakeStore()
     conn = FakeConnector(store, 0)
     conn.fail_after_create.add("R_0_1")
+    # The terminal put fails only once the finish went out: were it free to fail at once,
+    # the send worker could record the failure before ``run_until_idle`` stops looking,
+    # and the late error would come in the same batch as the finish.
+    put_gate = conn.put_gates["R_0_1"] = Gate("terminal put")
     engine = make_engine(0, conn)
     engine.add_request(text_request("R", [1], 2, final_stage_id=1))
     outs = run_until_idle(engine)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
+    put_gate.wait_started()
+    put_gate.release()
     assert engine.flush(TIMEOUT_S)
     late = run_until_idle(engine)
     assert [(o.finish_reason, o.finished) for o in late] == [("error", True)]
@@ -521,6 +532,7 @@ def test_release_of_a_live_request_is_silent_and_the_id_can_be_used_again() -> N
     assert engine.step() == []  # no output: nobody waits for it any more
     assert engine.flush(TIMEOUT_S)
     run_until_idle(engine)
+    assert engine.take_released() == ["R"]
     assert engine.leak_state() == {} and store.live_keys() == []
     engine.add_request(text_request("R", [5], 2, final_stage_id=1))
     outs = run_until_idle(engine)

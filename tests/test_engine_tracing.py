@@ -15,8 +15,8 @@ import torch
 
 from omnirelay.engine import BatchItem, ItemResult, SamplingParams, StageOutput
 from omnirelay.engine.request import Request
-from omnirelay.engine.toy import RelayLM
 from omnirelay.engine.tracing import StepTracer
+from omnirelay.models.toy import RelayLM
 from omnirelay.payload import Codes, OmniPayload
 from omnirelay.timeline import STEP_METRICS, Step, StepRecorder, step_of
 from omnirelay.transfer import ChunkEnvelope

@@ -20,13 +20,13 @@ import torch
 from omnirelay.api import Pipeline
 from omnirelay.connectors.sweep import sweep
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.engine.toy import (
+from omnirelay.errors import RequestFailedError
+from omnirelay.models.toy import (
     TOY_SAMPLE_RATE,
     expected_counting_tokens,
     expected_relay_tokens,
     expected_waveform,
 )
-from omnirelay.errors import RequestFailedError
 from omnirelay.pipeline import load_pipeline
 from omnirelay.timeline import StageTrace, drive_request, steps_by_stage
 from tests.orchestrator_audit import audit_running, audit_stopped, pids_alive, transfer_objects
@@ -109,6 +109,42 @@ def test_request_id_reuse_after_abort_and_after_completion(audited: Pipeline) ->
             ).result(30)
             text, wave = expect([2], n)
             assert res.token_ids() == text and res.audio is not None and torch.equal(res.audio, wave)
+
+
+def test_request_id_reused_right_after_an_abort_waits_for_every_stage_release(audited: Pipeline) -> None:
+    """No settling in between: the front parks the reuse until every stage reported the
+    ended request released (stage 0 only once its aborted sender drained)."""
+    for n in (4, 2, 5):
+        h = audited.submit(
+            [2], request_id="again", modalities=["text", "audio"], sampling=SamplingParams(max_tokens=LONG)
+        )
+        next(o for o in h if o.modality == "audio")
+        h.abort()
+        assert h.result(10).is_aborted
+        res = audited.submit(
+            [2], request_id="again", modalities=["text", "audio"], sampling=SamplingParams(max_tokens=n)
+        ).result(30)
+        text, wave = expect([2], n)
+        assert res.token_ids() == text and res.audio is not None and torch.equal(res.audio, wave)
+
+
+def test_requests_parked_behind_a_silent_first_stage_are_released_on_abort() -> None:
+    """Stage 0 parks every request (a test module's engine factory, loaded by the spawned
+    worker): the downstream stages hold the prewarmed requests, waiting for chunks that
+    never come; each stage's queue depth is its own engine's count."""
+    with Pipeline.start(
+        "toy-3stage", engine_factory="benchmarks.parking_engine:build_parked_stage0_engine"
+    ) as p:
+        handles = [p.submit([i], modalities=["text", "audio"]) for i in range(3)]
+        health = p.health()
+        assert [st.queue_depth for st in health.stages] == [3, 3, 3]
+        assert health.stages[0].engine is not None and health.stages[0].engine["num_parked"] == 3
+        for h in handles:
+            h.abort()
+            assert h.result(10).is_aborted
+        audit_running(p)
+        assert [st.queue_depth for st in p.health().stages] == [0, 0, 0]
+    audit_stopped(p)
 
 
 def test_concurrent_requests_with_random_aborts(audited: Pipeline) -> None:

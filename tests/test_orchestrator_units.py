@@ -1,12 +1,10 @@
-"""The process layer's parts, in one process: messages, control sockets, the worker loop,
-request handles, request-id validation and the public surface."""
+"""The front's parts, in one process: request handles, request-id validation, the
+id-reuse fence of the orchestrator, and the public surface."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -14,47 +12,30 @@ import torch
 
 import omnirelay.api as api
 import omnirelay.orchestrator as orchestrator_pkg
-from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
-from omnirelay.errors import ConfigError, InvalidRequestError, PipelineError, RequestFailedError
-from omnirelay.orchestrator.control import ControlPaths, FrontControl, Inbox, WorkerControl
+import omnirelay.worker as worker_pkg
+from omnirelay.engine.interfaces import StageOutput
+from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError
+from omnirelay.models.toy import toy_pipeline_config
 from omnirelay.orchestrator.handle import RequestHandle
-from omnirelay.orchestrator.messages import (
-    Abort,
-    Goodbye,
-    HealthReply,
-    HealthRequest,
-    Hello,
-    LeakStateReply,
-    LeakStateRequest,
+from omnirelay.orchestrator.orchestrator import Orchestrator
+from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
+from omnirelay.worker.messages import (
     Outputs,
-    Release,
     Released,
     RequestFailed,
-    Shutdown,
-    StageFatal,
-    StartupFailed,
-    Submit,
-    decode_to_front,
-    decode_to_worker,
-    encode_message,
-    stage_output,
-    stage_request,
     wire_output,
-    wire_request,
 )
-from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.orchestrator.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
-from omnirelay.pipeline import parse_pipeline
 
 # ------------------------------------------------------------------------ public surface
 
 
 def test_exports() -> None:
-    for name in orchestrator_pkg.__all__:
-        assert hasattr(orchestrator_pkg, name), name
+    for pkg in (orchestrator_pkg, worker_pkg):
+        for name in pkg.__all__:
+            assert hasattr(pkg, name), name
+        assert sorted(pkg.__all__) == pkg.__all__
     for name in api.__all__:
         assert hasattr(api, name), name
-    assert sorted(orchestrator_pkg.__all__) == orchestrator_pkg.__all__
 
 
 @pytest.mark.parametrize(
@@ -70,350 +51,6 @@ def test_request_id_validation_rejects(bad: Any) -> None:
 @pytest.mark.parametrize("good", ["a", "x" * 256, "../../etc/passwd", "résumé 👍", "task_1_0", "a b"])
 def test_request_id_validation_accepts(good: str) -> None:
     assert api.validate_request_id(good) == good
-
-
-# -------------------------------------------------------------------------------- messages
-
-
-def test_every_message_round_trips() -> None:
-    req = StageRequest(
-        request_id="r",
-        prompt_token_ids=[1, 2],
-        sampling=SamplingParams(max_tokens=3, stop_token_ids=(7,)),
-        is_placeholder=True,
-        inputs={"audio": torch.arange(5, dtype=torch.float32), "n": 1},
-        final_stage_id=2,
-        extras={"t": torch.ones(2, 2, dtype=torch.bfloat16)},
-    )
-    out = StageOutput(
-        request_id="r",
-        stage_id=2,
-        finished=True,
-        finish_reason="stop",
-        audio=torch.rand(8),
-        sample_rate=24000,
-    )
-    to_worker = [
-        Submit(wire_request(req)),
-        Abort("r"),
-        Release("r"),
-        HealthRequest(1),
-        LeakStateRequest(2, 0.5),
-        Shutdown(),
-    ]
-    for m in to_worker:
-        assert decode_to_worker(encode_message(m)) == m
-    to_front = [
-        Hello(0, 1),
-        StartupFailed(0, 1, "boom"),
-        Outputs(2, [wire_output(out)]),
-        RequestFailed(1, "r", "x"),
-        Released(1, "r"),
-        StageFatal(1, "x"),
-        HealthReply(1, 0, 3, 0, {"a": [1, 2], "nested": {"x": 1.5}}),
-        LeakStateReply(2, 0, {"worker": {"num_live_requests": 0}, "engine": {}}),
-        Goodbye(0),
-    ]
-    for m in to_front:
-        assert decode_to_front(encode_message(m)) == m
-    back = stage_request(decode_to_worker(encode_message(Submit(wire_request(req)))).request)  # type: ignore[union-attr]
-    assert torch.equal(back.inputs["audio"], req.inputs["audio"]) and back.inputs["n"] == 1
-    assert back.extras["t"].dtype == torch.bfloat16 and back.sampling == req.sampling and back.is_placeholder
-    got = stage_output(wire_output(out))
-    assert torch.equal(got.audio, out.audio) and got.sample_rate == 24000 and got.finished
-
-
-def test_reports_with_odd_values_still_encode() -> None:
-    reply = HealthReply(1, 0, 3, 0, {"obj": object(), "np": torch.tensor(3)})
-    back = decode_to_front(encode_message(reply))
-    assert isinstance(back, HealthReply) and back.engine["np"] == 3 and "object" in back.engine["obj"]
-
-
-def test_bad_frames_are_pipeline_errors() -> None:
-    with pytest.raises(PipelineError):
-        decode_to_worker(b"\x00garbage")
-    with pytest.raises(PipelineError):
-        decode_to_front(encode_message(Shutdown()))  # a front never receives a Shutdown
-
-
-# ------------------------------------------------------------------------------ control
-
-
-async def recv_messages(front: FrontControl, stage_id: int, n: int) -> list[Any]:
-    """The next ``n`` messages of the stage, read as the orchestrator does: wait for the
-    socket's descriptor, then take everything queued (one burst may hold several)."""
-    loop = asyncio.get_running_loop()
-    fd = front.fileno(stage_id)
-    out: list[Any] = []
-    while True:
-        messages, num_bad, has_more = front.recv_ready(stage_id, limit=2)
-        assert num_bad == 0
-        out += messages
-        if has_more:
-            continue
-        if len(out) >= n:
-            assert len(out) == n, out
-            return out
-        readable: asyncio.Future[None] = loop.create_future()
-
-        def on_readable(fut: asyncio.Future[None] = readable) -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(fd, on_readable)
-        try:
-            await asyncio.wait_for(readable, 5.0)
-        finally:
-            loop.remove_reader(fd)
-
-
-def test_control_plane_round_trip_and_cleanup() -> None:
-    paths = ControlPaths.create(2)
-
-    async def main() -> None:
-        front = FrontControl(paths)
-        worker = WorkerControl(paths, 1)
-        inbox = Inbox()
-        woke = threading.Event()
-        worker.start_receiving(inbox, wake=woke.set, is_parent_alive=lambda: True, parent_check_s=0.05)
-        try:
-            worker.send(Hello(1, os.getpid()))
-            assert await recv_messages(front, 1, 1) == [Hello(1, os.getpid())]
-            for rid in ("a", "b", "c"):
-                worker.send(Released(1, rid))
-            assert await recv_messages(front, 1, 3) == [Released(1, rid) for rid in ("a", "b", "c")]
-            assert front.send(1, Abort("x"))
-            assert await asyncio.to_thread(inbox.wait, 5.0)
-            # The receiving thread wakes the engine after it has put the batch in the inbox:
-            # wait for the wake, don't assume it already happened.
-            assert await asyncio.to_thread(woke.wait, 5.0)
-            assert inbox.take_all() == [Abort("x")]
-            assert not front.send(0, Abort("y"))  # no worker connected to stage 0
-        finally:
-            worker.close()
-            front.close()
-            front.close()  # idempotent
-
-    asyncio.run(main())
-    assert not os.path.exists(paths.directory)
-
-
-def test_orphaned_worker_gets_a_shutdown() -> None:
-    paths = ControlPaths.create(1)
-    front = FrontControl(paths)
-    worker = WorkerControl(paths, 0)
-    inbox = Inbox()
-    try:
-        worker.start_receiving(inbox, wake=lambda: None, is_parent_alive=lambda: False, parent_check_s=0.01)
-        assert inbox.wait(5.0)
-        assert inbox.take_all() == [Shutdown()]
-    finally:
-        worker.close()
-        front.close()
-
-
-# ---------------------------------------------------------------------------- worker loop
-
-
-class RecordingEngine:
-    """An in-process engine that records calls; ``wake``/``is_released`` are optional."""
-
-    def __init__(self, *, with_wake: bool = True) -> None:
-        self.stage_id = 1
-        self.calls: list[tuple[str, str]] = []
-        self.requests: dict[str, int] = {}
-        self.pending_outputs: list[StageOutput] = []
-        self.is_released_ids: set[str] = set()
-        self.num_steps = 0
-        self.num_wakes = 0
-        self.fail_step = False
-        self.cond = threading.Condition()
-        if with_wake:
-            self.wake = self._wake  # type: ignore[method-assign]
-
-    def _wake(self) -> None:
-        with self.cond:
-            self.num_wakes += 1
-            self.cond.notify_all()
-
-    def add_request(self, request: StageRequest) -> None:
-        self.calls.append(("add", request.request_id))
-        self.requests[request.request_id] = 0
-
-    def abort(self, request_id: str) -> None:
-        self.calls.append(("abort", request_id))
-        self.requests.pop(request_id, None)
-
-    def release(self, request_id: str) -> None:
-        self.calls.append(("release", request_id))
-        self.requests.pop(request_id, None)
-
-    def step(self) -> list[StageOutput]:
-        self.num_steps += 1
-        if self.fail_step:
-            raise RuntimeError("step broke")
-        outs, self.pending_outputs = self.pending_outputs, []
-        return outs
-
-    def has_work(self) -> bool:
-        return bool(self.pending_outputs)
-
-    def wait_for_work(self, timeout: float) -> bool:
-        with self.cond:
-            self.cond.wait(timeout)
-        return self.has_work()
-
-    def health(self) -> dict[str, Any]:
-        return {"status": "healthy"}
-
-    def leak_state(self) -> dict[str, Any]:
-        return {"requests": sorted(self.requests)}
-
-    def shutdown(self) -> None:
-        pass
-
-
-def make_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any]]:
-    cfg = parse_pipeline(
-        {
-            "name": "x",
-            "stages": [
-                {
-                    "id": 0,
-                    "name": "a",
-                    "execution_type": "ar",
-                    "executor": "e",
-                    "final_output": True,
-                    "final_output_type": "text",
-                }
-            ],
-        }
-    )
-    spec = WorkerSpec(
-        stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 1), parent_pid=os.getpid(), **spec_kw
-    )
-    inbox = Inbox()
-    sent: list[Any] = []
-    return WorkerLoop(engine, inbox, sent.append, spec), inbox, sent
-
-
-def submit(rid: str) -> Submit:
-    return Submit(wire_request(StageRequest(request_id=rid, prompt_token_ids=[1])))
-
-
-def test_worker_loop_applies_commands_steps_and_acknowledges_releases() -> None:
-    engine = RecordingEngine()
-    loop, inbox, sent = make_loop(engine)
-    inbox.put(submit("a"))
-    inbox.put(HealthRequest(7))
-    loop.run_once()
-    assert engine.calls == [("add", "a")] and loop.live == {"a"}
-    assert engine.num_steps == 1  # a posted command makes a tick
-    (reply,) = sent
-    assert isinstance(reply, HealthReply) and reply.seq == 7 and reply.num_requests == 1
-    sent.clear()
-    engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, finished=True, token_ids=[3])]
-    loop.run_once()
-    (outs,) = sent
-    assert isinstance(outs, Outputs) and outs.outputs[0].token_ids == [3] and loop.live == set()
-    sent.clear()
-    inbox.put(Abort("a"))
-    inbox.put(Release("a"))
-    inbox.put(LeakStateRequest(8, 0.0))
-    loop.run_once()
-    assert engine.calls[-2:] == [("abort", "a"), ("release", "a")]
-    # the acknowledgement follows the tick that applied the release, the query after it
-    assert [type(m).__name__ for m in sent] == ["Released", "LeakStateReply"]
-    inbox.put(Shutdown())
-    loop.run_once()
-    assert loop.is_stopping
-
-
-def test_release_ack_waits_for_is_released() -> None:
-    engine = RecordingEngine()
-    engine.is_released = lambda rid: rid in engine.is_released_ids  # type: ignore[attr-defined]
-    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=30.0)
-    inbox.put(Release("r"))
-    loop.run_once()
-    assert sent == []  # the engine still drains the id
-    engine.is_released_ids.add("r")
-    loop.run_once()
-    assert sent == [Released(1, "r")]
-
-
-def test_release_ack_is_bounded() -> None:
-    engine = RecordingEngine()
-    engine.is_released = lambda rid: False  # type: ignore[attr-defined]
-    loop, inbox, sent = make_loop(engine, idle_wait_s=0.01, release_ack_timeout_s=0.0)
-    inbox.put(Release("r"))
-    loop.run_once()
-    assert sent == [Released(1, "r")]
-
-
-def test_leak_state_settles_then_reports() -> None:
-    engine = RecordingEngine()
-    loop, inbox, sent = make_loop(engine)
-    engine.requests["stuck"] = 1
-    inbox.put(LeakStateRequest(1, 0.05))
-    t0 = time.monotonic()
-    loop.run_once()
-    (reply,) = sent
-    assert isinstance(reply, LeakStateReply) and reply.state["engine"] == {"requests": ["stuck"]}
-    assert time.monotonic() - t0 >= 0.05
-    assert leak_paths(reply.state) == ["engine.requests=['stuck']"]
-
-
-def test_step_failure_is_fatal_and_reported() -> None:
-    engine = RecordingEngine()
-    loop, inbox, sent = make_loop(engine)
-    engine.fail_step = True
-    inbox.put(submit("a"))
-    with pytest.raises(RuntimeError, match="step broke"):
-        loop.run_once()
-    (fatal,) = sent
-    assert isinstance(fatal, StageFatal) and "step broke" in fatal.error
-
-
-def test_engine_without_wake_waits_on_the_inbox_when_empty() -> None:
-    engine = RecordingEngine(with_wake=False)
-    loop, inbox, _ = make_loop(engine, idle_wait_s=30.0)
-    assert loop.engine_wake is None
-    t = threading.Timer(0.05, inbox.put, args=(Shutdown(),))
-    t.start()
-    t0 = time.monotonic()
-    loop.run_once()  # idle, no request: blocks on the inbox, not for 30 s
-    t.join()
-    assert time.monotonic() - t0 < 10
-    loop.run_once()
-    assert loop.is_stopping
-
-
-def test_engine_with_wake_is_woken_by_the_receive_thread() -> None:
-    engine = RecordingEngine()
-    loop, inbox, _ = make_loop(engine, idle_wait_s=30.0)
-
-    def deliver() -> None:
-        inbox.put(Shutdown())
-        loop.wake()
-
-    t = threading.Timer(0.05, deliver)
-    t.start()
-    t0 = time.monotonic()
-    loop.run_once()
-    t.join()
-    assert time.monotonic() - t0 < 10 and engine.num_wakes == 1
-
-
-def test_load_engine_factory_errors() -> None:
-    for bad in ("nocolon", "no_such_module_xyz:f", "omnirelay.api:no_such_function"):
-        with pytest.raises(ConfigError):
-            load_engine_factory(bad)
-    assert callable(load_engine_factory("omnirelay.orchestrator.testing:build_parked_stage0_engine"))
-
-
-def test_leak_paths() -> None:
-    assert leak_paths({"a": 0, "b": [], "c": {}, "d": None, "e": "text", "f": False, "g_total": 9}) == []
-    assert leak_paths({"a": {"b": 2}, "c": ["x"]}) == ["a.b=2", "c=['x']"]
 
 
 # ------------------------------------------------------------------------------ handles
@@ -490,117 +127,94 @@ def test_handle_async_iteration_across_threads() -> None:
     assert [o.token_ids for o in got] == [[0], [1], [2], []] and got[-1].finished
 
 
-def make_intermediate_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any], list[float]]:
-    """A worker loop of stage 1, an intermediate stage (no final output), on a manual clock."""
-    cfg = parse_pipeline(
-        {
-            "name": "x",
-            "async_chunk": False,
-            "stages": [
-                {
-                    "id": 0,
-                    "name": "a",
-                    "execution_type": "ar",
-                    "executor": "e",
-                    "final_output": True,
-                    "final_output_type": "text",
-                },
-                {"id": 1, "name": "b", "execution_type": "ar", "executor": "e", "input_sources": [0]},
-            ],
-        }
+# ------------------------------------------------------------------------- id-reuse fence
+
+
+class RecordingFront:
+    """The orchestrator's side of the control plane, in process: records what it sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Any]] = []
+
+    def send(self, stage_id: int, message: Any) -> bool:
+        self.sent.append((stage_id, message))
+        return True
+
+    def take(self) -> list[tuple[int, str]]:
+        out = [(sid, type(m).__name__) for sid, m in self.sent]
+        self.sent.clear()
+        return out
+
+
+def make_orchestrator() -> tuple[Orchestrator, RecordingFront]:
+    """An orchestrator of the three-stage toy pipeline whose workers are the test: its
+    control plane records what it sends, and the test feeds it what workers say."""
+    orch = Orchestrator(toy_pipeline_config(), namespace="unit")
+    front = RecordingFront()
+    orch._control = front  # type: ignore[assignment]
+    return orch, front
+
+
+def text_only(rid: str) -> PipelineRequest:
+    return PipelineRequest(request_id=rid, prompt_token_ids=[1], modalities=("text",))
+
+
+def finished_text(rid: str) -> Outputs:
+    return Outputs(
+        0, [wire_output(StageOutput(request_id=rid, stage_id=0, finished=True, finish_reason="stop"))]
     )
-    spec = WorkerSpec(
-        stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 2), parent_pid=os.getpid(), **spec_kw
-    )
-    inbox = Inbox()
-    sent: list[Any] = []
-    now = [0.0]
-    loop = WorkerLoop(engine, inbox, sent.append, spec, clock=lambda: now[0])
-    return loop, inbox, sent, now
 
 
-def progress(rid: str, token: int) -> StageOutput:
-    return StageOutput(request_id=rid, stage_id=1, token_ids=[token])
+def assert_front_books_empty(orch: Orchestrator) -> None:
+    """The front's leak audit: no request, no fence, no parked reuse."""
+    assert orch.num_requests == 0 and orch._handles == {}
+    assert orch._unreleased == {} and orch._parked == {}
 
 
-def sent_outputs(sent: list[Any]) -> list[list[tuple[str, list[int], bool]]]:
-    """Each Outputs message as (request id, token ids, finished) per output."""
-    return [
-        [(w.request_id, w.token_ids, w.finished) for w in m.outputs] for m in sent if isinstance(m, Outputs)
-    ]
+def test_a_reused_id_is_parked_until_the_last_stage_reports_released() -> None:
+    orch, front = make_orchestrator()
+    first = RequestHandle("R")
+    orch.admit(text_only("R"), first)
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert first.result(1).finish_reason == "stop"
+    assert front.take() == [(0, "Release"), (1, "Release"), (2, "Release")]
+    again = RequestHandle("R")
+    orch.admit(text_only("R"), again)  # the stages may still hold R's chunks: it waits
+    orch._on_message(2, Released(2, "R"))
+    orch._on_message(0, Released(0, "R"))
+    orch._on_message(0, Released(0, "R"))  # a duplicate changes nothing
+    assert front.take() == [] and not again.is_finished
+    # Stage 1 is still fenced: what it says about R belongs to the ended request.
+    orch._on_message(1, Outputs(1, [wire_output(StageOutput(request_id="R", stage_id=1, token_ids=[9]))]))
+    orch._on_message(1, RequestFailed(1, "R", "late failure of the ended request"))
+    assert orch.num_stale_messages == 2 and front.take() == []
+    orch._on_message(1, Released(1, "R"))  # the last one: the reuse is admitted now
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    for sid in range(3):
+        orch._on_message(sid, Released(sid, "R"))
+    assert_front_books_empty(orch)
 
 
-def test_intermediate_stage_holds_progress_until_a_final_output_in_order() -> None:
-    engine = RecordingEngine()
-    loop, _, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0)
-    assert loop.holds_progress
-    engine.has_work = lambda: True  # type: ignore[method-assign]  # busy: the loop never waits
-    for token in (1, 2):
-        engine.pending_outputs = [progress("a", token)]
-        loop.run_once()
-    assert sent_outputs(sent) == []  # held: no client reads an intermediate stage's progress
-    engine.pending_outputs = [progress("b", 7), StageOutput(request_id="a", stage_id=1, finished=True)]
-    loop.run_once()
-    assert sent_outputs(sent) == [[("a", [1], False), ("a", [2], False), ("b", [7], False), ("a", [], True)]]
-
-
-def test_intermediate_stage_flushes_when_due_and_before_waiting() -> None:
-    engine = RecordingEngine()
-    loop, _, sent, now = make_intermediate_loop(engine, progress_flush_s=0.05, idle_wait_s=0.0)
-    engine.pending_outputs = [progress("a", 1)]
-    loop.run_once()  # the step's output is held; nothing else to do: flushed before the wait
-    assert sent_outputs(sent) == [[("a", [1], False)]]
-    sent.clear()
-    engine.pending_outputs = [progress("a", 2)]
-    engine.has_work = lambda: True  # type: ignore[method-assign]  # busy: the loop never waits
-    loop.run_once()
-    now[0] = 0.04
-    engine.pending_outputs = [progress("a", 3)]
-    loop.run_once()
-    assert sent_outputs(sent) == []
-    now[0] = 0.05  # the first held output is due
-    engine.pending_outputs = [progress("a", 4)]
-    loop.run_once()
-    assert sent_outputs(sent) == [[("a", [2], False), ("a", [3], False), ("a", [4], False)]]
-    sent.clear()
-    engine.pending_outputs = [progress("a", 5)]
-    loop.run_once()
-    now[0] = 0.2
-    loop.run_once()  # a step without outputs still sends what is due
-    assert sent_outputs(sent) == [[("a", [5], False)]]
-
-
-def test_release_drops_held_progress_of_its_id() -> None:
-    engine = RecordingEngine()
-    loop, inbox, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0, idle_wait_s=0.0)
-    engine.has_work = lambda: True  # type: ignore[method-assign]
-    engine.pending_outputs = [progress("a", 1), progress("b", 2)]
-    loop.run_once()
-    assert sent_outputs(sent) == []
-    inbox.put(Release("a"))
-    engine.has_work = lambda: False  # type: ignore[method-assign]
-    loop.run_once()  # the release is applied and acknowledged
-    assert sent == [Released(1, "a")]
-    loop.run_once()  # nothing to do: what is held goes out before the loop waits
-    assert sent_outputs(sent) == [[("b", [2], False)]]
-    assert Released(1, "a") in sent
-    assert sent.index(Released(1, "a")) < next(i for i, m in enumerate(sent) if isinstance(m, Outputs))
-
-
-def test_error_outputs_and_final_stages_are_never_held() -> None:
-    engine = RecordingEngine()
-    loop, _, sent, _ = make_intermediate_loop(engine, progress_flush_s=10.0)
-    engine.pending_outputs = [progress("a", 1)]
-    engine.has_work = lambda: True  # type: ignore[method-assign]
-    loop.run_once()
-    engine.pending_outputs = [StageOutput(request_id="b", stage_id=1, error="broken")]
-    loop.run_once()
-    assert [[w.request_id for w in m] for m in ([o.outputs for o in sent if isinstance(o, Outputs)])] == [
-        ["a", "b"]
-    ]
-    final_engine = RecordingEngine()
-    final_loop, _, final_sent = make_loop(final_engine)
-    assert not final_loop.holds_progress
-    final_engine.pending_outputs = [StageOutput(request_id="a", stage_id=1, token_ids=[1])]
-    final_loop.run_once()
-    assert len(sent_outputs(final_sent)) == 1
+def test_a_dead_stage_drops_its_fences_and_an_aborted_reuse_leaves_nothing() -> None:
+    orch, front = make_orchestrator()
+    orch.admit(text_only("R"), RequestHandle("R"))
+    orch._on_message(0, finished_text("R"))
+    front.take()
+    parked = RequestHandle("R")
+    orch.admit(text_only("R"), parked)
+    orch.abort("R")  # a parked reuse aborts without reaching any stage
+    assert parked.result(1).is_aborted and front.take() == []
+    again = RequestHandle("R")
+    orch.admit(text_only("R"), again)
+    for sid in (0, 1):
+        orch._on_message(sid, Released(sid, "R"))
+    orch._execute(orch._stage_failed(2, "stage 2 died"))  # no Released will come from it
+    assert front.take() == [(0, "Submit")]  # admitted (stage 2 is not on a text-only path)
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    orch._on_message(0, Released(0, "R"))
+    orch._on_message(1, Released(1, "R"))
+    assert_front_books_empty(orch)

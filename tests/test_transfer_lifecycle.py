@@ -17,6 +17,7 @@ from tests.transfer_fakes import (
     FakeConnector,
     FakeStore,
     assert_no_leaks,
+    assert_only_retired,
     collect,
     make_config,
     make_pipeline,
@@ -37,7 +38,7 @@ def test_ten_thousand_sequential_lifecycles_leave_every_map_empty() -> None:
             p.receiver.finish_requests([f"r{i}"])
             # The terminal put's completion cleans the sender; wait for it before reusing the id.
             assert p.sender.flush()
-        assert p.sender.poll_events().is_empty
+        assert_only_retired(p.sender, *[f"E{i}" for i in range(7)])
         p.audit()
         health = p.sender.health()
         assert health["sender"]["num_puts"] == 10_000 and health["sender"]["num_generations"] == 0
@@ -228,6 +229,7 @@ def test_middle_stage_adapter_relays_and_cleans_both_roles() -> None:
             assert middle.save_async("t1", "REQ", codes, is_finished=done) is Admission.ENQUEUED
         # The terminal's completion released the middle stage's state for t1, both roles.
         assert middle.flush()
+        assert_only_retired(middle, "REQ")
         # (Its puts stay in the budget until stage 2 consumes them.)
         assert set(middle.leak_state()) == {"budget_records"}
         prompts = []

@@ -15,8 +15,10 @@ import torch
 from omnirelay.transfer import Admission, BuildRequest, ChunkEnvelope, FailureKind, key_prefix
 from omnirelay.transfer.wakeup import Parker
 from tests.transfer_fakes import (
+    GATE_TIMEOUT_S,
     FakeClock,
     Gate,
+    assert_only_retired,
     collect,
     failed_for,
     make_pipeline,
@@ -66,7 +68,42 @@ def test_abort_during_inflight_put_returns_at_once_and_reclaims() -> None:
             < log.index("cleanup:R_0_0")
         )
         assert p.sender.sender_generation("R") is None
-        assert p.sender.poll_events().is_empty
+        assert_only_retired(p.sender, "Q", "R")
+        p.audit()
+
+
+def test_a_retirement_is_reported_only_once_its_keys_are_gone() -> None:
+    """Release as data: a cancelled generation's retirement reaches ``poll_events`` after
+    its exact-key cleanup ran on its lane (and after the release hook dropped the
+    processor's state of the id); a generation with nothing to clean, at retirement."""
+    hooks: list[tuple[str, str]] = []
+    with make_pipeline(release_hook=lambda ext, kind: hooks.append((ext, kind))) as p:
+        p.sender.save_async("a1", "R", {"c": 0})
+        p.sender.save_async("a1", "R", {"c": 1})
+        assert p.sender.flush()
+        assert p.store.live_keys() == ["R_0_0", "R_0_1"]  # sent, never read
+        gate = p.send_conn.cleanup_gates["R_0_1"] = Gate("cleanup R_0_1")
+        p.sender.finish_requests(["a1"])  # the abort: A retires, its cleanup is queued
+        gate.wait_started()  # R_0_0 is gone, R_0_1 not yet
+        assert p.sender.sender_generation("R") is None  # retired: the id is free for admission
+        assert p.sender.poll_events().is_empty and not p.sender.wait_events(0)
+        assert hooks == []  # nor is the processor's state dropped before the keys
+        waiter: list[bool] = []
+        scheduler = threading.Thread(target=lambda: waiter.append(p.sender.wait_events(GATE_TIMEOUT_S)))
+        scheduler.start()
+        gate.release()
+        scheduler.join()
+        assert waiter == [True]  # the report wakes a waiting scheduler
+        assert p.store.live_keys() == [] and hooks == [("R", "request")]
+        assert_only_retired(p.sender, "R")
+        # Nothing to clean (the terminal is downstream's): reported at retirement.
+        p.sender.save_async("b1", "T", {"c": 0}, is_finished=True)
+        assert p.sender.wait_events(GATE_TIMEOUT_S)
+        assert p.store.live_keys() == ["T_0_0"]
+        assert_only_retired(p.sender, "T")
+        assert hooks == [("R", "request"), ("T", "request")]
+        read_chunks(p, "rt", "T", 1)
+        p.receiver.finish_requests(["rt"])
         p.audit()
 
 
@@ -122,7 +159,7 @@ def test_old_generation_cleanup_runs_before_new_generation_put() -> None:
         second_put = log.index("put_start:R_0_0", first_put + 1)
         assert log.index("cleanup:R_0_0") < second_put
         p.receiver.finish_requests(["rb"])
-        assert p.sender.poll_events().is_empty
+        assert_only_retired(p.sender, "R")  # A's and B's generation: one report until drained
         p.audit()
 
 
@@ -322,7 +359,7 @@ def test_abort_racing_the_first_put_never_leaks() -> None:
             p.sender.save_async(f"r{i}", f"R{i}", {"i": i}, is_finished=i % 2 == 0)
             p.sender.finish_requests([f"r{i}"])
         assert p.sender.flush()
-        assert p.sender.poll_events().is_empty
+        assert_only_retired(p.sender, *[f"R{i}" for i in range(500)])
         # Terminals always go out (end of stream); nobody reads them here, so the
         # orchestrator releases them by id. Non-terminal chunks were never sent or cleaned.
         for i in range(500):
@@ -516,6 +553,6 @@ def test_consumption_releases_budget_and_the_waiting_sender_proceeds() -> None:
         (b,) = read_chunks(p, "rb", "B", 1)
         assert b.payload["data"] == b"b"
         p.receiver.finish_requests(["ra", "rb"])
-        assert p.sender.poll_events().is_empty
+        assert_only_retired(p.sender, "A", "B")
         p.audit()
         assert p.sender.health()["budget"]["edges"] == {}

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import omnirelay.transfer as transfer
-from omnirelay.errors import ConfigError, InvalidKeyError, PayloadEncodeError
+from omnirelay.connectors.base import validate_key
+from omnirelay.errors import ConfigError, PayloadEncodeError
+from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.payload import Codes, Meta, OmniPayload, decode, encode
 from omnirelay.transfer import (
     ByteBudget,
@@ -27,8 +29,15 @@ from omnirelay.transfer import (
 )
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
-from omnirelay.transfer.keys import IdMap, check_external_id
-from tests.transfer_fakes import Gate, collect, make_pipeline, ready_for, wait_until
+from omnirelay.transfer.keys import IdMap
+from tests.transfer_fakes import (
+    GATE_TIMEOUT_S,
+    Gate,
+    collect,
+    make_pipeline,
+    ready_for,
+    wait_until,
+)
 
 # --------------------------------------------------------------------- config
 
@@ -91,11 +100,13 @@ def test_keys_and_ids() -> None:
     assert make_key("req-1", 1, 0) == "req-1_1_0"
     assert key_prefix("task", 1) == "task_1_"
     assert make_key("task_1", 1, 0) != make_key("task", 1, 10)  # "task_1_1_0" vs "task_1_10"
-    assert check_external_id("ok", 0) == "ok"
-    with pytest.raises(InvalidKeyError):
-        check_external_id("", 0)
-    with pytest.raises(InvalidKeyError, match="shorten"):
-        check_external_id("x" * 9000, 0)
+    assert request_id_problem("ok") is None
+    assert "empty" in str(request_id_problem(""))
+    assert "the limit is 256" in str(request_id_problem("x" * 9000))
+    # The longest usable id (4 UTF-8 bytes a character) still forms a key the connectors take.
+    longest = "\U0001f44d" * MAX_REQUEST_ID_LEN
+    assert request_id_problem(longest) is None
+    assert validate_key(make_key(longest, 10**6, 10**19))
     m = IdMap()
     m.set("i", "E")
     assert m.get("i") == "E" and len(m) == 1 and m.pop("i") == "E" and m.pop("i") is None
@@ -421,13 +432,30 @@ def test_event_box_keeps_failures_for_both_sides_and_bounds_the_external_copy() 
     fs = [TransferFailure(f"i{n}", "E", FailureKind.SEND_FAILED, f"r{n}", 0) for n in range(3)]
     for f in fs:
         box.record(f)
-    _, failed = box.drain()
+    _, failed, _ = box.drain()
     assert failed == tuple(fs)
     assert box.take_external() == {"E": fs[1:]} and box.num_external_dropped == 1
     box.record(fs[0])
     box.discard_request("i0")
-    assert box.drain() == ((), ())
+    assert box.drain() == ((), (), ())
     box.take_external()
+    assert box.leak_state() == {}
+
+
+def test_event_box_hands_each_retired_sender_over_once_and_wakes_a_waiter() -> None:
+    box = EventBox(max_external=2)
+    assert not box.wait(0)
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(box.wait(GATE_TIMEOUT_S)))
+    waiter.start()
+    box.record_retired("A")
+    waiter.join()
+    assert woke == [True]  # a retirement wakes a waiting scheduler, as a failure does
+    box.record_retired("B")
+    box.record_retired("A")  # a reused id retired twice before the drain: reported once
+    assert box.leak_state() == {"undrained_retirements": ["A", "B"]}
+    assert box.drain() == ((), (), ("A", "B"))
+    assert box.drain() == ((), (), ()) and not box.wait(0)
     assert box.leak_state() == {}
 
 

@@ -10,6 +10,8 @@
 * :class:`Gate` — ``started`` is set when a thread arrives; it blocks until ``release()``.
 * :class:`FakeClock` — an injectable clock that moves only when told.
 * :func:`collect` — drain ``poll_events`` until a predicate holds (condition waits).
+* :func:`assert_only_retired` — the next ``poll_events`` reports these retired senders
+  and nothing else.
 * :func:`assert_no_leaks` — the leak audit every transfer test ends with.
 """
 
@@ -394,6 +396,14 @@ def failed_for(*internal_ids: str) -> Callable[[Collected], bool]:
     return lambda acc: want <= {f.internal_id for f in acc.failed}
 
 
+def assert_only_retired(adapter: TransferAdapter, *external_ids: str) -> None:
+    """The next drain holds no chunk and no failure, and reports exactly these external
+    ids (in any order) as retired senders whose keys are reclaimed."""
+    ev = adapter.poll_events()
+    assert not (ev.ready or ev.failed or ev.timed_out), ev
+    assert sorted(ev.retired_senders) == sorted(external_ids), ev.retired_senders
+
+
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = GATE_TIMEOUT_S) -> None:
     """For state with no condition to wait on (a thread parked in a timed wait): re-check
     the predicate until it holds. Never used to wait for something to *not* happen."""
@@ -420,4 +430,8 @@ def assert_no_leaks(
     for c in connectors:
         assert c.pending_keys() == [], f"pending keys left: {c.pending_keys()[:10]}"
     for a in adapters:
+        # What a scheduler drains at its next tick: retirement reports may wait there (they
+        # are data for the scheduler, not request state); a chunk or failure may not.
+        ev = a.poll_events()
+        assert not (ev.ready or ev.failed or ev.timed_out), f"undrained events left: {ev}"
         assert a.leak_state() == {}, f"adapter state left: {a.leak_state()}"

@@ -15,9 +15,10 @@ Files (one role each; read the architecture off the names):
 * ``stage_output.py`` — request updates → :class:`StageOutput` messages.
 * ``tracing.py`` — :class:`StepTracer`, the optional per-step timing interface.
 * ``engine.py`` — :class:`StageEngine`: scheduler + executor + transfer adapter.
-* ``loop.py`` — :func:`run_stage_loop`, the worker loop; :class:`StageLoopThread`.
 * ``components.py`` — registry names → executor and chunk processor of a stage.
-* ``toy.py`` — deterministic executors/processor and the three-stage toy pipeline.
+
+The loop that drives an engine in a worker process is :mod:`omnirelay.worker`; the toy
+executors of the ``toy-3stage`` pipeline are :mod:`omnirelay.models.toy`.
 """
 
 from omnirelay.engine.components import (
@@ -38,7 +39,6 @@ from omnirelay.engine.interfaces import (
     StageOutput,
     StageRequest,
 )
-from omnirelay.engine.loop import DEFAULT_IDLE_WAIT_S, StageLoopThread, run_stage_loop
 from omnirelay.engine.request import (
     ALLOWED_TRANSITIONS,
     FINISHED_STATUSES,
@@ -54,7 +54,6 @@ from omnirelay.engine.tracing import StepTracer
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
-    "DEFAULT_IDLE_WAIT_S",
     "FINISHED_STATUSES",
     "ARScheduler",
     "BaseScheduler",
@@ -74,7 +73,6 @@ __all__ = [
     "StageComponents",
     "StageEngine",
     "StageEngineProtocol",
-    "StageLoopThread",
     "StageOutput",
     "StageRequest",
     "StageRoles",
@@ -83,5 +81,4 @@ __all__ = [
     "build_stage_components",
     "create_stage_engine",
     "resolve_stage_roles",
-    "run_stage_loop",
 ]

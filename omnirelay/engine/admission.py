@@ -12,9 +12,8 @@ import msgspec
 
 from omnirelay.engine.interfaces import SamplingParams, StageRequest
 from omnirelay.engine.stage_roles import StageRoles
-from omnirelay.errors import InvalidKeyError
+from omnirelay.ids import request_id_problem
 from omnirelay.pipeline.config import ExecutionType, StageConfig
-from omnirelay.transfer.keys import check_external_id
 
 __all__ = ["admission_problem", "stage_sampling"]
 
@@ -45,15 +44,11 @@ def admission_problem(
 ) -> str | None:
     """Why ``request`` (with its effective ``sampling``) cannot be admitted, or None."""
     ext = request.request_id
-    if not isinstance(ext, str) or not ext:
-        return f"request id must be a non-empty string, got {ext!r}"
+    problem = request_id_problem(ext, "request id")
+    if problem is not None:
+        return problem
     if is_active:
         return f"request id {ext!r} is already active at stage {stage.id}"
-    if roles.has_transfer:
-        try:
-            check_external_id(ext, stage.id)
-        except InvalidKeyError as exc:
-            return str(exc)
     if stage.execution_type is ExecutionType.AR:
         if sampling.max_tokens < 1:
             return f"max_tokens must be >= 1, got {sampling.max_tokens}"

@@ -2,17 +2,17 @@
 
 :class:`StageEngine` implements :class:`~omnirelay.engine.interfaces.StageEngineProtocol`.
 
-Threads. ``step`` / ``has_work`` / ``wait_for_work`` run on the stage's engine thread (the
-worker loop, :func:`omnirelay.engine.loop.run_stage_loop`). ``add_request``, ``abort``,
-``release``, ``wake`` and ``shutdown`` may be called from any thread: they only append a
-command to the inbox and wake the engine thread; the next ``step`` applies the commands
-first, so aborts and releases land at step boundaries. The adapter's send workers report
-a retired sender generation through the release hook, which also goes to the inbox.
+Threads. ``step`` / ``take_released`` / ``has_work`` / ``wait_for_work`` run on the
+stage's engine thread (the worker loop). ``add_request``, ``abort``, ``release``, ``wake``
+and ``shutdown`` may be called from any thread: they only append a command to the inbox
+and wake the engine thread; the next ``step`` applies the commands first, so aborts and
+releases land at step boundaries.
 
 One tick (``step``)::
 
-    apply commands (add / abort / release / sender retired)
-    events = adapter.poll_events()                   # ready chunks, failures, stall timeouts
+    apply commands (add / abort / release)
+    events = adapter.poll_events()                   # ready chunks, failures, stall timeouts,
+                                                     # retired sender generations
     sched = scheduler.schedule(events)               # pure
     adapter.load_async(...) for the requests that parked, and (AR receivers) for the next
         chunk of every request this tick steps: it is fetched during the step
@@ -38,10 +38,14 @@ Ownership at the finish of a request:
 
 * normal finish after a terminal chunk was admitted: only the receive side is released
   here; the adapter cleans the send side itself once the terminal is put, then its
-  generation retires (release hook) and the engine drops the request's last entry;
+  generation retires (``events.retired_senders``) and the engine drops the request's last
+  entry;
 * abort, failure, or nothing sent: ``adapter.cleanup(internal, external)`` at once;
 * ``release(request_id)``: all of the above, then — once no sender generation of the id
-  is left — ``connector.cleanup_prefix("{id}_{stage}_")`` for chunks nobody read.
+  is left — ``connector.cleanup_prefix("{id}_{stage}_")`` for chunks nobody read. The
+  release is then complete: ``take_released()`` hands the id out once (release as data,
+  the way vLLM's scheduler reports finished requests). A stage that sends nothing for
+  the id completes it in the step that applies it.
 """
 
 from __future__ import annotations
@@ -93,12 +97,7 @@ class _Release:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _SenderRetired:
-    request_id: str
-
-
-_Command = _Add | _Abort | _Release | _SenderRetired
+_Command = _Add | _Abort | _Release
 
 
 class StageEngine:
@@ -131,7 +130,6 @@ class StageEngine:
         self._clock = clock
         #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
         self._tracer = tracer
-        self._user_release_hook = release_hook
         self._connector = connector
         scheduler_cls: type[BaseScheduler] = (
             GenerationScheduler if stage.execution_type is ExecutionType.GENERATION else ARScheduler
@@ -158,10 +156,9 @@ class StageEngine:
         #: :meth:`_load_deferred`), so its first poll does not compete with them.
         self._defers_loads = scheduler_cls is GenerationScheduler
         self._deferred_loads: list[ChunkLoad] = []
-        # Inbox: commands from any thread (exists before the adapter's threads start). ``_cond`` guards it, ``_watch`` and ``_is_closed``.
+        # Inbox: commands from any thread. ``_cond`` guards it and ``_is_closed``.
         self._cond = threading.Condition()
         self._inbox: deque[_Command] = deque()
-        self._watch: set[str] = set()  # external ids whose sender retirement we wait for
         self._is_closed = False
         self._is_wake_pending = False
         self._adapter: TransferAdapter | None = None
@@ -175,7 +172,7 @@ class StageEngine:
                 connector,
                 config,
                 processor=processor,
-                release_hook=self._on_sender_released,
+                release_hook=release_hook,
                 clock=clock,
                 on_chunk_ready=None if tracer is None else tracer.chunk_ready,
             )
@@ -185,7 +182,8 @@ class StageEngine:
         self._step_lock = threading.RLock()
         self._live: dict[str, str] = {}  # external id -> internal id of its live request
         self._sending: dict[str, str] = {}  # finished, terminal admitted, generation not retired
-        self._pending_prefix: set[str] = set()  # released ids awaiting their prefix cleanup
+        self._releasing: set[str] = set()  # released ids whose sender generation has not retired
+        self._released: list[str] = []  # completed releases, until take_released() hands them out
         self._outputs = OutputBuilder(stage.id)
         self._seq = 0
         self._counts: dict[str, int] = dict.fromkeys(
@@ -239,18 +237,19 @@ class StageEngine:
         # Lock-free on purpose: it runs under the adapter's event lock (see wait_for_work).
         return bool(self._inbox) or self._is_closed or self._is_wake_pending
 
-    def _on_sender_released(self, external_id: str, kind: str) -> None:
-        """The adapter's release hook (send worker or engine thread)."""
-        if self._user_release_hook is not None:
-            self._user_release_hook(external_id, kind)
-        if kind != "request":
-            return
-        with self._cond:
-            if external_id not in self._watch:
-                return
-            self._watch.discard(external_id)
-            self._inbox.append(_SenderRetired(external_id))
-        self._notify()
+    # ----------------------------------------------------------------- reports (engine thread)
+
+    def take_released(self) -> list[str]:
+        """The ids whose release completed since the last call, each once (engine thread;
+        the worker loop calls it after every ``step``). A completed release: this stage
+        holds no state and no transfer object of the id, and creates none under it."""
+        with self._step_lock:
+            released, self._released = self._released, []
+            return released
+
+    def num_requests(self) -> int:
+        """Requests this engine holds (admitted, not yet finished, aborted or released)."""
+        return len(self._live)
 
     # ----------------------------------------------------------------- waiting (engine thread)
 
@@ -344,10 +343,8 @@ class StageEngine:
             if request is not None:
                 self._counts["num_aborted"] += 1
                 self._finish(request, None, outputs)
-        elif isinstance(command, _Release):
-            self._apply_release(command.request_id)
         else:
-            self._settle_sender(command.request_id)
+            self._apply_release(command.request_id)
 
     def _apply_add(self, sr: StageRequest, outputs: list[StageOutput]) -> None:
         ext = sr.request_id
@@ -386,34 +383,29 @@ class StageEngine:
             self._cleanup(request, terminal_admitted=False)  # silent: nobody waits for it
         adapter = self._adapter
         if adapter is None or not self.roles.is_sender:
+            self._released.append(ext)  # nothing of the id is left here
             return
         sending = self._sending.get(ext)
         if sending is not None:
             adapter.cleanup(sending, ext)  # cancel; a queued terminal still goes out first
-        self._pending_prefix.add(ext)
-        with self._cond:
-            self._watch.add(ext)
-        if adapter.sender_generation(ext) is None:
-            self._settle_sender(ext)
-        # else: the generation's retirement (release hook) settles it, after its last put
+        self._releasing.add(ext)
+        self._settle_sender(ext)  # else the generation's retirement settles it, after its last put
 
     def _settle_sender(self, ext: str) -> None:
-        """A sender generation of ``ext`` retired: what waited for it may proceed."""
-        gen = None if self._adapter is None else self._adapter.sender_generation(ext)
+        """A sender generation of ``ext`` retired (or none is left): what waited for it may
+        proceed — once no generation of the id is left, a pending release completes."""
+        assert self._adapter is not None
+        owner = self._adapter.sender_owner(ext)
         sending = self._sending.get(ext)
-        if sending is not None and (gen is None or gen["internal_id"] != sending):
+        if sending is not None and owner != sending:
             del self._sending[ext]  # its terminal is out (or dropped): nothing more to say
-        if gen is not None:
+        if owner is not None or ext not in self._releasing:
             return  # a newer generation of a reused id: its own retirement settles the rest
-        with self._cond:
-            self._watch.discard(ext)
-        if ext in self._pending_prefix:
-            self._pending_prefix.discard(ext)
-            assert self._connector is not None
-            self._counts["num_prefix_cleanups"] += 1
-            self._counts["num_keys_released"] += self._connector.cleanup_prefix(
-                key_prefix(ext, self.stage_id)
-            )
+        self._releasing.discard(ext)
+        assert self._connector is not None
+        self._counts["num_prefix_cleanups"] += 1
+        self._counts["num_keys_released"] += self._connector.cleanup_prefix(key_prefix(ext, self.stage_id))
+        self._released.append(ext)
 
     def _poll_transfer(self, outputs: list[StageOutput]) -> TransferEvents | None:
         adapter = self._adapter
@@ -432,6 +424,8 @@ class StageEngine:
                 outputs.append(self._outputs.late_error(f.external_id, describe_failure(f)))
                 self._finish_counts["error"] = self._finish_counts.get("error", 0) + 1
             adapter.cleanup(f.internal_id, f.external_id)
+        for ext in events.retired_senders:
+            self._settle_sender(ext)
         return events
 
     def _load(self, loads: tuple[ChunkLoad, ...] | list[ChunkLoad]) -> None:
@@ -475,9 +469,6 @@ class StageEngine:
         if not is_terminal and (update.next_stage_output is None or update.is_recompute):
             return None
         ext = request.external_id
-        if is_terminal:
-            with self._cond:
-                self._watch.add(ext)  # before the terminal can retire the generation
         self._counts["num_saves"] += 1
         admission = adapter.save_async(
             request.internal_id,
@@ -489,10 +480,9 @@ class StageEngine:
         if not is_terminal:
             return None  # a rejection is recorded as a failure: the next tick fails the request
         if admission is Admission.ENQUEUED:
+            # Its retirement, reported at the earliest by the next poll, drops the entry.
             self._sending[ext] = request.internal_id
             return None
-        with self._cond:
-            self._watch.discard(ext)
         draining = (
             " (its external id still drains from an earlier request)" if adapter.is_draining(ext) else ""
         )
@@ -576,12 +566,11 @@ class StageEngine:
             out: dict[str, Any] = {f"scheduler.{k}": v for k, v in self._scheduler.leak_state().items()}
             with self._cond:
                 inbox = [repr(c) for c in self._inbox]
-                watch = sorted(self._watch)
             maps: dict[str, Any] = {
                 "live": dict(self._live),
                 "sending": dict(self._sending),
-                "pending_prefix_release": sorted(self._pending_prefix),
-                "watch": watch,
+                "releasing": sorted(self._releasing),
+                "unreported_releases": list(self._released),
                 "inbox": inbox,
                 "outputs": self._outputs.leak_state(),
             }
@@ -603,7 +592,6 @@ class StageEngine:
                 return
             self._is_closed = True
             self._inbox.clear()
-            self._watch.clear()
         self._notify()
         with self._step_lock:
             dropped = list(self._scheduler.requests)
@@ -617,7 +605,8 @@ class StageEngine:
                     self.last_error = f"executor.release({iid!r}): {type(exc).__name__}: {exc}"
             self._live.clear()
             self._sending.clear()
-            self._pending_prefix.clear()
+            self._releasing.clear()
+            self._released.clear()
             self._deferred_loads.clear()
             self._outputs.clear()
         if self._adapter is not None:

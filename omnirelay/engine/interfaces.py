@@ -8,11 +8,12 @@ Three parties, three surfaces (everything here is plain data):
   that receives chunks also says what it makes of one: ``read_chunk``, a
   :data:`ChunkReader`.
 * **StageEngine** (``omnirelay.engine``): one stage in one process — scheduler + executor
-  + transfer adapter. Driven by the worker loop: ``add_request``, ``abort``, ``release``,
-  ``step() -> list[StageOutput]``, ``has_work()``, ``wait_for_work(timeout)``,
-  ``health()``, ``shutdown()``.
-* **Control plane** (``omnirelay.orchestrator``): moves :class:`StageRequest` from the
-  front process to a stage worker and :class:`StageOutput` back. Tensors never travel
+  + transfer adapter. Driven by the worker loop through :class:`StageEngineProtocol`:
+  ``add_request``, ``abort``, ``release``, ``step() -> list[StageOutput]``,
+  ``take_released() -> list[str]``, ``has_work()``, ``wait_for_work(timeout)``, …
+* **Control plane** (``omnirelay.worker`` and ``omnirelay.orchestrator``): moves
+  :class:`StageRequest` from the front process to a stage worker and :class:`StageOutput`
+  (and the completed releases) back. Tensors never travel
   on it except the final client-visible outputs (text ids, audio), encoded with the
   payload codec.
 """
@@ -146,25 +147,56 @@ class Executor(Protocol):
 
 
 class StageEngineProtocol(Protocol):
+    """What the worker loop drives; one engine thread calls everything but the commands.
+
+    ``add_request`` / ``abort`` / ``release`` may also be called from other threads; an
+    engine may apply them at its next ``step``. An optional ``wake()`` ends a
+    ``wait_for_work`` early (the worker calls it when a control message arrives); without
+    it, the worker waits for control messages itself.
+    """
+
     stage_id: int
 
-    def add_request(self, request: StageRequest) -> None: ...
+    def add_request(self, request: StageRequest) -> None:
+        """Take a request; a refusal is an error output of a later ``step``, or raises."""
+        ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """End the request; its final output says ``finish_reason="abort"``."""
+        ...
 
     def release(self, request_id: str) -> None:
         """No stage needs the request any more: drop every transfer object it still owns
-        (``cleanup_prefix``) and any request state (idempotent)."""
+        (``cleanup_prefix``) and any request state, silently (idempotent). Complete once
+        ``take_released`` has handed the id out."""
         ...
 
-    def step(self) -> list[StageOutput]: ...
+    def step(self) -> list[StageOutput]:
+        """Apply commands and run one tick; the outputs of this tick."""
+        ...
 
-    def has_work(self) -> bool: ...
+    def take_released(self) -> list[str]:
+        """The ids whose release completed since the last call, each once: the stage holds
+        nothing of them any more and will create nothing under them. Called after every
+        ``step``; an engine that completes a release at once hands it out at once."""
+        ...
 
-    def wait_for_work(self, timeout: float) -> bool: ...
+    def num_requests(self) -> int:
+        """Requests the engine holds (taken, not yet finished, aborted or released)."""
+        ...
+
+    def has_work(self) -> bool:
+        """Would ``step`` do anything now?"""
+        ...
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until there is work or ``timeout`` passed; True if there is work."""
+        ...
 
     def health(self) -> dict[str, Any]: ...
 
-    def leak_state(self) -> dict[str, Any]: ...
+    def leak_state(self) -> dict[str, Any]:
+        """Every non-empty per-request container (``{}`` when none is left)."""
+        ...
 
     def shutdown(self) -> None: ...

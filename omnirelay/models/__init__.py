@@ -10,6 +10,8 @@ One file per role:
 * ``sampling`` / ``kv`` — token sampling; per-request KV caches stacked for batched decode.
 * ``thinker`` / ``talker`` (+ ``talker_input``) / ``code2wav`` — the three executors.
 * ``aligner`` — ``aligner.vad``, a weight-free forced aligner (voice activity + allocation).
+* ``toy`` — small deterministic executors and the ``toy-3stage`` pipeline (tests, demos,
+  benchmarks of the runtime without a model).
 
 Executors are registered by name into a registry the caller owns::
 

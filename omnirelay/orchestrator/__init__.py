@@ -3,18 +3,16 @@
 Files, one role each (DESIGN.md §1, §2):
 
 * ``router.py`` — :class:`Router`: admission, prewarm, routing, the hold rule, forwarding
-  through input builders, completion, abort, failure, release (SPEC §2), pure.
-* ``messages.py`` — every control-plane message, typed ``msgspec`` structs.
-* ``control.py`` — the ZeroMQ control plane (``ipc://`` in a private directory).
-* ``worker.py`` — the stage worker process: :func:`worker_main`, :class:`WorkerLoop`.
+  through input builders, completion, abort, failure, release (docs/protocol.md §2), pure.
+* ``control.py`` — the front's ends of the ZeroMQ control plane (``ipc://`` in a private
+  directory).
 * ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): workers, routing,
-  dead-stage handling, health, shutdown.
+  the id-reuse fence, dead-stage handling, health, shutdown.
 * ``handle.py`` — :class:`RequestHandle` (sync and async iteration), :class:`RequestResult`.
-* ``factory.py`` — the one place that builds the real stage engine in a worker and the
-  orchestrator-side input builders.
-* ``testing.py`` — small engines for tests and measurements.
+* ``input_builders.py`` — the builders of forwarded (complete) inputs.
 
-The Python API on top is :class:`omnirelay.api.Pipeline`.
+The stage worker processes it starts, and the control-plane messages, are
+:mod:`omnirelay.worker`. The Python API on top is :class:`omnirelay.api.Pipeline`.
 """
 
 from omnirelay.orchestrator.handle import RequestHandle, RequestResult
@@ -34,10 +32,8 @@ from omnirelay.orchestrator.router import (
     SourceOutput,
     default_input_builder,
 )
-from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, leak_paths, worker_main
 
 __all__ = [
-    "DEFAULT_ENGINE_FACTORY",
     "ForwardedInput",
     "InputBuilder",
     "Orchestrator",
@@ -51,8 +47,5 @@ __all__ = [
     "ShutdownReport",
     "SourceOutput",
     "StageHealth",
-    "WorkerSpec",
     "default_input_builder",
-    "leak_paths",
-    "worker_main",
 ]

@@ -44,9 +44,23 @@ from omnirelay.errors import (
     PipelineError,
     StageDiedError,
 )
-from omnirelay.orchestrator.control import ControlPaths, FrontControl
+from omnirelay.orchestrator.control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
-from omnirelay.orchestrator.messages import (
+from omnirelay.orchestrator.router import (
+    Action,
+    ClientOutput,
+    InputBuilder,
+    PipelineRequest,
+    RequestOutput,
+    Router,
+    StageAbort,
+    StageRelease,
+    StageSubmit,
+)
+from omnirelay.pipeline import PipelineConfig
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
+from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.messages import (
     Abort,
     Goodbye,
     HealthReply,
@@ -66,19 +80,6 @@ from omnirelay.orchestrator.messages import (
     stage_output,
     wire_request,
 )
-from omnirelay.orchestrator.router import (
-    Action,
-    ClientOutput,
-    InputBuilder,
-    PipelineRequest,
-    RequestOutput,
-    Router,
-    StageAbort,
-    StageRelease,
-    StageSubmit,
-)
-from omnirelay.orchestrator.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
-from omnirelay.pipeline import PipelineConfig
 
 __all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "describe_exit"]
 
@@ -180,14 +181,13 @@ class Orchestrator:
         self._seq = itertools.count(1)
         self._queries: dict[int, asyncio.Future[Any]] = {}
         self._sweeps: set[asyncio.Future[Any]] = set()
-        #: (stage, id) → releases sent and not yet acknowledged. What a stage says about
-        #: a fenced id was said before it applied the release: it belongs to an ended
-        #: request, never to a new one reusing the id.
-        self._fences: dict[tuple[int, str], int] = {}
-        #: id → releases not yet acknowledged by any stage. A new request reusing the id
-        #: waits (in ``_parked``) until every stage acknowledged: before that an upstream
-        #: stage may still be putting the ended request's chunks under the same keys.
-        self._num_fences: dict[str, int] = {}
+        #: The id-reuse fence: id → the stages told to release it that have not reported
+        #: :class:`Released` yet. What a fenced stage says about the id belongs to the
+        #: ended request (stale), never to a new one reusing the id.
+        self._unreleased: dict[str, set[int]] = {}
+        #: A new request reusing a fenced id waits here until the last fence of the id
+        #: goes: before that a stage may still hold the ended request's chunks (or be
+        #: putting them) under the same keys.
         self._parked: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
         self.num_stale_messages = 0
         self._is_closing = False
@@ -267,7 +267,7 @@ class Orchestrator:
         if rid in self._handles or rid in self._parked:
             handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
             return
-        if rid in self._num_fences:
+        if rid in self._unreleased:
             self._parked[rid] = (request, handle)  # admitted once the stages released the id
             return
         try:
@@ -312,7 +312,7 @@ class Orchestrator:
             elif isinstance(action, StageAbort):
                 self._send(action.stage_id, Abort(action.request_id))
             elif isinstance(action, StageRelease) and self._send(action.stage_id, Release(action.request_id)):
-                self._fence(action.stage_id, action.request_id, +1)
+                self._unreleased.setdefault(action.request_id, set()).add(action.stage_id)
         for output in outputs:
             self._deliver(output)
 
@@ -334,20 +334,20 @@ class Orchestrator:
             return self._stage_failed(st.stage_id, reason)
         return []
 
-    def _fence(self, stage_id: int, request_id: str, delta: int) -> None:
-        """Count a release sent (+1) or acknowledged (-1); admit a parked reuse of the id
-        once no stage has one outstanding."""
-        key = (stage_id, request_id)
-        n = self._fences.get(key, 0) + delta
-        total = self._num_fences.get(request_id, 0) + delta
-        if n > 0:
-            self._fences[key] = n
-        else:
-            self._fences.pop(key, None)
-        if total > 0:
-            self._num_fences[request_id] = total
+    def _is_fenced(self, stage_id: int, request_id: str) -> bool:
+        stages = self._unreleased.get(request_id)
+        return stages is not None and stage_id in stages
+
+    def _lift_fence(self, stage_id: int, request_id: str) -> None:
+        """The stage released the id (or died); admit a parked reuse of the id once no
+        stage is left to release it."""
+        stages = self._unreleased.get(request_id)
+        if stages is None or stage_id not in stages:
             return
-        self._num_fences.pop(request_id, None)
+        stages.discard(stage_id)
+        if stages:
+            return
+        del self._unreleased[request_id]
         parked = self._parked.pop(request_id, None)
         if parked is not None:
             self.admit(*parked)
@@ -396,7 +396,7 @@ class Orchestrator:
         st = self._stages[stage_id]
         if isinstance(message, Outputs):
             for wire in message.outputs:
-                if (stage_id, wire.request_id) in self._fences:
+                if self._is_fenced(stage_id, wire.request_id):
                     self.num_stale_messages += 1
                     continue
                 try:
@@ -409,14 +409,13 @@ class Orchestrator:
                     self._on_stage_output(out)
                 self._execute(self.router.on_output(out))
         elif isinstance(message, RequestFailed):
-            if (stage_id, message.request_id) in self._fences:
+            if self._is_fenced(stage_id, message.request_id):
                 self.num_stale_messages += 1
                 return
             reason = f"{st.label}: {message.error}"
             self._execute(self.router.fail(message.request_id, reason, stage_id=stage_id))
         elif isinstance(message, Released):
-            if (stage_id, message.request_id) in self._fences:
-                self._fence(stage_id, message.request_id, -1)
+            self._lift_fence(stage_id, message.request_id)
         elif isinstance(message, HealthReply | LeakStateReply):
             fut = self._queries.pop(message.seq, None)
             if fut is not None and not fut.done():
@@ -476,10 +475,10 @@ class Orchestrator:
         st.is_dead = True
         st.death_reason = reason
         actions = self.router.on_stage_died(stage_id, reason)
-        for sid, rid in [f for f in self._fences if f[0] == stage_id]:
-            # No acknowledgement will come; a parked reuse is admitted (and fails at once
-            # when it needs this stage).
-            self._fence(sid, rid, -self._fences[(sid, rid)])
+        for rid in [rid for rid, stages in self._unreleased.items() if stage_id in stages]:
+            # No Released will come; a parked reuse is admitted (and fails at once when it
+            # needs this stage).
+            self._lift_fence(stage_id, rid)
         return actions
 
     # -- queries --------------------------------------------------------------------------

@@ -7,9 +7,11 @@ machine that feeds commands in and drains plain data out):
 * ``load_async(internal_id, external_id) -> bool`` (alias ``request_chunk``) — wait for the
   request's next chunk; False when it is a no-op (already waiting, chunk ready, exhausted).
 * ``poll_events() -> TransferEvents`` — ready chunks (ownership handed over), failures,
-  stall timeouts. ``wait_events(timeout)`` blocks until there is something to drain.
+  stall timeouts, and the external ids whose sender generation retired with its keys
+  reclaimed. ``wait_events(timeout)`` blocks until there is something to drain.
 * ``is_upstream_exhausted(id)``, ``is_segment_finished(id)``, ``is_waiting_for_chunk(id)``,
-  ``has_active_sender(external_id)``, ``is_draining(external_id)`` — queries.
+  ``has_active_sender(external_id)``, ``is_draining(external_id)``,
+  ``sender_owner(external_id)`` — queries.
 * ``finish_requests(ids)`` / ``cleanup(internal_id, external_id=None)`` /
   ``cleanup_receiver(internal_id)`` / ``cleanup_sender(external_id)`` — release.
 
@@ -176,6 +178,11 @@ class TransferAdapter:
         if self._sender is not None:
             self._sender.cleanup_sender(external_id, internal_id)
 
+    def sender_owner(self, external_id: str) -> str | None:
+        """The internal id whose sender generation holds ``external_id`` (None: no
+        generation; its retirement, if any, is reported by ``poll_events``)."""
+        return None if self._sender is None else self._sender.owner(external_id)
+
     def sender_generation(self, external_id: str) -> dict[str, Any] | None:
         """The generation's fields, for tests and debugging."""
         return None if self._sender is None else self._sender.generation(external_id)
@@ -269,17 +276,18 @@ class TransferAdapter:
 
     def poll_events(self) -> TransferEvents:
         """Drain what happened since the last tick (scheduler thread, once per tick)."""
-        ready, failed = self._box.drain()
+        ready, failed, retired = self._box.drain()
         timed_out: tuple[TransferFailure, ...] = ()
         if self._receiver is not None:
             timeouts = self._receiver.collect_timeouts()
             for f in timeouts:
                 self._box.record_external(f)
             timed_out = tuple(timeouts)
-        return TransferEvents(ready=ready, failed=failed, timed_out=timed_out)
+        return TransferEvents(ready=ready, failed=failed, timed_out=timed_out, retired_senders=retired)
 
     def wait_events(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
-        """Block until a ready chunk or a failure is there to drain; False on timeout.
+        """Block until a ready chunk, a failure or a retired sender is there to drain;
+        False on timeout.
 
         ``wake_if`` (optional) also ends the wait when it returns True; it is re-checked
         whenever :meth:`kick` is called, so a stage engine can wait for chunk events and

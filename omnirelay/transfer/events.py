@@ -4,7 +4,8 @@
 * :class:`TransferFailure` — a request failed in the transfer layer; carries both ids and a
   reason. :meth:`TransferFailure.error` gives the matching :class:`TransferError`.
 * :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,
-  stall timeouts.
+  stall timeouts, and the external ids whose sender generation retired with its keys
+  reclaimed (how a stage learns that a release by id may complete).
 * :class:`Admission` — the value ``save_async`` returns.
 * :class:`EventBox` — the thread-safe mailbox the background threads fill.
 
@@ -100,14 +101,20 @@ class TransferEvents(msgspec.Struct, frozen=True):
     ready: tuple[ChunkInput, ...] = ()
     failed: tuple[TransferFailure, ...] = ()
     timed_out: tuple[TransferFailure, ...] = ()
+    #: External ids whose sender generation retired since the last drain, each once, and
+    #: whose keys are reclaimed: reported after the retired generation's exact-key cleanup
+    #: ran on its lane, or at retirement when it had nothing to clean; and after the
+    #: release hook dropped the processor's per-id state. Like vLLM's ``finished_sending``.
+    retired_senders: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (self.ready or self.failed or self.timed_out)
+        return not (self.ready or self.failed or self.timed_out or self.retired_senders)
 
 
 class EventBox:
-    """Ready chunks and failure records waiting to be drained; wakes ``wait`` callers.
+    """Ready chunks, failure records and retired senders waiting to be drained; wakes
+    ``wait`` callers.
 
     Its lock is a leaf: no other lock is taken while it is held.
 
@@ -124,6 +131,7 @@ class EventBox:
         self._failed: dict[str, list[TransferFailure]] = {}
         self._external: dict[str, list[TransferFailure]] = {}
         self._external_order: deque[str] = deque()
+        self._retired: dict[str, None] = {}  # external ids, an ordered set
         self._max_external = max_external
         self.num_external_dropped = 0
         self.num_by_kind: dict[str, int] = {}
@@ -164,19 +172,28 @@ class EventBox:
                     del self._external[ext]
         self.num_by_kind[failure.kind.value] = self.num_by_kind.get(failure.kind.value, 0) + 1
 
+    def record_retired(self, external_id: str) -> None:
+        """A sender generation of ``external_id`` retired and its keys are reclaimed."""
+        with self._cv:
+            self._retired[external_id] = None
+            self._cv.notify_all()
+
     def discard_request(self, internal_id: str) -> None:
         """The scheduler no longer tracks the request: drop its undrained chunk and failures."""
         with self._cv:
             self._ready.pop(internal_id, None)
             self._failed.pop(internal_id, None)
 
-    def drain(self) -> tuple[tuple[ChunkInput, ...], tuple[TransferFailure, ...]]:
+    def drain(self) -> tuple[tuple[ChunkInput, ...], tuple[TransferFailure, ...], tuple[str, ...]]:
+        """Ready chunks, failures and retired senders, each handed over once."""
         with self._cv:
             ready = tuple(self._ready.values())
             failed = tuple(f for lst in self._failed.values() for f in lst)
+            retired = tuple(self._retired)
             self._ready.clear()
             self._failed.clear()
-            return ready, failed
+            self._retired.clear()
+            return ready, failed, retired
 
     def take_external(self) -> dict[str, list[TransferFailure]]:
         with self._cv:
@@ -189,15 +206,18 @@ class EventBox:
             self._cv.notify_all()
 
     def wait(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
-        """Wait until a ready chunk or a failure is there to drain, or ``wake_if()`` holds
-        (re-checked on :meth:`notify`); False on timeout.
+        """Wait until a ready chunk, a failure or a retired sender is there to drain, or
+        ``wake_if()`` holds (re-checked on :meth:`notify`); False on timeout.
 
         ``wake_if`` runs under this box's lock: it must be cheap and take no lock.
         """
         with self._cv:
             if wake_if is None:
-                return self._cv.wait_for(lambda: bool(self._ready or self._failed), timeout)
-            return self._cv.wait_for(lambda: bool(self._ready or self._failed) or wake_if(), timeout)
+                return self._cv.wait_for(self._has_events_locked, timeout)
+            return self._cv.wait_for(lambda: self._has_events_locked() or wake_if(), timeout)
+
+    def _has_events_locked(self) -> bool:
+        return bool(self._ready or self._failed or self._retired)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -205,6 +225,7 @@ class EventBox:
                 "num_ready": len(self._ready),
                 "num_undrained_failures": sum(len(v) for v in self._failed.values()),
                 "num_undrained_external_failures": len(self._external_order),
+                "num_undrained_retirements": len(self._retired),
                 "num_external_dropped": self.num_external_dropped,
                 "num_failures_by_kind": dict(self.num_by_kind),
             }
@@ -220,6 +241,8 @@ class EventBox:
                 out["undrained_external_failures"] = {
                     k: [f.reason for f in v] for k, v in self._external.items()
                 }
+            if self._retired:
+                out["undrained_retirements"] = list(self._retired)
             return out
 
     def clear(self) -> None:
@@ -228,3 +251,4 @@ class EventBox:
             self._failed.clear()
             self._external.clear()
             self._external_order.clear()
+            self._retired.clear()

@@ -4,6 +4,8 @@
   one chunk. Keys of one (external id, source stage) differ only in the chunk id, and
   cleanup always names exact keys (never a prefix), so ``task`` never touches ``task_1``.
 * :func:`key_prefix` — ``f"{external_id}_{source_stage}_"`` for ``cleanup_prefix``.
+* External ids are checked by :func:`omnirelay.ids.request_id_problem` (the one place
+  their rules live); every id it accepts forms a key the connectors accept.
 * :class:`IdMap` — internal id → external id of the requests this adapter knows, so a
   cleanup by internal id finds the sender state keyed by external id.
 """
@@ -12,10 +14,14 @@ from __future__ import annotations
 
 import threading
 
-from omnirelay.connectors.base import validate_key
-from omnirelay.errors import InvalidKeyError
+from omnirelay.connectors.base import MAX_KEY_BYTES
+from omnirelay.ids import MAX_REQUEST_ID_LEN
 
-__all__ = ["IdMap", "check_external_id", "key_prefix", "make_key"]
+__all__ = ["IdMap", "key_prefix", "make_key"]
+
+# Invariant: a usable external id (at most 4 UTF-8 bytes a character) with a stage and a
+# 20-digit chunk id never exceeds the key limit, so the transfer layer checks ids only.
+assert MAX_REQUEST_ID_LEN * 4 + 64 <= MAX_KEY_BYTES
 
 
 def make_key(external_id: str, source_stage: int, chunk_id: int) -> str:
@@ -26,17 +32,6 @@ def make_key(external_id: str, source_stage: int, chunk_id: int) -> str:
 def key_prefix(external_id: str, source_stage: int) -> str:
     """Prefix of every key of ``external_id`` sent by ``source_stage`` (for ``cleanup_prefix``)."""
     return f"{external_id}_{source_stage}_"
-
-
-def check_external_id(external_id: object, source_stage: int) -> str:
-    """External ids come from clients: refuse (InvalidKeyError) one that cannot form a key.
-
-    Checks the longest key this id can form with a 20-digit chunk id.
-    """
-    if not isinstance(external_id, str) or not external_id:
-        raise InvalidKeyError(f"external request id must be a non-empty str, got {external_id!r}")
-    validate_key(make_key(external_id, source_stage, 10**19))
-    return external_id
 
 
 class IdMap:

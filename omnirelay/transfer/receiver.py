@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from omnirelay.connectors.base import Connector, GetResult, GetStatus
-from omnirelay.errors import InvalidKeyError
+from omnirelay.ids import request_id_problem
 from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import ChunkInput, EventBox, FailureKind, TransferFailure
-from omnirelay.transfer.keys import check_external_id, make_key
+from omnirelay.transfer.keys import make_key
 
 __all__ = ["LoadEntry", "ReceiveSide"]
 
@@ -107,10 +107,9 @@ class ReceiveSide:
         No-op when the request is already registered, has an undrained ready chunk, or its
         upstream is exhausted (no chunk will ever come).
         """
-        try:
-            check_external_id(external_id, self._from_stage)
-        except InvalidKeyError as exc:
-            self._record(internal_id, str(external_id), FailureKind.RECEIVE_FAILED, str(exc))
+        problem = request_id_problem(external_id, "external request id")
+        if problem is not None:
+            self._record(internal_id, str(external_id), FailureKind.RECEIVE_FAILED, problem)
             return None
         with self._lock:
             if internal_id in self._entries or internal_id in self._exhausted:

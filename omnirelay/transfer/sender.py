@@ -5,6 +5,10 @@
 * :meth:`SendSide._run` (a send worker) — build the payload, wait for budget, put, apply
   the result; connector I/O and the processor never run under the lock.
 * :meth:`SendSide.cleanup_sender` — cancel the external id's generation (SPEC §4.5 rows).
+* Retirement is reported as data: the external id goes to the event box (drained by
+  ``poll_events`` as ``retired_senders``) once the retired generation's keys are
+  reclaimed — at the end of its exact-key cleanup task, or at retirement when it has
+  nothing to clean — and after the release hook dropped the processor's state of the id.
 
 Ordering: every task of one external id — data tasks of every generation and the cleanup
 task of a retiring generation — goes to the same lane of a :class:`LaneExecutor`, which
@@ -22,13 +26,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from omnirelay.connectors.base import Connector, PutResult
-from omnirelay.errors import InvalidKeyError
+from omnirelay.ids import request_id_problem
 from omnirelay.transfer.budget import ByteBudget, edge_name
 from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
-from omnirelay.transfer.keys import check_external_id, make_key
+from omnirelay.transfer.keys import make_key
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.wakeup import Parker, wake_all
 
@@ -143,10 +147,9 @@ class SendSide:
     ) -> Admission:
         """SPEC §4.3 step 4, under the sender lock; queues the task on the id's lane."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
-            try:
-                check_external_id(external_id, self._stage)
-            except InvalidKeyError as exc:
-                self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, str(exc))
+            problem = request_id_problem(external_id, "external request id")
+            if problem is not None:
+                self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, problem)
                 return Admission.REJECTED
         failure: _Failure | None = None
         wakes: list[Parker] = []
@@ -215,6 +218,12 @@ class SendSide:
         with self._lock:
             g = self._gens.get(external_id)
             return g is not None and g.cancelled
+
+    def owner(self, external_id: str) -> str | None:
+        """The internal id of ``external_id``'s generation; None when it has none."""
+        with self._lock:
+            g = self._gens.get(external_id)
+            return None if g is None else g.internal_id
 
     # ----------------------------------------------------------------- send task
 
@@ -348,15 +357,15 @@ class SendSide:
     def _finish_task(self, task: _SendTask) -> None:
         """SPEC §4.4 step 10: the 'terminal task ends' row, then the 'any task finally' row."""
         g = task.gen
-        hooks: list[str] = []
+        retired: list[str] = []
         wakes: list[Parker] = []
         with self._lock:
             if task.is_terminal and g.end_terminal() and self._is_current_locked(task):
-                self._cancel_locked(g, hooks, wakes)  # the deferred cleanup_sender
+                self._cancel_locked(g, retired, wakes)  # the deferred cleanup_sender
             if self._is_current_locked(task) and g.end_task():
-                self._retire_locked(g, hooks, wakes)
+                self._retire_locked(g, retired, wakes)
         wake_all(wakes)
-        self._call_release(hooks)
+        self._report_retired(retired)
 
     # ----------------------------------------------------------------- cleanup
 
@@ -366,24 +375,28 @@ class SendSide:
         With ``internal_id``, a generation owned by another request (a newer one that
         reuses the id) is left alone.
         """
-        hooks: list[str] = []
+        retired: list[str] = []
         wakes: list[Parker] = []
+        has_generation = True
         with self._lock:
             g = self._gens.get(external_id)
             if g is None:
-                hooks.append(external_id)  # no token: clear the sender maps only
+                has_generation = False
             elif internal_id is None or g.internal_id == internal_id:
-                self._cancel_locked(g, hooks, wakes)
+                self._cancel_locked(g, retired, wakes)
         wake_all(wakes)
-        self._call_release(hooks)
+        if not has_generation:
+            self._call_release(external_id)  # no token: clear the sender maps only
+        self._report_retired(retired)
 
-    def _cancel_locked(self, g: SenderGeneration, hooks: list[str], wakes: list[Parker]) -> None:
+    def _cancel_locked(self, g: SenderGeneration, retired: list[str], wakes: list[Parker]) -> None:
         if g.cancel() is CancelAction.RETIRE:
-            self._retire_locked(g, hooks, wakes)
+            self._retire_locked(g, retired, wakes)
 
-    def _retire_locked(self, g: SenderGeneration, hooks: list[str], wakes: list[Parker]) -> None:
-        """Queue the cleanup task (the worker to wake goes to ``wakes``), drop the token;
-        the release hook of ``g``'s id goes to ``hooks``. Both are run after the lock."""
+    def _retire_locked(self, g: SenderGeneration, retired: list[str], wakes: list[Parker]) -> None:
+        """Drop the token. With keys to clean, queue the cleanup task (the worker to wake
+        goes to ``wakes``), which reports the retirement when it is done; else ``g``'s id
+        goes to ``retired``, reported by the caller after the lock."""
         # Invariant: the cleanup task is queued on the id's lane before the token is dropped,
         # so any later generation's put of this id queues behind it.
         assert self._gens.get(g.external_id) is g
@@ -392,11 +405,20 @@ class SendSide:
             self._lanes.submit(
                 g.external_id, functools.partial(self._run_cleanup, g.external_id, n), wakes=wakes
             )
+        else:
+            retired.append(g.external_id)
         del self._gens[g.external_id]
-        hooks.append(g.external_id)
+
+    def _report_retired(self, external_ids: list[str]) -> None:
+        """After the lock: drop each id's processor state, then report it retired (in
+        that order: a later generation of the id must find no state of this one)."""
+        for ext in external_ids:
+            self._call_release(ext)
+            self._box.record_retired(ext)
 
     def _run_cleanup(self, external_id: str, num_keys: int) -> None:
-        """Remove the exact keys ``{ext}_{stage}_{0..n-1}`` of a retired generation."""
+        """Remove the exact keys ``{ext}_{stage}_{0..n-1}`` of a retired generation, then
+        report the retirement (on the id's lane: a later generation's puts wait for it)."""
         keys = [make_key(external_id, self._stage, i) for i in range(num_keys)]
         errors: list[str] = []
         for key in keys:
@@ -411,11 +433,11 @@ class SendSide:
             self._counts["num_cleanup_errors"] += len(errors)
             if errors:
                 self.last_error = errors[-1]
+        self._report_retired([external_id])
 
-    def _call_release(self, external_ids: list[str]) -> None:
+    def _call_release(self, external_id: str) -> None:
         if self._release_hook is not None:
-            for ext in external_ids:
-                self._release_hook(ext, "request")
+            self._release_hook(external_id, "request")
 
     def _record(self, internal_id: str, external_id: str, kind: FailureKind, reason: str) -> None:
         self._box.record(TransferFailure(internal_id, external_id, kind, reason, self._stage))

@@ -1,47 +1,34 @@
-"""Where the process layer meets the engine and the processors: the ONE place to adjust.
+"""The default engine factory: where a worker process meets the engine, the executors
+and the processors.
 
 * :func:`build_stage_engine` ``(pipeline, stage_id, *, tracer=None) -> StageEngineProtocol``
   — called in the stage worker process (after ``spawn``) to build its engine: executor,
   connector, next-stage processor, and the step tracer of a pipeline that traces steps.
-  The pipeline's ``namespace`` is already filled in.
-* :func:`build_input_builders` ``(pipeline) -> {stage_id: InputBuilder}`` — called in
-  the front process: the orchestrator-side builders of forwarded (complete) inputs,
-  resolved from each stage's ``stage_input_builder`` name (SPEC §1.6, §2.5). Names this
-  table does not know use :func:`~omnirelay.orchestrator.router.default_input_builder`.
+  The pipeline's ``namespace`` is already filled in. It is
+  :data:`~omnirelay.worker.spec.DEFAULT_ENGINE_FACTORY`.
+* :func:`default_registry` — every executor and processor a shipped pipeline may name.
 
 Tests pass their own engine factory to ``Pipeline.start(engine_factory="module:function")``.
+The front side's counterpart (builders of forwarded inputs) is
+:mod:`omnirelay.orchestrator.input_builders`.
 """
 
 from __future__ import annotations
 
 import msgspec
-import torch
 
 from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError
-from omnirelay.orchestrator.router import (
-    ForwardedInput,
-    InputBuilder,
-    PipelineRequest,
-    SourceOutput,
-    default_input_builder,
-)
-from omnirelay.pipeline import ComponentRegistry, PipelineConfig, StageConfig
+from omnirelay.pipeline import ComponentRegistry, PipelineConfig
 
-__all__ = [
-    "build_input_builders",
-    "build_stage_engine",
-    "code2wav_to_aligner_builder",
-    "default_registry",
-    "with_stage_device",
-]
+__all__ = ["build_stage_engine", "default_registry", "with_stage_device"]
 
 
 def default_registry() -> ComponentRegistry:
     """Every executor and processor a shipped pipeline may name: the toys, and the model
     executors of :mod:`omnirelay.models` (their heavy imports wait for a factory call)."""
-    from omnirelay.engine.toy import register_toys
+    from omnirelay.models.toy import register_toys
     from omnirelay.processors.stages import register_processors
 
     registry = register_toys(ComponentRegistry())
@@ -84,51 +71,3 @@ def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig
     placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
     stages = tuple(placed if s.id == stage.id else s for s in pipeline.stages)
     return msgspec.structs.replace(pipeline, stages=stages)
-
-
-# ----------------------------------------------------------------- front side
-
-
-def code2wav_to_aligner_builder(
-    source: SourceOutput, request: PipelineRequest, stage: StageConfig
-) -> ForwardedInput | None:
-    """Code2Wav's finished waveform → the aligner's input (SPEC §5.4); None: no audio."""
-    from omnirelay.processors import build_aligner_input
-
-    if not source.audio:
-        return None
-    waveform = torch.cat([torch.as_tensor(a).reshape(-1) for a in source.audio])
-    prompt = {"additional_information": dict(request.extras.get("additional_information") or {})}
-    if "language" in request.extras:
-        prompt["language"] = request.extras["language"]
-    built = build_aligner_input(
-        {"audio": waveform, "sr": source.sample_rate or 24000}, is_finished=source.finished, prompt=prompt
-    )
-    if built is None:
-        return None
-    inputs = {
-        "prompt": built.prompt,
-        "waveform": built.waveform,
-        "sample_rate": built.sample_rate,
-        "text": built.text,
-        "words": list(built.words),
-        "language": built.language,
-        "audio_duration_ms": built.audio_duration_ms,
-    }
-    return ForwardedInput(prompt_token_ids=[0], inputs=inputs)
-
-
-_BUILDERS: dict[str, InputBuilder] = {
-    "code2wav_to_aligner": code2wav_to_aligner_builder,
-}
-
-
-def build_input_builders(pipeline: PipelineConfig) -> dict[int, InputBuilder]:
-    """The builder of every stage that can receive a forwarded input."""
-    out: dict[int, InputBuilder] = {}
-    for stage in pipeline.stages:
-        if not stage.input_sources:
-            continue
-        name = pipeline.stage_input_builder(stage)
-        out[stage.id] = _BUILDERS.get(name or "", default_input_builder)
-    return out

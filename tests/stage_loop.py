@@ -1,19 +1,23 @@
-"""The stage worker loop: how a worker process (or a test thread) drives a stage engine.
+"""A stage engine driven on a thread of the test process: the worker loop, minus the
+control plane (the worker process's loop is :class:`omnirelay.worker.WorkerLoop`).
 
 :func:`run_stage_loop` is the whole loop::
 
     while not should_stop():
         outputs = engine.step()            # commands, chunk events, one tick
         if outputs:
-            emit(outputs)                  # to the control plane
+            emit(outputs)                  # to the test
+        released = engine.take_released()  # completed releases, after the outputs
+        if released:
+            on_released(released)
         if not engine.has_work():
             engine.wait_for_work(idle_wait_s)   # blocks: no polling while idle
 
-Commands (``add_request`` / ``abort`` / ``release``) come from another thread (the control
-plane's receiver) and wake the wait. ``idle_wait_s`` bounds how late a stall timeout is
+Commands (``add_request`` / ``abort`` / ``release``) come from another thread (the
+test's) and wake the wait. ``idle_wait_s`` bounds how late a stall timeout is
 noticed (``step`` collects them); with 1 s an idle stage wakes once a second.
 
-:class:`StageLoopThread` runs the loop on a thread (single-process mode, tests).
+:class:`StageLoopThread` runs the loop on a thread.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def run_stage_loop(
     emit: Callable[[list[StageOutput]], None],
     *,
     should_stop: Callable[[], bool],
+    on_released: Callable[[list[str]], None] = lambda ids: None,
     idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
 ) -> None:
     """Drive ``engine`` until ``should_stop()`` or the engine is shut down; call
@@ -45,6 +50,9 @@ def run_stage_loop(
         outputs = engine.step()
         if outputs:
             emit(outputs)
+        released = engine.take_released()
+        if released:
+            on_released(released)
         if not is_over() and not engine.has_work():
             engine.wait_for_work(idle_wait_s)
 
@@ -58,11 +66,13 @@ class StageLoopThread:
         engine: StageEngineProtocol,
         emit: Callable[[list[StageOutput]], None],
         *,
+        on_released: Callable[[list[str]], None] = lambda ids: None,
         idle_wait_s: float = DEFAULT_IDLE_WAIT_S,
         name: str | None = None,
     ) -> None:
         self.engine = engine
         self._emit = emit
+        self._on_released = on_released
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -77,7 +87,11 @@ class StageLoopThread:
     def _run(self) -> None:
         try:
             run_stage_loop(
-                self.engine, self._emit, should_stop=self._stop.is_set, idle_wait_s=self._idle_wait_s
+                self.engine,
+                self._emit,
+                should_stop=self._stop.is_set,
+                on_released=self._on_released,
+                idle_wait_s=self._idle_wait_s,
             )
         except BaseException as exc:
             self.error = exc

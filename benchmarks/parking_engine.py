@@ -1,11 +1,13 @@
-"""Small engines for tests and measurements of the process layer (STYLE 9).
+"""An engine that parks every request, for tests and measurements of the process layer.
 
 * :class:`ParkingEngine` — a :class:`StageEngineProtocol` that takes every request and
-  never produces anything: it holds them until abort or release. In stage 0 it keeps
-  every downstream stage's prewarmed requests waiting for chunks that never come — the
-  idle state whose cost ``benchmarks/soak_pipeline.py`` measures.
+  never produces anything: it holds them until abort or release (which completes at
+  once). In stage 0 it keeps every downstream stage's prewarmed requests waiting for
+  chunks that never come — an idle pipeline full of requests.
 * :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(...,
-  engine_factory="omnirelay.orchestrator.testing:build_parked_stage0_engine")``):
+  engine_factory="benchmarks.parking_engine:build_parked_stage0_engine")``; workers are
+  spawned with the parent's ``sys.path``, so this factory loads in them when the
+  checkout's root is on it, as it is for the suite and ``python -m benchmarks....``):
   stage 0 parks, the other stages are the real engines of the default factory.
 """
 
@@ -15,8 +17,8 @@ import threading
 from typing import Any
 
 from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput, StageRequest
-from omnirelay.orchestrator.factory import build_stage_engine
 from omnirelay.pipeline import PipelineConfig
+from omnirelay.worker.factory import build_stage_engine
 
 __all__ = ["ParkingEngine", "build_parked_stage0_engine"]
 
@@ -27,6 +29,7 @@ class ParkingEngine:
     def __init__(self, stage_id: int) -> None:
         self.stage_id = stage_id
         self._requests: dict[str, StageRequest] = {}
+        self._released: list[str] = []
         self._cond = threading.Condition()
         self._is_woken = False
         self.num_steps = 0
@@ -39,10 +42,18 @@ class ParkingEngine:
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._released.append(request_id)  # nothing to drain: complete at once
 
     def step(self) -> list[StageOutput]:
         self.num_steps += 1
         return []
+
+    def take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        return released
+
+    def num_requests(self) -> int:
+        return len(self._requests)
 
     def has_work(self) -> bool:
         return False

@@ -1,0 +1,118 @@
+"""The stage worker process: :func:`worker_main`, one stage engine behind the control plane.
+
+:func:`worker_main` is the process target (``spawn`` context only: the front may have
+imported torch, and forking a process with torch's threads is undefined behaviour). It
+
+1. connects its control sockets, builds the engine through the factory named in
+   :class:`~omnirelay.worker.spec.WorkerSpec` (``"module:function"``, called as
+   ``factory(pipeline, stage_id)``, plus ``tracer=`` a new step tracer when the spec has
+   a ``tracer_factory``), starts the control receive thread and says
+   :class:`Hello` (or :class:`StartupFailed` and exits 1);
+2. runs :class:`~omnirelay.worker.loop.WorkerLoop` until :class:`Shutdown`, SIGTERM, or
+   the parent is gone (the receive thread watches it and posts a Shutdown);
+3. shuts the engine down and closes its sockets (the engine closes its connector,
+   which unlinks what it still owns under /dev/shm), says :class:`Goodbye`, and exits 0
+   with ``os._exit`` (nothing is left to finalize; see the end of :func:`worker_main`).
+
+SIGINT is ignored (Ctrl-C in a terminal reaches the whole process group; the front
+shuts the workers down in order). SIGTERM ends the loop cleanly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import sys
+import traceback
+from types import FrameType
+
+from omnirelay.engine.interfaces import StageEngineProtocol
+from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.worker.control import Inbox, WorkerControl, parent_alive
+from omnirelay.worker.loop import WorkerLoop
+from omnirelay.worker.messages import Goodbye, Hello, StartupFailed, ToFront
+from omnirelay.worker.spec import WorkerSpec, load_engine_factory
+
+__all__ = ["worker_main"]
+
+
+class _Stop(Exception):
+    """Raised out of the loop by SIGTERM."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()
+
+
+def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtocol | None:
+    """The engine, or None after telling the front why it could not be built."""
+    try:
+        factory = load_engine_factory(spec.engine_factory)
+        if spec.tracer_factory is None:
+            return factory(spec.pipeline, spec.stage_id)
+        params = inspect.signature(factory).parameters
+        if "tracer" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ConfigError(
+                f"engine factory {spec.engine_factory!r} takes no tracer= argument, so its stages "
+                "cannot time their steps: add one, or start the pipeline without trace_steps"
+            )
+        return factory(spec.pipeline, spec.stage_id, tracer=spec.tracer_factory())
+    except _Stop:
+        raise
+    except Exception as exc:
+        detail = f"{exc!r}\n{traceback.format_exc()}"
+        control.send(
+            StartupFailed(spec.stage_id, os.getpid(), detail),
+            is_peer_alive=lambda: parent_alive(spec.parent_pid),
+            timeout_s=5.0,
+        )
+        return None
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """The process target of one stage worker (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def is_parent_alive() -> bool:
+        return parent_alive(spec.parent_pid)
+
+    def send(message: ToFront) -> None:
+        control.send(message, is_peer_alive=is_parent_alive)
+
+    control = WorkerControl(spec.paths, spec.stage_id)
+    engine: StageEngineProtocol | None = None
+    is_clean = False
+    try:
+        engine = _build_engine(spec, control)
+        if engine is not None:
+            inbox = Inbox()
+            loop = WorkerLoop(engine, inbox, send, spec)
+            control.start_receiving(
+                inbox, wake=loop.wake, is_parent_alive=is_parent_alive, parent_check_s=spec.parent_check_s
+            )
+            send(Hello(spec.stage_id, os.getpid()))
+            loop.run()
+            is_clean = True
+    except _Stop:
+        is_clean = engine is not None
+    finally:
+        # A SIGTERM during cleanup must not cut it short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if engine is not None:
+                engine.shutdown()
+            if is_clean and is_parent_alive():
+                try:
+                    control.send(Goodbye(spec.stage_id), is_peer_alive=is_parent_alive, timeout_s=1.0)
+                except PipelineError:
+                    pass
+        finally:
+            control.close()
+    # Everything this process owns is closed by now. Skip the interpreter's finalization
+    # (a second or more with torch loaded, and it would wait for any stray non-daemon
+    # thread): the front is waiting for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if is_clean else 1)
