@@ -50,7 +50,7 @@ from omnirelay.orchestrator.router import (
 )
 from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
 from omnirelay.timeline.recorder import StepRecorder
-from omnirelay.worker import DEFAULT_ENGINE_FACTORY
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY, leak_paths
 
 __all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "chat_tokenizer", "validate_request_id"]
 
@@ -376,6 +376,16 @@ class Pipeline:
         sent before this call has been applied when it returns. For audits and tests."""
         result: dict[int, dict[str, Any]] = self._call(self._orch.leak_state(timeout_s, settle_s))
         return result
+
+    def leaks(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> list[str]:
+        """Where any stage still holds per-request state or transfer objects, as
+        ``"stage N: path=value"`` lines of :meth:`leak_state`; ``[]`` when every request
+        that ended left nothing behind. Call it when no request is in flight."""
+        return [
+            f"stage {stage_id}: {path}"
+            for stage_id, books in sorted(self.leak_state(timeout_s, settle_s).items())
+            for path in leak_paths(books)
+        ]
 
     def pids(self) -> dict[int, int | None]:
         """Worker pids by stage id."""
