@@ -42,11 +42,12 @@ def test_a_reduced_pair_runs_both_sides(tmp_path: Path, capsys: pytest.CaptureFi
     assert "pair 1 of 1" in text and "B faster in" in text and "LEAK" not in text
     report = json.loads(out.read_text())
     ((a, b),) = report["pairs"]
-    lat = a["latency"]
     assert a["ok"] and b["ok"]
-    assert (
-        lat["adapter_published"]["p50_us"] > lat["raw_connector"]["p50_us"] > lat["floor_wake"]["p50_us"] > 0
-    )
+    # Twenty chunks per kind on a loaded machine say nothing about which path is faster
+    # (the order of the medians flips): only that each side measured all three kinds.
+    for side in (a, b):
+        for kind in ("adapter_published", "raw_connector", "floor_wake"):
+            assert side["latency"][kind]["p50_us"] > 0, (kind, side["latency"][kind])
     assert report["sides"][0]["python"] and report["sides"][1]["path"] == repo
 
 
