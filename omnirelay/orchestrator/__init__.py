@@ -8,6 +8,8 @@ Files, one role each (DESIGN.md §1, §2):
   directory).
 * ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): workers, routing,
   the id-reuse fence, dead-stage handling, health, shutdown.
+* ``stages.py`` — the worker processes as the front tracks them; health and shutdown reports.
+* ``requests.py`` — the client's request and outputs; the forwarded-input contract.
 * ``handle.py`` — :class:`RequestHandle` (sync and async iteration), :class:`RequestResult`.
 * ``input_builders.py`` — the builders of forwarded (complete) inputs.
 

@@ -3,7 +3,7 @@
 * :func:`build_input_builders` ``(pipeline) -> {stage_id: InputBuilder}`` — called in
   the front process: each stage's builder, resolved from its ``stage_input_builder``
   name. Names this table does not know use
-  :func:`~omnirelay.orchestrator.router.default_input_builder`.
+  :func:`~omnirelay.orchestrator.requests.default_input_builder`.
 * :func:`code2wav_to_aligner_builder` — Code2Wav's finished waveform → the aligner.
 
 The worker side's counterpart (the stage engine factory) is :mod:`omnirelay.worker.factory`.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirelay.orchestrator.router import (
+from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
     PipelineRequest,

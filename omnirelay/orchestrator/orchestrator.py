@@ -25,11 +25,8 @@ import asyncio
 import itertools
 import multiprocessing
 import os
-import signal
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from multiprocessing.context import SpawnProcess
 from typing import Any
 
 import msgspec
@@ -57,6 +54,13 @@ from omnirelay.orchestrator.router import (
     StageRelease,
     StageSubmit,
 )
+from omnirelay.orchestrator.stages import (
+    PipelineHealth,
+    ShutdownReport,
+    StageHealth,
+    StageProcess,
+    describe_exit,
+)
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
 from omnirelay.worker.control import ControlPaths
@@ -82,69 +86,6 @@ from omnirelay.worker.messages import (
 )
 
 __all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "describe_exit"]
-
-
-class StageHealth(msgspec.Struct, kw_only=True):
-    """One stage as the front sees it (and as its worker reports, when alive)."""
-
-    stage_id: int
-    name: str
-    is_alive: bool
-    pid: int | None
-    exitcode: int | None = None
-    #: requests the stage holds, by the router's books
-    num_requests: int = 0
-    #: requests the worker's engine holds, by the worker (None: no reply)
-    queue_depth: int | None = None
-    engine: dict[str, Any] | None = None
-    error: str | None = None
-
-
-class PipelineHealth(msgspec.Struct, kw_only=True):
-    is_healthy: bool
-    namespace: str
-    num_requests: int
-    stages: list[StageHealth]
-
-
-class ShutdownReport(msgspec.Struct, kw_only=True):
-    """What shutdown found: exit codes, and objects the final sweep had to reclaim."""
-
-    exitcodes: dict[int, int | None]
-    num_killed: int = 0
-    num_reclaimed: int = 0
-    num_objects_left: int = 0
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """``killed by SIGKILL`` / ``exit code 1`` / ``still running``."""
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-@dataclass
-class _Stage:
-    stage_id: int
-    label: str
-    name: str
-    process: SpawnProcess | None = None
-    pid: int | None = None
-    exitcode: int | None = None
-    is_ready: bool = False
-    is_exited: bool = False
-    is_dead: bool = False  # failed, as far as requests are concerned
-    death_reason: str | None = None
-    said_goodbye: bool = False
-    hello: asyncio.Future[None] | None = None
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    #: the event socket's descriptor the loop watches (None: not watched)
-    reader_fd: int | None = None
 
 
 class Orchestrator:
@@ -175,7 +116,7 @@ class Orchestrator:
         self._idle_wait_s = idle_wait_s
         self._wait_slice_s = wait_slice_s
         self._handles: dict[str, RequestHandle] = {}
-        self._stages = [_Stage(s.id, s.label, s.name) for s in self.config.stages]
+        self._stages = [StageProcess(s.id, s.label, s.name) for s in self.config.stages]
         self._control: FrontControl | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = itertools.count(1)
@@ -433,7 +374,7 @@ class Orchestrator:
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
-    def _fail_hello(self, st: _Stage, reason: str) -> None:
+    def _fail_hello(self, st: StageProcess, reason: str) -> None:
         if st.hello is not None and not st.hello.done():
             st.hello.set_exception(StageDiedError(reason))
             st.hello.exception()  # read by _start when it waits; not an unretrieved error

@@ -1,0 +1,125 @@
+"""What a request is to the front: the client's request, the outputs it gets back, and
+the contract of a forwarded (complete) input.
+
+* :class:`PipelineRequest` — a validated client request, as the router sees it;
+* :class:`RequestOutput` — what the client sees: one output of a final-output stage, or
+  the request's end;
+* :class:`SourceOutput` / :class:`ForwardedInput` / :class:`InputBuilder` — a finished
+  stage's output, the next stage's input built from it, and the builder's signature
+  (docs/protocol.md §2.5); :func:`default_input_builder` forwards tokens, text and audio.
+
+The router (:mod:`omnirelay.orchestrator.router`) decides with these; the API, the
+serving layer and the input builders exchange them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.pipeline import StageConfig
+
+__all__ = [
+    "ForwardedInput",
+    "InputBuilder",
+    "PipelineRequest",
+    "RequestOutput",
+    "SourceOutput",
+    "default_input_builder",
+]
+
+
+class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A validated client request, as the router sees it.
+
+    ``sampling`` holds the parameters of every stage (client values merged over the
+    stage config's defaults by the API). ``prompt_token_ids`` may be ``None`` for an
+    embeds-only prompt (carried in ``inputs``); such a request cannot be prewarmed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    modalities: tuple[str, ...] | None = None
+    sampling: dict[int, SamplingParams] = {}
+    inputs: Any = None
+    extras: dict[str, Any] = {}
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What the client sees: one output of a final-output stage, or the request's end.
+
+    ``stage_finished`` is the stage's own flag; ``finished`` is the request-level flag
+    (every requested final output is done), set on exactly one output per request, the
+    last one. A failed request ends with ``finish_reason == "error"`` and ``error`` set;
+    an aborted one with ``finish_reason == "abort"``.
+    """
+
+    request_id: str
+    stage_id: int
+    modality: str  # "text" | "audio" | "timestamps" | "" (a terminal not tied to a stage)
+    token_ids: list[int] = []
+    text: str | None = None
+    audio: Any = None  # 1-D float32 tensor of new samples
+    sample_rate: int | None = None
+    stage_finished: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, float] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOutput:
+    """Everything a finished stage produced for one request (client-visible parts):
+    what an input builder sees when the orchestrator forwards it (SPEC §2.5)."""
+
+    stage_id: int
+    token_ids: list[int]
+    text: str
+    audio: list[Any]  # the waveform pieces, in order
+    sample_rate: int | None
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardedInput:
+    """What an input builder returns: the next stage's prompt and full input."""
+
+    prompt_token_ids: list[int]
+    inputs: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class InputBuilder(Protocol):
+    """A stage's orchestrator-side input builder (SPEC §1.6, §2.5).
+
+    Called once, when the source stage finished the request; returns ``None`` when there
+    is nothing to build (then the request ends with an empty terminal output).
+    """
+
+    def __call__(
+        self, source: SourceOutput, request: PipelineRequest, stage: StageConfig
+    ) -> ForwardedInput | None: ...
+
+
+def default_input_builder(
+    source: SourceOutput, request: PipelineRequest, stage: StageConfig
+) -> ForwardedInput | None:
+    """Forward the source's generated tokens as the prompt and its text/audio as ``inputs``.
+
+    Used for a complete-input edge whose stage names no input builder the orchestrator
+    knows. Nothing generated (no tokens, no audio) → ``None``.
+    """
+    if not source.token_ids and not source.audio:
+        return None
+    inputs: dict[str, Any] = {"source_stage_id": source.stage_id, "token_ids": list(source.token_ids)}
+    if source.text:
+        inputs["text"] = source.text
+    if source.audio:
+        inputs["audio"] = torch.cat([torch.as_tensor(a).reshape(-1) for a in source.audio])
+        inputs["sample_rate"] = source.sample_rate
+    return ForwardedInput(prompt_token_ids=list(source.token_ids) or [0], inputs=inputs)
