@@ -100,6 +100,27 @@ class _Release:
 _Command = _Add | _Abort | _Release
 
 
+def _build_scheduler(
+    stage: StageConfig, roles: StageRoles, executor: Executor, clock: Callable[[], float]
+) -> BaseScheduler:
+    """The stage's scheduler: the generation scheduler for a generation stage (with the
+    executor's chunk reader: what a committed chunk means is the consuming model's
+    business, docs/protocol.md §4.9), else the AR scheduler."""
+    common: dict[str, Any] = {
+        "stage_id": stage.id,
+        "max_num_seqs": stage.max_num_seqs,
+        "receives_chunks": roles.receive_from_stage is not None,
+        "supports_batching": bool(executor.supports_batching),
+        "max_num_batched_tokens": stage.max_num_batched_tokens,
+        "clock": clock,
+    }
+    if stage.execution_type is ExecutionType.GENERATION:
+        return GenerationScheduler(chunk_reader=getattr(executor, "read_chunk", None), **common)
+    # An AR receiver (a Talker) needs a chunk for every step and it is usually there
+    # already: fetch it while the executor computes the step before (chunk prefetch).
+    return ARScheduler(prefetch_chunks=True, **common)
+
+
 class StageEngine:
     """One stage in one process; see the module docstring."""
 
@@ -131,30 +152,11 @@ class StageEngine:
         #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
         self._tracer = tracer
         self._connector = connector
-        scheduler_cls: type[BaseScheduler] = (
-            GenerationScheduler if stage.execution_type is ExecutionType.GENERATION else ARScheduler
-        )
-        scheduler_args: dict[str, Any] = {}
-        if scheduler_cls is GenerationScheduler:
-            # What a committed chunk means is the consuming model's business (SPEC §4.8).
-            scheduler_args["chunk_reader"] = getattr(executor, "read_chunk", None)
-        self._scheduler: BaseScheduler = scheduler_cls(
-            stage_id=stage.id,
-            max_num_seqs=stage.max_num_seqs,
-            receives_chunks=self.roles.receive_from_stage is not None,
-            supports_batching=bool(executor.supports_batching),
-            max_num_batched_tokens=stage.max_num_batched_tokens,
-            # An AR receiver (a Talker) needs a chunk for every step and it is usually
-            # there already: fetch it while the executor computes the step before
-            # (scheduler_base: chunk prefetch).
-            prefetch_chunks=scheduler_cls is ARScheduler,
-            clock=clock,
-            **scheduler_args,
-        )
+        self._scheduler = _build_scheduler(stage, self.roles, executor, clock)
         #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
         #: away: it registers once the step's outputs are on their way (see
         #: :meth:`_load_deferred`), so its first poll does not compete with them.
-        self._defers_loads = scheduler_cls is GenerationScheduler
+        self._defers_loads = isinstance(self._scheduler, GenerationScheduler)
         self._deferred_loads: list[ChunkLoad] = []
         # Inbox: commands from any thread. ``_cond`` guards it and ``_is_closed``.
         self._cond = threading.Condition()
