@@ -257,7 +257,7 @@ def bench_running_pipeline(
 
 
 def _decoder_holdback(config: Any) -> int:
-    """Samples the Code2Wav decoder holds back at the end of a window (SPEC §6.2 ``tail``):
+    """Samples the Code2Wav decoder holds back at the end of a window (docs/protocol.md §6.2 ``tail``):
     the whole stream is ``frames * 1920 - holdback`` samples long."""
     from omnirelay.models import Checkpoint
     from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field

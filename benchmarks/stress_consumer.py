@@ -201,7 +201,7 @@ class Consumer:
             self.adapter.cleanup_receiver(iid)
             self.adapter.finish_requests([iid])
         # No get of the old registration may still be in flight when the producer is told:
-        # it could otherwise claim a reused id's new chunk under the same key (SPEC §10.3).
+        # it could otherwise claim a reused id's new chunk under the same key (docs/protocol.md §10.3).
         if not self.adapter.flush(self.s.flush_timeout_s):
             raise StressTimeout(f"the receive queues did not drain within {self.s.flush_timeout_s} s")
         self.report.num_released += 1

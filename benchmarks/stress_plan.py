@@ -12,7 +12,7 @@
   chunk index) in its meta *and* in its tensor, so the consumer can prove order and
   exactly-once delivery and that no chunk of one generation reached another.
 * :func:`external_id` — ids that are prefixes of each other's keys (``task_1`` vs
-  ``task_1_1``: SPEC §8 item 3), so every exact-key and prefix cleanup is also a test
+  ``task_1_1``: docs/protocol.md §8 item 3), so every exact-key and prefix cleanup is also a test
   that no sibling is touched.
 """
 

@@ -1,7 +1,7 @@
 """The producer process of ``omnirelay bench stress``: stage 1, a sending adapter over shm.
 
 It plays the stage-1 scheduler (``save_async`` one chunk per request per step, cancels)
-and the orchestrator (release by id, SPEC §2.8; id reuse only once both stages let go
+and the orchestrator (release by id, docs/protocol.md §2.8; id reuse only once both stages let go
 of the old generation). Everything it waits for arrives on one inbox queue:
 
 * ``("put", key)`` — from :class:`~benchmarks.tracing.TracingConnector`, after a
@@ -124,7 +124,7 @@ class Producer:
             on_put=self._on_put,
         )
         #: Keys whose put, once started, waits for the main thread to cancel its request:
-        #: the abort then provably races a put in progress (SPEC §8 item 1, across processes).
+        #: the abort then provably races a put in progress (docs/protocol.md §8 item 1, across processes).
         self.armed: dict[str, threading.Event] = {}
         self.adapter = TransferAdapter(
             self.conn,

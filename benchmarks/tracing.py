@@ -10,9 +10,9 @@ an inner connector (the real ``shm`` one) and, on the side:
   really left or arrived without polling;
 * counts the objects removed by the adapter's exact-key ``cleanup`` separately from those
   removed by :meth:`TracingConnector.release_prefix`, the orchestrator's release by id
-  (SPEC §2.8), so a report can say which path reclaimed what.
+  (docs/protocol.md §2.8), so a report can say which path reclaimed what.
 
-It is injected as the adapter's connector (STYLE 9); nothing is monkeypatched.
+It is injected as the adapter's connector (docs/design.md §7); nothing is monkeypatched.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """omnirelay: a runtime for serving multi-stage model pipelines.
 
-Layers (DESIGN.md §1): serving → orchestrator → engine → transfer → connectors → payload,
+Layers (docs/design.md §1): serving → orchestrator → engine → transfer → connectors → payload,
 with pipeline (topology and contracts), processors and models plugging in through the
 pipeline registry.
 """

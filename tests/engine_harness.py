@@ -249,7 +249,7 @@ class ToyPipelineRun:
         self._end(track)
 
     def _end(self, track: Track) -> None:
-        """Abort on every stage that may hold it, then release everywhere (SPEC §2.6–§2.8)."""
+        """Abort on every stage that may hold it, then release everywhere (docs/protocol.md §2.6–§2.8)."""
         track.is_done = True
         for s in sorted(track.submitted):
             if s not in track.finished:

@@ -1,4 +1,4 @@
-"""The connector contract (DESIGN.md §8, SPEC §3.1), run against every backend."""
+"""The connector contract (docs/protocol.md §3.1, docs/protocol.md §3.1), run against every backend."""
 
 from __future__ import annotations
 

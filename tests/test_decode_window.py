@@ -1,4 +1,4 @@
-"""Code2Wav decode-window math (SPEC §6): batch building, the streaming trim, chunked decode.
+"""Code2Wav decode-window math (docs/protocol.md §6): batch building, the streaming trim, chunked decode.
 
 The trim is checked against a fake causal decoder with the two properties that make the
 rule necessary: a finite receptive field over past frames (zero history at a window's

@@ -65,7 +65,7 @@ def prompt(tiny_env: None) -> list[int]:
 
 @pytest.fixture(scope="module")
 def holdback() -> int:
-    """Samples the tiny decoder holds back at a window's end (SPEC §6.2 ``tail``)."""
+    """Samples the tiny decoder holds back at a window's end (docs/protocol.md §6.2 ``tail``)."""
     model = Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir())).model
     return measure_receptive_field(model)[1]
 

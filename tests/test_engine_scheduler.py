@@ -288,7 +288,7 @@ def test_token_budget_limits_one_tick_and_rotates() -> None:
     assert_empty(sched)
 
 
-# --------------------------------------------------------------------- AR receiver (SPEC §4.9)
+# --------------------------------------------------------------------- AR receiver (docs/protocol.md §4.9)
 
 
 def test_ar_receiver_runs_one_step_per_chunk_then_finishes_on_the_terminal() -> None:

@@ -193,7 +193,7 @@ def test_an_executor_error_fails_the_requests_of_its_batch_with_the_reason() -> 
     audit(engine)
 
 
-# --------------------------------------------------------------------- sends (SPEC §10.8)
+# --------------------------------------------------------------------- sends (docs/protocol.md §10.8)
 
 
 def test_a_text_only_request_never_puts_a_chunk() -> None:

@@ -63,7 +63,7 @@ def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list
 
 
 def chunk_item(rid: str, payload: OmniPayload) -> Any:
-    """The generation scheduler's item for one committed chunk (SPEC §4.8: Code2Wav's
+    """The generation scheduler's item for one committed chunk (docs/protocol.md §4.8: Code2Wav's
     chunk reader makes the 1-D codes the prompt and the rest the runtime info)."""
     ids, info = Code2WavExecutor.read_chunk(None, payload)
     return item(rid, input_ids=ids, info=info)

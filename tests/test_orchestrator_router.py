@@ -1,4 +1,4 @@
-"""The orchestrator's routing state machine (SPEC §2.1–§2.8), pure: no processes, no I/O.
+"""The orchestrator's routing state machine (docs/protocol.md §2.1–§2.8), pure: no processes, no I/O.
 
 Every test ends with the router's books empty (no request state left) and, for every
 request that ended, a release to every stage.

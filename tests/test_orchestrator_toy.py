@@ -165,7 +165,7 @@ def test_health_has_engine_details(audited: Pipeline) -> None:
 
 def test_non_chunk_stage_gets_the_forwarded_output() -> None:
     """Mixed contracts: synth opts out of chunks, so it runs once on relay's whole output,
-    forwarded by the orchestrator after relay finished (SPEC §2.5)."""
+    forwarded by the orchestrator after relay finished (docs/protocol.md §2.5)."""
     cfg = load_pipeline("toy-3stage")
     relay, synth = cfg.stages[1], cfg.stages[2]
     stages = (

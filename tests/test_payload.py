@@ -650,7 +650,7 @@ def test_fuzz_random_byte_flips() -> None:
 
 
 def test_microbenchmark_shape_only() -> None:
-    """The codec-chunk payload of SPEC §5.2 (no timing asserts: see the bench command)."""
+    """The codec-chunk payload of docs/protocol.md §5.2 (no timing asserts: see the bench command)."""
     chunk = OmniPayload(codes=Codes(audio=torch.arange(16 * 50)), meta=Meta(left_context_size=25))
     plan = plan_encode(chunk)
     buf = bytearray(plan.nbytes)

@@ -1,4 +1,4 @@
-"""omnirelay.pipeline: typed config, async_chunk resolution, edge validation (SPEC §1, §2.2, §2.3)."""
+"""omnirelay.pipeline: typed config, async_chunk resolution, edge validation (docs/protocol.md §1, §2.2, §2.3)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _error(data: dict[str, Any], **kw: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §1.2: the resolver table
+# docs/protocol.md §1.2: the resolver table
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_single_stage_forces_chunking_off(stage_value: bool | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §8 item 10: the config matrix
+# docs/protocol.md §8 item 10: the config matrix
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def _false_true_true(*, sender_role: bool) -> dict[str, Any]:
 
 
 def test_false_true_true_still_enables_chunk_orchestration() -> None:
-    """SPEC §1.4: the global flag is any(resolved), never stage 0's value."""
+    """docs/protocol.md §1.4: the global flag is any(resolved), never stage 0's value."""
     cfg = parse_pipeline(_false_true_true(sender_role=True))
     assert [cfg.resolved_async_chunk(s) for s in cfg.stages] == [False, True, True]
     assert cfg.any_stage_chunks() is True
@@ -260,7 +260,7 @@ def test_stage_waiting_for_chunks_that_no_source_sends_fails() -> None:
 
 
 def test_aligner_edge_is_free() -> None:
-    """SPEC §1.3: Code2Wav declares no chunk producer, so 1 -> 2 may mix modes."""
+    """docs/protocol.md §1.3: Code2Wav declares no chunk producer, so 1 -> 2 may mix modes."""
     cfg = parse_pipeline(_tts(aligner_flag=False))
     assert [cfg.resolved_async_chunk(s) for s in cfg.stages] == [True, True, False]
     assert cfg.edge_contract(0, 1) is EdgeContract.CHUNKS
@@ -296,7 +296,7 @@ def test_flag_on_with_edges_but_no_chunk_producer_fails() -> None:
 
 
 def test_processor_selection_and_sync_input_builder() -> None:
-    """SPEC §1.6."""
+    """docs/protocol.md §1.6."""
     data = _omni()
     data["stages"][1]["sync_input_builder"] = "talker_tokens_only"
     data["stages"][1]["full_processor"] = "talker_full"
@@ -472,7 +472,7 @@ def test_key_tables_match_the_structs() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §1.1 construction-time validation
+# docs/protocol.md §1.1 construction-time validation
 
 
 def test_no_stages() -> None:
@@ -601,7 +601,7 @@ def test_namespace_rule_matches_the_connectors() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §4.10: input wait timeout
+# docs/protocol.md §4.10: input wait timeout
 
 
 def test_timeout_default() -> None:
@@ -641,7 +641,7 @@ def test_invalid_file_does_not_warn_about_timeout() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §2.3: placeholder length
+# docs/protocol.md §2.3: placeholder length
 
 IM, SYS, USER, ASST = 151644, 8948, 872, 77091
 
@@ -676,7 +676,7 @@ def test_placeholder_override() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §2.2: final outputs
+# docs/protocol.md §2.2: final outputs
 
 
 @pytest.mark.parametrize(
@@ -784,7 +784,7 @@ def test_every_shipped_file_is_loadable_by_path() -> None:
 
 
 def test_qwen3_omni_deploy_defaults() -> None:
-    """SPEC §1.8."""
+    """docs/protocol.md §1.8."""
     cfg = load_pipeline("qwen3-omni")
     assert cfg.async_chunk is True and cfg.input_wait_timeout_s == 600
     thinker, talker, code2wav = cfg.stages

@@ -1,4 +1,4 @@
-"""Code2Wav → forced aligner input builder (SPEC §5.4, §8 item 11)."""
+"""Code2Wav → forced aligner input builder (docs/protocol.md §5.4, §8 item 11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Talker → Code2Wav processor: valid-frame filter, emission schedule, layout (SPEC §5.2, §5.3)."""
+"""Talker → Code2Wav processor: valid-frame filter, emission schedule, layout (docs/protocol.md §5.2, §5.3)."""
 
 from __future__ import annotations
 
@@ -413,7 +413,7 @@ def test_processors_exports() -> None:
     } <= set(processors.__all__)
 
 
-# ---------------------------------------------------------------- what a generation stage reads (SPEC §4.8)
+# ---------------------------------------------------------------- what a generation stage reads (docs/protocol.md §4.8)
 
 
 def test_read_codec_chunk_turns_codes_into_the_prompt() -> None:

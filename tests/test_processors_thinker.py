@@ -1,4 +1,4 @@
-"""Thinker → Talker processor: first-chunk delay rule, payload contents, shapes (SPEC §5.1)."""
+"""Thinker → Talker processor: first-chunk delay rule, payload contents, shapes (docs/protocol.md §5.1)."""
 
 from __future__ import annotations
 

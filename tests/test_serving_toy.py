@@ -1,5 +1,5 @@
 """The server over the deterministic toy pipeline (counter -> relay -> synth) with the
-weight-free aligner as a fourth stage (complete waveform, SPEC §5.4), where model
+weight-free aligner as a fourth stage (complete waveform, docs/protocol.md §5.4), where model
 semantics do not matter: the OpenAI client, bad input, admission, client disconnects,
 the WebSocket protocol's rules, word timestamps, /health and /metrics. Each test ends
 with a leak audit (no request state in any stage, no transfer object); the module ends

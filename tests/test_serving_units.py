@@ -1,4 +1,4 @@
-"""Serving-layer pieces without a server: output accumulation (SPEC §7.3), WAV/PCM,
+"""Serving-layer pieces without a server: output accumulation (docs/protocol.md §7.3), WAV/PCM,
 stop sequences, sentence splitting, request parsing, admission, config, timestamps header."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from omnirelay.serving.speech import timestamps_header
 from omnirelay.serving.text import ByteCodec, format_chat
 from omnirelay.serving.websocket import split_text
 
-# ------------------------------------------------------------------ SPEC §7.3 emission
+# ------------------------------------------------------------------ docs/protocol.md §7.3 emission
 
 
 def _segments() -> list[torch.Tensor]:
-    # Three constant-valued segments of 800, 1,200 and 400 samples (SPEC §8 item 11).
+    # Three constant-valued segments of 800, 1,200 and 400 samples (docs/protocol.md §8 item 11).
     return [torch.full((n,), v) for n, v in ((800, 0.1), (1200, 0.2), (400, 0.3))]
 
 

@@ -45,7 +45,7 @@ def test_ten_thousand_sequential_lifecycles_leave_every_map_empty() -> None:
         assert p.receiver.health()["receiver"]["num_committed"] == 10_000
 
 
-# --------------------------------------------------------------------- SPEC §8 items 7 and 8
+# --------------------------------------------------------------------- docs/protocol.md §8 items 7 and 8
 
 
 def test_idle_send_loop_reaps_pending_keys_after_the_last_send() -> None:

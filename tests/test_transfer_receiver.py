@@ -34,7 +34,7 @@ def receive(p: Any, iid: str, ext: str) -> Any:
     return chunk
 
 
-# --------------------------------------------------------------------- SPEC §8 item 5
+# --------------------------------------------------------------------- docs/protocol.md §8 item 5
 
 
 @pytest.mark.parametrize("reregister", [False, True])
@@ -67,7 +67,7 @@ def test_late_result_after_cleanup_recreates_nothing(reregister: bool) -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- SPEC §8 item 6
+# --------------------------------------------------------------------- docs/protocol.md §8 item 6
 
 
 def test_many_receiver_cleanups_leave_no_residue() -> None:
@@ -131,7 +131,7 @@ def test_cleanup_racing_commit_never_publishes_after_it_returns() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- SPEC §8 item 9 and §10.6
+# --------------------------------------------------------------------- docs/protocol.md §8 item 9 and §10.6
 
 
 def test_corrupt_chunk_fails_the_request_fast_with_the_reason() -> None:
@@ -176,7 +176,7 @@ def test_an_object_that_breaks_the_transfer_contract_fails_fast(obj: Any, reason
         p.audit()
 
 
-# --------------------------------------------------------------------- commit (SPEC §4.8)
+# --------------------------------------------------------------------- commit (docs/protocol.md §4.8)
 
 
 def test_receiver_hands_every_body_over_unread_with_its_envelope_flags() -> None:
@@ -256,7 +256,7 @@ def test_load_async_is_a_noop_while_registered_or_ready() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- wakeups (SPEC §10.5)
+# --------------------------------------------------------------------- wakeups (docs/protocol.md §10.5)
 
 
 def test_only_announced_entries_are_polled_and_fallback_covers_lost_notices() -> None:
@@ -342,7 +342,7 @@ def test_one_requests_slow_get_does_not_delay_another_requests_chunk() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- stall timeout (SPEC §4.10)
+# --------------------------------------------------------------------- stall timeout (docs/protocol.md §4.10)
 
 
 def test_stall_timeout_reports_once_with_the_reason() -> None:
@@ -394,7 +394,7 @@ def test_zero_stall_timeout_disables_it_with_a_warning() -> None:
 
 
 def test_cleanup_receiver_alone_drops_the_id_mapping() -> None:
-    """SPEC §4.6: cleanup_receiver removes the id mapping too (no per-id residue)."""
+    """docs/protocol.md §4.6: cleanup_receiver removes the id mapping too (no per-id residue)."""
     from omnirelay.connectors import create_connector
     from omnirelay.transfer import TransferAdapter, TransferConfig
 

@@ -38,7 +38,7 @@ def read_chunks(p: Any, internal_id: str, external_id: str, n: int) -> list[Any]
     return out
 
 
-# --------------------------------------------------------------------- SPEC §8 item 1
+# --------------------------------------------------------------------- docs/protocol.md §8 item 1
 
 
 def test_abort_during_inflight_put_returns_at_once_and_reclaims() -> None:
@@ -107,7 +107,7 @@ def test_a_retirement_is_reported_only_once_its_keys_are_gone() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- SPEC §8 item 2
+# --------------------------------------------------------------------- docs/protocol.md §8 item 2
 
 
 def test_reuse_while_draining_is_rejected_with_a_reason() -> None:
@@ -150,7 +150,7 @@ def test_old_generation_cleanup_runs_before_new_generation_put() -> None:
         assert p.store.log.count("put_start:R_0_0") == 1
         cleanup_gate.release()
         # Register downstream only once B is out: a receiver registered earlier could read
-        # A's stale R_0_0 (keys carry no generation, SPEC §10.3).
+        # A's stale R_0_0 (keys carry no generation, docs/protocol.md §10.3).
         assert p.sender.flush()
         (chunk,) = read_chunks(p, "rb", "R", 1)
         assert chunk.payload["gen"] == "B"  # A's cleanup did not delete B's R_0_0
@@ -163,7 +163,7 @@ def test_old_generation_cleanup_runs_before_new_generation_put() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- SPEC §8 item 3
+# --------------------------------------------------------------------- docs/protocol.md §8 item 3
 
 
 def test_cancel_cleans_exact_keys_and_spares_similar_ids() -> None:
@@ -182,7 +182,7 @@ def test_cancel_cleans_exact_keys_and_spares_similar_ids() -> None:
         p.audit()
 
 
-# --------------------------------------------------------------------- SPEC §8 item 4
+# --------------------------------------------------------------------- docs/protocol.md §8 item 4
 
 
 def test_successful_terminal_is_never_cleaned_by_the_sender() -> None:

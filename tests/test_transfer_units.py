@@ -160,7 +160,7 @@ def test_a_flag_that_is_not_a_bool_never_reaches_the_wire() -> None:
         encode(ChunkEnvelope(body=1, is_finished=torch.tensor([True, False])))
 
 
-# --------------------------------------------------------------------- generation token (SPEC §4.5 table)
+# --------------------------------------------------------------------- generation token (docs/protocol.md §4.5 table)
 
 
 def _gen(**flags: Any) -> SenderGeneration:

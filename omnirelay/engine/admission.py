@@ -21,7 +21,7 @@ _DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens")
 
 
 def stage_sampling(stage: StageConfig, sampling: SamplingParams) -> SamplingParams:
-    """The stage's stop tokens always apply (sampling constraints, SPEC §1.1, e.g. the
+    """The stage's stop tokens always apply (sampling constraints, docs/protocol.md §1.1, e.g. the
     Talker's codec stop 2150); its other settings fill a request that left its sampling
     at the default ``SamplingParams()``."""
     cfg = stage.sampling

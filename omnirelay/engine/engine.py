@@ -464,7 +464,7 @@ class StageEngine:
         request = update.request
         adapter = self._adapter
         if adapter is None or not self.roles.is_sender or request.final_stage_id <= self.stage_id:
-            return None  # SPEC §10.8: no consumer, no chunk
+            return None  # docs/protocol.md §10.8: no consumer, no chunk
         if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             return None  # no terminal: the cleanup cancels the generation
         is_terminal = request.is_finished

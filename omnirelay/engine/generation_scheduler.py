@@ -1,4 +1,4 @@
-"""The generation scheduler: one-shot prefill per input (SPEC §1.1, §4.9 generation rules).
+"""The generation scheduler: one-shot prefill per input (docs/protocol.md §1.1, §4.9 generation rules).
 
 A generation stage (Code2Wav, an aligner) has no decode loop: each step computes a whole
 input in one prefill and emits an output (audio samples).

@@ -109,7 +109,7 @@ class RequestSnapshot:
     """What a chunk processor sees of the request (``BuildRequest.context``).
 
     Taken on the engine thread at ``save_async``; immutable, so the processor (on a send
-    worker) never sees a later mutation (SPEC §4.3 step 5).
+    worker) never sees a later mutation (docs/protocol.md §4.3 step 5).
     """
 
     internal_id: str
@@ -190,7 +190,7 @@ class Request:
         #: Tokens of ``prompt + output`` the executor has computed (its KV covers them).
         self.num_computed_tokens = 0
         self.sampling = sampling
-        #: What the upstream chunks committed for the next step, consumed by it (SPEC §4.9
+        #: What the upstream chunks committed for the next step, consumed by it (docs/protocol.md §4.9
         #: postprocess): the chunk's payload (AR), or the runtime info (generation).
         self.additional_information: Any = None
         #: Generation receivers: what the committed chunks left for the next one to build on
@@ -347,7 +347,7 @@ class Request:
             self.is_upstream_exhausted = True
 
     def attach_generation_chunk(self, prompt_token_ids: list[int], info: Any, *, is_finished: bool) -> None:
-        """Generation receiver: a fresh one-shot prefill over the chunk's ids (SPEC §4.8);
+        """Generation receiver: a fresh one-shot prefill over the chunk's ids (docs/protocol.md §4.8);
         ``info`` is the runtime info the stage's chunk reader made of it."""
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -8,7 +8,7 @@ Per tick (see :mod:`omnirelay.engine.scheduler_base` for the queues and the tick
   at most ``max_num_seqs`` requests hold a slot, and ``max_num_batched_tokens`` (when set)
   bounds the input tokens of one tick (always at least one item);
 * a chunk-receiving stage (a Talker) needs one committed chunk per step until its
-  upstream is exhausted (SPEC §4.9): after each step it parks in WAITING_FOR_CHUNK,
+  upstream is exhausted (docs/protocol.md §4.9): after each step it parks in WAITING_FOR_CHUNK,
   keeping its slot, and the chunk's payload, as the upstream processor built it, becomes
   the next step's ``additional_information`` (consumed once); ``is_upstream_exhausted``
   says the last one came. Once exhausted it decodes on its own.

@@ -1,6 +1,6 @@
 """What both schedulers share: the per-tick plain data and the queue/slot bookkeeping.
 
-A scheduler is a pure state machine (STYLE 5). The engine drives it once per tick::
+A scheduler is a pure state machine (docs/design.md §7). The engine drives it once per tick::
 
     sched_out = scheduler.schedule(events)          # events: adapter.poll_events()
     engine: adapter.load_async(...) for sched_out.chunk_loads
@@ -19,7 +19,7 @@ Queues (each live request is in exactly one; checked by :meth:`BaseScheduler.che
 * ``_running`` — holds a slot and is runnable this tick (RUNNING).
 * ``_parked`` — WAITING_FOR_CHUNK, registered with the adapter for its next chunk. It is
   never visited by a tick: only its chunk event (or a failure, a timeout, an abort) moves
-  it, so 500 parked requests cost nothing per tick (SPEC §10.5).
+  it, so 500 parked requests cost nothing per tick (docs/protocol.md §10.5).
 
 Slots: ``len(_running)`` plus the parked requests that parked from RUNNING (they keep
 their executor state while they wait) never exceed ``max_num_seqs``.
@@ -395,7 +395,7 @@ class BaseScheduler(abc.ABC):
         for r in chosen:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            r.additional_information = None  # consume-once (SPEC §4.9 postprocess)
+            r.additional_information = None  # consume-once (docs/protocol.md §4.9 postprocess)
             r.has_ready_chunk = False
             if self.prefetch_chunks and not r.is_upstream_exhausted:
                 # It parks for its next chunk after this step (_needs_chunk): ask now.

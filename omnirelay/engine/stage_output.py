@@ -7,7 +7,7 @@
   joined text and the concatenated audio.
 
 An aborted request's final output carries what a non-streaming request accumulated so
-far (partial output, SPEC §2.7); a streaming one has already sent it.
+far (partial output, docs/protocol.md §2.7); a streaming one has already sent it.
 
 A final output's ``metrics`` carry the request's counts and latencies at this stage
 (:func:`_metrics`). Per-step timing is no part of it: an engine's optional tracer adds

@@ -1,4 +1,4 @@
-"""A stage's transfer roles, read off the pipeline's resolved contracts (SPEC §1.3–§1.5).
+"""A stage's transfer roles, read off the pipeline's resolved contracts (docs/protocol.md §1.3–§1.5).
 
 * **sender** to stage *c* iff the edge ``stage -> c`` carries chunks
   (:meth:`PipelineConfig.edge_contract` is ``chunks``: the stage declares a chunk producer
@@ -6,7 +6,7 @@
 * **receiver** from its input source iff :meth:`PipelineConfig.stage_receives_chunks`.
 
 The scheduler choice, the adapter's roles and the orchestrator's prewarm all come from
-these same two pipeline queries, so they cannot disagree (the hang of SPEC §1.2).
+these same two pipeline queries, so they cannot disagree (the hang of docs/protocol.md §1.2).
 """
 
 from __future__ import annotations

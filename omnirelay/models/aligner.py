@@ -1,4 +1,4 @@
-"""``aligner.vad``: a forced aligner that needs no trained weights (SPEC §5.4).
+"""``aligner.vad``: a forced aligner that needs no trained weights (docs/protocol.md §5.4).
 
 The stage gets the complete waveform and the words of one utterance (the
 ``code2wav_to_aligner`` input builder's ``inputs``) and answers once, with word timestamps

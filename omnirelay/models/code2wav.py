@@ -15,21 +15,21 @@ as ``additional_information``.
 Input of one item (first match wins):
 
 1. the runtime info's ``codes.audio`` as a ``[Q, T]`` (or ``[1, Q, T]``) tensor
-   (SPEC §4.8: a ≥2-D codes tensor stays in the runtime info);
+   (docs/protocol.md §4.8: a ≥2-D codes tensor stays in the runtime info);
 2. ``inputs["codes"]`` — a ``[Q, T]`` tensor, or a mapping with ``audio`` as in (1)
    (a complete input forwarded over a non-chunk edge);
-3. the item's ``input_token_ids``: ``Q·T`` codebook-major ids (SPEC §6.1).
+3. the item's ``input_token_ids``: ``Q·T`` codebook-major ids (docs/protocol.md §6.1).
 
 Two modes, per item:
 
 * **streaming** (the runtime info carries ``meta.left_context_size``: the edge is
   chunked) — the windows of all streaming items are stacked into one ``[B, Q, max T]``
   batch (:func:`~omnirelay.processors.codes_batch_from_flat`), decoded once, and each row
-  is cut with the exact trim of SPEC §6.2 (:func:`~omnirelay.processors.split_stream_output`):
+  is cut with the exact trim of docs/protocol.md §6.2 (:func:`~omnirelay.processors.split_stream_output`):
   the concatenated chunks of a stream have exactly the whole-utterance sample count, and
   equal the whole-utterance decode wherever the left context covers the decoder's
   receptive field (:func:`measure_receptive_field`).
-* **complete** (no ``left_context_size``) — the non-streaming chunked decode of SPEC §6.3
+* **complete** (no ``left_context_size``) — the non-streaming chunked decode of docs/protocol.md §6.3
   (:func:`~omnirelay.processors.chunked_decode`, 300 frames with 25 of context), batched
   over the complete items, then each cropped to its own frames.
 

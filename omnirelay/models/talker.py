@@ -3,7 +3,7 @@
 * :class:`TalkerExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
   Talker stage (``execution_type = "ar"``). Each step of a request consumes what the
   engine committed from the Thinker (``BatchItem.additional_information``: a Thinker →
-  Talker ``OmniPayload``, SPEC §5.1; ``is_upstream_exhausted`` once the Thinker's stream
+  Talker ``OmniPayload``, docs/protocol.md §5.1; ``is_upstream_exhausted`` once the Thinker's stream
   ended), runs the Talker decoder for the first codebook, then the code predictor for the
   other ``Q − 1``. ``release(id)`` frees the request.
 * :func:`create_talker` — the registry factory: ``create_talker(**executor_args)``.
@@ -18,7 +18,7 @@ Step semantics (the reference model's ``generate``, split into steps):
 * **later steps** — input = sum of the previous frame's codec embeddings + the next
   text row: the next Thinker token of the queue, else TTS EOS once the Thinker has
   finished, else TTS pad. The engine runs one Talker step per committed chunk until the
-  Thinker is exhausted (SPEC §4.9), which keeps text and codec in lockstep — then the
+  Thinker is exhausted (docs/protocol.md §4.9), which keeps text and codec in lockstep — then the
   steps equal the reference's one-shot ``generate`` exactly (tested). A step with an
   empty queue before the Thinker finished (an engine that does not keep lockstep) falls
   back to TTS pad and is counted in ``num_starved_steps``.

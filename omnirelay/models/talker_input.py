@@ -1,4 +1,4 @@
-"""What the Talker reads from the Thinker → Talker payloads (SPEC §5.1), checked.
+"""What the Talker reads from the Thinker → Talker payloads (docs/protocol.md §5.1), checked.
 
 * :func:`parse_payload` — one committed payload (the
   :class:`~omnirelay.payload.OmniPayload` that

@@ -1,6 +1,6 @@
 """omnirelay.orchestrator: one request's path across the stages, and the processes that run them.
 
-Files, one role each (DESIGN.md §1, §2):
+Files, one role each (docs/design.md §1, §2):
 
 * ``router.py`` — :class:`Router`: admission, prewarm, routing, the hold rule, forwarding
   through input builders, completion, abort, failure, release (docs/protocol.md §2), pure.

@@ -28,7 +28,7 @@ __all__ = ["build_input_builders", "code2wav_to_aligner_builder"]
 def code2wav_to_aligner_builder(
     source: SourceOutput, request: PipelineRequest, stage: StageConfig
 ) -> ForwardedInput | None:
-    """Code2Wav's finished waveform → the aligner's input (SPEC §5.4); None: no audio."""
+    """Code2Wav's finished waveform → the aligner's input (docs/protocol.md §5.4); None: no audio."""
     from omnirelay.processors import build_aligner_input
 
     if not source.audio:

@@ -75,7 +75,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 @dataclass(frozen=True, slots=True)
 class SourceOutput:
     """Everything a finished stage produced for one request (client-visible parts):
-    what an input builder sees when the orchestrator forwards it (SPEC §2.5)."""
+    what an input builder sees when the orchestrator forwards it (docs/protocol.md §2.5)."""
 
     stage_id: int
     token_ids: list[int]
@@ -95,7 +95,7 @@ class ForwardedInput:
 
 
 class InputBuilder(Protocol):
-    """A stage's orchestrator-side input builder (SPEC §1.6, §2.5).
+    """A stage's orchestrator-side input builder (docs/protocol.md §1.6, §2.5).
 
     Called once, when the source stage finished the request; returns ``None`` when there
     is nothing to build (then the request ends with an empty terminal output).

@@ -1,12 +1,12 @@
-"""One request's path across the stages (SPEC §2.1–§2.8), as a pure state machine.
+"""One request's path across the stages (docs/protocol.md §2.1–§2.8), as a pure state machine.
 
-No I/O, no clocks, no awaits (STYLE 5): every entry point takes plain data and returns
+No I/O, no clocks, no awaits (docs/design.md §7): every entry point takes plain data and returns
 the :data:`Action` s the caller must carry out, in order —
 
 * :class:`StageSubmit` — hand a :class:`StageRequest` to a stage;
 * :class:`StageAbort` — abort the request in a stage that still holds it;
 * :class:`StageRelease` — no stage needs the request any more: the stage drops its
-  transfer objects and state for the id (SPEC §2.8); sent to **every** stage;
+  transfer objects and state for the id (docs/protocol.md §2.8); sent to **every** stage;
 * :class:`ClientOutput` — a :class:`RequestOutput` for the client; the one with
   ``finished=True`` is the last for that request.
 
@@ -21,7 +21,7 @@ Entry points (each called on the orchestrator's thread, once per event):
 Whatever way a request ends, the router forgets it and, in the same action list, tells
 every stage that still holds it to abort and every stage to release it. A failure in any
 stage (an output with ``error`` or ``finish_reason == "error"``) fails the whole request
-at once with that stage's reason (SPEC §10.7).
+at once with that stage's reason (docs/protocol.md §10.7).
 
 Streaming *sessions* (one request fed by several input segments) are not modelled: the
 hold rule's "not streaming" condition is always true here.
@@ -98,7 +98,7 @@ Action = StageSubmit | StageAbort | StageRelease | ClientOutput
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
-    """Which stages a request touches (SPEC §2.2, §2.3)."""
+    """Which stages a request touches (docs/protocol.md §2.2, §2.3)."""
 
     final_output_stage_ids: tuple[int, ...]
     final_stage_id: int
@@ -131,7 +131,7 @@ class _Accumulator:
 
 @dataclass
 class _RequestState:
-    """Per-request books (SPEC §2.1)."""
+    """Per-request books (docs/protocol.md §2.1)."""
 
     request: PipelineRequest
     plan: RequestPlan

@@ -7,12 +7,12 @@ Files (one role each):
   ``resolved_async_chunk``, ``any_stage_chunks``, ``stage_receives_chunks``,
   ``next_stage_processor``, ``stage_input_builder``, ``edge_contract``, ``edges``,
   ``final_output_stage_ids``, ``final_stage_id``.
-* ``resolve.py`` — the one ``async_chunk`` resolver (SPEC §1.2).
-* ``validate.py`` — construction-time checks (SPEC §1.1–§1.5).
+* ``resolve.py`` — the one ``async_chunk`` resolver (docs/protocol.md §1.2).
+* ``validate.py`` — construction-time checks (docs/protocol.md §1.1–§1.5).
 * ``parse.py`` — :func:`load_pipeline` / :func:`parse_pipeline`: shape and types of input.
 * ``yamlfile.py`` — shipped names, strict YAML (``true``/``false`` only, no duplicate keys).
 * ``registry.py`` — :class:`Registry`, :class:`ComponentRegistry` (executors, processors).
-* ``placeholder.py`` — :func:`placeholder_prompt_len` of a prewarmed Talker (SPEC §2.3).
+* ``placeholder.py`` — :func:`placeholder_prompt_len` of a prewarmed Talker (docs/protocol.md §2.3).
 * ``diagnostics.py`` — :class:`OmniRelayWarning`, :class:`PipelineConfigWarning`.
 """
 

@@ -1,4 +1,4 @@
-"""The typed pipeline config (SPEC §1) and the queries every layer asks of it.
+"""The typed pipeline config (docs/protocol.md §1) and the queries every layer asks of it.
 
 Data (frozen ``msgspec`` structs, so a validated config can cross to stage workers on
 the control plane):
@@ -12,7 +12,7 @@ the control plane):
 
 Queries (methods of :class:`PipelineConfig`; side-effect free):
 
-* :meth:`~PipelineConfig.resolved_async_chunk` — the one resolver (SPEC §1.2).
+* :meth:`~PipelineConfig.resolved_async_chunk` — the one resolver (docs/protocol.md §1.2).
 * :meth:`~PipelineConfig.any_stage_chunks` — ``any(resolved)`` (§1.4).
 * :meth:`~PipelineConfig.stage_receives_chunks` — prewarm / forward / receiver predicate (§1.5).
 * :meth:`~PipelineConfig.next_stage_processor`, :meth:`~PipelineConfig.stage_input_builder` (§1.6).
@@ -58,7 +58,7 @@ DEFAULT_INPUT_WAIT_TIMEOUT_S = 600.0
 
 
 class ExecutionType(enum.StrEnum):
-    """How a stage runs (SPEC §1.1)."""
+    """How a stage runs (docs/protocol.md §1.1)."""
 
     AR = "ar"  # autoregressive: one token (or frame) per step
     GENERATION = "generation"  # one-shot: prefill the whole input, emit an output
@@ -80,7 +80,7 @@ class ConnectorRole(enum.StrEnum):
 
 
 class EdgeContract(enum.StrEnum):
-    """What an edge carries (SPEC §1.3)."""
+    """What an edge carries (docs/protocol.md §1.3)."""
 
     CHUNKS = "chunks"  # incremental handoff over the connector while the source runs
     COMPLETE_INPUT = "complete input"  # the orchestrator forwards the finished output
@@ -110,7 +110,7 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     ``extra`` is read by the connector and by the processors of the edges that use it
     (for example ``initial_codec_chunk_frames``, ``codec_chunk_frames`` and
-    ``codec_left_context_frames`` of the Talker → Code2Wav processor, SPEC §5.2).
+    ``codec_left_context_frames`` of the Talker → Code2Wav processor, docs/protocol.md §5.2).
     """
 
     backend: str = "shm"
@@ -120,7 +120,7 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One stage of a pipeline.
 
-    Processor hooks (names in the processor registry, SPEC §1.1/§1.6):
+    Processor hooks (names in the processor registry, docs/protocol.md §1.1/§1.6):
     ``chunk_processor`` builds the next stage's per-step chunk payload; ``full_processor``
     the full payload; ``input_builder`` (orchestrator side) turns finished source outputs
     into this stage's input; ``sync_input_builder`` replaces ``input_builder`` when this
@@ -183,7 +183,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """A validated pipeline. Build it with :func:`omnirelay.pipeline.load_pipeline`.
 
     Invariant (checked at construction): stage ids are 0, 1, 2… in list order and
-    stage *k* reads stage *k − 1* (every pipeline in scope is linear, SPEC §1.1), so a
+    stage *k* reads stage *k − 1* (every pipeline in scope is linear, docs/protocol.md §1.1), so a
     stage id is also its index in :attr:`stages`.
     """
 
@@ -192,7 +192,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     async_chunk: bool = True
     async_chunk_origin: FlagOrigin = FlagOrigin.DEFAULT
     namespace: str | None = None
-    #: Stall deadline of a request waiting for input (SPEC §4.10); 0 disables it.
+    #: Stall deadline of a request waiting for input (docs/protocol.md §4.10); 0 disables it.
     input_wait_timeout_s: float = DEFAULT_INPUT_WAIT_TIMEOUT_S
     connectors: dict[str, ConnectorSpec] = msgspec.field(default_factory=dict)
     default_connector: str = DEFAULT_CONNECTOR_NAME
@@ -240,7 +240,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         sid = self.stage(stage).id
         return tuple(s.id for s in self.stages if sid in s.input_sources)
 
-    # -- async_chunk (SPEC §1.2–§1.6) -----------------------------------------------
+    # -- async_chunk (docs/protocol.md §1.2–§1.6) -----------------------------------------------
 
     def resolved_async_chunk(self, stage: StageConfig | int) -> bool:
         """THE resolver of a stage's mode; every consumer of the flag calls this."""
@@ -258,11 +258,11 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
 
     def any_stage_chunks(self) -> bool:
-        """``any(resolved)`` over all stages — never read off stage 0 (SPEC §1.4)."""
+        """``any(resolved)`` over all stages — never read off stage 0 (docs/protocol.md §1.4)."""
         return any(self.resolved_async_chunk(s) for s in self.stages)
 
     def stage_receives_chunks(self, stage: StageConfig | int) -> bool:
-        """Resolved on, has an input, and not an explicit ``sender`` (SPEC §1.5).
+        """Resolved on, has an input, and not an explicit ``sender`` (docs/protocol.md §1.5).
 
         Decides prewarm, whether finished upstream outputs are forwarded instead, and
         whether the stage's adapter registers receivers.
@@ -325,7 +325,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 )
         return tuple(out)
 
-    # -- final outputs (SPEC §2.2) ----------------------------------------------------
+    # -- final outputs (docs/protocol.md §2.2) ----------------------------------------------------
 
     def final_output_stage_ids(self, modalities: Iterable[str] | None = None) -> tuple[int, ...]:
         """Final-output stages whose type was requested; unknown modalities are ignored,

@@ -1,4 +1,4 @@
-"""Length of the placeholder prompt a prewarmed Talker gets (SPEC §2.3).
+"""Length of the placeholder prompt a prewarmed Talker gets (docs/protocol.md §2.3).
 
 The orchestrator prewarms a chunk-receiving stage with ``prompt_token_ids = [0] * N``:
 the zeros only size positions and KV, they are never synthesized. N follows the

@@ -1,4 +1,4 @@
-"""The one resolver of a stage's ``async_chunk`` mode (SPEC §1.2).
+"""The one resolver of a stage's ``async_chunk`` mode (docs/protocol.md §1.2).
 
 Every consumer of the flag — scheduler choice, processor choice (§1.6), the
 orchestrator's prewarm and forwarding rules (§1.5, §2.3, §2.5), edge validation (§1.3)

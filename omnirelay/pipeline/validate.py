@@ -1,4 +1,4 @@
-"""Construction-time validation of a :class:`PipelineConfig` (SPEC §1.1–§1.5).
+"""Construction-time validation of a :class:`PipelineConfig` (docs/protocol.md §1.1–§1.5).
 
 :func:`validate_pipeline` runs from ``PipelineConfig.__post_init__``, so every config
 in existence — loaded from YAML, built in memory, or decoded in a stage worker — has
@@ -41,7 +41,7 @@ CONNECTOR_BACKENDS = ("shm", "inproc")
 #: extras unless the file defines a connector of this name.
 DEFAULT_CONNECTOR_NAME = "default"
 
-#: A deployment namespace becomes part of every /dev/shm name (DESIGN.md §3). The same
+#: A deployment namespace becomes part of every /dev/shm name (docs/design.md §3). The same
 #: rule as ``omnirelay.connectors.base.validate_namespace`` (a test keeps them equal);
 #: repeated here so a bad file fails at load time without importing the transport layer.
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
@@ -211,7 +211,7 @@ def _check_sources(cfg: PipelineConfig) -> None:
             "every stage has input sources, so no stage takes the client's request",
             "give the first stage no input_sources",
         )
-    # Every pipeline in scope is linear (SPEC §1.1): the orchestrator forwards s -> s+1
+    # Every pipeline in scope is linear (docs/protocol.md §1.1): the orchestrator forwards s -> s+1
     # and prewarms 1..final_stage_id, and transfer keys carry one source stage.
     for stage in cfg.stages:
         expected = () if stage.id == 0 else (stage.id - 1,)

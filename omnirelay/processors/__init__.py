@@ -1,4 +1,4 @@
-"""omnirelay.processors: what the next stage should see (SPEC §5, §6).
+"""omnirelay.processors: what the next stage should see (docs/protocol.md §5, §6).
 
 One file per role:
 

@@ -1,4 +1,4 @@
-"""Code2Wav → forced aligner: the full-waveform input builder (SPEC §5.4, §8 item 11).
+"""Code2Wav → forced aligner: the full-waveform input builder (docs/protocol.md §5.4, §8 item 11).
 
 The aligner needs the whole utterance, so this runs on the orchestrator once the audio
 stage has **finished** the request (not over a connector, not per chunk).

@@ -1,9 +1,9 @@
-"""Code2Wav decode-window math (SPEC §6): pure functions, no model.
+"""Code2Wav decode-window math (docs/protocol.md §6): pure functions, no model.
 
 * :func:`codes_batch_from_flat` — per-request codebook-major ids → ``[B, Q, Tmax]`` codes
   (right-padded with code 0) and each request's frame count (§6.1).
 * :func:`validate_left_context` — each request's ``meta.left_context_size``, checked
-  against the batch (SPEC §10.9: a mismatch is an error, never a silent 0).
+  against the batch (docs/protocol.md §10.9: a mismatch is an error, never a silent 0).
 * :func:`stream_trim` — which samples of one request's row of a streaming decode to emit
   (§6.2): ``tail = max(0, W·U − D)``, ``start = max(0, c·U − tail)``,
   ``end = max(0, T·U − tail)``.

@@ -45,7 +45,7 @@ def request_voice(context: Any) -> str | None:
 
 
 class ThinkerToTalkerStage:
-    """Thinker step outputs → Talker payloads (SPEC §5.1), one stream state per request.
+    """Thinker step outputs → Talker payloads (docs/protocol.md §5.1), one stream state per request.
 
     The Thinker executor captures exactly the hidden layers ``{0, accept_hidden_layer}``
     (the Talker config's layer), so the accepted layer is read off the first step's
@@ -89,7 +89,7 @@ class ThinkerToTalkerStage:
 
 
 class TalkerToCode2WavStage:
-    """Talker codec frames → Code2Wav decode windows (SPEC §5.2), one state per request.
+    """Talker codec frames → Code2Wav decode windows (docs/protocol.md §5.2), one state per request.
 
     The 4/25/25 schedule comes from the next stage's input connector ``extra``.
     """

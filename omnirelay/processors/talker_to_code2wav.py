@@ -1,9 +1,9 @@
-"""Talker → Code2Wav: buffer codec frames and emit decode windows (SPEC §5.2, §5.3).
+"""Talker → Code2Wav: buffer codec frames and emit decode windows (docs/protocol.md §5.2, §5.3).
 
 The Talker produces one codec frame of ``Q`` codebooks per step (``[1, Q]``; a step may
 carry several rows). Code2Wav decodes windows of frames: each payload carries ``new``
 frames never sent before plus up to ``Lc`` frames of left context already sent, so the
-causal vocoder can re-decode the boundary (SPEC §6.2 trims the result).
+causal vocoder can re-decode the boundary (docs/protocol.md §6.2 trims the result).
 
 * :class:`TalkerToCode2WavConfig` — ``C``/``Lc``/``I``/ramp/``Q``/stop ids, validated at
   construction (``from_extra`` reads the edge's connector ``extra`` options).
@@ -15,7 +15,7 @@ causal vocoder can re-decode the boundary (SPEC §6.2 trims the result).
 * :func:`flatten_codebook_major` / :func:`unflatten_codebook_major` — the wire layout
   ``[T, Q] → [Q, T] → flat`` and the receiver's inverse.
 
-Frames are the unit everywhere (SPEC §10.10): a multi-row step adds several frames, and
+Frames are the unit everywhere (docs/protocol.md §10.10): a multi-row step adds several frames, and
 the schedule counts frames, not steps. With one frame per step the schedule is exactly
 the reference's: for ``I=4, C=25, Lc=25`` the payloads carry 4 → 29 → 50 → 50 … frames
 with left context 0 → 4 → 25 → 25 ….
@@ -47,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The codec EOS of the Qwen3-Omni pipeline constraint (SPEC §5.2).
+#: The codec EOS of the Qwen3-Omni pipeline constraint (docs/protocol.md §5.2).
 DEFAULT_CODEC_STOP_TOKEN_IDS: frozenset[int] = frozenset({2150})
 
 _PROCESSOR = "talker->code2wav"
@@ -93,7 +93,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def parse_codec_chunk_ramp(value: object) -> tuple[int, ...] | None:
     """Parse ``codec_chunk_ramp``: ``None``, a list/tuple of ints, or a comma string ``"4,8,25"``.
 
-    A ramp needs at least two positive ints (SPEC §5.3). Unlike the reference, which
+    A ramp needs at least two positive ints (docs/protocol.md §5.3). Unlike the reference, which
     disables a malformed ramp with a warning, a malformed ramp is a :class:`ConfigError`.
     """
     if value is None:
@@ -128,7 +128,7 @@ def parse_codec_chunk_ramp(value: object) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True, slots=True)
 class TalkerToCode2WavConfig:
-    """Chunking of the Talker → Code2Wav edge (SPEC §5.2 config, §5.3 ramp).
+    """Chunking of the Talker → Code2Wav edge (docs/protocol.md §5.2 config, §5.3 ramp).
 
     ``initial_codec_chunk_frames`` (I) > 0 sends a small first chunk of I frames to cut
     time to first audio; ``codec_chunk_ramp`` replaces I by a table of chunk sizes.

@@ -1,4 +1,4 @@
-"""Thinker → Talker: hand the Talker the Thinker's embeddings and hidden states (SPEC §5.1).
+"""Thinker → Talker: hand the Talker the Thinker's embeddings and hidden states (docs/protocol.md §5.1).
 
 * :class:`ThinkerStreamState` — per request: the prompt ids, speaker, language, and the
   rows cached while chunk 0 waits.
@@ -13,7 +13,7 @@ generated position (or the request finished): that is the least the Talker can s
 from, and chunked prefill accumulates through the same cache. Every later chunk carries
 ``embed.decode``: the layer-0 rows of that step.
 
-Beyond the reference (SPEC §10.10): a decode step of several rows (speculative or
+Beyond the reference (docs/protocol.md §10.10): a decode step of several rows (speculative or
 multi-token decode) is sent as several rows instead of being dropped, and every tensor's
 shape is checked with an error that names it. A step output without the captured layers
 is an error too, not a silent skip: the Talker would otherwise wait for a chunk that

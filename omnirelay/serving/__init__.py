@@ -3,9 +3,9 @@
 One file per role:
 
 * ``app`` — :func:`create_app` (routes, error handlers) over a started ``Pipeline``;
-* ``chat`` / ``speech`` / ``websocket`` — the endpoints (SPEC §7.1, §7.2, §7.4);
+* ``chat`` / ``speech`` / ``websocket`` — the endpoints (docs/protocol.md §7.1, §7.2, §7.4);
 * ``audio`` — streaming emission (DELTA / CUMULATIVE, ``emitted_samples``, ``prev_count``;
-  SPEC §7.3) and PCM16 / WAV encoding;
+  docs/protocol.md §7.3) and PCM16 / WAV encoding;
 * ``frontend`` — checks, sampling, submit; :class:`RequestStream` (abort on close);
 * ``admission`` — 429 + Retry-After over the concurrency or byte budget;
 * ``metrics`` — Prometheus; ``protocol`` — request bodies; ``text`` — prompts and

@@ -1,4 +1,4 @@
-"""Admission control at the API (DESIGN §7, SPEC §10.1): :class:`Admission` and :class:`Slot`.
+"""Admission control at the API (docs/protocol.md §10.1): :class:`Admission` and :class:`Slot`.
 
 A request holds one slot from the moment it is admitted until its response is fully
 sent, aborted or failed. Over ``max_concurrency`` slots, or while the pipeline's live

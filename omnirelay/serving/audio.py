@@ -1,4 +1,4 @@
-"""Audio on the wire: streaming emission (SPEC §7.3) and PCM16 / WAV encoding.
+"""Audio on the wire: streaming emission (docs/protocol.md §7.3) and PCM16 / WAV encoding.
 
 * :class:`AudioEmitter` — turns the audio values of a request's outputs into the new
   samples to send, each sample exactly once:
@@ -12,7 +12,7 @@
 
   The sample rate is read from each value (``sr``; its last element when a list or a
   tensor); a change mid-stream is an :class:`AudioStreamError`. This is a different
-  de-duplication from Code2Wav's decode-window trim (SPEC §6.2): that one removes
+  de-duplication from Code2Wav's decode-window trim (docs/protocol.md §6.2): that one removes
   window overlap inside a stage; this one removes repetition of cumulative outputs.
 * :func:`pcm16` / :func:`wav_header` / :func:`wav_bytes` — 16-bit little-endian mono PCM
   and its RIFF header; a streamed WAV has the header (sizes unknown: ``0xFFFFFFFF``)
@@ -52,7 +52,7 @@ class AudioStreamError(OmniRelayError):
 
 
 class OutputKind(enum.Enum):
-    """How a request's audio values relate to each other (SPEC §7.1, §7.2)."""
+    """How a request's audio values relate to each other (docs/protocol.md §7.1, §7.2)."""
 
     DELTA = "delta"  # each value holds only new samples
     CUMULATIVE = "cumulative"  # each value holds every sample so far
@@ -74,7 +74,7 @@ def _rate_of(sample_rate: Any) -> int | None:
 
 
 class AudioEmitter:
-    """Per request and stream: which samples of the next audio value are new (SPEC §7.3).
+    """Per request and stream: which samples of the next audio value are new (docs/protocol.md §7.3).
 
     Called once per output that carries audio, in arrival order, on one task.
     """

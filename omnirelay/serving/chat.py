@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` (SPEC §7.1), OpenAI's schema with audio output.
+"""``POST /v1/chat/completions`` (docs/protocol.md §7.1), OpenAI's schema with audio output.
 
 * ``modalities`` ``["text"]``, ``["text", "audio"]`` (or ``["audio"]``); absent: every
   output the pipeline has. ``audio`` {voice, format: ``wav`` | ``pcm16``}.

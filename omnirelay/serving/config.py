@@ -38,9 +38,9 @@ class ServerConfig:
     #: voices a client may name (case-insensitive)
     voices: tuple[str, ...] = DEFAULT_VOICES
     default_voice: str = "chelsie"
-    #: ``X-Word-Timestamps`` is sent only when its JSON fits (SPEC §7.2)
+    #: ``X-Word-Timestamps`` is sent only when its JSON fits (docs/protocol.md §7.2)
     max_timestamps_header_bytes: int = 4096
-    # -- WebSocket /v1/audio/speech/stream (SPEC §7.4)
+    # -- WebSocket /v1/audio/speech/stream (docs/protocol.md §7.4)
     ws_max_config_bytes: int = 4 * 1024 * 1024
     ws_max_text_bytes: int = 128 * 1024
     ws_first_config_timeout_s: float = 10.0

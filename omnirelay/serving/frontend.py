@@ -183,7 +183,7 @@ class Frontend:
         return voice.lower()
 
     def chat_modalities(self, value: Any) -> tuple[str, ...]:
-        """SPEC §7.1: absent → the pipeline's output modalities; else a list of strings
+        """docs/protocol.md §7.1: absent → the pipeline's output modalities; else a list of strings
         within them, or a 400 that lists the supported ones."""
         supported = [m for m in self.output_types if m in CHAT_MODALITIES]
         if value is None:

@@ -85,7 +85,7 @@ class ChatCompletionRequest(_Model):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    modalities: Any = None  # checked against the pipeline (SPEC §7.1)
+    modalities: Any = None  # checked against the pipeline (docs/protocol.md §7.1)
     audio: AudioParams | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

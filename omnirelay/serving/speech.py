@@ -1,4 +1,4 @@
-"""``POST /v1/audio/speech`` (SPEC §7.2): text in, audio out.
+"""``POST /v1/audio/speech`` (docs/protocol.md §7.2): text in, audio out.
 
 Body: ``input`` (spoken as given; non-empty, at most ``max_input_chars``), ``voice``,
 ``response_format`` (``wav`` | ``pcm``: 16-bit little-endian mono), ``speed`` (1.0 only),
@@ -78,7 +78,7 @@ def speech_extras(text: str, voice: str) -> dict[str, Any]:
 
 
 def _check(fe: Frontend, req: SpeechRequest) -> tuple[bool, str]:
-    """``(is_streaming, voice)`` after the checks of SPEC §7.2, in its order."""
+    """``(is_streaming, voice)`` after the checks of docs/protocol.md §7.2, in its order."""
     if req.stream_format not in (None, "audio", "sse"):
         raise ApiError(
             400,

@@ -1,4 +1,4 @@
-"""``WS /v1/audio/speech/stream``: streaming speech over one WebSocket (SPEC §7.4).
+"""``WS /v1/audio/speech/stream``: streaming speech over one WebSocket (docs/protocol.md §7.4).
 
 Client messages (JSON text frames with a ``type``):
 

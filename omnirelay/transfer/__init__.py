@@ -1,4 +1,4 @@
-"""Chunk transfer adapter: per-request chunk streams over one connector (SPEC §4).
+"""Chunk transfer adapter: per-request chunk streams over one connector (docs/protocol.md §4).
 
 Files, one role each:
 

@@ -1,6 +1,6 @@
 """The chunk transfer adapter of one stage process: the facade that owns the threads.
 
-Scheduler surface (all non-blocking, no I/O; STYLE 5 — the scheduler stays a pure state
+Scheduler surface (all non-blocking, no I/O; docs/design.md §7 — the scheduler stays a pure state
 machine that feeds commands in and drains plain data out):
 
 * ``save_async(internal_id, external_id, output, ...) -> Admission`` — enqueue one chunk.
@@ -116,7 +116,7 @@ class TransferAdapter:
                 on_error=self._note_error,
                 source=self._arrival_pass,
             )
-        # Every map the threads read exists by now (SPEC §4.2).
+        # Every map the threads read exists by now (docs/protocol.md §4.2).
         for lanes in (self._send_lanes, self._recv_lanes):
             if lanes is not None:
                 lanes.start()
@@ -174,7 +174,7 @@ class TransferAdapter:
         return self._sender is not None and self._sender.is_draining(external_id)
 
     def cleanup_sender(self, external_id: str, internal_id: str | None = None) -> None:
-        """Cancel the sender generation of ``external_id`` (SPEC §4.5); returns at once."""
+        """Cancel the sender generation of ``external_id`` (docs/protocol.md §4.5); returns at once."""
         if self._sender is not None:
             self._sender.cleanup_sender(external_id, internal_id)
 
@@ -212,7 +212,7 @@ class TransferAdapter:
         return self._receiver is not None and self._receiver.is_segment_finished(internal_id)
 
     def cleanup_receiver(self, internal_id: str) -> None:
-        """Drop the request's receiver state and (SPEC §4.6) its id mapping — unless its
+        """Drop the request's receiver state and (docs/protocol.md §4.6) its id mapping — unless its
         sender generation still needs the mapping to report failures by internal id."""
         if self._receiver is not None:
             self._receiver.cleanup_receiver(internal_id)
@@ -318,7 +318,7 @@ class TransferAdapter:
     # ----------------------------------------------------------------- housekeeping
 
     def _housekeep(self, blocking: bool) -> None:
-        """One reap pass and budget reconciliation (SPEC §3.5: also when the loop is idle)."""
+        """One reap pass and budget reconciliation (docs/protocol.md §3.5: also when the loop is idle)."""
         if not self._housekeeping_mutex.acquire(blocking=blocking):
             return  # another worker is doing it right now
         try:

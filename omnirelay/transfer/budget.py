@@ -1,4 +1,4 @@
-"""Backpressure: a byte budget of unconsumed data per edge (SPEC §10.1).
+"""Backpressure: a byte budget of unconsumed data per edge (docs/protocol.md §10.1).
 
 Every successful put is recorded with its ``PutResult.nbytes``. A record is released when
 the data is known to be gone:

@@ -1,9 +1,9 @@
-"""One flat, validated configuration of the chunk transfer adapter (STYLE 11).
+"""One flat, validated configuration of the chunk transfer adapter (docs/design.md §7).
 
 :class:`TransferConfig` is checked when it is built: a wrong value raises
 :class:`~omnirelay.errors.ConfigError` naming the field and how to fix it. A stall timeout
 of ``0`` disables the last-resort deadline and warns with
-:class:`StallTimeoutDisabledWarning` (SPEC §4.10).
+:class:`StallTimeoutDisabledWarning` (docs/protocol.md §4.10).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class TransferConfig:
     arrival_wait_s: float = 0.1
     #: Period of the slow poll of every registered entry that covers lost notices.
     fallback_poll_s: float = 2.0
-    #: Period of the idle send loop's reap pass (SPEC §3.5: reap also when idle).
+    #: Period of the idle send loop's reap pass (docs/protocol.md §3.5: reap also when idle).
     reap_interval_s: float = 0.1
     #: Failures kept for the orchestrator until drained; the oldest are dropped (counted) past it.
     max_undrained_failures: int = 10_000

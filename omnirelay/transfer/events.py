@@ -1,6 +1,6 @@
 """Plain data the adapter hands to the scheduler and the orchestrator, and its mailbox.
 
-* :class:`ChunkInput` — one committed chunk of one request (SPEC §4.8), handed over once.
+* :class:`ChunkInput` — one committed chunk of one request (docs/protocol.md §4.8), handed over once.
 * :class:`TransferFailure` — a request failed in the transfer layer; carries both ids and a
   reason. :meth:`TransferFailure.error` gives the matching :class:`TransferError`.
 * :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,

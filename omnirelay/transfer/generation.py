@@ -1,4 +1,4 @@
-"""The sender generation token: one sender lifetime of an external id (SPEC §4.5).
+"""The sender generation token: one sender lifetime of an external id (docs/protocol.md §4.5).
 
 The token's fields change only in the named methods below, each of which asserts its
 precondition. :class:`~omnirelay.transfer.sender.SendSide` calls them under its lock and
@@ -76,7 +76,7 @@ class SenderGeneration:
         self.is_terminal_admitted = False
         #: The put counter: successful, honored puts; the next key's chunk id.
         self.num_sent = 0
-        #: Committed-token watermark (preemption dedupe, SPEC §4.3 step 3).
+        #: Committed-token watermark (preemption dedupe, docs/protocol.md §4.3 step 3).
         self.watermark: int | None = None
         self.segment_generation = 0
 

@@ -1,4 +1,4 @@
-"""Transfer keys and the internal↔external request id mapping (SPEC §4.1, DESIGN §3).
+"""Transfer keys and the internal↔external request id mapping (docs/protocol.md §4.1, docs/design.md §3).
 
 * :func:`make_key` — ``f"{external_id}_{source_stage}_{chunk_id}"``, the connector key of
   one chunk. Keys of one (external id, source stage) differ only in the chunk id, and

@@ -1,4 +1,4 @@
-"""Per-lane FIFO work over a small pool of threads (SPEC §10.15: order per request only).
+"""Per-lane FIFO work over a small pool of threads (docs/protocol.md §10.15: order per request only).
 
 A *lane* is a key (an external id on the send side, an internal id on the receive side).
 Tasks of one lane run one at a time, in submission order; tasks of different lanes run in

@@ -1,4 +1,4 @@
-"""The receive side: registrations, polls, commit and ready publication (SPEC §4.6–§4.8).
+"""The receive side: registrations, polls, commit and ready publication (docs/protocol.md §4.6–§4.8).
 
 * :meth:`ReceiveSide.register` (scheduler thread, via ``load_async``) — create a
   :class:`LoadEntry` for the request's next chunk and index it by its key.
@@ -102,7 +102,7 @@ class ReceiveSide:
     # ----------------------------------------------------------------- registration
 
     def register(self, internal_id: str, external_id: str) -> LoadEntry | None:
-        """SPEC §4.7 ``load_async``; returns the new entry to poll once, or None (no-op).
+        """docs/protocol.md §4.7 ``load_async``; returns the new entry to poll once, or None (no-op).
 
         No-op when the request is already registered, has an undrained ready chunk, or its
         upstream is exhausted (no chunk will ever come).

@@ -1,10 +1,10 @@
-"""The send side: admission, send tasks, generations and their cleanup (SPEC §4.3–§4.5).
+"""The send side: admission, send tasks, generations and their cleanup (docs/protocol.md §4.3–§4.5).
 
 * :meth:`SendSide.admit` (scheduler thread, via ``save_async``) — decide under the lock,
   queue a task on the external id's lane; never any I/O.
 * :meth:`SendSide._run` (a send worker) — build the payload, wait for budget, put, apply
   the result; connector I/O and the processor never run under the lock.
-* :meth:`SendSide.cleanup_sender` — cancel the external id's generation (SPEC §4.5 rows).
+* :meth:`SendSide.cleanup_sender` — cancel the external id's generation (docs/protocol.md §4.5 rows).
 * Retirement is reported as data: the external id goes to the event box (drained by
   ``poll_events`` as ``retired_senders``) once the retired generation's keys are
   reclaimed — at the end of its exact-key cleanup task, or at retirement when it has
@@ -51,7 +51,7 @@ class BuildRequest(NamedTuple):
     output: Any
     #: The caller's snapshot of the request (must not be mutated after ``save_async``).
     context: Any
-    #: SPEC §4.4 step 3: a segment end or the request's end.
+    #: docs/protocol.md §4.4 step 3: a segment end or the request's end.
     is_finished: bool
     is_request_finished: bool
     is_segment_finished: bool
@@ -145,7 +145,7 @@ class SendSide:
         num_confirmed_tokens: int | None,
         segment_generation: int | None,
     ) -> Admission:
-        """SPEC §4.3 step 4, under the sender lock; queues the task on the id's lane."""
+        """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
             problem = request_id_problem(external_id, "external request id")
             if problem is not None:
@@ -231,7 +231,7 @@ class SendSide:
         return self._gens.get(task.external_id) is task.gen
 
     def _run(self, task: _SendTask) -> None:
-        """One data task, on a send worker (SPEC §4.4)."""
+        """One data task, on a send worker (docs/protocol.md §4.4)."""
         g = task.gen
         with self._lock:
             may_run = self._gens.get(task.external_id) is g and g.may_run(is_terminal=task.is_terminal)
@@ -256,7 +256,7 @@ class SendSide:
                     g.fail()
                 self._record(task.internal_id, task.external_id, *failure)
             elif delivered:
-                self._on_terminal_sent(task.internal_id, task.external_id)  # SPEC §4.4 step 9
+                self._on_terminal_sent(task.internal_id, task.external_id)  # docs/protocol.md §4.4 step 9
         finally:  # whatever happened (even BaseException), restore the token's invariants
             self._finish_task(task)
 
@@ -290,7 +290,7 @@ class SendSide:
             return waited, False
         with self._lock:
             if not (self._gens.get(task.external_id) is g and g.may_run(is_terminal=task.is_terminal)):
-                return None, False  # cancelled while building (SPEC §4.4 step 6)
+                return None, False  # cancelled while building (docs/protocol.md §4.4 step 6)
             put_id = g.before_put()
         key = make_key(task.external_id, self._stage, put_id)
         try:
@@ -355,7 +355,7 @@ class SendSide:
             self._budget.wait(self._config.reap_interval_s)
 
     def _finish_task(self, task: _SendTask) -> None:
-        """SPEC §4.4 step 10: the 'terminal task ends' row, then the 'any task finally' row."""
+        """docs/protocol.md §4.4 step 10: the 'terminal task ends' row, then the 'any task finally' row."""
         g = task.gen
         retired: list[str] = []
         wakes: list[Parker] = []
@@ -370,7 +370,7 @@ class SendSide:
     # ----------------------------------------------------------------- cleanup
 
     def cleanup_sender(self, external_id: str, internal_id: str | None = None) -> None:
-        """Cancel ``external_id``'s generation (SPEC §4.5). Never waits for I/O.
+        """Cancel ``external_id``'s generation (docs/protocol.md §4.5). Never waits for I/O.
 
         With ``internal_id``, a generation owned by another request (a newer one that
         reuses the id) is left alone.

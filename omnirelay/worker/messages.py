@@ -1,7 +1,7 @@
 """Every message of the control plane between the front process and a stage worker.
 
 Typed ``msgspec`` structs, tagged (``{"type": "submit", ...}``) so that one decoder per
-direction reads a union (DESIGN.md §2, STYLE 13):
+direction reads a union (docs/design.md §2, docs/design.md §7):
 
 * front → worker (:data:`ToWorker`): :class:`Submit`, :class:`Abort`, :class:`Release`,
   :class:`HealthRequest`, :class:`LeakStateRequest`, :class:`Shutdown`;
@@ -167,7 +167,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
-    """No stage needs the request any more: drop its transfer objects and state (SPEC §2.8)."""
+    """No stage needs the request any more: drop its transfer objects and state (docs/protocol.md §2.8)."""
 
     request_id: str
 
