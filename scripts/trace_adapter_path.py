@@ -52,7 +52,7 @@ def _around(owner: Any, name: str, step: str, when: Callable[[tuple[Any, ...]], 
 
 def _instrument(role: str) -> None:
     from omnirelay.bench import adapter_latency_roles as roles
-    from omnirelay.connectors import shm
+    from omnirelay.connectors.shm import connector as shm
     from omnirelay.transfer import adapter, lanes, receiver, sender
 
     if role == "sender":

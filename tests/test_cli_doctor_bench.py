@@ -66,7 +66,8 @@ def test_doctor_with_nothing_to_report(capsys: pytest.CaptureFixture[str]) -> No
 def test_doctor_says_when_the_shm_connector_cannot_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from omnirelay.connectors import atomics, create_connector
+    from omnirelay.connectors import create_connector
+    from omnirelay.connectors.shm import atomics
     from omnirelay.errors import ConnectorError
 
     monkeypatch.setattr(atomics, "_EXT", None)  # neither the C extension nor libatomic

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.connectors import GetStatus, create_connector, names, slot
-from omnirelay.connectors.shm import ShmConnector
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors import GetStatus, create_connector
+from omnirelay.connectors.shm import names, slot, sweep
+from omnirelay.connectors.shm.connector import ShmConnector
 from tests.conftest import shm_entries
 
 CTX = mp.get_context("spawn")
@@ -158,7 +158,7 @@ def test_enospc_put_fails_and_leaves_nothing(namespace: str) -> None:
 def _closing_allocator(conn: list[ShmConnector]) -> Any:
     """An allocator that closes the connector first: ``close`` runs while the put that
     asked for the slot is in flight (forced on one thread, no timing involved)."""
-    from omnirelay.connectors.shm import default_allocator
+    from omnirelay.connectors.shm.connector import default_allocator
 
     def allocate(path: str, size: int) -> Any:
         conn[0].close()
@@ -459,7 +459,7 @@ def test_notice_taken_before_the_link_fails_counts_as_delivered(
         got.append(cons.get(1, 2, "D_1_0").obj)
         real_link(src, dst)  # then the name clashes with b's object
 
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     monkeypatch.setattr(shm_module.os, "link", reader_first)
     res = a.put(1, 2, "D_1_0", {"from": "a"})
@@ -479,8 +479,8 @@ def test_notice_taken_before_the_link_fails_counts_as_delivered(
 def test_atomic_word_compare_and_swap(use_extension: bool) -> None:
     import mmap
 
-    from omnirelay.connectors import atomics
-    from omnirelay.connectors.atomics import Word
+    from omnirelay.connectors.shm import atomics
+    from omnirelay.connectors.shm.atomics import Word
 
     if use_extension:
         assert atomics._EXT is not None, "the C extension is not built (pip install -e . compiles it)"
@@ -509,7 +509,7 @@ def test_a_claim_without_its_record_is_not_taken_for_abandoned(
     """A reader between its CAS and its claim record (or the producer's own cleanup) must
     never look dead to the reap: freeing the slot then would hand it to the next put while
     the reader copies it out."""
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     prod = create_connector("shm", namespace=namespace, stage_id=1)
     assert prod.put(1, 2, "R_1_0", {"v": 1}).ok
@@ -575,7 +575,7 @@ def test_a_name_reaped_and_its_slot_recycled_under_a_reader_is_not_corruption(
     """A reader opens a key's lingering name (consumed, not reaped yet); before it reads the
     header, the producer reaps it and recycles the slot for another key. The reader must see
     NOT_YET, not a corrupt object (that failed requests whose ids were reused after an abort)."""
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     prod = create_connector("shm", namespace=namespace, stage_id=1)
     cons = create_connector("shm", namespace=namespace, stage_id=2)
@@ -713,7 +713,7 @@ def test_a_publish_during_the_readers_wait_is_claimed_without_a_second_notice(
         results.append(h.finish())
         monkeypatch.setattr(os, "sched_yield", real_yield)
 
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     monkeypatch.setattr(shm_module, "_PUBLISH_WAIT_NS", 30 * 10**9)  # only the hook ends the wait
     monkeypatch.setattr(os, "sched_yield", writer_finishes)
@@ -772,7 +772,7 @@ def _held_put_got_while_waiting(
         thread.join(30)
         monkeypatch.setattr(os, "sched_yield", real_yield)
 
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     monkeypatch.setattr(shm_module, "_PUBLISH_WAIT_NS", 30 * 10**9)  # only the hook ends the wait
     monkeypatch.setattr(os, "sched_yield", writer_finishes)
@@ -796,7 +796,7 @@ def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
     """The stamp turns PUBLISHED after the reader's claim failed but before it looks
     again, and the key's name is not linked yet: the reader must claim through the stamp
     (no second notice will come), not fall back to the name."""
-    from omnirelay.connectors import shm as shm_module
+    from omnirelay.connectors.shm import connector as shm_module
 
     h = _held_put(namespace, monkeypatch, "E_1_0", {"v": 1})
     real_link = os.link
@@ -910,7 +910,7 @@ def test_notices_round_trip_between_both_implementations(
 ) -> None:
     import select
 
-    from omnirelay.connectors import notices
+    from omnirelay.connectors.shm import notices
 
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     addr = notices.address(namespace, 9)
@@ -950,8 +950,8 @@ def test_notices_round_trip_between_both_implementations(
 def test_a_claim_takes_only_its_publish_of_its_key_and_records_the_claimer(use_op: bool) -> None:
     import mmap
 
-    from omnirelay.connectors import atomics
-    from omnirelay.connectors.atomics import Word
+    from omnirelay.connectors.shm import atomics
+    from omnirelay.connectors.shm.atomics import Word
 
     op = atomics.claim_op(slot.CLAIM_LAYOUT)
     if use_op:

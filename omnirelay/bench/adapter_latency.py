@@ -49,7 +49,7 @@ from omnirelay.bench.adapter_latency_roles import (
     sender_main,
 )
 from omnirelay.bench.transfer import pin_cpus
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.interpreter import InterpreterInfo, interpreter_info
 
 __all__ = [

@@ -211,7 +211,7 @@ def bench_running_pipeline(
     """The measurement on a running pipeline (started with ``on_stage_output=trace``);
     ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
     of the stages and the namespace; the pipeline keeps running."""
-    from omnirelay.connectors.sweep import sweep
+    from omnirelay.connectors.shm import sweep
     from omnirelay.orchestrator.worker import leak_paths
 
     _check_options(concurrency, requests, warmup)

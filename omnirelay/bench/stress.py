@@ -39,7 +39,7 @@ import msgspec
 from omnirelay.bench.stress_consumer import consumer_main
 from omnirelay.bench.stress_plan import ConsumerReport, ProducerReport, RequestPlan, Settings, make_plan
 from omnirelay.bench.stress_producer import producer_main
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 
 __all__ = ["render_stress", "run_stress"]
 

@@ -300,7 +300,7 @@ def _measure(kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
-    from omnirelay.connectors.sweep import sweep
+    from omnirelay.connectors.shm import sweep
 
     sweep(namespace, reclaim=True)  # nothing should be there; the leak audit reports it
     lat = [(g - s) / 1e3 for s, g in zip(sent, got)]

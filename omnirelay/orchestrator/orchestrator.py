@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import (
     InvalidRequestError,

@@ -26,7 +26,7 @@ producer's CAS cannot both succeed.
 
 State and publish sequence share one 8-byte *stamp* word, ``state | seq << 8``. The one
 race between processes, readers claiming an object, is a compare-and-swap of the stamp
-``PUBLISHED(seq) -> CLAIMED(seq)`` (``omnirelay.connectors.atomics``): exactly one reader
+``PUBLISHED(seq) -> CLAIMED(seq)`` (``omnirelay.connectors.shm.atomics``): exactly one reader
 wins, and since ``seq`` grows with every publish of the slot, a stamp names one publish —
 a reader holding an old arrival notice can never claim the slot's next object.
 

@@ -46,7 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirelay.connectors import atomics, names, notices, slot
 from omnirelay.connectors.base import (
     MAX_KEY_BYTES,
     REAP_BATCH,
@@ -61,7 +60,8 @@ from omnirelay.connectors.base import (
     validate_key,
     validate_namespace,
 )
-from omnirelay.connectors.mappings import Mapping, MappingCache
+from omnirelay.connectors.shm import atomics, names, notices, slot
+from omnirelay.connectors.shm.mappings import Mapping, MappingCache
 from omnirelay.errors import ConnectorError, OmniRelayError
 from omnirelay.payload import codec
 
@@ -245,7 +245,7 @@ class ShmConnector(Connector):
         self._listen_lock = threading.Lock()
         self._closed = False
         if self.options.sweep_on_start:
-            from omnirelay.connectors.sweep import sweep
+            from omnirelay.connectors.shm.reclaim import sweep
 
             sweep(namespace=self.namespace, reclaim=True, shm_dir=self._dir)
         if self.options.listen and stage_id is not None:

@@ -8,7 +8,7 @@ publish of one slot (no ABA: ``seq`` grows with every publish).
 Python has no atomics on shared memory. Two implementations of the same three
 operations (acquire load, release store, sequentially consistent CAS), picked at import:
 
-* ``omnirelay.connectors._atomic_ops``, a small C extension built at install time
+* ``omnirelay.connectors.shm._atomic_ops``, a small C extension built at install time
   (GCC/Clang ``__atomic`` builtins): tens of nanoseconds a call;
 * otherwise GCC's runtime ``libatomic`` (``__atomic_compare_exchange_8`` and friends)
   through ``ctypes``, without releasing the GIL: most of a microsecond a call, as ctypes
@@ -78,7 +78,7 @@ def _load() -> tuple[Any, str | None]:
 
 def _load_extension() -> Any:
     try:
-        from omnirelay.connectors import _atomic_ops
+        from omnirelay.connectors.shm import _atomic_ops
     except ImportError:
         return None
     return _atomic_ops if _atomic_ops.lock_free() else None
@@ -108,7 +108,7 @@ def claim_op(layout: tuple[int, ...]) -> Callable[..., tuple[int, int] | None] |
 def backend() -> str:
     """Which implementation is in use (for ``omnirelay doctor``)."""
     if _EXT is not None:
-        return "C extension (omnirelay.connectors._atomic_ops)"
+        return "C extension (omnirelay.connectors.shm._atomic_ops)"
     if _FUNCS is not None:
         return "libatomic through ctypes (the C extension is not built: slower claims)"
     return "none"

@@ -29,7 +29,7 @@ import struct
 from typing import Any
 
 from omnirelay.connectors.base import MAX_KEY_BYTES
-from omnirelay.connectors.names import PREFIX
+from omnirelay.connectors.shm.names import PREFIX
 
 __all__ = [
     "BUFSIZE",
@@ -105,7 +105,7 @@ def _py_drain(sock: socket.socket, poller: Any, max_count: int) -> list[Notice |
 
 def _load() -> Any:
     try:
-        from omnirelay.connectors import _notice_ops  # type: ignore[attr-defined]
+        from omnirelay.connectors.shm import _notice_ops  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _notice_ops
@@ -165,4 +165,4 @@ def drain(
 
 
 def backend() -> str:
-    return "C extension (omnirelay.connectors._notice_ops)" if _EXT is not None else "Python sockets"
+    return "C extension (omnirelay.connectors.shm._notice_ops)" if _EXT is not None else "Python sockets"

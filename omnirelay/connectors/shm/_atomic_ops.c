@@ -196,7 +196,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "omnirelay.connectors._atomic_ops",
+    "omnirelay.connectors.shm._atomic_ops",
     "Atomic load, store and compare-and-swap of aligned 8-byte words (omnirelay slot stamps).",
     0,
     methods,

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from omnirelay.connectors import atomics, slot
+from omnirelay.connectors.shm import atomics, slot
 from omnirelay.errors import ConnectorError
 from omnirelay.payload.codec import DecodeHint
 
