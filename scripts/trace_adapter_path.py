@@ -52,7 +52,7 @@ def _around(owner: Any, name: str, step: str, when: Callable[[tuple[Any, ...]], 
 
 def _instrument(role: str) -> None:
     from omnirelay.bench import adapter_latency_roles as roles
-    from omnirelay.connectors.shm import connector as shm
+    from omnirelay.connectors.shm import connector, notices, producer, reader
     from omnirelay.transfer import adapter, lanes, receiver, sender
 
     if role == "sender":
@@ -60,16 +60,16 @@ def _instrument(role: str) -> None:
         _around(lanes.LaneExecutor, "submit", "lane_submit")
         _around(lanes.LaneExecutor, "_run_task", "worker_task")
         _around(sender.SendSide, "_send", "send_task")
-        _around(shm.ShmConnector, "put", "put", lambda a: a[0].stage_id == roles.SEND_STAGE)
-        _around(shm.ShmConnector, "put", "raw_put", lambda a: a[0].stage_id == roles.RAW_SEND)
-        _around(shm.ShmConnector, "_notify", "notice_send")
-        _around(shm.codec, "plan_encode", "plan_encode")
-        _around(shm.slot, "write_publish_header", "write_header")
+        _around(connector.ShmConnector, "put", "put", lambda a: a[0].stage_id == roles.SEND_STAGE)
+        _around(connector.ShmConnector, "put", "raw_put", lambda a: a[0].stage_id == roles.RAW_SEND)
+        _around(notices.Outbox, "_send", "notice_send")
+        _around(producer.codec, "plan_encode", "plan_encode")
+        _around(producer.slot, "write_publish_header", "write_header")
     else:
-        _around(shm.ShmConnector, "_drain", "drain_notices")
-        _around(shm.ShmConnector, "get", "get", lambda a: a[0].stage_id == roles.RECV_STAGE)
-        _around(shm.ShmConnector, "get", "raw_get", lambda a: a[0].stage_id == roles.RAW_RECV)
-        _around(shm.ShmConnector, "_claim", "claim_decode")
+        _around(notices.Inbox, "_drain", "drain_notices")
+        _around(connector.ShmConnector, "get", "get", lambda a: a[0].stage_id == roles.RECV_STAGE)
+        _around(connector.ShmConnector, "get", "raw_get", lambda a: a[0].stage_id == roles.RAW_RECV)
+        _around(reader.Reader, "_claim", "claim_decode")
         _around(receiver.ReceiveSide, "entries_to_poll", "entries_to_poll")
         _around(receiver.ReceiveSide, "take_announced", "take_announced")
         _around(receiver.ReceiveSide, "poll", "poll")
