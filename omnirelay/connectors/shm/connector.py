@@ -1,11 +1,12 @@
 """``ShmConnector``: the default connector, across processes on one Linux host.
 
-The facade over the two sides (DESIGN.md §7):
+The facade over the two sides (docs/design.md §7):
 
 * ``producer.py`` — put, publish, reap, retract: **atomic publish, exclusive consume, no
   lock files**. An object is written into a private pooled slot, published, announced,
   then made findable by key with one ``link()``: readers never see a partial object, and
-  an unread object with the same key is never clobbered.
+  an unread object with the same key is never clobbered. A small object is announced
+  before it is encoded, so the receiver's wake-up overlaps the encoding.
 * ``reader.py`` — get: a reader claims an object with one compare-and-swap of the slot's
   stamp word, ``PUBLISHED(seq) -> CLAIMED(seq)`` (``slot.claim``): exactly one reader
   wins, with no filesystem operation; it copies the object out and marks the slot FREE.
@@ -162,7 +163,7 @@ class ShmConnector(Connector):
         return self._producer.cleanup_prefix(prefix)
 
     def reap_consumed(self) -> int:
-        """One bounded rotating pass over pending keys (SPEC §3.5), syscall-free."""
+        """One bounded rotating pass over pending keys (docs/protocol.md §3.5), syscall-free."""
         return self._producer.reap()
 
     def pending_keys(self) -> list[str]:

@@ -397,7 +397,7 @@ class Producer:
 
     # ------------------------------------------------------------------ books
     def reap(self) -> int:
-        """One bounded rotating pass over pending keys (SPEC §3.5), syscall-free: a consumed
+        """One bounded rotating pass over pending keys (docs/protocol.md §3.5), syscall-free: a consumed
         object's slot reads FREE in our own mapping."""
         self._outbox.flush_overflow()
         reclaimed: list[_Slot] = []
