@@ -13,7 +13,10 @@ runs the claim's steps, its compare-and-swap must be the CPU's. Two implementati
 sequentially consistent CAS), the first that works picked at import (:data:`DEFAULT`):
 
 * :data:`EXTENSION`: ``omnirelay.connectors.shm._atomic_ops``, a small C extension built
-  at install time (GCC/Clang ``__atomic`` builtins): tens of nanoseconds a call;
+  at install time (GCC/Clang ``__atomic`` builtins): tens of nanoseconds a call. It also
+  makes a reader's whole claim (``slot.claim``'s steps) one call: a get costs 5.3 µs
+  instead of 6.2 µs warm, and more is saved on a CPU just woken, where every Python call
+  is slow;
 * :data:`LIBATOMIC`: GCC's runtime ``libatomic`` (``__atomic_compare_exchange_8`` and
   friends) through ``ctypes``, without releasing the GIL: most of a microsecond a call,
   as ctypes converts every argument. It is what keeps the connector correct where the
@@ -34,6 +37,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from omnirelay.connectors.shm import slot
 from omnirelay.errors import ConnectorError
 
 __all__ = [
@@ -63,6 +67,9 @@ class Backend(NamedTuple):
     #: ``cas(addr, expected, desired) -> bool``: set ``desired`` if the word holds
     #: ``expected``; True if this call did it.
     cas: Callable[[int, int, int], bool]
+    #: ``claim(stamp_addr, size, seq, key, pid, start) -> (offset, length) | None``: a
+    #: reader's whole claim (``slot.claim``'s steps) in one call; None: ``slot.claim``.
+    claim: Callable[[int, int, int, bytes, int, int], tuple[int, int] | None] | None = None
 
 
 def _extension() -> Backend | None:
@@ -70,13 +77,15 @@ def _extension() -> Backend | None:
         from omnirelay.connectors.shm import _atomic_ops
     except ImportError:
         return None
-    if not _atomic_ops.lock_free():
+    # A build for another slot layout (a stale extension) is not used at all.
+    if not _atomic_ops.lock_free() or tuple(_atomic_ops.layout()) != slot.CLAIM_LAYOUT:
         return None
     return Backend(
         "C extension (omnirelay.connectors.shm._atomic_ops)",
         _atomic_ops.load,
         _atomic_ops.store,
         _atomic_ops.cas,
+        _atomic_ops.claim,
     )
 
 

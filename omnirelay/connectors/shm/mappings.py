@@ -14,10 +14,12 @@ still holding the mapping never touches unmapped memory.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from omnirelay.connectors.shm import atomics, slot
@@ -34,6 +36,9 @@ class Mapping:
     view: memoryview
     size: int
     ident: tuple[int, int]
+    #: ``claim(seq, key, pid, start) -> (offset, length) | None``: ``slot.claim`` on this
+    #: mapping, in one C call where the extension is in use.
+    claim: Callable[[int, bytes, int, int], tuple[int, int] | None]
     slot_name: bytes | None = None  # as notices name it (ASCII bytes)
     users: int = 0
     retired: bool = False
@@ -53,7 +58,7 @@ class MappingCache:
         atomic_ops: atomics.Backend | None = None,
     ) -> None:
         self._dir = shm_dir
-        self._atomic_ops = atomic_ops
+        self._atomic_ops = atomic_ops or atomics.DEFAULT
         self._slot_prefix = slot_prefix
         self._max_bytes = max_bytes
         self._max_entries = max_entries
@@ -117,6 +122,11 @@ class MappingCache:
         except BaseException:
             mm.close()
             raise
+        ops = self._atomic_ops
+        if ops is not None and ops.claim is not None:
+            claim = functools.partial(ops.claim, word.addr, size)
+        else:
+            claim = functools.partial(slot.claim, mm, size, word, claim_word)
         mp = Mapping(
             mm=mm,
             word=word,
@@ -124,6 +134,7 @@ class MappingCache:
             view=memoryview(mm),
             size=size,
             ident=ident,
+            claim=claim,
             slot_name=name,
             users=1,
         )

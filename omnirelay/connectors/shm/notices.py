@@ -16,7 +16,7 @@ claims the object, so a stale or forged one costs a failed compare-and-swap at m
   overflow marker sent when there is room.
 * :class:`Inbox` — the stages this process listens for: :meth:`Inbox.wait` returns the
   announced keys as :class:`~omnirelay.connectors.base.Arrivals`, and keeps each key's
-  newest notice as its *hint* (:meth:`Inbox.pop_hint`: where the object is).
+  newest notice as its *hint* (:attr:`Inbox.hints`: where the object is).
 * :func:`send` / :func:`drain` — one notice, and the queued datagrams of a socket, parsed
   (``(tag, seq, name, key)`` per notice, ``None`` for a marker or anything malformed).
 
@@ -251,9 +251,10 @@ class Outbox:
 class Inbox:
     """The arrival notices of the stages this process listens for.
 
-    Each key's newest notice is kept as its hint, oldest first, at most
-    :data:`MAX_HINTS`. Hints are plain dict operations, atomic under the GIL: a get pops
-    its key's hint without a lock; only evictions take one.
+    Each key's newest notice is kept in :attr:`hints` (key -> :data:`Hint`), oldest
+    first, at most :data:`MAX_HINTS`. Hints are plain dict operations, atomic under the
+    GIL: a reader pops its key's hint (each serves one get) without a lock; only
+    evictions take one.
     """
 
     def __init__(self, namespace: str, *, use_extension: bool | None = None) -> None:
@@ -261,8 +262,8 @@ class Inbox:
         self._ext_drain = _EXT.drain if _use(use_extension) else None
         self._listen: dict[int, tuple[socket.socket, Any]] = {}  # stage -> (socket, its poll object)
         self._listen_lock = threading.Lock()
-        self._hints: dict[str, Hint] = {}
-        self._hints_lock = threading.Lock()  # serializes evictions of old hints only
+        self.hints: dict[str, Hint] = {}
+        self.hints_lock = threading.Lock()  # serializes evictions of old hints only
 
     def listen(self, stage: int) -> tuple[socket.socket, Any]:
         """Bind ``stage``'s notice socket (idempotent); ConnectorError if another receiver
@@ -303,10 +304,6 @@ class Inbox:
             return keys  # closed under us
         return self._drain(listener, ready=True) if ready else keys
 
-    def pop_hint(self, key: str) -> Hint | None:
-        """Take ``key``'s hint (each hint serves one get)."""
-        return self._hints.pop(key, None) if self._hints else None
-
     def _drain(self, listener: tuple[socket.socket, Any], *, ready: bool = False) -> Arrivals:
         """Take queued notices (no blocking): announced keys, and their hints.
 
@@ -317,7 +314,7 @@ class Inbox:
         keys = Arrivals()
         small: set[str] = set()
         keys.small = small
-        hints = self._hints
+        hints = self.hints
         ext_drain = self._ext_drain
         if ext_drain is not None:
             fd = listener[0].fileno()
@@ -349,8 +346,8 @@ class Inbox:
         return keys
 
     def _evict_hints(self) -> None:
-        hints = self._hints
-        with self._hints_lock:
+        hints = self.hints
+        with self.hints_lock:
             while len(hints) > MAX_HINTS:
                 try:  # gets pop hints without the lock: the oldest may change under us
                     hints.pop(next(iter(hints)), None)
@@ -358,8 +355,8 @@ class Inbox:
                     continue
 
     def close(self) -> None:
-        with self._hints_lock:
-            self._hints.clear()
+        with self.hints_lock:
+            self.hints.clear()
         with self._listen_lock:
             socks = list(self._listen.values())
             self._listen.clear()

@@ -125,7 +125,6 @@ class Producer:
         self._dir = shm_dir
         self._kprefix = os.path.join(shm_dir, f"{names.PREFIX}{namespace}-k-")
         self._owner = names.self_owner()
-        self._claimer_rec = slot.claimer_record(self._owner.pid, self._owner.start)
         self._allocator = allocator
         self._atomic_ops = atomic_ops
         self._outbox = outbox
@@ -392,7 +391,7 @@ class Producer:
         its object); True if we won."""
         if not sl.word.cas(slot.stamp(slot.PUBLISHED, seq), slot.stamp(slot.CLAIMED, seq)):
             return False
-        slot.record_claim(sl.mm, sl.claim_word, self._claimer_rec, seq)
+        slot.record_claim(sl.mm, sl.claim_word, self._owner.pid, self._owner.start, seq)
         return True
 
     # ------------------------------------------------------------------ books

@@ -3,7 +3,7 @@
 A get finds the object one of two ways:
 
 * through its key's *hint* — the newest arrival notice named the slot and the publish
-  (``notices.Inbox.pop_hint``). A slot mapped before (producers pool their slots, readers
+  (``notices.Inbox.hints``). A slot mapped before (producers pool their slots, readers
   cache mappings) is claimed with no system call and no lock;
 * through the key's *name* (no notice, a stale one, or a slot gone since): open, map or
   find the cached mapping, read the header, claim.
@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from omnirelay.connectors.base import SMALL_OBJECT_BYTES, GetResult, GetStatus
+from omnirelay.connectors.base import MAX_KEY_BYTES, SMALL_OBJECT_BYTES, GetResult, GetStatus
 from omnirelay.connectors.shm import names, notices, slot
 from omnirelay.connectors.shm.mappings import Mapping, MappingCache
 from omnirelay.errors import ConnectorError, OmniRelayError
@@ -67,9 +67,8 @@ class Reader:
         self._dir = shm_dir
         self._kprefix = os.path.join(shm_dir, f"{names.PREFIX}{namespace}-k-")
         self._owner = names.self_owner()
-        self._claimer_rec = slot.claimer_record(self._owner.pid, self._owner.start)
         self._maps = maps
-        self._inbox = inbox
+        self._hints = inbox.hints
         self._outbox = outbox
         self._on_consumed = on_consumed
         self._on_error = on_error
@@ -81,43 +80,40 @@ class Reader:
         self.is_closed = False
 
     def get(self, to_stage: int, key: str) -> GetResult:
-        try:
-            key_bytes = names.key_bytes(key)
-        except OmniRelayError as exc:
-            return self._failed(str(exc))
+        # The hot path of every chunk, on a thread just woken: the steps are written out
+        # here rather than spread over helpers (each Python call costs most on a cold CPU).
+        key_bytes = key.encode("utf-8", "surrogatepass") if type(key) is str else b""
+        if not key_bytes or len(key_bytes) > MAX_KEY_BYTES:
+            try:
+                key_bytes = names.key_bytes(key)  # raises with the reason
+            except OmniRelayError as exc:
+                return self._failed(str(exc))
         if self.is_closed:
             return self._failed("connector is closed")
-        hint = self._inbox.pop_hint(key)
-        if hint is not None:
-            name, seq, is_small = hint
-            res = self._get_hinted(key, key_bytes, name, seq, is_small)
-            if res is not None:
-                return res
-            if is_small:
-                # Bounded also when what it announced is gone and the name is looked up.
-                return self._get_by_name(key, key_bytes, to_stage=to_stage)
-        return self._get_by_name(key, key_bytes)
-
-    def _get_hinted(
-        self, key: str, key_bytes: bytes, name: bytes, seq: int, is_small: bool
-    ) -> GetResult | None:
-        """The get through a notice's slot; None: look the key up by name."""
+        hint = self._hints.pop(key, None) if self._hints else None  # one dict op: GIL-atomic
+        if hint is None:
+            return self._get_by_name(key, key_bytes)
+        name, seq, is_small = hint
         # A mapping cached before is used without a lock: the reference keeps it alive.
         mp = self._maps.by_name.get(name)
         pinned = mp is None or mp.retired
         if pinned:
             mp = self._maps.pin_by_slot_name(name)  # pinned until unpin (None: unusable hint)
-            if mp is None:
-                return None
-        assert mp is not None
-        try:
-            if is_small and mp.size > SMALL_OBJECT_BYTES:
-                return None  # not what a small notice may name
-            res = self._claim(mp, key, key_bytes, seq)
-            return res if res is not None else self._await_publish(mp, key, key_bytes, seq)
-        finally:
-            if pinned:
-                self._maps.unpin(mp)
+        if mp is not None:
+            try:
+                if is_small and mp.size > SMALL_OBJECT_BYTES:
+                    res = None  # not what a small notice may name: look it up by name
+                else:
+                    res = self._claim(mp, key, key_bytes, seq)
+                    if res is None:
+                        res = self._await_publish(mp, key, key_bytes, seq)
+            finally:
+                if pinned:
+                    self._maps.unpin(mp)
+            if res is not None:
+                return res
+        # Bounded also when what a small notice announced is gone and the name is looked up.
+        return self._get_by_name(key, key_bytes, to_stage=to_stage if is_small else None)
 
     def _await_publish(self, mp: Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
         """The claim of publish ``seq`` failed; if its notice came before the object was
@@ -197,7 +193,7 @@ class Reader:
     def _claim(self, mp: Mapping, key: str, key_bytes: bytes, seq: int) -> GetResult | None:
         """Claim publish ``seq`` of the mapped slot and consume it; None if it is not there
         (claimed by another reader, already recycled, or a notice that named the wrong slot)."""
-        span = slot.claim(mp.mm, mp.size, mp.word, mp.claim_word, seq, key_bytes, self._claimer_rec)
+        span = mp.claim(seq, key_bytes, self._owner.pid, self._owner.start)
         if span is None:
             return None
         off, nbytes = span

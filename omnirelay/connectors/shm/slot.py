@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLAIMED",
+    "CLAIM_LAYOUT",
     "CLAIM_SEQ_OFFSET",
     "FREE",
     "HEADER_SIZE",
@@ -111,9 +112,15 @@ _AFTER_STAMP = struct.Struct("<IIQQIiQQiIQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _OFF_KEY_LEN = 16
+_OFF_PAYLOAD_LEN = 24
 _LENGTHS = struct.Struct("<I4xQ")  # key_len, payload_len
 _OFF_CLAIMER_PID = 40
 _OFF_CLAIMER_START = 48
+
+#: The offsets and states the C extension's whole-claim call was compiled for
+#: (``atomics`` uses it only if they agree).
+CLAIM_LAYOUT = (STAMP_OFFSET, _OFF_KEY_LEN, _OFF_PAYLOAD_LEN, _OFF_CLAIMER_PID, _OFF_CLAIMER_START,
+                CLAIM_SEQ_OFFSET, HEADER_SIZE, PUBLISHED, CLAIMED)  # fmt: skip
 
 
 def stamp(state: int, seq: int) -> int:
@@ -211,13 +218,14 @@ def write_claimer_record(buf: Any, record: tuple[bytes, bytes]) -> None:
 
 
 def claim(
-    buf: Any, size: int, word: Word, claim_word: Word, seq: int, key: bytes, record: tuple[bytes, bytes]
+    buf: Any, size: int, word: Word, claim_word: Word, seq: int, key: bytes, pid: int, start: int
 ) -> tuple[int, int] | None:
     """A reader's claim of publish ``seq`` of the slot mapped as ``buf`` (``size`` bytes):
     CAS the stamp ``PUBLISHED(seq) -> CLAIMED(seq)``, check that the header names ``key``
     and that the payload fits (else put the stamp back: not ours to take), then record
-    the claimer. ``(payload offset, payload length)``, or None if this reader did not win
-    or the slot holds something else."""
+    the claimer (``pid``, ``start``). ``(payload offset, payload length)``, or None if this
+    reader did not win or the slot holds something else. The C extension makes the same
+    steps in one call (``atomics.Backend.claim``)."""
     base = seq << 8  # stamp(state, seq) is base | state
     if not word.cas(base | PUBLISHED, base | CLAIMED):
         return None
@@ -225,14 +233,14 @@ def claim(
     if span is None:
         word.store(base | PUBLISHED)
         return None
-    record_claim(buf, claim_word, record, seq)
+    record_claim(buf, claim_word, pid, start, seq)
     return span
 
 
-def record_claim(buf: Any, claim_word: Word, record: tuple[bytes, bytes], seq: int) -> None:
+def record_claim(buf: Any, claim_word: Word, pid: int, start: int, seq: int) -> None:
     """The claimer's record for publish ``seq``: who (plain writes), then which claim it is
     (a release store of ``claim_seq``, so the producer never reads half a record)."""
-    write_claimer_record(buf, record)
+    write_claimer(buf, pid, start)
     claim_word.store(seq)
 
 
