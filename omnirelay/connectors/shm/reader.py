@@ -8,9 +8,10 @@ A get finds the object one of two ways:
 * through the key's *name* (no notice, a stale one, or a slot gone since): open, map or
   find the cached mapping, read the header, claim.
 
-A claim is one compare-and-swap of the slot's stamp (``slot.claim``): exactly one reader
-wins. The winner decodes the payload straight out of the mapping (one copy) and marks the
-slot FREE; its producer's reap then removes the name and pools the slot.
+A claim is one compare-and-swap of the slot's stamp (``Mapping.claim``: ``slot.claim``'s
+steps, one C call where the extension is in use): exactly one reader wins. The winner
+decodes the payload straight out of the mapping (one copy) and marks the slot FREE; its
+producer's reap then removes the name and pools the slot.
 
 A small object is announced before it is written (``producer``): a reader that finds its
 slot still WRITING for the notice's publish waits up to ``_PUBLISH_WAIT_NS`` for it, then
