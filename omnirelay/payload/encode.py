@@ -174,6 +174,9 @@ class _Planner:
             if tv is str or tv is float or tv is bool or value is None:
                 out[key] = value
                 continue
+            if tv is int and _INT_MIN <= value <= _INT_MAX:
+                out[key] = value  # (one out of range takes self.lower, which names it)
+                continue
             try:
                 if tv is dict:
                     out[key] = self._lower_dict(value)
@@ -251,7 +254,7 @@ class _Planner:
         return self._add_region("numpy", name, a.shape, a.nbytes, a)
 
     def _add_region(self, kind: str, dtype: str, shape: tuple[int, ...], nbytes: int, src: Any) -> Any:
-        offset = align(self.data_len)
+        offset = (self.data_len + ALIGNMENT - 1) & ~(ALIGNMENT - 1)
         index = len(self.regions)
         self.regions.append((kind, dtype, shape, offset, nbytes))
         self.sources.append((offset, nbytes, src))
