@@ -11,7 +11,7 @@ Interface (the connectors are written against exactly this):
 * :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
 
 Implemented in three modules, one role each: ``wire.py`` (the layout, documented there,
-and what both directions share), ``encode.py`` and ``decode.py``.
+and what both directions share), ``encoder.py`` and ``decoder.py``.
 
 Plain data supported at any depth: dict (str or int keys), list, tuple, str, int
 (-2**63 .. 2**64-1), float, bool, None, bytes, torch.Tensor, numpy.ndarray (bool, integer,
@@ -24,8 +24,8 @@ Decoding untrusted bytes raises only :class:`~omnirelay.errors.PayloadDecodeErro
 
 from __future__ import annotations
 
-from omnirelay.payload.decode import decode, peek_total_size
-from omnirelay.payload.encode import EncodePlan, encode, plan_encode
+from omnirelay.payload.decoder import decode, peek_total_size
+from omnirelay.payload.encoder import EncodePlan, encode, plan_encode
 from omnirelay.payload.schema import lookup_struct, register_struct, struct_spec
 from omnirelay.payload.wire import ALIGNMENT, MAGIC, PREFIX_SIZE, WIRE_VERSION
 

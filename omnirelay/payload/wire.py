@@ -20,7 +20,7 @@ Layout (version 1, little endian)::
     (or the header when there are none).
 
 This module holds what both directions share: the constants, the prefix, and the header's
-msgspec types. ``encode.py`` writes the format, ``decode.py`` reads it.
+msgspec types. ``encoder.py`` writes the format, ``decoder.py`` reads it.
 """
 
 from __future__ import annotations
