@@ -205,6 +205,35 @@ def test_close_during_a_put_that_a_reader_already_took(
     assert shm_entries(namespace) == []
 
 
+def test_a_put_reports_its_bytes_when_its_reader_was_faster(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader may consume the object between its notice and the end of the put, and the
+    put's own reap then recycles the slot: the result still reports the bytes put (the
+    adapter's byte budget books them)."""
+    from omnirelay.payload import codec
+
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    obj = {"x": torch.arange(8)}
+    expected = codec.plan_encode(obj).nbytes
+    got: list[Any] = []
+    real_link = os.link
+
+    def link_then_read(src: str, dst: str) -> None:
+        real_link(src, dst)
+        got.append(cons.get(1, 2, "N_1_0"))  # consumed before the put returns
+
+    monkeypatch.setattr(os, "link", link_then_read)
+    res = prod.put(1, 2, "N_1_0", obj)
+    monkeypatch.undo()
+    assert got[0].is_ready and got[0].nbytes == expected
+    assert res.ok and res.nbytes == expected
+    assert prod.pending_keys() == [] and prod.health().bytes_put == expected  # reaped in the put
+    prod.close()
+    cons.close()
+
+
 def _dead_pid() -> int:
     p = CTX.Process(target=os.getpid)
     p.start()

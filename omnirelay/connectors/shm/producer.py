@@ -256,6 +256,10 @@ class Producer:
     ) -> PutResult:
         """Publish the written slot, announce it (again, if a reader that had its early
         notice gave up waiting: the stamp reads WAITING), link the key's name; book it."""
+        # From the notice on, a reader may consume the object and a reap (ours below, or
+        # the in-process reader's take_back) recycle the slot: read what the result
+        # reports now.
+        nbytes = sl.payload_len
         # Release order: the bytes written before are visible to whoever sees PUBLISHED.
         if not announced or not sl.word.cas(slot.stamp(slot.WRITING, seq), slot.stamp(slot.PUBLISHED, seq)):
             sl.word.store(slot.stamp(slot.PUBLISHED, seq))
@@ -282,13 +286,13 @@ class Producer:
             if not closed:
                 self._pending[key] = sl
                 self.num_puts += 1
-                self.bytes_put += sl.payload_len
+                self.bytes_put += nbytes
         if closed:
-            return self._end_put_after_close(sl, key, seq)
+            return self._end_put_after_close(sl, key, seq, nbytes)
         self.reap()  # after the notice: off the consumer's critical path
-        return PutResult(ok=True, nbytes=sl.payload_len, handle=f"{names.PREFIX}{self._namespace}-k-{khash}")
+        return PutResult(ok=True, nbytes=nbytes, handle=f"{names.PREFIX}{self._namespace}-k-{khash}")
 
-    def _end_put_after_close(self, sl: _Slot, key: str, seq: int) -> PutResult:
+    def _end_put_after_close(self, sl: _Slot, key: str, seq: int, nbytes: int) -> PutResult:
         """``close`` ran while this put was in flight. It released what its tables held,
         and this object was in none of them, so the put releases it itself: no name and no
         file is left. Withdrawn if no reader has claimed it (a failed put), delivered
@@ -299,7 +303,7 @@ class Producer:
             self._retire(sl)
             return self._failed("the connector was closed during the put; the object was withdrawn")
         self._retire(sl, mark=False)  # a reader claimed it first: it was delivered
-        return PutResult(ok=True, nbytes=sl.payload_len)
+        return PutResult(ok=True, nbytes=nbytes)
 
     def _withdraw(self, sl: _Slot, seq: int) -> None:
         """Give back a slot taken for publish ``seq`` that will not be published: its stamp
