@@ -49,7 +49,7 @@ from benchmarks.adapter_latency_roles import (
     sender_main,
 )
 from benchmarks.transfer import pin_cpus
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.interpreter import InterpreterInfo, interpreter_info
 
 __all__ = [
@@ -403,7 +403,7 @@ def render_adapter_latency(result: dict[str, Any]) -> str:
         else "unpinned"
     )
     head = (
-        "omnirelay bench adapter: codec chunk (int64 16x50 + meta) across two processes, "
+        "omnirelay bench adapter: codec chunk (OmniPayload: 800 int64 codes, codebook-major, + meta) across two processes, "
         f"{env['cpus']} CPUs, {placed}"
     )
     if env.get("cpu_probe_s") is not None:

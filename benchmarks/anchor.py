@@ -60,6 +60,6 @@ class OmniRelayShmTransport:
 
     def info(self) -> dict[str, Any]:
         return {
-            "connector": "omnirelay.connectors.shm.ShmConnector",
+            "connector": "omnirelay.connectors.shm.connector.ShmConnector",
             "namespace": getattr(self, "namespace", None),
         }

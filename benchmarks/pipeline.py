@@ -212,7 +212,7 @@ def bench_running_pipeline(
     trace_steps=True``);
     ``requests`` per level (default ``max(8, 2 * concurrency)``). Ends with a leak audit
     of the stages and the namespace; the pipeline keeps running."""
-    from omnirelay.connectors.sweep import sweep
+    from omnirelay.connectors.shm import sweep
     from omnirelay.worker import leak_paths
 
     _check_options(concurrency, requests, warmup)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from omnirelay.api import Pipeline
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
 from omnirelay.worker import leak_paths

@@ -39,7 +39,7 @@ import msgspec
 from benchmarks.stress_consumer import consumer_main
 from benchmarks.stress_plan import ConsumerReport, ProducerReport, RequestPlan, Settings, make_plan
 from benchmarks.stress_producer import producer_main
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 
 __all__ = ["render_stress", "run_stress"]
 

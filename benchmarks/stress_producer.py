@@ -55,7 +55,7 @@ from benchmarks.stress_plan import (
 )
 from benchmarks.tracing import TracingConnector
 from omnirelay.connectors import create_connector
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.transfer import Admission, TransferAdapter, TransferConfig, key_prefix, make_key
 
 __all__ = ["StressTimeout", "producer_main", "run_control_reader"]

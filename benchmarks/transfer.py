@@ -302,7 +302,7 @@ def _measure(
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
-    from omnirelay.connectors.sweep import sweep
+    from omnirelay.connectors.shm import sweep
 
     sweep(namespace, reclaim=True)  # nothing should be there; the leak audit reports it
     lat = [(g - s) / 1e3 for s, g in zip(sent, got)]

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from omnirelay.api import Pipeline
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.worker import leak_paths
 
 

@@ -66,12 +66,12 @@ def test_doctor_with_nothing_to_report(capsys: pytest.CaptureFixture[str]) -> No
 def test_doctor_says_when_the_shm_connector_cannot_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from omnirelay.connectors import atomics, create_connector
+    from omnirelay.connectors import create_connector
+    from omnirelay.connectors.shm import atomics
     from omnirelay.errors import ConnectorError
 
-    monkeypatch.setattr(atomics, "_EXT", None)  # neither the C extension nor libatomic
-    monkeypatch.setattr(atomics, "_FUNCS", None)
-    monkeypatch.setattr(atomics, "_REASON", "libatomic is not available (test)")
+    monkeypatch.setattr(atomics, "DEFAULT", None)  # neither the C extension nor libatomic
+    monkeypatch.setattr(atomics, "_LIBATOMIC_PROBLEM", "libatomic is not available (test)")
     assert main(["doctor", "--namespace", "nothing.here"]) == 1
     assert "shm connector: UNAVAILABLE: libatomic is not available (test)" in capsys.readouterr().out
     with pytest.raises(ConnectorError, match="libatomic is not available"):

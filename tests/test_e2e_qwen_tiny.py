@@ -22,7 +22,7 @@ import torch
 from benchmarks.pipeline import bench_running_pipeline, render_pipeline_bench, target_met
 from omnirelay.api import Pipeline
 from omnirelay.cli.main import main
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
 from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
 from omnirelay.models.tiny import CACHE_ENV

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from omnirelay.api import Pipeline, validate_request_id
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError, StageDiedError
 from omnirelay.pipeline import PipelineConfig, parse_pipeline

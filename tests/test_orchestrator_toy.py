@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from omnirelay.api import Pipeline
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import RequestFailedError
 from omnirelay.models.toy import (

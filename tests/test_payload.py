@@ -166,6 +166,28 @@ def test_full_payload_round_trip_keeps_struct_types() -> None:
     assert got.extras["spans"] == [(0, 3), (3, 7)]
 
 
+def test_a_repeated_struct_header_decodes_the_new_data_into_fresh_objects() -> None:
+    """A header seen before decodes from its cached template, structs included: the same
+    struct types, the new tensors' data, and values that belong to this decode alone."""
+
+    def chunk(n: int) -> OmniPayload:
+        return OmniPayload(
+            codes=Codes(audio=torch.full((800,), n)),
+            meta=Meta(first_audio=False, left_context_size=25),
+            ids={"all": [1, 2, 3]},
+        )
+
+    round_trip(chunk(1))
+    buf = bytearray(encode(chunk(2)))  # the same header
+    got = decode(buf)
+    assert_same(chunk(2), got)
+    assert type(got) is OmniPayload and type(got.codes) is Codes and type(got.meta) is Meta
+    buf[-64:] = bytes(64)
+    assert torch.equal(got.codes.audio, torch.full((800,), 2))  # its tensor owns its memory
+    got.ids["all"].append(4)
+    assert decode(encode(chunk(3))).ids["all"] == [1, 2, 3]  # nothing shared between decodes
+
+
 def test_none_fields_are_omitted_and_come_back_none() -> None:
     sent = OmniPayload(meta=Meta(first_audio=True))
     got = round_trip(sent)
@@ -726,78 +748,7 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-# ---------------------------------------------------------------- DecodeHint
-def _hint_payload(seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "codes": {"audio": torch.randint(0, 2048, (16, 50), generator=g)},
-        "mask": torch.rand(3, generator=g) > 0.5,
-        "scalar": torch.tensor(float(seed)),
-        "hidden": {
-            "last": torch.randn(1, 8, generator=g).to(torch.bfloat16),
-            "h0": torch.tensor(seed).bfloat16(),
-        },
-        "meta": {"finished": False, "left_context_size": 25},
-    }
-
-
-def test_a_decode_hint_fills_outputs_made_ahead_for_a_repeated_header() -> None:
-    from omnirelay.payload.codec import DecodeHint
-
-    hint = DecodeHint()
-    hint.prepare()  # nothing decoded yet: nothing to make
-    assert hint.prepared == 0
-    first = encode(_hint_payload(1))
-    assert _equal(decode(first, hint=hint), _hint_payload(1))
-    hint.prepare()
-    assert hint.prepared == 5  # one per tensor of the header just decoded (bfloat16 ones too)
-    hint.prepare()  # made already: not made twice
-    assert hint.prepared == 5
-    buf = bytearray(encode(_hint_payload(2)))  # same header, other data
-    got = decode(buf, hint=hint)
-    assert hint.prepared == 0  # all five used
-    assert _equal(got, _hint_payload(2))
-    buf[-64:] = bytes(64)  # the outputs own their bytes
-    assert _equal(got, _hint_payload(2))
-    again = decode(encode(_hint_payload(3)), hint=hint)  # no prepare: fresh outputs
-    assert _equal(again, _hint_payload(3))
-    assert again["codes"]["audio"].data_ptr() != got["codes"]["audio"].data_ptr()
-
-
-def test_a_decode_hint_made_for_another_header_is_not_used() -> None:
-    from omnirelay.payload.codec import DecodeHint
-
-    hint = DecodeHint()
-    decode(encode(_hint_payload(1)), hint=hint)
-    hint.prepare()
-    other = {"codes": {"audio": torch.arange(12).reshape(3, 4)}, "meta": {"finished": True}}
-    assert _equal(decode(encode(other), hint=hint), other)  # different header: made outputs dropped
-    assert hint.prepared == 0
-    hint.prepare()
-    assert hint.prepared == 1  # now made for the header last decoded
-    views = decode(encode(other), copy=False, hint=hint)  # views wanted: made outputs stay unused
-    assert _equal(views, other)
-    assert hint.prepared == 1
-    corrupt = bytearray(encode(other))
-    corrupt[:4] = b"XXXX"
-    with pytest.raises(PayloadMagicError):
-        decode(corrupt, hint=hint)
-    assert _equal(decode(encode(other), hint=hint), other)
-    assert hint.prepared == 0
-
-
-def test_a_decode_hint_makes_nothing_for_large_tensors() -> None:
-    from omnirelay.payload.codec import HINT_MAX_BYTES, DecodeHint
-
-    hint = DecodeHint()
-    big = {"x": torch.zeros(HINT_MAX_BYTES // 4 + 1)}  # one float32 over the bound
-    decode(encode(big), hint=hint)
-    decode(encode(big), hint=hint)
-    hint.prepare()
-    assert hint.prepared == 0
-    assert _equal(decode(encode(big), hint=hint), big)
-
-
+# ---------------------------------------------------------------- chunk trees
 def _random_chunk_tree(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     dtypes = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float32, torch.float16, torch.float64]
     out: dict[str, Any] = {}
@@ -817,25 +768,18 @@ def _random_chunk_tree(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     return out
 
 
-def test_the_flat_planner_writes_the_planners_bytes() -> None:
-    """Chunks of dicts, plain values and tensors take the flat path; its encoding is the
-    general planner's byte for byte, and it decodes back to the object."""
-    from omnirelay.payload.codec import _plan, _plan_flat
-
+def test_random_chunk_trees_round_trip() -> None:
+    """Chunks of dicts, plain values and tensors (strided ones too) decode back to the
+    object, and a repeated header (the decode cache's hit) decodes the new data."""
     rng = random.Random(5)
-    taken = 0
     for _ in range(300):
         obj = _random_chunk_tree(rng)
-        flat = _plan_flat(obj)
-        assert flat is not None  # everything in these trees is on the flat path
-        taken += 1
-        general = _plan(obj, strict=False)
-        a, b = bytearray(flat.nbytes), bytearray(general.nbytes)
-        flat.write_into(a)
-        general.write_into(b)
-        assert a == b
+        plan = plan_encode(obj)
+        a = bytearray(plan.nbytes)
+        plan.write_into(a)
+        assert bytes(a) == encode(obj)
         assert _equal(decode(a), obj)
-    assert taken == 300
+        assert _equal(decode(a), obj)  # the header is cached now
 
 
 @pytest.mark.parametrize(
@@ -867,10 +811,7 @@ def test_the_flat_planner_writes_the_planners_bytes() -> None:
         "65-regions",
     ],
 )
-def test_the_flat_planner_leaves_everything_else_to_the_planner(obj: dict[Any, Any]) -> None:
-    from omnirelay.payload.codec import _plan_flat
-
-    assert _plan_flat(obj) is None
+def test_chunks_off_the_common_shapes_encode_or_fail_clearly(obj: dict[Any, Any]) -> None:
     try:
         data = encode(obj)
     except PayloadEncodeError:

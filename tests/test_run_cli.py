@@ -24,7 +24,7 @@ import torch
 from omnirelay.cli.main import main
 from omnirelay.cli.run import WavWriter
 from omnirelay.cli.session import Progress, load_run_config, sampling_overrides
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.tiny import CACHE_ENV
 from omnirelay.pipeline import load_pipeline

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.interpreter import SLOW_BUILD_ADVICE, interpreter_info
 
 
@@ -74,7 +74,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(
             f"{len(dead)} objects belong to dead processes; run `omnirelay doctor --reclaim` to remove them"
         )
-    from omnirelay.connectors import atomics, notices
+    from omnirelay.connectors.shm import atomics, notices
 
     if atomics.available():
         print(

@@ -42,7 +42,7 @@ def create_connector(
 ) -> Connector:
     """Build a connector by backend name; unknown names and options raise ConfigError."""
     if backend == "shm":
-        from omnirelay.connectors.shm import ShmConnector
+        from omnirelay.connectors.shm.connector import ShmConnector
 
         return ShmConnector(namespace, stage_id, **options)
     if backend == "inproc":

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from omnirelay.connectors.sweep import sweep
+from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import (

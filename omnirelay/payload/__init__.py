@@ -6,6 +6,7 @@
 * :mod:`~omnirelay.payload.codec` — :func:`plan_encode` / :meth:`EncodePlan.write_into`
   (one copy per tensor into a caller's buffer), :func:`encode`, :func:`decode`,
   :func:`peek_total_size`. The receiver gets back the same struct types the sender built.
+  Implemented by ``wire`` (the format), ``encoder`` and ``decoder``.
 
 This layer knows nothing of transports or requests (DESIGN §1).
 """

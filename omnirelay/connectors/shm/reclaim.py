@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omnirelay.connectors import names, slot
+from omnirelay.connectors.shm import names, slot
 
 __all__ = ["ShmObject", "SweepReport", "sweep"]
 

@@ -14,15 +14,16 @@ still holding the mapping never touches unmapped memory.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from omnirelay.connectors import atomics, slot
+from omnirelay.connectors.shm import atomics, slot
 from omnirelay.errors import ConnectorError
-from omnirelay.payload.codec import DecodeHint
 
 __all__ = ["Mapping", "MappingCache"]
 
@@ -35,20 +36,29 @@ class Mapping:
     view: memoryview
     size: int
     ident: tuple[int, int]
+    #: ``claim(seq, key, pid, start) -> (offset, length) | None``: ``slot.claim`` on this
+    #: mapping, in one C call where the extension is in use.
+    claim: Callable[[int, bytes, int, int], tuple[int, int] | None]
     slot_name: bytes | None = None  # as notices name it (ASCII bytes)
     users: int = 0
     retired: bool = False
-    #: The stream through this slot: its last header, and outputs made ahead while the
-    #: next object is written (see codec.DecodeHint).
-    hint: DecodeHint = field(default_factory=DecodeHint)
 
 
 class MappingCache:
     """See the module docstring. ``shm_dir``/``slot_prefix``: where slots live and how
-    their names start (a notice naming anything else is ignored)."""
+    their names start (a notice naming anything else is ignored); ``atomic_ops``: the
+    implementation of the mappings' atomic words."""
 
-    def __init__(self, shm_dir: str, slot_prefix: bytes, max_bytes: int, max_entries: int) -> None:
+    def __init__(
+        self,
+        shm_dir: str,
+        slot_prefix: bytes,
+        max_bytes: int,
+        max_entries: int,
+        atomic_ops: atomics.Backend | None = None,
+    ) -> None:
         self._dir = shm_dir
+        self._atomic_ops = atomic_ops or atomics.DEFAULT
         self._slot_prefix = slot_prefix
         self._max_bytes = max_bytes
         self._max_entries = max_entries
@@ -107,11 +117,16 @@ class MappingCache:
             raise ValueError(f"object is {size} bytes, smaller than the {slot.HEADER_SIZE}-byte slot header")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         try:
-            word = atomics.Word(mm, slot.STAMP_OFFSET)
-            claim_word = atomics.Word(mm, slot.CLAIM_SEQ_OFFSET)
+            word = atomics.Word(mm, slot.STAMP_OFFSET, self._atomic_ops)
+            claim_word = atomics.Word(mm, slot.CLAIM_SEQ_OFFSET, self._atomic_ops)
         except BaseException:
             mm.close()
             raise
+        ops = self._atomic_ops
+        if ops is not None and ops.claim is not None:
+            claim = functools.partial(ops.claim, word.addr, size)
+        else:
+            claim = functools.partial(slot.claim, mm, size, word, claim_word)
         mp = Mapping(
             mm=mm,
             word=word,
@@ -119,6 +134,7 @@ class MappingCache:
             view=memoryview(mm),
             size=size,
             ident=ident,
+            claim=claim,
             slot_name=name,
             users=1,
         )

@@ -109,7 +109,7 @@ atomic_cas(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * claim(stamp_addr, size, seq, key, claimer_pid, claimer_start) -> (offset, length) | None
  *
  * A reader's claim of publish ``seq`` of the slot mapped ``size`` bytes from
- * ``stamp_addr - 8``, as shm.py's Python path does it: CAS the stamp PUBLISHED(seq) ->
+ * ``stamp_addr - 8``, as slot.claim does it in Python: CAS the stamp PUBLISHED(seq) ->
  * CLAIMED(seq); check that the header names ``key`` and that the payload fits (else put
  * the stamp back: not ours to take); write the claimer's record and then, with release
  * order, the claim's seq. Returns the payload's offset and length, or None.
@@ -196,7 +196,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "omnirelay.connectors._atomic_ops",
+    "omnirelay.connectors.shm._atomic_ops",
     "Atomic load, store and compare-and-swap of aligned 8-byte words (omnirelay slot stamps).",
     0,
     methods,

@@ -242,7 +242,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    "omnirelay.connectors._notice_ops",
+    "omnirelay.connectors.shm._notice_ops",
     "Send and drain shm connector arrival notices in one call each (see notices.py).",
     0,
     methods,

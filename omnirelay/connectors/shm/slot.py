@@ -26,9 +26,9 @@ producer's CAS cannot both succeed.
 
 State and publish sequence share one 8-byte *stamp* word, ``state | seq << 8``. The one
 race between processes, readers claiming an object, is a compare-and-swap of the stamp
-``PUBLISHED(seq) -> CLAIMED(seq)`` (``omnirelay.connectors.atomics``): exactly one reader
-wins, and since ``seq`` grows with every publish of the slot, a stamp names one publish —
-a reader holding an old arrival notice can never claim the slot's next object.
+``PUBLISHED(seq) -> CLAIMED(seq)`` (:func:`claim`, on an ``atomics.Word``): exactly one
+reader wins, and since ``seq`` grows with every publish of the slot, a stamp names one
+publish — a reader holding an old arrival notice can never claim the slot's next object.
 
 Layout (little endian)::
 
@@ -56,7 +56,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnirelay.connectors.shm.atomics import Word
 
 __all__ = [
     "CLAIMED",
@@ -71,12 +74,14 @@ __all__ = [
     "WAITING",
     "WRITING",
     "SlotHeader",
+    "claim",
     "claimer_record",
     "key_len_of",
     "payload_offset",
     "read_header",
     "read_payload_span",
     "read_state",
+    "record_claim",
     "stamp",
     "write_claim",
     "write_claimer",
@@ -107,13 +112,13 @@ _AFTER_STAMP = struct.Struct("<IIQQIiQQiIQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _OFF_KEY_LEN = 16
-_LENGTHS = struct.Struct("<I4xQ")  # key_len, payload_len
 _OFF_PAYLOAD_LEN = 24
+_LENGTHS = struct.Struct("<I4xQ")  # key_len, payload_len
 _OFF_CLAIMER_PID = 40
 _OFF_CLAIMER_START = 48
 
-
-#: What ``atomics.claim_op`` must have been compiled for (checked before it is used).
+#: The offsets and states the C extension's whole-claim call was compiled for
+#: (``atomics`` uses it only if they agree).
 CLAIM_LAYOUT = (STAMP_OFFSET, _OFF_KEY_LEN, _OFF_PAYLOAD_LEN, _OFF_CLAIMER_PID, _OFF_CLAIMER_START,
                 CLAIM_SEQ_OFFSET, HEADER_SIZE, PUBLISHED, CLAIMED)  # fmt: skip
 
@@ -210,6 +215,33 @@ def claimer_record(pid: int, start: int) -> tuple[bytes, bytes]:
 def write_claimer_record(buf: Any, record: tuple[bytes, bytes]) -> None:
     buf[_OFF_CLAIMER_PID : _OFF_CLAIMER_PID + 4] = record[0]
     buf[_OFF_CLAIMER_START : _OFF_CLAIMER_START + 8] = record[1]
+
+
+def claim(
+    buf: Any, size: int, word: Word, claim_word: Word, seq: int, key: bytes, pid: int, start: int
+) -> tuple[int, int] | None:
+    """A reader's claim of publish ``seq`` of the slot mapped as ``buf`` (``size`` bytes):
+    CAS the stamp ``PUBLISHED(seq) -> CLAIMED(seq)``, check that the header names ``key``
+    and that the payload fits (else put the stamp back: not ours to take), then record
+    the claimer (``pid``, ``start``). ``(payload offset, payload length)``, or None if this
+    reader did not win or the slot holds something else. The C extension makes the same
+    steps in one call (``atomics.Backend.claim``)."""
+    base = seq << 8  # stamp(state, seq) is base | state
+    if not word.cas(base | PUBLISHED, base | CLAIMED):
+        return None
+    span = read_payload_span(buf, size, key)
+    if span is None:
+        word.store(base | PUBLISHED)
+        return None
+    record_claim(buf, claim_word, pid, start, seq)
+    return span
+
+
+def record_claim(buf: Any, claim_word: Word, pid: int, start: int, seq: int) -> None:
+    """The claimer's record for publish ``seq``: who (plain writes), then which claim it is
+    (a release store of ``claim_seq``, so the producer never reads half a record)."""
+    write_claimer(buf, pid, start)
+    claim_word.store(seq)
 
 
 def write_claim(buf: Any, pid: int, start: int) -> None:

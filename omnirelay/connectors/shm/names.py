@@ -23,12 +23,15 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+from omnirelay.connectors.base import MAX_KEY_BYTES, validate_key
+
 __all__ = [
     "PREFIX",
     "SHM_DIR",
     "OwnerId",
     "ParsedName",
     "claim_name",
+    "key_bytes",
     "key_hash",
     "key_hash_bytes",
     "key_name",
@@ -101,6 +104,17 @@ def owner_alive(owner: OwnerId) -> bool:
         return False
     # start == 0 means the owner could not read its own start time: trust the pid.
     return owner.start == 0 or start == owner.start
+
+
+def key_bytes(key: object) -> bytes:
+    """The UTF-8 bytes of a valid transfer key (``validate_key``'s rules, one encode);
+    raises :class:`~omnirelay.errors.InvalidKeyError` with the reason."""
+    if type(key) is str and key:
+        data = key.encode("utf-8", "surrogatepass")
+        if len(data) <= MAX_KEY_BYTES:
+            return data
+    validate_key(key)  # raises with the precise reason
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def key_hash(key: str) -> str:
