@@ -1,4 +1,4 @@
-"""Connectors: move one keyed object between stage processes (DESIGN.md §8).
+"""Connectors: move one keyed object between stage processes (docs/protocol.md §3.1).
 
 ``create_connector("shm" | "inproc", namespace=..., stage_id=..., **options)``.
 """

@@ -16,9 +16,9 @@ implements :class:`Connector`:
   for arrival notices addressed to ``to_stage`` and return the announced keys (may be
   empty). A notice is a hint: the receiver still calls ``get``.
 * ``cleanup(key)`` — remove the exact key if still published (idempotent).
-* ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (SPEC §2.8).
+* ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (docs/protocol.md §2.8).
 * ``reap_consumed() -> int`` — one bounded, rotating pass dropping bookkeeping of keys
-  another process consumed (SPEC §3.5); returns how many were dropped.
+  another process consumed (docs/protocol.md §3.5); returns how many were dropped.
 * ``close()`` — release everything still owned; idempotent, synchronous.
 * ``health() -> ConnectorHealth`` — real counters.
 """
@@ -56,7 +56,7 @@ MAX_KEY_BYTES = 8192
 #: The most a ``get`` of a key in :attr:`Arrivals.small` copies and decodes.
 SMALL_OBJECT_BYTES = 256 << 10
 
-#: Keys looked at per ``reap_consumed`` pass (SPEC §3.5).
+#: Keys looked at per ``reap_consumed`` pass (docs/protocol.md §3.5).
 REAP_BATCH = 64
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
@@ -164,7 +164,7 @@ def validate_namespace(namespace: object) -> str:
 
 
 def is_prefix_match(key: str, prefix: str) -> bool:
-    """SPEC §2.8: ``key`` is ``prefix`` followed by a decimal integer (and nothing else).
+    """docs/protocol.md §2.8: ``key`` is ``prefix`` followed by a decimal integer (and nothing else).
 
     ``prefix`` is normally ``f"{external_id}_{source_stage}_"``; callers may also pass it
     without the trailing underscore, in which case the underscore is required in the key.

@@ -8,7 +8,7 @@
   :func:`peek_total_size`. The receiver gets back the same struct types the sender built.
   Implemented by ``wire`` (the format), ``encoder`` and ``decoder``.
 
-This layer knows nothing of transports or requests (DESIGN §1).
+This layer knows nothing of transports or requests (docs/design.md §1).
 """
 
 from omnirelay.payload.codec import (

@@ -2,7 +2,7 @@
 
 Interface:
 
-* :class:`OmniPayload` — what one chunk carries from one stage to the next (SPEC §5):
+* :class:`OmniPayload` — what one chunk carries from one stage to the next (docs/protocol.md §5):
   ``codes`` (:class:`Codes`), ``meta`` (:class:`Meta`), ``embed``, ``hidden_states``,
   ``ids``, ``speaker``, ``language``, ``request_id`` and free-form ``extras`` for other
   model families. Every field defaults to ``None``; ``None`` fields are omitted on the wire.
@@ -50,7 +50,7 @@ Checker = Callable[[Any], str | None]
 
 
 class Codes(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Codec tokens. ``audio`` is the flat codebook-major codes of this chunk (SPEC §5.2)."""
+    """Codec tokens. ``audio`` is the flat codebook-major codes of this chunk (docs/protocol.md §5.2)."""
 
     audio: TensorLike | None = None
     ref: TensorLike | None = None
