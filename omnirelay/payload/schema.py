@@ -73,7 +73,7 @@ class Meta(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class OmniPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One stage-edge chunk's body. The receiver decodes exactly this type (docs/design.md §7)."""
+    """One stage-edge chunk's body. The receiver decodes exactly this type (docs/protocol.md §3.7)."""
 
     codes: Codes | None = None
     meta: Meta | None = None
