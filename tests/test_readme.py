@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def _shm_objects() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("omnirelay-")}
+def _shm_objects(pid: int) -> list[str]:
+    """The /dev/shm objects of pipelines started by process ``pid`` (a pipeline's default
+    namespace is ``p<pid>x…``; other processes' objects are not this example's)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"omnirelay-p{pid}x")]
 
 
 def _python_blocks() -> list[str]:
@@ -31,15 +33,20 @@ def test_the_python_api_example_runs_as_written(tmp_path: Path) -> None:
     assert len(blocks) == 1, "README.md must hold exactly one Python API example"
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
-    before = _shm_objects()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert re.search(r"\n\d+ audio samples\n", proc.stdout), proc.stdout[-2000:]
-    assert int(re.search(r"(\d+) audio samples", proc.stdout).group(1)) > 0
-    assert _shm_objects() <= before, "the example left omnirelay objects in /dev/shm"
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-4000:]
+    found = re.search(r"\n(\d+) audio samples\n", stdout)
+    assert found is not None and int(found.group(1)) > 0, stdout[-2000:]
+    assert _shm_objects(proc.pid) == [], "the example left omnirelay objects in /dev/shm"
 
 
 def test_the_readme_opens_with_the_two_setup_commands() -> None:

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.api import Pipeline
 from omnirelay.errors import OmniRelayError
+from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving import chat, speech, websocket
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.config import ServerConfig
@@ -74,26 +75,7 @@ def create_app(
     app = FastAPI(title="omnirelay", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.frontend = fe
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        endpoint = _ENDPOINTS.get(request.url.path)
-        if endpoint is not None:
-            outcome = "rejected" if exc.status == 429 else ("invalid" if exc.status < 500 else "failed")
-            fe.metrics.requests.labels(endpoint, outcome).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), code=str(exc.status_code)),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(OmniRelayError)
-    async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
-        logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
-        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+    _install_error_handlers(app, fe)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
@@ -124,32 +106,7 @@ def create_app(
             return JSONResponse({"status": "unhealthy", "error": str(exc), "stages": []}, status_code=503)
         fe.metrics.update_health(health)
         fe.admission.live_bytes = live_bytes(health)
-        stages = []
-        for st in health.stages:
-            engine = st.engine or {}
-            stages.append(
-                {
-                    "stage_id": st.stage_id,
-                    "name": st.name,
-                    "is_alive": st.is_alive,
-                    "pid": st.pid,
-                    "status": engine.get("status", "unknown" if st.is_alive else "dead"),
-                    "num_requests": st.num_requests,
-                    "queue_depth": st.queue_depth,
-                    "error": st.error,
-                }
-            )
-        body = {
-            "status": "healthy" if health.is_healthy else "unhealthy",
-            "model": fe.model_name,
-            "namespace": health.namespace,
-            "num_requests": health.num_requests,
-            "num_in_flight": fe.admission.num_active,
-            "max_concurrency": fe.admission.max_concurrency,
-            "live_bytes": fe.admission.live_bytes,
-            "stages": stages,
-        }
-        return JSONResponse(body, status_code=200 if health.is_healthy else 503)
+        return JSONResponse(_health_body(fe, health), status_code=200 if health.is_healthy else 503)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -163,6 +120,60 @@ def create_app(
         return Response(fe.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
+    """Every error becomes an OpenAI-style JSON body; API errors are counted per endpoint."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            outcome = "rejected" if exc.status == 429 else ("invalid" if exc.status < 500 else "failed")
+            fe.metrics.requests.labels(endpoint, outcome).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(exc.detail), code=str(exc.status_code)),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(OmniRelayError)
+    async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
+        logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
+        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+
+
+def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
+    """``GET /health``'s body: the server's admission books and every stage's state."""
+    stages = []
+    for st in health.stages:
+        engine = st.engine or {}
+        stages.append(
+            {
+                "stage_id": st.stage_id,
+                "name": st.name,
+                "is_alive": st.is_alive,
+                "pid": st.pid,
+                "status": engine.get("status", "unknown" if st.is_alive else "dead"),
+                "num_requests": st.num_requests,
+                "queue_depth": st.queue_depth,
+                "error": st.error,
+            }
+        )
+    return {
+        "status": "healthy" if health.is_healthy else "unhealthy",
+        "model": fe.model_name,
+        "namespace": health.namespace,
+        "num_requests": health.num_requests,
+        "num_in_flight": fe.admission.num_active,
+        "max_concurrency": fe.admission.max_concurrency,
+        "live_bytes": fe.admission.live_bytes,
+        "stages": stages,
+    }
 
 
 async def _probe_live_bytes(fe: Frontend, interval_s: float = 1.0) -> None:
