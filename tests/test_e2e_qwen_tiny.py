@@ -1,4 +1,4 @@
-"""End to end on the real multi-process ``qwen3-omni-tiny`` pipeline (issue 5, Must show).
+"""End to end on the real multi-process ``qwen3-omni-tiny`` pipeline.
 
 One pipeline for the module (three stage processes, shm connector, tiny seeded models
 from the session's tiny-model cache), observed through ``on_stage_output`` so the
