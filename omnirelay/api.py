@@ -102,22 +102,24 @@ def chat_tokenizer(
 ) -> Callable[[str], list[int]]:
     """A ``text -> prompt token ids`` function for ``Pipeline.start(..., tokenizer=...)``.
 
-    It is stage 0's tokenizer with the chat layout the Qwen3-Omni Thinker and Talker
-    expect: ``text`` becomes one user turn (after ``system``, if given) and the open
-    assistant turn. The tokenizer is loaded now, in this process; for the tiny pipeline
-    the tiny model is built first if it is not cached yet (a few seconds, once).
-    Raises :class:`ConfigError` when stage 0 is not a Qwen3-Omni Thinker.
+    It is stage 0's tokenizer with its chat layout: ``text`` becomes one user turn (after
+    ``system``, if given) and the open assistant turn (the Qwen ChatML layout the
+    Qwen3-Omni Thinker and Talker expect, or SmolLM2's own template). The tokenizer is
+    loaded now, in this process; what it needs on first use (the tiny Qwen3-Omni, SmolLM2's
+    converted checkpoint) is made first and cached. Raises :class:`ConfigError` when stage
+    0 is not a text model.
     """
-    from omnirelay.models import EXECUTOR_NAMES, encode_chat_prompt, load_tokenizer
+    from omnirelay.models import encode_chat_prompt, stage_tokenizer
 
     config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
     stage = config.stages[0]
-    if stage.executor not in EXECUTOR_NAMES:
+    tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
+    if tokenizer is None:
         raise ConfigError(
             f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
-            "Thinker: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
+            "Thinker nor SmolLM2: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
         )
-    return functools.partial(encode_chat_prompt, load_tokenizer(**stage.executor_args), system=system)
+    return functools.partial(encode_chat_prompt, tokenizer, system=system)
 
 
 class Pipeline:

