@@ -371,6 +371,7 @@ _GRAPHEMES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("o", ("AA",)),
     ("u", ("AH",)),
 )
+_SINGLE = {g: p for g, p in _GRAPHEMES if len(g) == 1}
 _LONG = {"a": "EY", "e": "IY", "i": "AY", "o": "OW", "u": "UW"}
 _PLAIN = {
     "b": "B",
@@ -404,36 +405,29 @@ def letters_to_sound(word: str) -> tuple[str, ...]:
     phones: list[str] = []
     i = 0
     while i < len(body):
-        if i and body[i] == body[i - 1] and body[i] not in "aeiou":
-            i += 1
-            continue
         ch = body[i]
+        if i and ch == body[i - 1] and ch not in "aeiou":
+            i += 1  # a doubled consonant sounds once
+            continue
+        graph = next((g for g, _ in _GRAPHEMES if len(g) > 1 and body.startswith(g, i)), None)
+        if graph is not None:
+            phones.extend(dict(_GRAPHEMES)[graph])
+            i += len(graph)
+            continue
         nxt = body[i + 1] if i + 1 < len(body) else ""
         if magic and i == len(body) - 2 and ch in _LONG:
             phones.append(_LONG[ch])
-            i += 1
-            continue
-        if ch == "c":
+        elif ch == "c":
             phones.append("S" if nxt in ("e", "i", "y") else "K")
-            i += 1
-            continue
-        if ch == "g" and nxt not in ("h",):
+        elif ch == "g":
             phones.append("JH" if nxt in ("e", "i", "y") and i > 0 else "G")
-            i += 1
-            continue
-        if ch == "y" and i == 0:
+        elif ch == "y" and i == 0:
             phones.append("Y")
-            i += 1
-            continue
-        for graph, sound in _GRAPHEMES:
-            if body.startswith(graph, i):
-                phones.extend(sound)
-                i += len(graph)
-                break
-        else:
-            if ch in _PLAIN:
-                phones.append(_PLAIN[ch])
-            i += 1
+        elif ch in _SINGLE:
+            phones.extend(_SINGLE[ch])
+        elif ch in _PLAIN:
+            phones.append(_PLAIN[ch])
+        i += 1
     return _stress_first_vowel(phones)
 
 

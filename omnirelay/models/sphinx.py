@@ -187,7 +187,7 @@ class ForcedAligner:
             d.start_utt()
             d.process_raw(_pcm16(samples, rate), full_utt=True)
             d.end_utt()
-            segs = [s for s in d.seg() if s.word not in _FILLERS and not s.word.startswith("[")]
+            segs = [s for s in d.seg() or () if s.word not in _FILLERS and not s.word.startswith("[")]
         except (RuntimeError, ValueError, ModelError):
             return None
         if [_base_word(s.word) for s in segs] != words:
