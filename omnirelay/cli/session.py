@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
-from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import ConfigError
-from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.pipeline import PipelineConfig, load_pipeline
 
 if TYPE_CHECKING:
+    # Imported where used: `omnirelay --help` and `run --help` must not import torch.
     from omnirelay.api import Pipeline
+    from omnirelay.engine.interfaces import SamplingParams, StageOutput
 
 __all__ = [
     "DEFAULT_MODEL_PIPELINE",
@@ -188,6 +188,8 @@ def sampling_overrides(
 ) -> dict[int, SamplingParams]:
     """Per-stage sampling: stage 0's ``max_tokens``, and ``seed`` for every AR stage;
     everything else from the pipeline file. Empty when nothing is overridden."""
+    from omnirelay.orchestrator.router import stage_sampling_defaults
+
     out: dict[int, SamplingParams] = {}
     if max_tokens is not None:
         if max_tokens < 1:
