@@ -94,6 +94,10 @@ def test_streamed_and_complete_input_give_the_same_audio(voice: PiperVoice) -> N
     a, b = ex.step([_item("a", info=chunks[0]), _item("b", info=chunks[1])])
     assert torch.equal(torch.cat([a.audio, b.audio]), whole.audio)
     assert ex.read_chunk("kept", None) == ([], "kept")
+    # Noise buffers too short for the sentence are grown, and the audio does not change.
+    short = PiperVoice(num_threads=1, noise_per_id=1)
+    ids = voice.phoneme_ids(chunks[0].text)
+    assert np.array_equal(short.synthesize(ids, seed=3), voice.synthesize(ids, seed=3))
     with pytest.raises(TypeError, match="TextChunk"):
         ex.read_chunk(None, {"text": "x"})
 

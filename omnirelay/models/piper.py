@@ -93,7 +93,7 @@ def voice_files(voice: str) -> tuple[Path, Path]:
 
 def _recipe(voice: str) -> dict[str, Any]:
     onnx, _ = voice_files(voice)
-    return {"voice": voice, "source": file_fingerprint(onnx), "recipe": 1}
+    return {"voice": voice, "source": file_fingerprint(onnx), "recipe": 2}
 
 
 def prepare_voice(voice: str) -> Path:
@@ -132,7 +132,7 @@ def _write_seedable(source: Path, out: Path) -> None:
             helper.make_node("Shape", [node.input[0]], [f"{p}_shape"]),
             helper.make_node("ReduceProd", [f"{p}_shape"], [f"{p}_numel"], keepdims=1),
             helper.make_node("Slice", [name, zero, f"{p}_numel"], [f"{p}_flat"]),
-            helper.make_node("Reshape", [f"{p}_flat", f"{p}_shape"], [node.output[0]]),
+            helper.make_node("Reshape", [f"{p}_flat", f"{p}_shape"], [node.output[0]], name=f"{p}_reshape"),
         ]
         graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [f"noise_{num_noise}_len"]))
     if num_noise == 0:
@@ -145,9 +145,18 @@ def _write_seedable(source: Path, out: Path) -> None:
 class PiperVoice:
     """One loaded voice; ``synthesize`` is called on one thread at a time."""
 
-    def __init__(self, voice: str = "en_US-joe-medium", *, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        voice: str = "en_US-joe-medium",
+        *,
+        num_threads: int | None = None,
+        noise_per_id: int = _NOISE_PER_ID,
+    ) -> None:
+        """``noise_per_id``: noise samples first offered per phoneme id (the graph reads a
+        prefix; too few is retried with four times as many, and gives the same audio)."""
         import onnxruntime as ort
 
+        self._noise_per_id = noise_per_id
         _, config_path = voice_files(voice)
         self.name = voice
         config = json.loads(config_path.read_text())
@@ -167,7 +176,8 @@ class PiperVoice:
         if num_threads is not None:
             options.intra_op_num_threads = num_threads
             options.inter_op_num_threads = 1
-        options.log_severity_level = 3
+        # Errors come back as exceptions; a short noise buffer (retried) is not worth a log line.
+        options.log_severity_level = 4
         self._session = ort.InferenceSession(
             str(prepare_voice(voice) / "voice.onnx"), sess_options=options, providers=["CPUExecutionProvider"]
         )
@@ -193,8 +203,8 @@ class PiperVoice:
         if not ids:
             return np.zeros(0, dtype=np.float32)
         x = np.asarray([ids], dtype=np.int64)
-        size = max(4096, len(ids) * _NOISE_PER_ID)
-        for _ in range(4):
+        size = max(16, len(ids) * self._noise_per_id)
+        for _ in range(8):
             feeds: dict[str, Any] = {
                 "input": x,
                 "input_lengths": np.asarray([len(ids)], dtype=np.int64),
@@ -207,11 +217,11 @@ class PiperVoice:
                 with self._lock:
                     audio = self._session.run(None, feeds)[0]
                 break
-            except Exception as exc:  # onnxruntime raises its own types; a short noise buffer
-                if "Slice" not in str(exc) and "Reshape" not in str(exc) and "reshape" not in str(exc):
+            except Exception as exc:  # onnxruntime's own exception types
+                if "omnirelay_noise_" not in str(exc):
                     raise ModelError(f"voice {self.name}: synthesis failed: {exc}") from exc
-                size *= 4
-        else:  # pragma: no cover - a sentence over 4^4 times the usual frames per id
+                size *= 4  # the sentence needs more noise than offered (our Reshape node failed)
+        else:  # pragma: no cover - a sentence over 4^8 times the offered frames per id
             raise ModelError(f"voice {self.name}: a sentence of {len(ids)} phoneme ids needs too much noise")
         samples = np.asarray(audio, dtype=np.float32).reshape(-1)
         peak = float(np.abs(samples).max()) if samples.size else 0.0
