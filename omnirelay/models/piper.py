@@ -172,6 +172,7 @@ class PiperVoice:
         )
         self._ids: dict[str, int] = {k: int(v[0]) for k, v in config["phoneme_id_map"].items()}
         self.phonemizer = Phonemizer()
+        self.phonemizer.lexicon  # noqa: B018 - parse the dictionary now, not in the first request's path
         options = ort.SessionOptions()
         if num_threads is not None:
             options.intra_op_num_threads = num_threads
