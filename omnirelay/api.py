@@ -187,7 +187,8 @@ class Pipeline:
         its steps' times into the metrics of the outputs they make
         (:class:`~omnirelay.timeline.StepRecorder`; what a
         :class:`~omnirelay.timeline.StageTrace` observer reads); off, no timing work is
-        done. Raises
+        done. With the default engine factory, models that need preparing on first use
+        are prepared first, in this process (cached; later starts skip it). Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
         if isinstance(pipeline, PipelineConfig):
@@ -205,6 +206,15 @@ class Pipeline:
             validate_namespace(ns)
         except InvalidKeyError as exc:
             raise ConfigError(str(exc)) from exc
+        if engine_factory == DEFAULT_ENGINE_FACTORY:
+            # Models that need work on first use (SmolLM2's conversion) are made ready once,
+            # here, before the workers start: not by several workers racing, and not inside
+            # the startup timeout, which then covers loading only.
+            from contextlib import nullcontext
+
+            from omnirelay.models import prepare_stage_models
+
+            prepare_stage_models(config.stages, lambda label: nullcontext())
         if input_builders is None:
             from omnirelay.orchestrator.factory import build_input_builders
 
