@@ -21,7 +21,6 @@ import json
 import shutil
 import subprocess
 import sys
-import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,15 +60,6 @@ def _espeak(text: str) -> str:
     return ", ".join(clauses) + end
 
 
-def _ids(voice: PiperVoice, phonemes: str) -> list[int]:
-    table = voice._ids  # the voice's own symbol table
-    ids = [table["^"], table["_"]]
-    for ch in unicodedata.normalize("NFD", phonemes):
-        if ch in table:
-            ids += [table[ch], table["_"]]
-    return [*ids, table["$"]]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.voice_intelligibility", description=__doc__.split("\n\n")[0]
@@ -81,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     recognizer = Recognizer()
     paths: dict[str, Callable[[str], list[int]]] = {
         "cmudict": voice.phoneme_ids,
-        "cmudict-nostress": lambda s: _ids(
-            voice, voice.phonemizer.phonemes(s).replace("ˈ", "").replace("ˌ", "")
+        "cmudict-nostress": lambda s: voice.ids_of_phonemes(
+            voice.phonemizer.phonemes(s).replace("ˈ", "").replace("ˌ", "")
         ),
     }
     if shutil.which("espeak-ng"):
-        paths["espeak"] = lambda s: _ids(voice, _espeak(s))
+        paths["espeak"] = lambda s: voice.ids_of_phonemes(_espeak(s))
     results: dict[str, list[float]] = {name: [] for name in paths}
     rows = []
     for sentence in SENTENCES:

@@ -188,7 +188,11 @@ class PiperVoice:
     def phoneme_ids(self, text: str) -> list[int]:
         """``^ _ p1 _ p2 _ … pn _ $`` of ``text``'s phonemes (unknown symbols are dropped);
         ``[]`` when the text has nothing to say."""
-        phonemes = unicodedata.normalize("NFD", self.phonemizer.phonemes(text))
+        return self.ids_of_phonemes(self.phonemizer.phonemes(text))
+
+    def ids_of_phonemes(self, phonemes: str) -> list[int]:
+        """The voice's ids of an IPA string (each code point after NFD decomposition)."""
+        phonemes = unicodedata.normalize("NFD", phonemes)
         ids = [self._ids[_BOS], self._ids[_PAD]]
         pad = self._ids[_PAD]
         for symbol in phonemes:
