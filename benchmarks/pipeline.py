@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from omnirelay.cli.session import DEFAULT_PIPELINE, load_run_config, open_tokenizer, start_pipeline
+from omnirelay.cli.session import load_run_config, open_tokenizer, start_pipeline
 from omnirelay.interpreter import interpreter_info
 from omnirelay.timeline import SEGMENTS, RequestTimeline, StageTrace, drive_request
 
@@ -153,7 +153,7 @@ def run_pipeline_bench(
     requests: int | None = None,
     warmup: int = 2,
     prompt: str = DEFAULT_PROMPT,
-    pipeline: str = DEFAULT_PIPELINE,
+    pipeline: str = "qwen3-omni-tiny",
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:

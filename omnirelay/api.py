@@ -92,22 +92,24 @@ def chat_tokenizer(
 ) -> Callable[[str], list[int]]:
     """A ``text -> prompt token ids`` function for ``Pipeline.start(..., tokenizer=...)``.
 
-    It is stage 0's tokenizer with the chat layout the Qwen3-Omni Thinker and Talker
-    expect: ``text`` becomes one user turn (after ``system``, if given) and the open
-    assistant turn. The tokenizer is loaded now, in this process; for the tiny pipeline
-    the tiny model is built first if it is not cached yet (a few seconds, once).
-    Raises :class:`ConfigError` when stage 0 is not a Qwen3-Omni Thinker.
+    It is stage 0's tokenizer with its chat layout: ``text`` becomes one user turn (after
+    ``system``, if given) and the open assistant turn (the Qwen ChatML layout the
+    Qwen3-Omni Thinker and Talker expect, or SmolLM2's own template). The tokenizer is
+    loaded now, in this process; what it needs on first use (the tiny Qwen3-Omni, SmolLM2's
+    converted checkpoint) is made first and cached. Raises :class:`ConfigError` when stage
+    0 is not a text model.
     """
-    from omnirelay.models import EXECUTOR_NAMES, encode_chat_prompt, load_tokenizer
+    from omnirelay.models import encode_chat_prompt, stage_tokenizer
 
     config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
     stage = config.stages[0]
-    if stage.executor not in EXECUTOR_NAMES:
+    tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
+    if tokenizer is None:
         raise ConfigError(
             f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
-            "Thinker: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
+            "Thinker nor SmolLM2: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
         )
-    return functools.partial(encode_chat_prompt, load_tokenizer(**stage.executor_args), system=system)
+    return functools.partial(encode_chat_prompt, tokenizer, system=system)
 
 
 class Pipeline:
@@ -175,7 +177,8 @@ class Pipeline:
         its steps' times into the metrics of the outputs they make
         (:class:`~omnirelay.timeline.StepRecorder`; what a
         :class:`~omnirelay.timeline.StageTrace` observer reads); off, no timing work is
-        done. Raises
+        done. With the default engine factory, models that need preparing on first use
+        are prepared first, in this process (cached; later starts skip it). Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
         if isinstance(pipeline, PipelineConfig):
@@ -193,6 +196,15 @@ class Pipeline:
             validate_namespace(ns)
         except InvalidKeyError as exc:
             raise ConfigError(str(exc)) from exc
+        if engine_factory == DEFAULT_ENGINE_FACTORY:
+            # Models that need work on first use (SmolLM2's conversion) are made ready once,
+            # here, before the workers start: not by several workers racing, and not inside
+            # the startup timeout, which then covers loading only.
+            from contextlib import nullcontext
+
+            from omnirelay.models import prepare_stage_models
+
+            prepare_stage_models(config.stages, lambda label: nullcontext())
         if input_builders is None:
             from omnirelay.orchestrator.input_builders import build_input_builders
 

@@ -205,7 +205,10 @@ def test_run_command_writes_a_wav_and_a_json_timeline(
     wav_path, json_path = f"{tmp_path}/answer.wav", f"{tmp_path}/timeline.json"
     children = set(child_pids())
     rc = main(
-        ["run", "--prompt", "Hello, who are you?", "--out", wav_path, "--json", json_path, "--seed", "7"]
+        [
+            *("run", "--pipeline", "qwen3-omni-tiny", "--prompt", "Hello, who are you?"),
+            *("--out", wav_path, "--json", json_path, "--seed", "7"),
+        ]
     )
     captured = capsys.readouterr()
     assert rc == 0, captured.err

@@ -16,6 +16,9 @@ from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models import (
     ALIGNER_EXECUTOR,
     EXECUTOR_NAMES,
+    SMOLLM2_EXECUTOR,
+    SPHINX_ALIGNER_EXECUTOR,
+    VOICE_EXECUTOR,
     Checkpoint,
     ModelArgs,
     encode_chat_prompt,
@@ -220,9 +223,11 @@ def test_tiny_tokenizer_round_trips_text_offline() -> None:
 def test_executors_register_under_the_pipeline_names() -> None:
     registry = ComponentRegistry()
     register_executors(registry.executors)
-    assert set(registry.executors.names()) == {*EXECUTOR_NAMES, ALIGNER_EXECUTOR}
+    voice = (SMOLLM2_EXECUTOR, VOICE_EXECUTOR, SPHINX_ALIGNER_EXECUTOR)
+    assert set(registry.executors.names()) == {*EXECUTOR_NAMES, ALIGNER_EXECUTOR, *voice}
     tiny = load_pipeline("qwen3-omni-tiny", registry=None)
     assert {stage.executor for stage in tiny.stages} == set(EXECUTOR_NAMES)
+    assert tuple(stage.executor for stage in load_pipeline("voice-cpu", registry=None).stages) == voice
     with pytest.raises(ConfigError, match="already registered"):
         register_executors(registry.executors)
     register_executors(registry.executors, replace=True)

@@ -182,7 +182,7 @@ def _default_sigint() -> None:
 
 def test_ctrl_c_aborts_the_request_and_leaves_nothing(run_env: dict[str, str], tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "omnirelay.cli.main", "run", "--prompt", "Hello, who are you?"]
-    cmd += ["--out", str(tmp_path / "a.wav")]
+    cmd += ["--pipeline", "qwen3-omni-tiny", "--out", str(tmp_path / "a.wav")]
     # SIGINT at its default in the child, as in a terminal: a test run started as a
     # background job (`cmd &` in a script) inherits it ignored, and Python keeps it so.
     proc = subprocess.Popen(

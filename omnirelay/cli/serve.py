@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omnirelay.serving.config import ServerConfig
+if TYPE_CHECKING:
+    from omnirelay.pipeline import PipelineConfig
+    from omnirelay.serving.config import ServerConfig
 
-DEFAULT_PIPELINE = "qwen3-omni-tiny"
+#: SmolLM2 -> Piper voice -> PocketSphinx aligner: chat with audio, speech, word timestamps.
+DEFAULT_PIPELINE = "voice-cpu"
 
 
 def register(sub: Any) -> None:
@@ -17,14 +20,17 @@ def register(sub: Any) -> None:
         help="the OpenAI-compatible HTTP/WebSocket server",
         description=(
             "Start one worker process per stage of the pipeline and serve it: POST /v1/chat/completions "
-            "(text and audio, streaming or not), POST /v1/audio/speech, WS /v1/audio/speech/stream, "
-            "GET /v1/models, /health and /metrics. Ctrl-C stops the server and every worker."
+            "(text and audio, streaming or not), POST /v1/audio/speech, WS /v1/audio/speech/stream "
+            "(with word timestamps when the pipeline has an aligner), GET /v1/models, /health and "
+            f"/metrics. The default pipeline, {DEFAULT_PIPELINE}, answers with SmolLM2 and speaks with "
+            "a Piper voice; speech requests are read verbatim. Ctrl-C stops the server and every worker."
         ),
     )
     p.add_argument(
         "--pipeline",
         default=DEFAULT_PIPELINE,
-        help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE})",
+        help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE}; the protocol test "
+        "bed: qwen3-omni-tiny)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
@@ -44,16 +50,38 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run_serve)
 
 
+def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
+    """The server's config for ``pipeline``: ``limits`` (model name, concurrency …) and the
+    voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)."""
+    from omnirelay.models import VOICE_EXECUTOR
+    from omnirelay.models.piper import voice_alias
+    from omnirelay.serving.config import ServerConfig
+
+    for stage in pipeline.stages:
+        if stage.executor == VOICE_EXECUTOR:
+            alias = voice_alias(str(stage.executor_args.get("voice", "en_US-joe-medium")))
+            return ServerConfig(voices=(alias,), default_voice=alias, **limits)
+    return ServerConfig(**limits)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
+    from omnirelay.cli.session import Progress
+    from omnirelay.models import prepare_stage_models
+    from omnirelay.pipeline import load_pipeline
     from omnirelay.serving import create_app
     from omnirelay.serving.server import serve_forever
 
-    config = ServerConfig(
-        model_name=args.model_name, max_concurrency=args.max_concurrency, max_live_bytes=args.max_live_bytes
+    pipeline_config = load_pipeline(args.pipeline)
+    config = server_config(
+        pipeline_config,
+        model_name=args.model_name,
+        max_concurrency=args.max_concurrency,
+        max_live_bytes=args.max_live_bytes,
     )
+    prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
     print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-    pipeline = Pipeline.start(args.pipeline)
+    pipeline = Pipeline.start(pipeline_config)
     try:
         app = create_app(pipeline, config)
         print(

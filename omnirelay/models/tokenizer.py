@@ -37,7 +37,12 @@ def format_chat_prompt(text: str, *, system: str | None = None) -> str:
 
 
 def encode_chat_prompt(tokenizer: Any, text: str, *, system: str | None = None) -> list[int]:
-    """Token ids of :func:`format_chat_prompt` (no extra BOS/EOS tokens)."""
+    """Token ids of :func:`format_chat_prompt` (no extra BOS/EOS tokens); a tokenizer with
+    a chat template of its own (``chat_ids(messages)``, SmolLM2's) uses that instead."""
+    chat_ids = getattr(tokenizer, "chat_ids", None)
+    if callable(chat_ids):
+        turns = ([("system", system)] if system is not None else []) + [("user", text)]
+        return [int(t) for t in chat_ids(turns)]
     ids = tokenizer.encode(format_chat_prompt(text, system=system), add_special_tokens=False)
     return [int(t) for t in ids]
 

@@ -7,6 +7,7 @@ One file per role:
 * ``thinker_to_talker`` — prefill and decode embeddings for the Talker (§5.1).
 * ``talker_to_code2wav`` — codec frames in decode windows, codebook-major (§5.2, §5.3).
 * ``code2wav_to_aligner`` — the full waveform for the forced aligner (§5.4).
+* ``thinker_to_voice`` — the text edge: a :class:`TextChunk` per completed sentence.
 * ``decode_window`` — Code2Wav batch building and the streaming trim (§6).
 * ``codec_input`` — what a generation stage makes of a committed codec chunk: the prompt
   ids and the merged runtime info (§4.8, the consuming side of §5.2).
@@ -45,6 +46,7 @@ from omnirelay.processors.thinker_to_talker import (
     ThinkerStreamState,
     ThinkerToTalkerProcessor,
 )
+from omnirelay.processors.thinker_to_voice import TextChunk, split_ready, split_sentences
 
 __all__ = [
     "DEFAULT_CODEC_STOP_TOKEN_IDS",
@@ -54,6 +56,7 @@ __all__ = [
     "CodecStreamState",
     "TalkerToCode2WavConfig",
     "TalkerToCode2WavProcessor",
+    "TextChunk",
     "ThinkerStreamState",
     "ThinkerToTalkerProcessor",
     "build_aligner_input",
@@ -67,6 +70,8 @@ __all__ = [
     "parse_codec_chunk_ramp",
     "read_codec_chunk",
     "segment_words",
+    "split_ready",
+    "split_sentences",
     "split_stream_output",
     "stream_trim",
     "unflatten_codebook_major",

@@ -7,7 +7,9 @@ keep the per-request stream state (keyed by external id) around the pure process
 :mod:`thinker_to_talker` and :mod:`talker_to_code2wav`.
 
 Registered by name with :func:`register_processors` (the names the shipped pipelines use):
-``thinker_to_talker`` and ``talker_to_code2wav``. Factories take ``(stage, pipeline)``.
+``thinker_to_talker`` and ``talker_to_code2wav``, and the text edge of the CPU voice
+pipeline, ``thinker_to_voice`` (:mod:`omnirelay.processors.thinker_to_voice`). Factories
+take ``(stage, pipeline)``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from omnirelay.processors.talker_to_code2wav import (
     TalkerToCode2WavProcessor,
 )
 from omnirelay.processors.thinker_to_talker import ThinkerStreamState, ThinkerToTalkerProcessor
+from omnirelay.processors.thinker_to_voice import register_voice_processors
 from omnirelay.transfer import BuildRequest
 
 __all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors", "request_voice"]
@@ -124,7 +127,8 @@ class TalkerToCode2WavStage:
 
 
 def register_processors(processors: Any, *, replace: bool = False) -> Any:
-    """Register the Qwen3-Omni chunk processors in a processor :class:`Registry`."""
+    """Register the shipped chunk processors in a processor :class:`Registry`."""
     processors.add("thinker_to_talker", ThinkerToTalkerStage, replace=replace)
     processors.add("talker_to_code2wav", TalkerToCode2WavStage, replace=replace)
+    register_voice_processors(processors, replace=replace)
     return processors

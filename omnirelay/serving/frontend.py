@@ -253,8 +253,10 @@ class Frontend:
         request_id: str,
         sampling: SamplingParams | None = None,
         extras: dict[str, Any] | None = None,
+        inputs: Any = None,
     ) -> RequestStream:
-        """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`."""
+        """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
+        ``inputs``: stage 0's full input (a speech request's, see :meth:`submit_speech`)."""
         with self._ids_lock:
             if request_id in self._ids:
                 raise ApiError(
@@ -276,6 +278,7 @@ class Frontend:
                 modalities=list(modalities),
                 sampling=sampling,
                 request_id=request_id,
+                inputs=inputs,
                 extras=extras,
             )
         except OmniRelayError as exc:
@@ -287,6 +290,26 @@ class Frontend:
             self._forget(request_id)
             raise
         return RequestStream(self, handle, slot, endpoint)
+
+    def submit_speech(
+        self, *, endpoint: str, text: str, modalities: Sequence[str], request_id: str, extras: dict[str, Any]
+    ) -> RequestStream:
+        """A speech request for ``text``: the codec's prompt, full input and answer length
+        (:class:`~omnirelay.serving.text.SpeechPrompt`), then :meth:`submit`."""
+        prompt = self.codec.speech_prompt(text)
+        sampling = None
+        if prompt.max_tokens is not None:
+            base = stage_sampling_defaults(self.pipeline.config.stages[0])
+            sampling = msgspec.structs.replace(base, max_tokens=prompt.max_tokens)
+        return self.submit(
+            endpoint=endpoint,
+            prompt_token_ids=prompt.prompt_token_ids,
+            modalities=modalities,
+            request_id=request_id,
+            sampling=sampling,
+            extras=extras,
+            inputs=prompt.inputs,
+        )
 
     def _forget(self, request_id: str) -> None:
         with self._ids_lock:

@@ -123,9 +123,9 @@ async def speech(request: Request, fe: Frontend) -> Response:
     is_streaming, voice = _check(fe, req)
     rid = check_request_id(request.headers.get("x-request-id"), "speech")
     modalities = ["audio", "timestamps"] if req.word_timestamps else ["audio"]
-    stream = fe.submit(
+    stream = fe.submit_speech(
         endpoint="speech",
-        prompt_token_ids=fe.codec.encode_speech(req.input),
+        text=req.input,
         modalities=modalities,
         request_id=rid,
         extras=speech_extras(req.input, voice),

@@ -4,15 +4,20 @@
   the Qwen ChatML form (:func:`format_chat` — the same text as
   :func:`omnirelay.models.format_chat_prompt` for one system and one user turn), and
   incremental detokenization for stages that report token ids without text.
+* :class:`SmolChatCodec` — SmolLM2's tokenizer and chat template; a speech request is
+  answered verbatim: stage 0 gets ``inputs={"speak_text": text}`` (the SmolLM2 Thinker
+  then streams exactly that text to the voice instead of an answer of its own).
 * :class:`ByteCodec` — for pipelines without a tokenizer (the toy pipeline): a prompt is
   its UTF-8 bytes, a token id is one character.
 
-:func:`codec_for_pipeline` picks one from stage 0's executor.
+:func:`codec_for_pipeline` picks one from stage 0's executor. :class:`SpeechPrompt` is
+what a codec makes of a speech request's text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omnirelay.models.tokenizer import IncrementalDetokenizer
@@ -23,6 +28,8 @@ __all__ = [
     "ByteCodec",
     "ChatMLCodec",
     "Detokenizer",
+    "SmolChatCodec",
+    "SpeechPrompt",
     "TextCodec",
     "codec_for_pipeline",
     "format_chat",
@@ -30,6 +37,16 @@ __all__ = [
 
 #: The system turn of a speech request on a chat pipeline (Thinker first).
 SPEAK_INSTRUCTION = "Read the user's text aloud exactly as written, and say nothing else."
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechPrompt:
+    """What stage 0 gets for a speech request: its prompt ids, a full input (``None``:
+    none), and the ``max_tokens`` the answer needs (``None``: the stage's default)."""
+
+    prompt_token_ids: list[int]
+    inputs: Any = None
+    max_tokens: int | None = None
 
 
 class Detokenizer(Protocol):
@@ -47,6 +64,10 @@ class TextCodec(Protocol):
 
     def encode_speech(self, text: str) -> list[int]:
         """The prompt ids of a speech request for ``text``."""
+        ...
+
+    def speech_prompt(self, text: str) -> SpeechPrompt:
+        """Everything stage 0 gets for a speech request of ``text``."""
         ...
 
     def detokenizer(self, context: Sequence[int]) -> Detokenizer: ...
@@ -75,6 +96,31 @@ class ChatMLCodec:
     def encode_speech(self, text: str) -> list[int]:
         return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
 
+    def speech_prompt(self, text: str) -> SpeechPrompt:
+        return SpeechPrompt(self.encode_speech(text))
+
+    def detokenizer(self, context: Sequence[int]) -> Detokenizer:
+        return IncrementalDetokenizer(self.tokenizer, context)
+
+
+class SmolChatCodec:
+    """SmolLM2's tokenizer (:class:`~omnirelay.models.smollm2.SmolTokenizer`) and its own
+    chat template; speech is read verbatim (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        return [int(t) for t in self.tokenizer.chat_ids(list(messages))]
+
+    def encode_speech(self, text: str) -> list[int]:
+        return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
+
+    def speech_prompt(self, text: str) -> SpeechPrompt:
+        # One token a step, then the end-of-turn token: the answer is exactly this long.
+        num_tokens = len(self.tokenizer.encode(text)) + 1
+        return SpeechPrompt(self.encode_speech(text), inputs={"speak_text": text}, max_tokens=num_tokens)
+
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:
         return IncrementalDetokenizer(self.tokenizer, context)
 
@@ -101,13 +147,21 @@ class ByteCodec:
     def encode_speech(self, text: str) -> list[int]:
         return list(text.encode())
 
+    def speech_prompt(self, text: str) -> SpeechPrompt:
+        return SpeechPrompt(self.encode_speech(text))
+
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:
         return _ByteDetokenizer()
 
 
 def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
-    """The Qwen tokenizer when stage 0 runs a Qwen3-Omni executor, else :class:`ByteCodec`."""
+    """The Qwen tokenizer when stage 0 runs a Qwen3-Omni executor, SmolLM2's when it runs
+    SmolLM2 (prepared first if needed), else :class:`ByteCodec`."""
     stage0 = config.stages[0]
+    if stage0.executor == "smollm2.thinker":
+        from omnirelay.models.smollm2 import load_smol_tokenizer
+
+        return SmolChatCodec(load_smol_tokenizer(**dict(stage0.executor_args)))
     if stage0.executor.startswith("qwen3_omni."):
         from omnirelay.models import load_tokenizer
 

@@ -332,9 +332,9 @@ class _Session:
             "word_timestamps": s.word_timestamps,
         }
         try:
-            stream = self.fe.submit(
+            stream = self.fe.submit_speech(
                 endpoint="speech_ws",
-                prompt_token_ids=self.fe.codec.encode_speech(job.text),
+                text=job.text,
                 modalities=["audio", "timestamps"] if s.word_timestamps else ["audio"],
                 request_id=f"{self.id}-{job.utterance_index}-{job.sentence_index}",
                 extras=speech_extras(job.text, s.voice),

@@ -230,7 +230,9 @@ def _timeline(
     )
     audio_stages = [s.id for s in config.stages if str(s.final_output_type) == "audio"]
     feeder = upstream.get(audio_stages[0]) if audio_stages else None
-    if feeder is not None:
+    # A feeder whose own output is text (a Thinker speaking through a voice) sends words,
+    # not codec frames.
+    if feeder is not None and str(config.stage(feeder).final_output_type) != "text":
         params = (sampling or {}).get(feeder) or stage_sampling_defaults(config.stage(feeder))
         stops = set(params.stop_token_ids)
         tl.num_frames = sum(1 for e in events if e.stage_id == feeder for t in e.token_ids if t not in stops)

@@ -1,0 +1,201 @@
+"""The default ``voice-cpu`` pipeline end to end (real models, real processes, the default
+``omnirelay serve`` configuration): the chunked Thinker -> voice edge, speech read
+verbatim, word timestamps over HTTP and the WebSocket, chat with audio. Every test ends
+with a leak audit; the module ends with the shutdown audit.
+
+Sampling is seeded in the pipeline file (Thinker and voice), so one prompt gives one
+answer and one waveform, whichever way the edge carries the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import websockets
+
+from omnirelay.api import Pipeline
+from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.models import encode_chat_prompt, stage_tokenizer
+from omnirelay.models.sphinx import Recognizer, word_error_rate
+from omnirelay.models.spoken import spoken_words
+from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.pipeline import load_pipeline
+from omnirelay.serving.audio import parse_wav
+from tests.orchestrator_audit import audit_running, audit_stopped
+from tests.serving_support import Served, serve
+
+SPEECH = "/v1/audio/speech"
+#: Two sentences: the WebSocket splits them into two requests; speech reads both at once.
+TEXT = "Good morning to you all. The train leaves at nine o'clock sharp."
+#: A prompt whose answer (seeded) has several sentences, so the voice starts before the end.
+PROMPT = "Tell me about the moon in three sentences."
+RATE = 22050
+
+
+def test_voice_cpu_is_the_default_of_run_and_serve() -> None:
+    from omnirelay.cli.session import DEFAULT_PIPELINE as RUN_DEFAULT
+
+    assert DEFAULT_PIPELINE == RUN_DEFAULT == "voice-cpu"
+    cfg = server_config(load_pipeline(DEFAULT_PIPELINE))
+    assert cfg.voices == ("joe",) and cfg.default_voice == "joe"
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    yield from serve(DEFAULT_PIPELINE, server_config(load_pipeline(DEFAULT_PIPELINE)))
+
+
+@pytest.fixture
+def srv(served: Served) -> Iterator[Served]:
+    yield served
+    served.audit()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[int]:
+    stage = load_pipeline(DEFAULT_PIPELINE).stages[0]
+    return encode_chat_prompt(stage_tokenizer(stage.executor, stage.executor_args), PROMPT)
+
+
+def _answer(pipe: Pipeline, prompt_ids: list[int]) -> list[RequestOutput]:
+    sampling = SamplingParams(temperature=0.2, top_p=0.9, seed=0, max_tokens=48)
+    return list(pipe.submit(prompt_ids, modalities=["text", "audio"], sampling=sampling))
+
+
+def _audio(outputs: list[RequestOutput]) -> torch.Tensor:
+    return torch.cat([o.audio.reshape(-1) for o in outputs if o.modality == "audio" and o.audio is not None])
+
+
+@pytest.fixture(scope="module")
+def chunked_answer(served: Served, prompt_ids: list[int]) -> list[RequestOutput]:
+    outputs = _answer(served.pipe, prompt_ids)
+    served.audit()
+    return outputs
+
+
+def test_first_audio_comes_before_the_thinker_finishes(chunked_answer: list[RequestOutput]) -> None:
+    """The orchestrator routes outputs in the order stages report them: a sentence's audio
+    reached the client while the Thinker was still generating."""
+    kinds = [(o.modality, o.stage_finished) for o in chunked_answer]
+    first_audio = next(
+        i for i, o in enumerate(chunked_answer) if o.modality == "audio" and o.audio is not None
+    )
+    thinker_done = kinds.index(("text", True))
+    assert first_audio < thinker_done, kinds
+    audio_pieces = [
+        o for o in chunked_answer if o.modality == "audio" and o.audio is not None and o.audio.numel()
+    ]
+    assert len(audio_pieces) >= 2  # one per sentence
+    assert all(o.sample_rate == RATE for o in audio_pieces)
+
+
+def test_streamed_audio_equals_the_complete_input_audio(
+    chunked_answer: list[RequestOutput], prompt_ids: list[int]
+) -> None:
+    """The same prompt and seeds with the Thinker -> voice edge not chunked: the voice gets
+    the finished text at once, and speaks exactly the same samples."""
+    pipe = Pipeline.start(DEFAULT_PIPELINE, async_chunk_override=False)
+    try:
+        whole = _answer(pipe, prompt_ids)
+        audit_running(pipe)
+    finally:
+        audit_stopped(pipe)
+    text = "".join(o.text or "" for o in chunked_answer if o.modality == "text")
+    assert "".join(o.text or "" for o in whole if o.modality == "text") == text
+    assert [o.modality for o in whole if o.audio is not None and o.audio.numel()] == ["audio"]  # one piece
+    assert torch.equal(_audio(whole), _audio(chunked_answer))
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def _check_words(stamps: Any, text: str, duration_ms: float) -> None:
+    assert isinstance(stamps, list)
+    assert [w["word"] for w in stamps] == text.replace(",", "").replace(".", "").split()
+    end = 0
+    for w in stamps:
+        assert end <= w["start_ms"] < w["end_ms"] <= duration_ms  # monotonic, inside the audio
+        end = w["end_ms"]
+
+
+def test_speech_is_read_verbatim_with_word_timestamps(srv: Served) -> None:
+    resp = httpx.post(
+        srv.url + SPEECH,
+        json={"model": srv.model, "input": TEXT, "voice": "joe", "word_timestamps": True},
+        timeout=300,
+    )
+    assert resp.status_code == 200, resp.text
+    pcm, rate = parse_wav(resp.content)
+    assert rate == RATE
+    _check_words(json.loads(resp.headers["x-word-timestamps"]), TEXT, len(pcm) / rate * 1000)
+    heard = Recognizer().words(np.asarray(pcm, dtype=np.float32) / 32768.0, rate)
+    assert word_error_rate(spoken_words(TEXT), heard) <= 0.25, heard
+
+
+async def _ws(url: str, text: str) -> list[Any]:
+    cfg = {
+        "type": "session.config",
+        "response_format": "pcm",
+        "stream_audio": True,
+        "word_timestamps": True,
+        "split": "sentence",
+        "voice": "joe",
+    }
+    out: list[Any] = []
+    async with websockets.connect(url) as ws:
+        for msg in (cfg, {"type": "input.text", "text": text}, {"type": "input.done"}):
+            await ws.send(json.dumps(msg))
+        await ws.send(json.dumps({"type": "session.close"}))
+        async for m in ws:
+            out.append(m)
+    return out
+
+
+def test_websocket_streams_each_sentence_with_word_timestamps(srv: Served) -> None:
+    events = [json.loads(m) for m in asyncio.run(_ws(srv.ws_url, TEXT)) if isinstance(m, str)]
+    sentences = ["Good morning to you all.", "The train leaves at nine o'clock sharp."]
+    starts = [e for e in events if e["type"] == "audio.start"]
+    assert [e["sentence_text"] for e in starts] == sentences
+    assert all(e["sample_rate"] == RATE and e["word_timestamps"] is True for e in starts)
+    for index, sentence in enumerate(sentences):
+        chunks = [e for e in events if e["type"] == "audio.chunk" and _sentence_of(events, e) == index]
+        *body, trailer = chunks
+        audio = b"".join(base64.b64decode(str(c["audio_b64"])) for c in body)
+        assert body and audio and trailer["audio_b64"] == ""
+        _check_words(trailer["timestamps"], sentence, len(audio) / 2 / RATE * 1000)
+    done = [e for e in events if e["type"] == "audio.done"]
+    assert [d["error"] for d in done] == [None, None]
+    assert events[-1]["type"] == "session.done"
+
+
+def _sentence_of(events: list[dict[str, Any]], event: dict[str, Any]) -> int:
+    """The sentence index an audio.chunk belongs to: the last audio.start before it."""
+    index = -1
+    for e in events:
+        if e["type"] == "audio.start":
+            index = e["sentence_index"]
+        if e is event:
+            return index
+    raise AssertionError("event not found")
+
+
+def test_chat_answers_in_text_and_speech(srv: Served) -> None:
+    r = srv.client().chat.completions.create(
+        model=srv.model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+    )
+    message = r.choices[0].message
+    assert "Paris" in (message.content or "")
+    pcm, rate = parse_wav(base64.b64decode(message.audio.data))
+    assert rate == RATE and len(pcm) > RATE // 2
