@@ -26,6 +26,17 @@ def register(sub: Any) -> None:
         default=DEFAULT_PIPELINE,
         help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE})",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: the pipeline file's",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights from the config alone (no checkpoint; the shipped full-size config)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument(
@@ -52,8 +63,14 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_name=args.model_name, max_concurrency=args.max_concurrency, max_live_bytes=args.max_live_bytes
     )
+    from omnirelay.cli.session import load_run_config
+
+    if args.device is None and args.load_format is None:
+        spec: Any = args.pipeline
+    else:
+        spec = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
     print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-    pipeline = Pipeline.start(args.pipeline)
+    pipeline = Pipeline.start(spec)
     try:
         app = create_app(pipeline, config)
         print(
