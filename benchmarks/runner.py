@@ -58,7 +58,7 @@ def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, 
     from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 
     model = checkpoint.load_thinker()
-    text = model.model.language_model
+    text = getattr(model.model, "language_model", model.model)
     buckets = Buckets(max_num_seqs=64, max_model_len=1024, batch_sizes=(1, 16, 64), prefill_tokens=(64,))
     runner = ThinkerRunner(
         text,

@@ -85,8 +85,12 @@ def test_tiny_talker_graph_frames_equal_eager_frames(sampling: SamplingParams) -
 
 
 def _window_check(model: Any, shapes: list[tuple[int, int]]) -> None:
+    """Graph windows (padded to a bucket) against eager decodes of the real windows:
+    relative error within TF32 convolution noise (other shapes, other algorithms)."""
     graphed = GraphedCode2Wav(model, cuda_graphs=True)
     graphed.capture_graphs()
+    assert len(graphed.graphs) > 0, f"graphs dropped: padding error {graphed.padding_error}"
+    replays = graphed.graphs.num_replays
     gen = torch.Generator().manual_seed(1)
     q, size = int(model.config.num_quantizers), int(model.config.codebook_size)
     with torch.inference_mode():
@@ -95,8 +99,10 @@ def _window_check(model: Any, shapes: list[tuple[int, int]]) -> None:
             want = model(codes.to(graphed.device))
             got = graphed(codes)
             assert got.shape == want.shape, (b, t)
-            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
-    assert graphed.graphs.num_replays == len(shapes)
+            error = _relative(got, want)
+            print(f"code2wav window {b}x{t}: relative error {error:.2e}")
+            assert error < 1e-2, (b, t, error)
+    assert graphed.graphs.num_replays == replays + len(shapes)
 
 
 def test_tiny_code2wav_graph_windows_equal_eager_decodes() -> None:
@@ -121,7 +127,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_full_size_thinker_graph_logits_match_eager(full: Checkpoint) -> None:
     model = full.load_thinker()
-    text = model.model.language_model
+    text = getattr(model.model, "language_model", model.model)
     buckets = Buckets(max_num_seqs=4, max_model_len=512, batch_sizes=(1, 4), prefill_tokens=(64,))
 
     def runner(graphs: bool) -> ThinkerRunner:
@@ -157,7 +163,11 @@ def test_full_size_thinker_graph_logits_match_eager(full: Checkpoint) -> None:
     for a, b in zip(p_graph, p_eager):
         for layer in (0, 24):
             assert _relative(a.hidden[layer], b.hidden[layer]) < 2e-2
-    assert _relative(l_graph, l_eager) < 2e-2
+    error = _relative(l_graph, l_eager)
+    print(
+        f"thinker logits, graph vs eager: relative error {error:.2e}, max abs {float((l_graph - l_eager).abs().max()):.2e}"
+    )
+    assert error < 2e-2
     assert torch.isfinite(l_graph).all()
 
 

@@ -24,6 +24,8 @@ from omnirelay.models.runner.graphs import GraphSet, Step
 __all__ = ["DEFAULT_DECODE_BATCHES", "DEFAULT_DECODE_FRAMES", "GraphedCode2Wav"]
 
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16)
+#: Largest relative error (‖graph − eager‖ / ‖eager‖) a padded window may show.
+PADDING_TOLERANCE = 1e-2
 #: 4: a stream's first window; 29 (4 + 25) → 32; 50: 25 new frames + 25 of context.
 DEFAULT_DECODE_FRAMES = (4, 8, 16, 32, 50, 64)
 
@@ -48,6 +50,8 @@ class GraphedCode2Wav:
         self.graphs = GraphSet("code2wav", self.device, enabled=cuda_graphs)
         q = int(model.config.num_quantizers)
         self._codes = torch.zeros((batch_sizes[-1], q, frames[-1]), dtype=torch.long, device=self.device)
+        #: relative error of a padded graph decode against the eager one (startup check)
+        self.padding_error = float("inf")
 
     def capture_graphs(self) -> None:
         if not self.graphs.enabled:
@@ -59,7 +63,11 @@ class GraphedCode2Wav:
                     self.graphs.capture((b, t), self._step(b, t))
             self._check_padding()
         self.graphs.report.seconds = time.monotonic() - start
-        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+        print(
+            f"omnirelay: {self.graphs.report} (padded window vs eager: relative error {self.padding_error:.1e})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _step(self, b: int, t: int) -> Step:
         def step() -> dict[str, torch.Tensor]:
@@ -69,16 +77,21 @@ class GraphedCode2Wav:
 
     def _check_padding(self) -> None:
         """A padded graph decode must equal the eager decode of the real window; if it
-        does not (a decoder that looks ahead), the graphs are dropped, with a warning."""
+        does not (a decoder that looks ahead), the graphs are dropped, with a warning.
+        Equal means within :data:`PADDING_TOLERANCE` relative error: other shapes pick
+        other convolution algorithms, and TF32 ones differ in the last bits."""
         gen = torch.Generator().manual_seed(0)
         codes = torch.randint(0, int(self.config.codebook_size), (2, self._codes.shape[1], 5), generator=gen)
         eager = self.model(codes.to(self.device))
         graphed = self(codes)
-        if graphed.shape != eager.shape or not torch.allclose(graphed, eager, rtol=1e-3, atol=1e-4):
+        if graphed.shape == eager.shape:
+            self.padding_error = float((graphed - eager).norm() / eager.norm().clamp_min(1e-12))
+        if self.padding_error > PADDING_TOLERANCE:
             self.graphs.clear()
             print(
-                "omnirelay: warning: a right-padded Code2Wav window decodes differently from the window "
-                "itself (the decoder is not causal); Code2Wav runs without CUDA graphs",
+                f"omnirelay: warning: a right-padded Code2Wav window decodes differently from the window "
+                f"itself (relative error {self.padding_error:.2g}: the decoder is not causal); Code2Wav runs "
+                "without CUDA graphs",
                 file=sys.stderr,
                 flush=True,
             )

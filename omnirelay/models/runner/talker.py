@@ -181,7 +181,7 @@ class TalkerRunner:
 
     def _prefill_step(self, b: int, t: int, attn_len: int | None) -> Step:
         def step() -> dict[str, torch.Tensor]:
-            with experts_implementation(self._experts, experts_for(self.device, b, t)):
+            with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
                 last, _ = self.decoder.forward(
                     self._embeds[:b, :t],
                     self._slot_ids[:b],
@@ -203,7 +203,7 @@ class TalkerRunner:
         def step() -> dict[str, torch.Tensor]:
             slots = self._slot_ids[:b]
             embeds = (self._codec_embed.index_select(0, slots) + self._embeds[:b, 0]).unsqueeze(1)
-            with experts_implementation(self._experts, experts_for(self.device, b, 1)):
+            with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, 1)):
                 last, _ = self.decoder.forward(
                     embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len
                 )

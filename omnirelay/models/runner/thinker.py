@@ -37,11 +37,15 @@ from omnirelay.models.sampling import sample_rows
 __all__ = ["RowOutput", "ThinkerRunner", "experts_for"]
 
 
-def experts_for(device: torch.device, batch: int, tokens: int) -> str | None:
-    """The experts implementation of a launch (None: the model's own, off CUDA)."""
+def experts_for(device: torch.device, dtype: torch.dtype, batch: int, tokens: int) -> str | None:
+    """The experts implementation of a launch (None: the model's own, off CUDA).
+    ``grouped_mm`` runs in half precision only (float32 weights fall back to a path that
+    copies to the host, which a CUDA graph cannot capture): float32 uses ``batched_mm``."""
     if device.type != "cuda":
         return None
-    return "batched_mm" if batch * tokens == 1 else "grouped_mm"
+    if batch * tokens == 1 or dtype not in (torch.bfloat16, torch.float16):
+        return "batched_mm"
+    return "grouped_mm"
 
 
 @dataclass(slots=True)
@@ -124,7 +128,7 @@ class ThinkerRunner:
 
     def _step(self, b: int, t: int, attn_len: int | None) -> Step:
         def step() -> dict[str, torch.Tensor]:
-            with experts_implementation(self._experts, experts_for(self.device, b, t)):
+            with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
                 embeds = self.text.embed_tokens(self._ids[:b, :t])
                 last, captured = self.decoder.forward(
                     embeds,
