@@ -315,10 +315,13 @@ def bench_running_pipeline(
 
 
 def _commit() -> str | None:
-    """The git commit of the checkout this benchmark runs from (None outside one)."""
+    """The git commit of the checkout this benchmark runs from (None outside one; a copy
+    of a checkout without its ``.git`` can name it in ``OMNIRELAY_BENCH_COMMIT``)."""
     import subprocess
     from pathlib import Path
 
+    if os.environ.get("OMNIRELAY_BENCH_COMMIT"):
+        return os.environ["OMNIRELAY_BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

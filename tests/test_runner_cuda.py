@@ -160,6 +160,7 @@ def test_full_size_thinker_graph_logits_match_eager(full: Checkpoint) -> None:
             del r
             torch.cuda.empty_cache()
     (p_graph, l_graph), (p_eager, l_eager) = outs[True], outs[False]
+    l_graph, l_eager = l_graph[..., :256], l_eager[..., :256]  # past the text ids: -inf in both
     for a, b in zip(p_graph, p_eager):
         for layer in (0, 24):
             assert _relative(a.hidden[layer], b.hidden[layer]) < 2e-2
