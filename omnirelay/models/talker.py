@@ -456,11 +456,7 @@ class TalkerExecutor:
         pending = [(seq, rows) for item, seq in pairs if (rows := self._chunk_rows(item, seq)) is not None]
         if not pending:
             return
-        stacked = torch.cat([rows for _, rows in pending]).to(self.dtype)
-        if self.device.type == "cuda":  # no host/device synchronization for the upload
-            stacked = stacked.pin_memory().to(self.device, non_blocking=True)
-        else:
-            stacked = stacked.to(self.device)
+        stacked = torch.cat([rows for _, rows in pending]).to(self.device, self.dtype)
         projected = self.model.text_projection(stacked)
         start = 0
         for seq, rows in pending:

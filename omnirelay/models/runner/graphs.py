@@ -15,7 +15,6 @@ tensors that live in the pool.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CaptureReport", "GraphSet", "Staging", "Step"]
+__all__ = ["CaptureReport", "GraphSet", "Step"]
 
 Step = Callable[[], dict[str, torch.Tensor]]
 
@@ -101,47 +100,3 @@ class GraphSet:
         captured.graph.replay()
         self.num_replays += 1
         return captured.outputs
-
-
-class Staging:
-    """Small graph inputs packed in one device buffer, filled from a pinned host mirror
-    with one asynchronous copy per launch.
-
-    A plain ``tensor.copy_(cpu_tensor)`` from pageable memory synchronizes the host with
-    the device: with several inputs per launch, the host would wait for the GPU (and, on
-    a GPU shared by several stage processes, for the other processes' work) several times
-    per step. Here the host writes :attr:`host` views, :meth:`upload` queues one copy, and
-    the graph reads :attr:`device` views of the same layout. :meth:`begin` waits for the
-    previous upload to have left the host buffer before it is written again.
-    """
-
-    def __init__(
-        self, shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: torch.device, fill: float = 0
-    ) -> None:
-        total = sum(math.prod(shape) for shape in shapes.values())
-        self._cuda = device.type == "cuda"
-        self._device_buf = torch.full((total,), fill, dtype=dtype, device=device)
-        self._host_buf = torch.full((total,), fill, dtype=dtype, pin_memory=self._cuda)
-        self.device: dict[str, torch.Tensor] = {}
-        self.host: dict[str, torch.Tensor] = {}
-        start = 0
-        for name, shape in shapes.items():
-            n = math.prod(shape)
-            self.device[name] = self._device_buf[start : start + n].view(shape)
-            self.host[name] = self._host_buf[start : start + n].view(shape)
-            start += n
-        self._uploaded = torch.cuda.Event() if self._cuda else None
-        self._pending = False
-
-    def begin(self) -> None:
-        """Wait until the last upload has read the host buffer (call before writing it)."""
-        if self._pending and self._uploaded is not None:
-            self._uploaded.synchronize()
-        self._pending = False
-
-    def upload(self) -> None:
-        """Queue the copy of the whole host buffer to the device (stream-ordered)."""
-        self._device_buf.copy_(self._host_buf, non_blocking=self._cuda)
-        if self._uploaded is not None:
-            self._uploaded.record()
-            self._pending = True

@@ -37,7 +37,7 @@ from omnirelay.models.runner.decoder import (
     decoder_layer,
     experts_implementation,
 )
-from omnirelay.models.runner.graphs import GraphSet, Staging, Step
+from omnirelay.models.runner.graphs import GraphSet, Step
 from omnirelay.models.runner.sampler import sample
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
@@ -102,24 +102,13 @@ class TalkerRunner:
         mb, mt, dev = buckets.max_batch, buckets.max_piece, self.device
         self._embeds = torch.zeros((mb, mt, self.hidden), dtype=self.dtype, device=dev)
         self._last = torch.zeros((mb, self.hidden), dtype=self.dtype, device=dev)
-        self._ints = Staging(
-            {"slots": (mb,), "starts": (mb,), "counts": (mb,), "top_k": (mb,)}, dtype=torch.long, device=dev
-        )
-        self._floats = Staging(
-            {"temperature": (mb,), "top_p": (mb,), "uniform": (mb, self.q)}, dtype=torch.float32, device=dev
-        )
-        self._ints.host["slots"].fill_(self.kv.scratch)
-        self._ints.host["counts"].fill_(1)
-        self._floats.host["top_p"].fill_(1.0)
-        self._ints.upload()
-        self._floats.upload()
-        self._slot_ids = self._ints.device["slots"]
-        self._starts = self._ints.device["starts"]
-        self._counts = self._ints.device["counts"]
-        self._top_k = self._ints.device["top_k"]
-        self._temperature = self._floats.device["temperature"]
-        self._top_p = self._floats.device["top_p"]
-        self._uniform = self._floats.device["uniform"]
+        self._slot_ids = torch.full((mb,), self.kv.scratch, dtype=torch.long, device=dev)
+        self._starts = torch.zeros(mb, dtype=torch.long, device=dev)
+        self._counts = torch.ones(mb, dtype=torch.long, device=dev)
+        self._temperature = torch.zeros(mb, device=dev)
+        self._top_k = torch.zeros(mb, dtype=torch.long, device=dev)
+        self._top_p = torch.ones(mb, device=dev)
+        self._uniform = torch.zeros((mb, self.q), device=dev)
         #: the summed codec embeddings of each slot's last frame (the next frame's input)
         self._codec_embed = torch.zeros((buckets.max_num_seqs + 1, self.hidden), dtype=self.dtype, device=dev)
         predictor = talker.code_predictor.model
@@ -224,42 +213,30 @@ class TalkerRunner:
 
     # ----------------------------------------------------------------- host side
 
-    def _set_inputs(
-        self,
-        b: int,
-        slots: list[int],
-        starts: list[int],
-        counts: list[int],
-        sampling: Sequence[TalkerRow] = (),
+    def _set_rows(
+        self, b: int, rows: Sequence[TalkerRow], slots: list[int], starts: list[int], counts: list[int]
     ) -> None:
-        """Rows ``0..len(slots)-1`` of a ``b``-row launch (the rest: padding) and, for a
-        launch that samples, each row's parameters and uniforms; one upload each."""
-        ints, floats = self._ints, self._floats
-        ints.begin()
         pad = b - len(slots)
-        ints.host["slots"][:b] = torch.tensor(slots + [self.kv.scratch] * pad, dtype=torch.long)
-        ints.host["starts"][:b] = torch.tensor(starts + [0] * pad, dtype=torch.long)
-        ints.host["counts"][:b] = torch.tensor(counts + [1] * pad, dtype=torch.long)
-        if sampling:
-            floats.begin()
-            temperature, top_p, uniform = (
-                floats.host["temperature"],
-                floats.host["top_p"],
-                floats.host["uniform"],
-            )
-            top_k = ints.host["top_k"]
-            temperature[:b] = 0.0
-            top_k[:b] = 0
-            top_p[:b] = 1.0
-            for i, row in enumerate(sampling):
-                params = row.sampling
-                if params.temperature > 0:
-                    temperature[i] = params.temperature
-                    top_k[i] = params.top_k
-                    top_p[i] = params.top_p
-                    uniform[i] = torch.rand(self.q, generator=row.generator)
-            floats.upload()
-        ints.upload()
+        self._slot_ids[:b].copy_(torch.tensor(slots + [self.kv.scratch] * pad, dtype=torch.long))
+        self._starts[:b].copy_(torch.tensor(starts + [0] * pad, dtype=torch.long))
+        self._counts[:b].copy_(torch.tensor(counts + [1] * pad, dtype=torch.long))
+
+    def _set_sampling(self, b: int, rows: Sequence[TalkerRow]) -> None:
+        temperature = torch.zeros(b)
+        top_k = torch.zeros(b, dtype=torch.long)
+        top_p = torch.ones(b)
+        uniform = torch.zeros((b, self.q))
+        for i, row in enumerate(rows):
+            params = row.sampling
+            if params.temperature > 0:
+                temperature[i] = params.temperature
+                top_k[i] = params.top_k
+                top_p[i] = params.top_p
+                uniform[i] = torch.rand(self.q, generator=row.generator)
+        self._temperature[:b].copy_(temperature)
+        self._top_k[:b].copy_(top_k)
+        self._top_p[:b].copy_(top_p)
+        self._uniform[:b].copy_(uniform)
 
     def _prefill_launch(self, launch: Launch, rows: Sequence[TalkerRow]) -> torch.Tensor:
         b, t = launch.batch, launch.tokens
@@ -267,8 +244,9 @@ class TalkerRunner:
         for i, piece in enumerate(launch.pieces):
             block[i, : piece.count] = rows[piece.row].embeds[piece.offset : piece.offset + piece.count]
         self._embeds[:b, :t].copy_(block)
-        self._set_inputs(
+        self._set_rows(
             b,
+            rows,
             [self.slots.slot(rows[p.row].rid) for p in launch.pieces],
             [p.start for p in launch.pieces],
             [p.count for p in launch.pieces],
@@ -296,9 +274,10 @@ class TalkerRunner:
             self._last[: len(group)].copy_(
                 torch.stack([x for x in lasts[first : first + step] if x is not None])
             )
-            self._set_inputs(
-                b, [self.slots.slot(r.rid) for r in group], [0] * len(group), [1] * len(group), group
+            self._set_rows(
+                b, group, [self.slots.slot(r.rid) for r in group], [0] * len(group), [1] * len(group)
             )
+            self._set_sampling(b, group)
             out = self.graphs.run(("tail", b), self._tail_step(b))
             codes.append(out["codes"][: len(group)].to("cpu"))
         return torch.cat(codes)
@@ -312,9 +291,10 @@ class TalkerRunner:
             b, n = launch.batch, len(group)
             text = torch.cat([row.embeds.reshape(1, -1) for row in group])
             self._embeds[:n, 0].copy_(text)
-            self._set_inputs(
-                b, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n, group
+            self._set_rows(
+                b, group, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n
             )
+            self._set_sampling(b, group)
             out = self.graphs.run(
                 ("frame", b, launch.attn_len), self._frame_step(b, int(launch.attn_len or 0))
             )

@@ -30,7 +30,7 @@ import torch
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
-from omnirelay.models.runner.graphs import GraphSet, Staging, Step
+from omnirelay.models.runner.graphs import GraphSet, Step
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
@@ -104,18 +104,10 @@ class ThinkerRunner:
         self.graphs = GraphSet("thinker", self.device, enabled=cuda_graphs)
         self._experts = [m for m in text_model.modules() if type(m).__name__.endswith("Experts")]
         mb, mt = buckets.max_batch, buckets.max_piece
-        self._inputs = Staging(
-            {"slots": (mb,), "starts": (mb,), "counts": (mb,), "ids": (mb, mt)},
-            dtype=torch.long,
-            device=self.device,
-        )
-        self._inputs.host["slots"].fill_(self.kv.scratch)
-        self._inputs.host["counts"].fill_(1)
-        self._inputs.upload()
-        self._ids = self._inputs.device["ids"]
-        self._slot_ids = self._inputs.device["slots"]
-        self._starts = self._inputs.device["starts"]
-        self._counts = self._inputs.device["counts"]
+        self._ids = torch.zeros((mb, mt), dtype=torch.long, device=self.device)
+        self._slot_ids = torch.full((mb,), self.kv.scratch, dtype=torch.long, device=self.device)
+        self._starts = torch.zeros(mb, dtype=torch.long, device=self.device)
+        self._counts = torch.ones(mb, dtype=torch.long, device=self.device)
 
     # ----------------------------------------------------------------- startup
 
@@ -156,20 +148,20 @@ class ThinkerRunner:
 
     def _launch(self, launch: Launch, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
         b, t = launch.batch, launch.tokens
-        host = self._inputs.host
-        self._inputs.begin()
-        ids, slots, starts, counts = host["ids"], host["slots"], host["starts"], host["counts"]
-        ids[:b, :t] = 0
-        slots[:b] = self.kv.scratch
-        starts[:b] = 0
-        counts[:b] = 1
+        ids = torch.zeros((b, t), dtype=torch.long)
+        slots = torch.full((b,), self.kv.scratch, dtype=torch.long)
+        starts = torch.zeros(b, dtype=torch.long)
+        counts = torch.ones(b, dtype=torch.long)
         for i, piece in enumerate(launch.pieces):
             row = rows[piece.row]
             ids[i, : piece.count] = torch.as_tensor(row.token_ids[piece.offset : piece.offset + piece.count])
             slots[i] = self.slots.slot(row.rid)
             starts[i] = piece.start
             counts[i] = piece.count
-        self._inputs.upload()
+        self._ids[:b, :t].copy_(ids)
+        self._slot_ids[:b].copy_(slots)
+        self._starts[:b].copy_(starts)
+        self._counts[:b].copy_(counts)
         return self.graphs.run((b, t, launch.attn_len), self._step(b, t, launch.attn_len))
 
     def _collect(
