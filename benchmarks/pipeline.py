@@ -56,6 +56,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "OVERHEAD_TARGET",
     "bench_running_pipeline",
+    "is_gpu_run",
     "render_pipeline_bench",
     "render_streams",
     "run_pipeline_bench",
@@ -357,9 +358,19 @@ def target_met(report: dict[str, Any]) -> bool | None:
     return None
 
 
+def is_gpu_run(report: dict[str, Any]) -> bool:
+    """Whether a model stage of the measured pipeline ran on CUDA (the TTFA targets are
+    those of the full-size model on a GPU)."""
+    return any(
+        str(args.get("device", "")).startswith("cuda") for args in (report.get("stage_args") or {}).values()
+    )
+
+
 def ttfa_targets_met(report: dict[str, Any]) -> dict[int, bool]:
     """Per measured level with a target (:data:`TTFA_TARGETS_S`): TTFA p50 within it and
-    every stream faster than real time (real-time factor < 1)."""
+    every stream faster than real time (real-time factor < 1). Empty off a GPU."""
+    if not is_gpu_run(report):
+        return {}
     return {
         lv["concurrency"]: bool(
             lv["ttfa_s"]["p50"] <= TTFA_TARGETS_S[lv["concurrency"]] and lv["rtf"]["max"] < 1.0
