@@ -1,7 +1,7 @@
 """The benchmarks' command line: ``omnirelay bench BENCH ...`` (or ``python -m benchmarks BENCH ...``).
 
 :func:`main` parses the arguments after ``bench`` and runs one benchmark: ``transfer``,
-``stress``, ``adapter``, ``pipeline`` or ``serve``. Each prints its table, writes its
+``stress``, ``adapter``, ``pipeline``, ``runner`` or ``serve``. Each prints its table, writes its
 figures with ``--json PATH`` and returns the exit status (1 when a target is missed or
 something leaked). ``omnirelay bench`` (:mod:`omnirelay.cli.bench`) imports this module
 only when a benchmark runs.
@@ -135,7 +135,7 @@ def _register_benches(bsub: Any) -> None:
 
     q = bsub.add_parser(
         "pipeline",
-        help="tiny Qwen3-Omni pipeline: time to first audio and runtime overhead at concurrency 1, 4, 16",
+        help="Qwen3-Omni pipeline: time to first audio, real-time factor and runtime overhead per concurrency",
         description=(
             "Runs text+audio chat requests through the real multi-process qwen3-omni-tiny pipeline "
             "(tiny seeded models, shm connector), keeping C requests in flight for each concurrency "
@@ -159,6 +159,24 @@ def _register_benches(bsub: Any) -> None:
         default=None,
         help="requests per level (default: max(8, 2 x concurrency))",
     )
+    q.add_argument(
+        "--pipeline",
+        default=None,
+        help="a shipped pipeline name or a YAML file (default qwen3-omni-tiny; with --load-format dummy: qwen3-omni)",
+    )
+    q.add_argument("--device", default=None, help="torch device of every Qwen3-Omni stage (cpu, cuda:0)")
+    q.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights from the config alone (the full-size model needs no checkpoint)",
+    )
+    q.add_argument(
+        "--runner",
+        choices=("auto", "dynamic", "static"),
+        default=None,
+        help="model runner of the Qwen3-Omni stages (dynamic: the eager transformers path, for a baseline)",
+    )
     q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
     q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
     q.add_argument(
@@ -166,6 +184,22 @@ def _register_benches(bsub: Any) -> None:
     )
     q.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     q.set_defaults(func=run_bench_pipeline)
+
+    r = bsub.add_parser(
+        "runner",
+        help="GPU: each full-size stage's step time, eager vs CUDA graphs (dummy weights)",
+        description=(
+            "Builds the full-size Qwen3-Omni Thinker, Talker and Code2Wav with random weights on a CUDA "
+            "device (one at a time) and times their steps on the static runner, eagerly and replayed from "
+            "CUDA graphs: Thinker prefill (1/16/64 prompts) and decode (1/16/64 rows), Talker prefill and "
+            "whole frames (1/16/64 rows), Code2Wav windows. Also reports capture times and whether eager "
+            "and graph greedy outputs agree."
+        ),
+    )
+    r.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
+    r.add_argument("--reps", type=int, default=20, help="timed runs per figure (default 20)")
+    r.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    r.set_defaults(func=run_bench_runner)
 
     v = bsub.add_parser(
         "serve",
@@ -312,6 +346,10 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
             requests=args.requests,
             warmup=args.warmup,
             prompt=args.prompt,
+            pipeline=args.pipeline,
+            device=args.device,
+            load_format=args.load_format,
+            runner=args.runner,
             timeout_s=args.timeout,
         )
     except ValueError as exc:
@@ -319,6 +357,19 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
     print(render_pipeline_bench(report))
     _write_json(args.json, report)
     return 0 if report["ok"] and target_met(report) is not False else 1
+
+
+def run_bench_runner(args: argparse.Namespace) -> int:
+    from benchmarks.runner import render_runner_bench, run_runner_bench
+
+    try:
+        report = run_runner_bench(device=args.device, reps=args.reps)
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench runner: {exc}") from exc
+    print(render_runner_bench(report))
+    _write_json(args.json, report)
+    ok = report["thinker"]["greedy_ids_equal"] and report["talker"]["greedy_codes_equal"]
+    return 0 if ok else 1
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

@@ -1,18 +1,27 @@
-"""``omnirelay bench pipeline``: time to first audio and runtime overhead of the tiny pipeline.
+"""``omnirelay bench pipeline``: time to first audio and runtime overhead of a pipeline.
 
 For each concurrency level (default 1, 4, 16) ``c`` client threads keep ``c`` requests
-in flight on one running ``qwen3-omni-tiny`` pipeline (real processes, shm connector)
-until ``requests`` requests finished; each request is a text+audio chat turn. Per
-request (:func:`~omnirelay.timeline.drive_request`):
+in flight on one running pipeline (real processes, shm connector; default the tiny
+``qwen3-omni-tiny`` on the CPU, or e.g. the full-size ``qwen3-omni`` with
+``--load-format dummy --device cuda:0``) until ``requests`` requests finished; each
+request is a text+audio chat turn. Per request (:func:`~omnirelay.timeline.drive_request`):
 
 * **TTFA** — submit to the client reading the first audio samples;
 * **overhead to first audio** — wall time on the critical path to the first audio minus
   the model compute on it (:func:`~omnirelay.timeline.critical_path`), as a share of
   TTFA; the same **to completion** (the last output), as a share of the end-to-end time.
 
+* **real-time factor** of a stream — the time from its first to its last audio chunk
+  over the audio that came after the first chunk (< 1: generated faster than it plays);
+  a stream *stalls* when a chunk arrives after a player that started at the first chunk
+  would have run out of audio (with a 4-frame first chunk and 25-frame chunks after it,
+  that needs the 25 frames in 320 ms: 4x faster than real time).
+
 The table gives p50/p99 per level, the split of the overhead by kind (mean µs per
-request: control plane, transfers, scheduling, delivery …) and the target of the issue:
-overhead ≤ 10% of TTFA at concurrency 1 (judged on the median request). Warm-up
+request: control plane, transfers, scheduling, delivery …), each stage's step times and
+the targets: overhead ≤ 10% of TTFA at concurrency 1 (judged on the median request), and
+on a GPU time to first audio p50 ≤ 150 / 350 / 632 ms at concurrency 1 / 16 / 64 with
+every stream faster than real time. Warm-up
 requests (the first ones pay lazy initialisation) are run and not counted. The run ends
 with a leak audit: no request state in any stage, no transfer object in the namespace.
 
@@ -23,6 +32,7 @@ request's model compute — by the definition, not a runtime cost per se.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -46,14 +56,20 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "OVERHEAD_TARGET",
     "bench_running_pipeline",
+    "is_gpu_run",
     "render_pipeline_bench",
+    "render_streams",
     "run_pipeline_bench",
+    "stream_rtf",
     "target_met",
+    "ttfa_targets_met",
 ]
 
 DEFAULT_CONCURRENCY = (1, 4, 16)
 #: The issue's target: runtime overhead ≤ 10% of time to first audio at concurrency 1.
 OVERHEAD_TARGET = 0.10
+#: Time-to-first-audio targets (p50, seconds) of the full-size model on one GPU, by concurrency.
+TTFA_TARGETS_S = {1: 0.150, 16: 0.350, 64: 0.632}
 DEFAULT_PROMPT = "Hello, who are you?"
 #: Qwen3-Omni's Code2Wav: samples per codec frame (80 ms at 24 kHz).
 SAMPLES_PER_FRAME = 1920
@@ -117,6 +133,35 @@ def _run_level(
     return done, time.monotonic() - start
 
 
+def stream_rtf(tl: RequestTimeline) -> tuple[float, bool]:
+    """(real-time factor after the first chunk, whether playback stalled) of one stream."""
+    chunks = tl.audio_chunks
+    rate = tl.sample_rate or 24000
+    if len(chunks) < 2:
+        return 0.0, False
+    after_first = sum(c.num_samples for c in chunks[1:]) / rate
+    rtf = (chunks[-1].at_s - chunks[0].at_s) / after_first if after_first > 0 else 0.0
+    played_until = chunks[0].at_s
+    stalled = False
+    for prev, chunk in itertools.pairwise(chunks):
+        played_until += prev.num_samples / rate
+        stalled = stalled or chunk.at_s > played_until
+    return rtf, stalled
+
+
+def step_times(timelines: list[RequestTimeline]) -> dict[str, dict[str, float]]:
+    """p50/p99/mean wall time of each stage's executor calls seen by these requests."""
+    steps: dict[int, dict[float, float]] = {}
+    for tl in timelines:
+        for event in tl.events:
+            if event.step is not None:
+                steps.setdefault(event.stage_id, {})[event.step.start_s] = event.step.wall_s
+    return {
+        str(sid): {**_summary(list(by_start.values())), "count": len(by_start)}
+        for sid, by_start in sorted(steps.items())
+    }
+
+
 def _level_report(
     concurrency: int, timelines: list[RequestTimeline], wall_s: float, holdback: int
 ) -> dict[str, Any]:
@@ -124,6 +169,7 @@ def _level_report(
     fa = [t.cp_first_audio for t in timelines if t.cp_first_audio is not None]
     ends = [t.cp_done for t in timelines if t.cp_done is not None]
     segments = {name: statistics.fmean(cp.segments[name] for cp in fa) for name in SEGMENTS} if fa else {}
+    rtfs = [stream_rtf(t) for t in timelines]
     frames_ok = all(
         t.num_frames is not None and t.num_samples == t.num_frames * SAMPLES_PER_FRAME - holdback
         for t in timelines
@@ -144,6 +190,9 @@ def _level_report(
         "overhead_first_audio_segments_mean_s": segments,
         "audio_s": _summary([t.num_samples / (t.sample_rate or 24000) for t in timelines]),
         "is_audio_length_exact": frames_ok,
+        "rtf": _summary([r for r, _ in rtfs]),
+        "num_stalled_streams": sum(1 for _, stalled in rtfs if stalled),
+        "step_s": step_times(timelines),
     }
 
 
@@ -153,15 +202,22 @@ def run_pipeline_bench(
     requests: int | None = None,
     warmup: int = 2,
     prompt: str = DEFAULT_PROMPT,
-    pipeline: str = "qwen3-omni-tiny",
+    pipeline: str | None = None,
+    device: str | None = None,
+    load_format: str | None = None,
+    runner: str | None = None,
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Start ``pipeline``, run :func:`bench_running_pipeline` on it, shut it down and add
-    the shutdown to the audit. Progress goes to ``stream`` (stderr)."""
+    """Start ``pipeline`` (default ``qwen3-omni-tiny``; the full-size ``qwen3-omni``
+    with ``load_format="dummy"``; ``device``/``load_format``/``runner`` as in
+    :func:`~omnirelay.cli.session.load_run_config`), run :func:`bench_running_pipeline` on
+    it, shut it down and add the shutdown to the audit. Progress goes to ``stream``."""
     _check_options(concurrency, requests, warmup)
     err = stream if stream is not None else sys.stderr
-    config = load_run_config(pipeline)
+    if pipeline is None and load_format != "dummy":
+        pipeline = "qwen3-omni-tiny"  # the protocol's test bed: codec frames on every edge
+    config = load_run_config(pipeline, device=device, load_format=load_format, runner=runner)
     from omnirelay.models import encode_chat_prompt
 
     prompt_ids = encode_chat_prompt(open_tokenizer(config, err), prompt)
@@ -180,7 +236,11 @@ def run_pipeline_bench(
         )
     finally:
         shutdown = pipe.shutdown()
-    report.update(prompt=prompt, startup_s=startup_s)
+    report.update(
+        prompt=prompt,
+        startup_s=startup_s,
+        stage_args={s.name: dict(s.executor_args) for s in config.stages},
+    )
     report["audit"].update(
         shutdown_killed=shutdown.num_killed, shutdown_objects_left=shutdown.num_objects_left
     )
@@ -230,6 +290,8 @@ def bench_running_pipeline(
             "torch": torch.__version__,
             "cpus": len(os.sched_getaffinity(0)),
             "loadavg_start": os.getloadavg(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "commit": _commit(),
         },
     }
     for i in range(warmup):
@@ -256,17 +318,38 @@ def bench_running_pipeline(
     return report
 
 
+def _commit() -> str | None:
+    """The git commit of the checkout this benchmark runs from (None outside one; a copy
+    of a checkout without its ``.git`` can name it in ``OMNIRELAY_BENCH_COMMIT``)."""
+    import subprocess
+    from pathlib import Path
+
+    if os.environ.get("OMNIRELAY_BENCH_COMMIT"):
+        return os.environ["OMNIRELAY_BENCH_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _decoder_holdback(config: Any) -> int:
     """Samples the Code2Wav decoder holds back at the end of a window (docs/protocol.md §6.2 ``tail``):
-    the whole stream is ``frames * 1920 - holdback`` samples long."""
-    from omnirelay.models import Checkpoint
-    from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field
-    from omnirelay.models.loader import ModelArgs
+    the whole stream is ``frames * 1920 - holdback`` samples long. Measured on the CPU
+    with a short decode of the audio stage's decoder (its weights do not matter)."""
+    from omnirelay.models.code2wav import decoder_holdback
+    from omnirelay.models.loader import ModelArgs, open_checkpoint
 
     stage = next(s for s in config.stages if str(s.final_output_type) == "audio")
-    args = ModelArgs.from_executor_args(stage.executor_args)
-    executor = Code2WavExecutor.from_checkpoint(Checkpoint.open(args.resolve_dir()))
-    return int(measure_receptive_field(executor.model)[1])
+    args = ModelArgs.from_executor_args({**stage.executor_args, "device": "cpu", "load_format": "dummy"})
+    return decoder_holdback(open_checkpoint(args).load_code2wav())
 
 
 def target_met(report: dict[str, Any]) -> bool | None:
@@ -277,14 +360,70 @@ def target_met(report: dict[str, Any]) -> bool | None:
     return None
 
 
+def is_gpu_run(report: dict[str, Any]) -> bool:
+    """Whether a model stage of the measured pipeline ran on CUDA (the TTFA targets are
+    those of the full-size model on a GPU)."""
+    return any(
+        str(args.get("device", "")).startswith("cuda") for args in (report.get("stage_args") or {}).values()
+    )
+
+
+def ttfa_targets_met(report: dict[str, Any]) -> dict[int, bool]:
+    """Per measured level with a target (:data:`TTFA_TARGETS_S`): TTFA p50 within it and
+    every stream faster than real time (real-time factor < 1). Empty off a GPU."""
+    if not is_gpu_run(report):
+        return {}
+    return {
+        lv["concurrency"]: bool(
+            lv["ttfa_s"]["p50"] <= TTFA_TARGETS_S[lv["concurrency"]] and lv["rtf"]["max"] < 1.0
+        )
+        for lv in report["levels"]
+        if lv["concurrency"] in TTFA_TARGETS_S
+    }
+
+
+def render_streams(report: dict[str, Any]) -> str:
+    """Real-time factor, stalls, each stage's step times, and the TTFA targets."""
+    names = list(report.get("stage_args") or {})
+    stages = sorted({sid for lv in report["levels"] for sid in lv["step_s"]}, key=int)
+    label = {sid: names[int(sid)] if int(sid) < len(names) else f"stage {sid}" for sid in stages}
+    head = "".join(f"{label[sid] + ' p50/p99':>22}" for sid in stages)
+    lines = [
+        "streams and steps (ms):\n",
+        f"{'conc':>4} {'RTF p50':>8} {'RTF max':>8} {'stalled':>8}{head}\n",
+    ]
+    for lv in report["levels"]:
+        steps = "".join(
+            f"{lv['step_s'][sid]['p50'] * 1000:>12.1f}/{lv['step_s'][sid]['p99'] * 1000:<9.1f}"
+            if sid in lv["step_s"]
+            else f"{'-':>22}"
+            for sid in stages
+        )
+        lines.append(
+            f"{lv['concurrency']:>4} {lv['rtf']['p50']:>8.3f} {lv['rtf']['max']:>8.3f} "
+            f"{lv['num_stalled_streams']:>8}{steps}\n"
+        )
+    for conc, ok in ttfa_targets_met(report).items():
+        lv = next(x for x in report["levels"] if x["concurrency"] == conc)
+        lines.append(
+            f"target: TTFA p50 <= {TTFA_TARGETS_S[conc] * 1000:.0f} ms at concurrency {conc}, every stream "
+            f"faster than real time: {lv['ttfa_s']['p50'] * 1000:.1f} ms, RTF max {lv['rtf']['max']:.3f} — "
+            f"{'met' if ok else 'MISSED'}\n"
+        )
+    return "".join(lines)
+
+
 def render_pipeline_bench(report: dict[str, Any]) -> str:
     """The table ``omnirelay bench pipeline`` prints."""
 
     def ms(v: float) -> str:
         return f"{v * 1000:,.1f}"
 
+    startup = f"; ready to serve in {report['startup_s']:.1f} s" if "startup_s" in report else ""
+    gpus = f"; {', '.join(report['env'].get('gpus') or [])}" if report["env"].get("gpus") else ""
     lines = [
-        f"omnirelay bench pipeline: {report['pipeline']}, {report['num_prompt_tokens']}-token prompt, "
+        f"omnirelay bench pipeline: {report['pipeline']}{gpus}{startup}\n",
+        f"{report['num_prompt_tokens']}-token prompt, "
         f"text+audio; {report['warmup']} warm-up request(s) not counted; "
         f"{report['env']['cpus']} CPUs, load average {report['env']['loadavg_start'][0]:.2f} at start\n",
         "\n",
@@ -310,6 +449,8 @@ def render_pipeline_bench(report: dict[str, Any]) -> str:
         lines.append(
             f"{lv['concurrency']:>4}" + "".join(f"{seg.get(n, 0.0) * 1e6:>14,.0f}" for n in SEGMENTS) + "\n"
         )
+    lines.append("\n")
+    lines.append(render_streams(report))
     lines.append("\n")
     met = target_met(report)
     if met is None:

@@ -13,6 +13,7 @@ import torch
 from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models import Checkpoint, encode_chat_prompt
+from omnirelay.models.loader import ModelArgs
 from omnirelay.models.talker import TalkerExecutor
 from omnirelay.models.thinker import ThinkerExecutor
 from omnirelay.payload import OmniPayload
@@ -35,9 +36,19 @@ def checkpoint() -> Checkpoint:
     return Checkpoint.open(tiny_dir())
 
 
-@pytest.fixture(scope="module")
-def talker(checkpoint: Checkpoint) -> TalkerExecutor:
-    return TalkerExecutor.from_checkpoint(checkpoint)
+#: Both runners must behave the same: the dynamic one (the CPU default) and the static one
+#: (KV slots, padded batched launches; eager here, CUDA graphs on a GPU).
+RUNNERS = ("dynamic", "static")
+
+
+def make_talker(checkpoint: Checkpoint, runner: str) -> TalkerExecutor:
+    args = ModelArgs(runner=runner, max_num_seqs=8, max_model_len=256)
+    return TalkerExecutor.from_checkpoint(checkpoint, args=args)
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def talker(checkpoint: Checkpoint, request: pytest.FixtureRequest) -> TalkerExecutor:
+    return make_talker(checkpoint, request.param)
 
 
 #: Every token id of each Thinker run below (prompt + generated), by request.
@@ -145,8 +156,9 @@ def test_streaming_input_equals_one_complete_input(talker: TalkerExecutor, paylo
         assert torch.equal(frames(streamed[rid]), frames(complete[rid])), rid
 
 
-def test_talker_stops_on_codec_eos(checkpoint: Checkpoint, payloads: dict[str, Any]) -> None:
-    executor = TalkerExecutor.from_checkpoint(checkpoint)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_talker_stops_on_codec_eos(checkpoint: Checkpoint, payloads: dict[str, Any], runner: str) -> None:
+    executor = make_talker(checkpoint, runner)
     rid = "b@s1.1"
     normal = talk(executor, {rid: payloads[rid]}, 8)[rid]
     first = [r.token_ids[0] for r in normal]
@@ -212,3 +224,16 @@ def test_input_errors_name_the_problem(talker: TalkerExecutor, payloads: dict[st
         talker.step([item("x", info=chunks[0])])
     talker.release("x")
     assert talker.num_live_requests() == 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_static_runner_speaks_the_frames_of_the_dynamic_one(
+    checkpoint: Checkpoint, payloads: dict[str, Any], sampling: SamplingParams
+) -> None:
+    """Same codes frame by frame, batched, with sampling drawn from the same generators."""
+    dynamic = talk(make_talker(checkpoint, "dynamic"), payloads, 14, sampling)
+    static_talker = make_talker(checkpoint, "static")
+    static = talk(static_talker, payloads, 14, sampling)
+    for rid in payloads:
+        assert torch.equal(frames(static[rid]), frames(dynamic[rid])), rid
+    assert static_talker.runner is not None and static_talker.runner.slots.num_free == 8

@@ -10,6 +10,8 @@ import torch
 from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models import Checkpoint, encode_chat_prompt
+from omnirelay.models.loader import ModelArgs
+from omnirelay.models.runner import Buckets
 from omnirelay.models.thinker import ThinkerExecutor
 from tests.test_models_support import Lockstep, item, run_thinker, single_thread, tiny_dir
 
@@ -21,9 +23,19 @@ def _one_thread() -> Iterator[None]:
     yield from single_thread()
 
 
-@pytest.fixture(scope="module")
-def thinker() -> ThinkerExecutor:
-    return ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+#: Both runners must behave the same: the dynamic one (the CPU default) and the static one
+#: (KV slots, padded batched launches; eager here, CUDA graphs on a GPU).
+RUNNERS = ("dynamic", "static")
+
+
+def make_thinker(runner: str) -> ThinkerExecutor:
+    args = ModelArgs(runner=runner, max_num_seqs=8, max_model_len=256)
+    return ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir()), args)
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def thinker(request: pytest.FixtureRequest) -> ThinkerExecutor:
+    return make_thinker(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +118,9 @@ def test_text_deltas_add_up_to_the_decoded_output(
         assert stream.text.isascii() and stream.text.isprintable()  # the tiny head writes ASCII
 
 
-def test_end_of_turn_token_finishes_the_request(prompts: dict[str, list[int]]) -> None:
-    executor = ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_end_of_turn_token_finishes_the_request(prompts: dict[str, list[int]], runner: str) -> None:
+    executor = make_thinker(runner)
     rid, prompt = next(iter(prompts.items()))
     normal = run_thinker(executor, {rid: prompt}, 4)[rid].tokens
     im_end = executor.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -161,3 +174,48 @@ def test_recompute_from_an_earlier_point_and_errors(
     thinker.release(rid)
     thinker.release(rid)
     assert thinker.num_live_requests() == 0
+
+
+def _hidden(stream: Lockstep) -> list[dict[int, torch.Tensor]]:
+    return [r.next_stage_output["hidden_layers"] for r in stream.results]
+
+
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        Buckets(max_num_seqs=8, max_model_len=256),
+        # Prompts longer than the largest piece: each is cut, later pieces continue the
+        # cached positions; a tight token budget splits the batch into several launches.
+        Buckets(
+            max_num_seqs=8,
+            max_model_len=256,
+            batch_sizes=(1, 2, 8),
+            prefill_tokens=(4, 8),
+            max_prefill_tokens=16,
+        ),
+    ],
+    ids=["one-launch", "pieces"],
+)
+def test_static_runner_gives_the_tokens_and_hidden_states_of_the_dynamic_one(
+    prompts: dict[str, list[int]], buckets: Buckets
+) -> None:
+    dynamic_thinker = ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+    dynamic = run_thinker(dynamic_thinker, prompts, STEPS, accept_hidden_layer=1)
+    static_thinker = ThinkerExecutor(  # the same weights on the static runner
+        dynamic_thinker.model,
+        dynamic_thinker.tokenizer,
+        accept_hidden_layer=dynamic_thinker.accept_hidden_layer,
+        tts_token_ids=(0, 1, 2),
+        eos_token_ids=dynamic_thinker.eos_token_ids,
+        static=buckets,
+        cuda_graphs=False,
+    )
+    static = run_thinker(static_thinker, prompts, STEPS, accept_hidden_layer=1)
+    for rid in prompts:
+        assert static[rid].tokens == dynamic[rid].tokens, rid
+        for got, want in zip(_hidden(static[rid]), _hidden(dynamic[rid]), strict=True):
+            assert got.keys() == want.keys()
+            for layer in got:
+                assert got[layer].shape == want[layer].shape
+                torch.testing.assert_close(got[layer], want[layer], rtol=1e-4, atol=1e-5)
+    assert static_thinker.runner is not None and static_thinker.runner.slots.num_free == 8

@@ -48,6 +48,9 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--modalities",
         "--max-tokens",
         "--seed",
+        "--device",
+        "--load-format",
+        "--runner",
     ):
         assert option in out
     assert "qwen3-omni-tiny" in out and "critical path" in out and "Ctrl-C" in out
@@ -96,6 +99,20 @@ def test_model_path_replaces_every_stage_source(monkeypatch: pytest.MonkeyPatch)
         load_run_config("toy-3stage", device="cpu")
     with pytest.raises(ModelError, match="does not exist"):
         load_run_config(model="/nonexistent/omnirelay-model")
+
+
+def test_load_format_dummy_needs_no_checkpoint() -> None:
+    cfg = load_run_config(load_format="dummy", device="cuda:0")
+    assert cfg.name == "qwen3-omni"  # the full-size deploy file, without its model_dir
+    for stage in cfg.stages:
+        args = stage.executor_args
+        assert args["load_format"] == "dummy" and args["device"] == "cuda:0" and "model_dir" not in args
+    tiny = load_run_config("qwen3-omni-tiny", load_format="dummy", runner="static")
+    assert all(s.executor_args["tiny"] and s.executor_args["runner"] == "static" for s in tiny.stages)
+    with pytest.raises(ConfigError, match="--load-format"):
+        load_run_config(load_format="npz")
+    with pytest.raises(ConfigError, match="--runner"):
+        load_run_config(runner="fast")
 
 
 def test_sampling_overrides() -> None:

@@ -68,7 +68,8 @@ def register(sub: Any) -> None:
             "examples:\n"
             '  omnirelay run --prompt "Hello, who are you?" --out answer.wav\n'
             '  omnirelay run --prompt "Hi" --modalities text --max-tokens 16\n'
-            '  omnirelay run --model /models/Qwen3-Omni-30B-A3B-Instruct --prompt "Hi" --out hi.wav'
+            '  omnirelay run --model /models/Qwen3-Omni-30B-A3B-Instruct --prompt "Hi" --out hi.wav\n'
+            '  omnirelay run --pipeline qwen3-omni --load-format dummy --device cuda:0 --prompt "Hi"'
         ),
     )
     p.add_argument("--prompt", required=True, help="the user message (sent as one chat turn)")
@@ -91,6 +92,20 @@ def register(sub: Any) -> None:
         default=None,
         help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: each stage's "
         "`devices` in the pipeline file",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights built on the device from the config alone (no checkpoint); without "
+        "--model the shipped Qwen3-Omni-30B-A3B config (default pipeline then: qwen3-omni)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=("auto", "dynamic", "static"),
+        default=None,
+        help="the model runner of the Qwen3-Omni stages: static (KV slots, CUDA graphs; the default on "
+        "CUDA) or dynamic (the default on CPU)",
     )
     p.add_argument("--out", metavar="FILE.wav", default=None, help="write the audio here (16-bit PCM, mono)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the timeline and figures as JSON")
@@ -189,7 +204,9 @@ def run_run(args: argparse.Namespace) -> int:
         raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
     from omnirelay.timeline import StageTrace, drive_request
 
-    config = load_run_config(args.pipeline, model=args.model, device=args.device)
+    config = load_run_config(
+        args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
+    )
     tokenizer = open_tokenizer(config)
     from omnirelay.models import encode_chat_prompt
 

@@ -32,6 +32,17 @@ def register(sub: Any) -> None:
         help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE}; the protocol test "
         "bed: qwen3-omni-tiny)",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: the pipeline file's",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights from the config alone (no checkpoint; the shipped full-size config)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument(
@@ -72,7 +83,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.serving import create_app
     from omnirelay.serving.server import serve_forever
 
-    pipeline_config = load_pipeline(args.pipeline)
+    if args.device is None and args.load_format is None:
+        pipeline_config = load_pipeline(args.pipeline)
+    else:
+        from omnirelay.cli.session import load_run_config
+
+        pipeline_config = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
     config = server_config(
         pipeline_config,
         model_name=args.model_name,

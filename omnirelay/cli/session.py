@@ -123,27 +123,57 @@ def _replace_executor_args(
 
 
 def load_run_config(
-    pipeline: str | None = None, *, model: str | None = None, device: str | None = None
+    pipeline: str | None = None,
+    *,
+    model: str | None = None,
+    device: str | None = None,
+    load_format: str | None = None,
+    runner: str | None = None,
 ) -> PipelineConfig:
     """The pipeline to run: ``pipeline`` (a shipped name or a YAML path; default
-    :data:`DEFAULT_PIPELINE`, or :data:`DEFAULT_MODEL_PIPELINE` with ``model``).
+    :data:`DEFAULT_PIPELINE`, or :data:`DEFAULT_MODEL_PIPELINE` with ``model`` or with
+    ``load_format="dummy"``).
 
     ``model``: a local Qwen3-Omni checkpoint directory for every Qwen3-Omni stage (its
     ``tiny``/``seed``/``model_dir`` replaced); it is opened here, so a missing or wrong
     directory is a :class:`~omnirelay.errors.ModelError` before any process starts.
     ``device``: ``executor_args.device`` of every Qwen3-Omni stage (``cpu``, ``cuda:0``).
+    ``load_format``: ``executor_args.load_format`` of every Qwen3-Omni stage; ``dummy``
+    without ``model`` builds each stage's part from the shipped full-size config (a tiny
+    stage stays tiny), so no checkpoint is needed. ``runner``: ``executor_args.runner``.
     """
-    config = load_pipeline(pipeline or (DEFAULT_MODEL_PIPELINE if model else DEFAULT_PIPELINE))
+    dummy = load_format == "dummy"
+    default = DEFAULT_MODEL_PIPELINE if model or dummy else DEFAULT_PIPELINE
+    config = load_pipeline(pipeline or default)
     stage_ids = _model_stages(config)
-    if (model or device) and not stage_ids:
+    if (model or device or load_format or runner) and not stage_ids:
         raise ConfigError(
-            f"pipeline {config.name!r} has no Qwen3-Omni stage; --model and --device apply to those"
+            f"pipeline {config.name!r} has no Qwen3-Omni stage; --model, --device, --load-format and "
+            "--runner apply to those"
         )
+    if load_format is not None:
+        from omnirelay.models.loader import LOAD_FORMATS
+
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+
+        def use_format(args: dict[str, Any]) -> dict[str, Any]:
+            if dummy and model is None:
+                args = {k: v for k, v in args.items() if k != "model_dir"}
+            return {**args, "load_format": load_format}
+
+        config = _replace_executor_args(config, stage_ids, use_format)
+    if runner is not None:
+        from omnirelay.models.loader import RUNNERS
+
+        if runner not in RUNNERS:
+            raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+        config = _replace_executor_args(config, stage_ids, lambda args: {**args, "runner": runner})
     if model is not None:
         from omnirelay.models import Checkpoint
 
         path = str(Path(model).expanduser().resolve())
-        Checkpoint.open(path)  # raises ModelError: missing, not a directory, not Qwen3-Omni …
+        Checkpoint.open(path, load_format=load_format or "auto")  # ModelError: missing, not Qwen3-Omni …
 
         def use_model(args: dict[str, Any]) -> dict[str, Any]:
             kept = {k: v for k, v in args.items() if k not in _SOURCE_KEYS}
@@ -207,6 +237,21 @@ def sampling_overrides(
 
 # ----------------------------------------------------------------------- startup
 
+#: Seconds a pipeline may take to start: a stage on a GPU builds its model and captures
+#: its CUDA graphs first (the full-size model: about a minute).
+STARTUP_TIMEOUT_S = 120.0
+GPU_STARTUP_TIMEOUT_S = 600.0
+
+
+def startup_timeout(config: PipelineConfig) -> float:
+    """:data:`GPU_STARTUP_TIMEOUT_S` when a Qwen3-Omni stage runs on CUDA, else
+    :data:`STARTUP_TIMEOUT_S`."""
+    for stage in config.stages:
+        device = str(stage.executor_args.get("device") or stage.devices or "cpu")
+        if stage.id in _model_stages(config) and device.startswith("cuda"):
+            return GPU_STARTUP_TIMEOUT_S
+    return STARTUP_TIMEOUT_S
+
 
 @contextlib.contextmanager
 def _deferred_interrupt(stream: TextIO) -> Iterator[list[int]]:
@@ -248,7 +293,12 @@ def start_pipeline(
     names = " -> ".join(s.name for s in config.stages)
     label = f"starting {config.num_stages} stage processes of {config.name} ({names})"
     with _deferred_interrupt(out) as held, Progress(label, out, done="ready") as progress:
-        pipe = Pipeline.start(config, on_stage_output=on_stage_output, trace_steps=trace_steps)
+        pipe = Pipeline.start(
+            config,
+            on_stage_output=on_stage_output,
+            trace_steps=trace_steps,
+            startup_timeout_s=startup_timeout(config),
+        )
     if held:
         pipe.shutdown()
         raise KeyboardInterrupt

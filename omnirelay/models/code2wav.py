@@ -48,6 +48,7 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.runner.code2wav import GraphedCode2Wav
 from omnirelay.payload.schema import OmniPayload
 from omnirelay.processors.codec_input import read_codec_chunk
 from omnirelay.processors.decode_window import (
@@ -59,7 +60,13 @@ from omnirelay.processors.decode_window import (
     validate_left_context,
 )
 
-__all__ = ["SAMPLE_RATE", "Code2WavExecutor", "create_code2wav", "measure_receptive_field"]
+__all__ = [
+    "SAMPLE_RATE",
+    "Code2WavExecutor",
+    "create_code2wav",
+    "decoder_holdback",
+    "measure_receptive_field",
+]
 
 #: Qwen3-Omni's Code2Wav output rate.
 SAMPLE_RATE = 24_000
@@ -87,9 +94,13 @@ class Code2WavExecutor:
         chunk_frames: int = DEFAULT_DECODE_CHUNK_FRAMES,
         chunk_left_context: int = DEFAULT_DECODE_LEFT_CONTEXT_FRAMES,
         max_decode_batch: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model  # Qwen3OmniMoeCode2Wav
         self.device = next(model.parameters()).device
+        #: the model, or its window decodes replayed from CUDA graphs (captured here)
+        self._decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs)
+        self._decoder.capture_graphs()
         if max_decode_batch is None:
             # The vocoder's convs are compute-bound on a CPU: stacking more than two windows
             # costs more than decoding them apart (measured: 8 windows take 1.7x as long).
@@ -105,8 +116,10 @@ class Code2WavExecutor:
         self.chunk_left_context = chunk_left_context
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint) -> Code2WavExecutor:
-        return cls(checkpoint.load_code2wav())
+    def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code2WavExecutor:
+        """``args``: CUDA graphs unless ``cuda_graphs: false`` or ``runner: dynamic``."""
+        graphs = args is not None and args.cuda_graphs and args.runner != "dynamic"
+        return cls(checkpoint.load_code2wav(), cuda_graphs=graphs and checkpoint.device.type == "cuda")
 
     # ----------------------------------------------------------------- Executor
 
@@ -138,8 +151,7 @@ class Code2WavExecutor:
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """One-shot decode of ``[B, Q, T]`` codes → ``[B, 1, samples]`` (no trimming)."""
         with torch.inference_mode():
-            wav: torch.Tensor = self.model(codes.to(self.device))
-            return wav
+            return self._decoder(codes)
 
     # ----------------------------------------------------------------- decoding
 
@@ -159,14 +171,14 @@ class Code2WavExecutor:
         flats = [x.codes.reshape(-1) for _, x in group]  # [Q, T] → codebook-major
         codes, lengths = codes_batch_from_flat(flats, self.num_codebooks)
         lefts = validate_left_context([x.left_context or 0 for _, x in group], lengths)
-        wav = self.model(codes.to(self.device))
+        wav = self._decoder(codes)
         return split_stream_output(wav, lengths, lefts, self.upsample)
 
     def _decode_complete(self, group: list[tuple[int, _Input]]) -> list[torch.Tensor]:
         flats = [x.codes.reshape(-1) for _, x in group]
         codes, lengths = codes_batch_from_flat(flats, self.num_codebooks)
         wav = chunked_decode(
-            self.model,
+            self._decoder,
             codes.to(self.device),
             upsample=self.upsample,
             chunk_size=self.chunk_frames,
@@ -270,6 +282,15 @@ def measure_receptive_field(model: Any, *, num_frames: int = 64, seed: int = 0) 
     return max(0, reach), holdback
 
 
+def decoder_holdback(model: Any, *, num_frames: int = 8) -> int:
+    """Samples a window decode holds back at its right edge (``T·U − output length``)."""
+    codes = torch.zeros((1, int(model.config.num_quantizers), num_frames), dtype=torch.long)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        samples = int(model(codes.to(device)).shape[-1])
+    return num_frames * int(model.total_upsample) - samples
+
+
 def frames_of_context_needed(lookback: int, holdback: int, upsample: int) -> int:
     """Smallest left context (frames) for an exact streaming decode: ``c·U − holdback ≥ lookback``."""
     need = lookback + holdback
@@ -278,4 +299,5 @@ def frames_of_context_needed(lookback: int, holdback: int, upsample: int) -> int
 
 def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
     """Registry factory of ``qwen3_omni.code2wav`` (keys: see :class:`ModelArgs`)."""
-    return Code2WavExecutor.from_checkpoint(open_checkpoint(ModelArgs.from_executor_args(executor_args)))
+    args = ModelArgs.from_executor_args(executor_args)
+    return Code2WavExecutor.from_checkpoint(open_checkpoint(args), args)

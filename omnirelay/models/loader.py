@@ -1,13 +1,20 @@
 """Loading Qwen3-Omni parts from a local checkpoint directory (never from a hub).
 
 * :class:`ModelArgs` — the executors' ``executor_args`` (``tiny``, ``seed``,
-  ``model_dir``, ``device``, ``dtype``, ``num_threads``), validated at construction;
-  :meth:`ModelArgs.resolve_dir` builds the tiny model on first use or checks ``model_dir``.
+  ``model_dir``, ``load_format``, ``device``, ``dtype``, ``num_threads`` and the GPU
+  runner's ``runner``, ``cuda_graphs``, ``max_num_seqs``, ``max_model_len``), validated at
+  construction; :meth:`ModelArgs.resolve_dir` builds the tiny model on first use, checks
+  ``model_dir``, or names the shipped full-size config.
 * :class:`Checkpoint` — one opened checkpoint directory: its composite config, and
   :meth:`~Checkpoint.load_thinker` / :meth:`~Checkpoint.load_talker` /
   :meth:`~Checkpoint.load_code2wav` / :meth:`~Checkpoint.load_tokenizer`.
 * :func:`open_checkpoint` — ``ModelArgs`` → ``Checkpoint`` (the one path shared by the
   tiny model and ``--model PATH``).
+
+``load_format: dummy`` builds each part from the config alone with random weights,
+directly on the device (:mod:`omnirelay.models.dummy`): no weights are read, and with no
+``model_dir`` (and no ``tiny``) the config is the shipped Qwen3-Omni-30B-A3B one. A
+directory without tokenizer files then gets the dummy byte-level tokenizer.
 
 A stage loads only its own part: ``thinker.*`` / ``talker.*`` / ``code2wav.*`` weights of
 the full checkpoint, through ``from_pretrained`` with the part's prefix stripped, so the
@@ -32,7 +39,15 @@ import torch
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.tiny import build_tiny, quiet_transformers
 
-__all__ = ["MODEL_TYPE", "Checkpoint", "ModelArgs", "open_checkpoint", "resolve_dtype"]
+__all__ = [
+    "LOAD_FORMATS",
+    "MODEL_TYPE",
+    "RUNNERS",
+    "Checkpoint",
+    "ModelArgs",
+    "open_checkpoint",
+    "resolve_dtype",
+]
 
 #: ``model_type`` of a Qwen3-Omni checkpoint's ``config.json``.
 MODEL_TYPE = "qwen3_omni_moe"
@@ -43,6 +58,12 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+#: ``auto``: the weights of the checkpoint; ``dummy``: random weights from the config alone.
+LOAD_FORMATS = ("auto", "dummy")
+#: ``auto``: the static runner on CUDA, the dynamic one elsewhere; ``dynamic``: per-request
+#: ``transformers`` caches stacked per step (:mod:`omnirelay.models.kv`); ``static``: the
+#: slot KV cache and CUDA graphs of :mod:`omnirelay.models.runner`.
+RUNNERS = ("auto", "dynamic", "static")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
@@ -51,20 +72,31 @@ class ModelArgs:
     """Where a stage's model comes from and where it runs (the stage's ``executor_args``).
 
     Exactly one source: ``tiny: true`` (with ``seed``) or ``model_dir: PATH``; with
-    neither, the tiny model is used (the default pipeline). ``dtype`` is ``"auto"`` (the
-    checkpoint's dtype; float32 for the tiny model), ``"float32"``, ``"bfloat16"`` or
-    ``"float16"``. ``num_threads`` sets torch's intra-op threads of the stage process.
+    neither, the tiny model is used (the default pipeline) — or, with ``load_format:
+    dummy``, the shipped full-size config. ``dtype`` is ``"auto"`` (the checkpoint's dtype;
+    float32 for the tiny model), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    ``num_threads`` sets torch's intra-op threads of the stage process. ``seed`` also seeds
+    a dummy model's weights.
+
+    The static runner (``runner``: see :data:`RUNNERS`) holds KV for ``max_num_seqs``
+    requests of up to ``max_model_len`` tokens each, allocated at startup; with
+    ``cuda_graphs`` its steps are captured as CUDA graphs at startup.
     """
 
     tiny: bool = False
     seed: int = 0
     model_dir: str | None = None
+    load_format: str = "auto"
     device: str = "cpu"
     dtype: str = "auto"
     num_threads: int | None = None
     #: the Talker only: build its prefill from the prompt's text (a TTS pipeline without a
     #: Thinker stage; :class:`omnirelay.models.talker.TextConditioner`)
     text_input: bool = False
+    runner: str = "auto"
+    cuda_graphs: bool = True
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiny, bool):
@@ -100,6 +132,18 @@ class ModelArgs:
             or self.num_threads < 1
         ):
             raise ConfigError(f"executor_args.num_threads must be an int >= 1, got {self.num_threads!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"executor_args.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"executor_args.runner must be one of {RUNNERS}, got {self.runner!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"executor_args.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name, low in (("max_num_seqs", 1), ("max_model_len", 16)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"executor_args.{name} must be an int >= {low}, got {value!r}")
 
     @classmethod
     def from_executor_args(cls, args: Mapping[str, Any]) -> ModelArgs:
@@ -111,14 +155,30 @@ class ModelArgs:
         return cls(**dict(args))
 
     @property
+    def is_dummy(self) -> bool:
+        return self.load_format == "dummy"
+
+    @property
     def is_tiny(self) -> bool:
-        return self.model_dir is None
+        """The source is the tiny model (built and cached on first use)."""
+        return self.model_dir is None and (self.tiny or not self.is_dummy)
 
     def resolve_dir(self) -> Path:
-        """The checkpoint directory: the cached tiny model (built on first use) or ``model_dir``."""
-        if self.model_dir is None:
+        """The checkpoint: the cached tiny model (built on first use), ``model_dir``, or
+        (dummy with neither) the shipped full-size config file."""
+        if self.model_dir is not None:
+            return Path(self.model_dir).expanduser()
+        if self.is_tiny:
             return build_tiny(None, seed=self.seed)
-        return Path(self.model_dir).expanduser()
+        from omnirelay.models.dummy import FULL_SIZE_CONFIG
+
+        return FULL_SIZE_CONFIG
+
+    def uses_static_runner(self) -> bool:
+        """Whether the AR executors run on :mod:`omnirelay.models.runner`."""
+        if self.runner == "auto":
+            return torch.device(self.device).type == "cuda"
+        return self.runner == "static"
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         return resolve_dtype(self.dtype, checkpoint_dtype)
@@ -136,52 +196,89 @@ class Checkpoint:
     """A Qwen3-Omni checkpoint directory; validated when opened, parts loaded on demand."""
 
     def __init__(
-        self, path: Path, config: Any, *, device: str = "cpu", dtype: torch.dtype | None = None
+        self,
+        path: Path,
+        config: Any,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
     ) -> None:
-        self.path = path
+        self.path = path  # the checkpoint directory (a dummy model: its config's directory)
         self.config = config  # Qwen3OmniMoeConfig
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else _config_dtype(config) or torch.float32
+        self.load_format = load_format
+        self.seed = seed
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.load_format == "dummy"
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, device: str = "cpu", dtype: str = "auto") -> Checkpoint:
-        """Check ``path`` is a Qwen3-Omni checkpoint and read its config (no weights yet)."""
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+    ) -> Checkpoint:
+        """Check ``path`` is a Qwen3-Omni checkpoint and read its config (no weights yet).
+
+        With ``load_format="dummy"`` no weights are needed, and ``path`` may also be a
+        config file (``config.json`` or the shipped full-size one)."""
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        dummy = load_format == "dummy"
         root = Path(path).expanduser()
         if not root.exists():
             raise ModelError(
                 f"model directory {str(root)!r} does not exist; pass --model with a local checkpoint path"
             )
-        if not root.is_dir():
+        if dummy and root.is_file():
+            config_file, root = root, root.parent
+        elif not root.is_dir():
             raise ModelError(f"model path {str(root)!r} is not a directory; pass the checkpoint directory")
-        config_file = root / "config.json"
+        else:
+            config_file = root / "config.json"
         if not config_file.is_file():
             raise ModelError(
                 f"{str(root)!r} has no config.json; it is not a Hugging Face checkpoint directory"
             )
-        try:
-            raw = json.loads(config_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot read {config_file}: {exc}") from exc
-        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        raw = _read_json(config_file)
+        model_type = raw.get("model_type")
         if model_type != MODEL_TYPE:
             raise ModelError(
-                f"{str(root)!r} holds a {model_type!r} checkpoint, not Qwen3-Omni ({MODEL_TYPE!r}); "
+                f"{str(root if config_file == root / 'config.json' else config_file)!r} holds a "
+                f"{model_type!r} checkpoint, not Qwen3-Omni ({MODEL_TYPE!r}); "
                 "point --model at a Qwen3-Omni checkpoint directory"
             )
-        if not any((root / name).is_file() for name in _WEIGHT_FILES):
+        if not dummy and not any((root / name).is_file() for name in _WEIGHT_FILES):
             raise ModelError(f"{str(root)!r} has no safetensors weights ({' or '.join(_WEIGHT_FILES)})")
         from transformers import Qwen3OmniMoeConfig
 
         try:
             with quiet_transformers():
-                config = Qwen3OmniMoeConfig.from_pretrained(root, local_files_only=True)
+                config = Qwen3OmniMoeConfig.from_pretrained(
+                    root if config_file == root / "config.json" else config_file, local_files_only=True
+                )
         except Exception as exc:  # the library raises OSError, ValueError, TypeError …
-            raise ModelError(f"invalid Qwen3-Omni config in {str(root)!r}: {exc}") from exc
+            raise ModelError(f"invalid Qwen3-Omni config in {str(config_file)!r}: {exc}") from exc
         if not getattr(config, "enable_audio_output", True):
             raise ModelError(
                 f"{str(root)!r} is a text-only Qwen3-Omni checkpoint (enable_audio_output is false)"
             )
-        return cls(root, config, device=device, dtype=resolve_dtype(dtype, _config_dtype(config)))
+        return cls(
+            root,
+            config,
+            device=device,
+            dtype=resolve_dtype(dtype, _config_dtype(config)),
+            load_format=load_format,
+            seed=seed,
+        )
 
     # ---- parts
 
@@ -214,7 +311,12 @@ class Checkpoint:
         """The checkpoint's own tokenizer files (``AutoTokenizer``, local files only)."""
         from transformers import AutoTokenizer
 
-        if not any((self.path / name).is_file() for name in _TOKENIZER_FILES):
+        has_files = any((self.path / name).is_file() for name in _TOKENIZER_FILES)
+        if self.is_dummy and not has_files:
+            from omnirelay.models.dummy import dummy_tokenizer
+
+            return dummy_tokenizer(self.config)
+        if not has_files:
             raise ModelError(
                 f"{str(self.path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
                 "copy the checkpoint's tokenizer next to its weights"
@@ -238,6 +340,12 @@ class Checkpoint:
         return tokenizer
 
     def _load_part(self, cls: Any, prefix: str, config: Any, *, dtype: torch.dtype | None = None) -> Any:
+        if self.is_dummy:
+            from omnirelay.models.dummy import build_part
+
+            return build_part(
+                cls, config, part=prefix, device=self.device, dtype=dtype or self.dtype, seed=self.seed
+            )
         kwargs: dict[str, Any] = {
             "config": config,
             "local_files_only": True,
@@ -275,7 +383,19 @@ class Checkpoint:
 def open_checkpoint(args: ModelArgs) -> Checkpoint:
     """The checkpoint a stage's ``executor_args`` name (the tiny one is built on first use)."""
     args.apply_process_settings()
-    return Checkpoint.open(args.resolve_dir(), device=args.device, dtype=args.dtype)
+    return Checkpoint.open(
+        args.resolve_dir(), device=args.device, dtype=args.dtype, load_format=args.load_format, seed=args.seed
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path} does not hold a JSON object")
+    return raw
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:

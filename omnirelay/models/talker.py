@@ -38,7 +38,6 @@ be recomputed (its Thinker input was consumed): that is an error, not a silent r
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +48,10 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.talker_input import ThinkerChunk, assistant_start, parse_payload, user_positions
+from omnirelay.models.talker_text import TextConditioner
 
 __all__ = [
     "CODE_PREDICTOR_TOP_K",
@@ -129,7 +130,15 @@ class TalkerExecutor:
     execution_type = "ar"
     supports_batching = True
 
-    def __init__(self, model: Any, spec: TalkerSpec, *, text_input: TextConditioner | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        spec: TalkerSpec,
+        *,
+        text_input: TextConditioner | None = None,
+        static: Buckets | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self.spec = spec
         #: text mode (a TTS pipeline without a Thinker): chunk 0 from the request's own prompt
@@ -149,12 +158,35 @@ class TalkerExecutor:
             )
         self._kv = KVPool()
         self._seqs: dict[str, _Sequence] = {}
+        #: the static runner (None: the dynamic KVPool path)
+        self.runner: TalkerRunner | None = None
+        if static is not None:
+            self.runner = TalkerRunner(
+                model,
+                codebook_size=spec.codebook_size,
+                codec_eos=spec.codec_eos_token_id,
+                num_code_groups=spec.num_code_groups,
+                buckets=static,
+                cuda_graphs=cuda_graphs,
+            )
+            self.runner.capture_graphs()
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, *, text_input: bool = False) -> TalkerExecutor:
+    def from_checkpoint(
+        cls, checkpoint: Checkpoint, *, text_input: bool = False, args: ModelArgs | None = None
+    ) -> TalkerExecutor:
         spec = TalkerSpec.from_config(checkpoint.config)
         conditioner = TextConditioner.from_checkpoint(checkpoint, spec) if text_input else None
-        return cls(checkpoint.load_talker(), spec, text_input=conditioner)
+        static = None
+        if args is not None and args.uses_static_runner():
+            static = Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+        return cls(
+            checkpoint.load_talker(),
+            spec,
+            text_input=conditioner,
+            static=static,
+            cuda_graphs=args.cuda_graphs if args is not None else False,
+        )
 
     @property
     def num_codebooks(self) -> int:
@@ -178,6 +210,8 @@ class TalkerExecutor:
     def release(self, internal_id: str) -> None:
         """Free the request's KV cache and queued Thinker rows (idempotent)."""
         self._kv.drop(internal_id)
+        if self.runner is not None:
+            self.runner.slots.release(internal_id)
         self._seqs.pop(internal_id, None)
 
     def num_live_requests(self) -> int:
@@ -190,6 +224,8 @@ class TalkerExecutor:
     # ----------------------------------------------------------------- one step
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        if self.runner is not None:
+            return self._step_static(batch)
         hidden: dict[str, torch.Tensor] = {}  # last hidden state [1, H]
         decodes: list[tuple[BatchItem, _Sequence]] = []
         for item in batch:
@@ -228,24 +264,81 @@ class TalkerExecutor:
                 seqs[b].codec_embed = codec_embed[row : row + 1]
                 seqs[b].num_frames += 1
 
+        return self._results(batch, seqs, frames)
+
+    def _results(
+        self, batch: list[BatchItem], seqs: list[_Sequence], frames: torch.Tensor
+    ) -> list[ItemResult]:
         results = []
         for b, (item, seq) in enumerate(zip(batch, seqs)):
-            is_eos = first[b] == self.spec.codec_eos_token_id
+            first = int(frames[b, 0])
+            is_eos = first == self.spec.codec_eos_token_id
             seq.is_finished = is_eos
             results.append(
                 ItemResult(
                     internal_id=item.internal_id,
-                    token_ids=[first[b]],
+                    token_ids=[first],
                     finished=is_eos,
                     next_stage_output=frames[b : b + 1].clone(),
                 )
             )
         return results
 
+    def _step_static(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """One frame per item on the static runner: new requests' conditioning in one
+        batched prefill (+ the frame's tail), the others in one frame graph per bucket."""
+        runner = self.runner
+        assert runner is not None
+        seqs: list[_Sequence] = []
+        prefills: list[TalkerRow] = []
+        continuing: list[tuple[BatchItem, _Sequence]] = []
+        for item in batch:
+            rid = item.internal_id
+            seq = self._seqs.get(rid)
+            if seq is None:
+                embeds, seq = self._prefill_input(item)
+                runner.slots.acquire(rid)
+                self._seqs[rid] = seq
+                prefills.append(TalkerRow(rid, embeds[0], item.sampling, seq.generator))
+            elif seq.is_finished:
+                raise ModelError(f"request {rid!r}: stepped after its codec EOS")
+            else:
+                continuing.append((item, seq))
+            seqs.append(seq)
+        self._absorb_all(continuing)
+        decodes = [
+            TalkerRow(item.internal_id, self._next_text(seq), item.sampling, seq.generator)
+            for item, seq in continuing
+        ]
+        codes: dict[str, torch.Tensor] = {}
+        for rows, run in ((prefills, runner.prefill), (decodes, runner.decode)):
+            if rows:
+                codes.update(zip((r.rid for r in rows), run(rows)))
+        frames = torch.stack([codes[item.internal_id] for item in batch])
+        eos = frames[:, 0] == self.spec.codec_eos_token_id
+        frames[eos, 1:] = 0  # an EOS frame carries no residual codes
+        for seq, is_eos in zip(seqs, eos.tolist()):
+            seq.num_frames += 0 if is_eos else 1
+        return self._results(batch, seqs, frames)
+
     # ----------------------------------------------------------------- prefill
 
     def _prefill(self, item: BatchItem) -> torch.Tensor:
         """First step of a request: build its conditioning and run the prefill."""
+        rid = item.internal_id
+        embeds, seq = self._prefill_input(item)
+        cache = self._kv.prefill_cache(rid)
+        n = embeds.shape[1]
+        positions = torch.arange(n, device=self.device).view(1, 1, n).expand(4, 1, n)
+        out = self._decoder(
+            inputs_embeds=embeds, position_ids=positions, **{self._cache_kw: cache}, use_cache=True
+        )
+        self._kv.store(rid, cache)
+        self._seqs[rid] = seq
+        return out.last_hidden_state[:, -1]
+
+    def _prefill_input(self, item: BatchItem) -> tuple[torch.Tensor, _Sequence]:
+        """The conditioning of a request's first step ``[1, L, H]`` and its new state."""
         rid = item.internal_id
         payload = item.additional_information if item.additional_information is not None else item.inputs
         if payload is None and self.text_input is not None:
@@ -264,16 +357,7 @@ class TalkerExecutor:
                 f"request {rid!r}: the Talker's first input must be the Thinker's chunk 0 "
                 "(embed.prefill, hidden_states.output, ids); got a decode chunk"
             )
-        embeds, seq = self._conditioning(rid, chunk, item.sampling)
-        cache = self._kv.prefill_cache(rid)
-        n = embeds.shape[1]
-        positions = torch.arange(n, device=self.device).view(1, 1, n).expand(4, 1, n)
-        out = self._decoder(
-            inputs_embeds=embeds, position_ids=positions, **{self._cache_kw: cache}, use_cache=True
-        )
-        self._kv.store(rid, cache)
-        self._seqs[rid] = seq
-        return out.last_hidden_state[:, -1]
+        return self._conditioning(rid, chunk, item.sampling)
 
     def _conditioning(
         self, rid: str, chunk: ThinkerChunk, sampling: SamplingParams
@@ -348,17 +432,37 @@ class TalkerExecutor:
 
     def _absorb(self, item: BatchItem, seq: _Sequence) -> None:
         """Queue the Thinker rows of the chunk committed for this step (if any)."""
+        rows = self._chunk_rows(item, seq)
+        if rows is not None:
+            self._queue_text(seq, rows)
+
+    def _chunk_rows(self, item: BatchItem, seq: _Sequence) -> torch.Tensor | None:
+        """The Thinker rows ``[n, H]`` (unprojected) of the chunk committed for this step."""
         payload = item.additional_information
+        rows = None
         if payload is not None:
             chunk = parse_payload(payload, item.internal_id, is_finished=item.is_upstream_exhausted)
             if chunk.is_prefill:
                 raise ModelError(
                     f"request {item.internal_id!r}: a second chunk 0 arrived after the Talker started"
                 )
-            if chunk.decode_embed is not None:
-                self._queue_text(seq, chunk.decode_embed)
+            rows = chunk.decode_embed
         if item.is_upstream_exhausted:  # its last chunk may carry no body at all
             seq.is_upstream_finished = True
+        return rows
+
+    def _absorb_all(self, pairs: list[tuple[BatchItem, _Sequence]]) -> None:
+        """:meth:`_absorb` for many requests with one projection of all their rows."""
+        pending = [(seq, rows) for item, seq in pairs if (rows := self._chunk_rows(item, seq)) is not None]
+        if not pending:
+            return
+        stacked = torch.cat([rows for _, rows in pending]).to(self.device, self.dtype)
+        projected = self.model.text_projection(stacked)
+        start = 0
+        for seq, rows in pending:
+            part = projected[start : start + rows.shape[0]]
+            seq.text_rows.extend(part[r : r + 1] for r in range(part.shape[0]))
+            start += rows.shape[0]
 
     def _queue_text(self, seq: _Sequence, rows: torch.Tensor) -> None:
         projected = self.model.text_projection(rows.to(self.device, self.dtype))
@@ -427,95 +531,8 @@ class TalkerExecutor:
         return torch.stack(codes, dim=1), total
 
 
-class TextConditioner:
-    """Text mode: the Talker's chunk 0 built from the request's own ChatML prompt, for a
-    text-to-speech pipeline whose first stage is the Talker (no Thinker stage).
-
-    The text to speak is the content of the prompt's last user turn (the serving layer's
-    speech prompt: ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``). It
-    becomes the assistant turn, as if a Thinker had read it back verbatim: the rows are the
-    Thinker's input embeddings (layer 0) of ``prompt + text``, which is all the Talker reads
-    of text positions (accept-layer hidden states only matter at multimodal positions, and
-    a text prompt has none). The stream is complete at once (``is_finished``): after the
-    text the Talker is fed TTS EOS and speaks until its codec EOS.
-    """
-
-    def __init__(
-        self, embed_tokens: Any, tts_token_ids: tuple[int, int, int], spec: TalkerSpec, im_end_token_id: int
-    ) -> None:
-        self.embed_tokens = embed_tokens
-        self.spec = spec
-        self.im_end_token_id = im_end_token_id
-        with torch.inference_mode():
-            weight = embed_tokens.weight
-            rows = embed_tokens(torch.tensor(tts_token_ids, dtype=torch.long, device=weight.device))
-        rows = rows.detach().to("cpu", torch.float32)
-        self._tts = (rows[0:1], rows[1:2], rows[2:3])
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, spec: TalkerSpec) -> TextConditioner:
-        """Only the Thinker's token embedding table is kept of the Thinker."""
-        thinker = checkpoint.load_thinker()
-        text = getattr(thinker.model, "language_model", thinker.model)
-        embed_tokens = text.embed_tokens
-        del thinker, text
-        config = checkpoint.config
-        tts = (int(config.tts_bos_token_id), int(config.tts_eos_token_id), int(config.tts_pad_token_id))
-        return cls(embed_tokens, tts, spec, int(config.im_end_token_id))
-
-    def spoken_ids(self, prompt: Sequence[int]) -> list[int]:
-        """The content ids of the prompt's last user turn ([] when it has none)."""
-        spec = self.spec
-        start = None
-        for i in range(len(prompt) - 2, -1, -1):
-            if prompt[i] == spec.im_start_token_id and prompt[i + 1] == spec.user_token_id:
-                start = i + 3  # <|im_start|> user \n
-                break
-        if start is None:
-            return []
-        out = []
-        for token in prompt[start:]:
-            if token in (self.im_end_token_id, spec.im_start_token_id):
-                break
-            out.append(int(token))
-        return out
-
-    def chunk(self, prompt_ids: Sequence[int], rid: str) -> ThinkerChunk:
-        prompt = [int(t) for t in prompt_ids]
-        start = assistant_start(prompt, self.spec.im_start_token_id, self.spec.assistant_token_id)
-        if start is not None and start != len(prompt) - 3:
-            # Generated codec ids follow the prompt: a recompute after preemption, which
-            # restarts nothing here (the KV cache and the sampler state are gone).
-            raise ModelError(
-                f"request {rid!r}: a Talker request in text mode cannot be recomputed after preemption"
-            )
-        spoken = self.spoken_ids(prompt)
-        if not spoken:
-            raise ModelError(
-                f"request {rid!r}: text mode needs a ChatML prompt with a non-empty user turn "
-                "(<|im_start|>user\\n...<|im_end|>) ending in an open assistant turn; the serving layer's "
-                "speech prompt is one"
-            )
-        ids = prompt + spoken
-        weight = self.embed_tokens.weight
-        with torch.inference_mode():
-            rows = self.embed_tokens(torch.tensor(ids, dtype=torch.long, device=weight.device))
-        rows = rows.detach().to("cpu", torch.float32)
-        bos, eos, pad = self._tts
-        return ThinkerChunk(
-            is_finished=True,
-            prefill_embed=rows,
-            prefill_hidden=rows,
-            token_ids=tuple(ids),
-            prompt_ids=tuple(prompt),
-            tts_bos=bos,
-            tts_eos=eos,
-            tts_pad=pad,
-        )
-
-
 def create_talker(**executor_args: Any) -> TalkerExecutor:
     """Registry factory of ``qwen3_omni.talker`` (keys: see :class:`ModelArgs`;
     ``text_input: true`` selects :class:`TextConditioner`'s text mode)."""
     args = ModelArgs.from_executor_args(executor_args)
-    return TalkerExecutor.from_checkpoint(open_checkpoint(args), text_input=args.text_input)
+    return TalkerExecutor.from_checkpoint(open_checkpoint(args), text_input=args.text_input, args=args)

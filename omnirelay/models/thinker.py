@@ -16,9 +16,16 @@ besides ``chunk_id``/``finished``::
      "tts_bos": [1, H], "tts_eos": [1, H], "tts_pad": [1, H]}
 
 for the ``n`` positions computed this step (the prompt on prefill, the last token on
-decode), on the CPU. Batching: each request's KV lives in a :class:`~omnirelay.models.kv.KVPool`;
-a decode step stacks the requests' caches left-padded into one batch (reused as is
-while the batch is unchanged), so a request decodes the same tokens alone or batched.
+decode), on the CPU. Two ways to run the model, chosen by ``executor_args.runner``:
+
+* **dynamic** (the CPU default) — each request's KV lives in a
+  :class:`~omnirelay.models.kv.KVPool`; a decode step stacks the requests' caches
+  left-padded into one batch (reused as is while the batch is unchanged), so a request
+  decodes the same tokens alone or batched.
+* **static** (the CUDA default) — :class:`~omnirelay.models.runner.ThinkerRunner`: a KV
+  slot per request allocated at startup, every prefill of a step in one padded launch,
+  decode steps replayed from CUDA graphs captured at startup.
+
 Text-only prompts; audio/image/video inputs of the Thinker are not wired here.
 """
 
@@ -33,6 +40,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.tokenizer import IncrementalDetokenizer
 
@@ -59,6 +67,8 @@ class ThinkerExecutor:
         accept_hidden_layer: int,
         tts_token_ids: tuple[int, int, int],
         eos_token_ids: frozenset[int],
+        static: Buckets | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.tokenizer = tokenizer
@@ -85,10 +95,23 @@ class ThinkerExecutor:
         self._tts = {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
         self._kv = KVPool()
         self._seqs: dict[str, _Sequence] = {}
+        #: the static runner (None: the dynamic KVPool path)
+        self.runner: ThinkerRunner | None = None
+        if static is not None:
+            self.runner = ThinkerRunner(
+                self._text,
+                self._lm_head,
+                capture_layers=tuple(self._layers),
+                num_text_ids=self._num_text_ids,
+                buckets=static,
+                cuda_graphs=cuda_graphs,
+            )
+            self.runner.capture_graphs()
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint) -> ThinkerExecutor:
-        """Load the Thinker part and the tokenizer of ``checkpoint``."""
+    def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> ThinkerExecutor:
+        """Load the Thinker part and the tokenizer of ``checkpoint``; ``args`` chooses the
+        runner (default: the dynamic one)."""
         config = checkpoint.config
         tokenizer = checkpoint.load_tokenizer()
         model = checkpoint.load_thinker()
@@ -108,6 +131,8 @@ class ThinkerExecutor:
                 int(config.tts_pad_token_id),
             ),
             eos_token_ids=frozenset(eos),
+            static=_static_buckets(args),
+            cuda_graphs=args.cuda_graphs if args is not None else False,
         )
 
     # ----------------------------------------------------------------- Executor
@@ -128,19 +153,29 @@ class ThinkerExecutor:
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         results: dict[str, ItemResult] = {}
         decodes: list[BatchItem] = []
+        prefills: list[BatchItem] = []
         for item in batch:
             if self._is_decode(item):
                 decodes.append(item)
-            else:
+            elif self.runner is None:
                 results[item.internal_id] = self._prefill(item)
+            else:
+                prefills.append(item)
+        if prefills:
+            results.update(self._prefill_static(prefills))
         if decodes:
-            results.update(self._decode(decodes))
+            results.update(self._decode(decodes) if self.runner is None else self._decode_static(decodes))
         return [results[item.internal_id] for item in batch]
 
     def release(self, internal_id: str) -> None:
         """Free the request's KV cache and sampler (idempotent)."""
         self._kv.drop(internal_id)
+        if self.runner is not None:
+            self.runner.slots.release(internal_id)
         self._seqs.pop(internal_id, None)
+
+    def _cached(self, rid: str) -> int:
+        return self._kv.length(rid) if self.runner is None else self.runner.slots.length(rid)
 
     def num_live_requests(self) -> int:
         """Requests holding state (for leak audits)."""
@@ -153,22 +188,26 @@ class ThinkerExecutor:
             item.internal_id in self._seqs
             and len(item.input_token_ids) == 1
             and item.num_computed_tokens > 0
-            and self._kv.length(item.internal_id) == item.num_computed_tokens
+            and self._cached(item.internal_id) == item.num_computed_tokens
         )
 
-    def _prefill(self, item: BatchItem) -> ItemResult:
-        """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
+    def _sequence(self, item: BatchItem) -> _Sequence:
+        """The request's sampler and detokenizer, made on its first prefill. A prefill
+        from position 0 (a fresh start or a full recompute) first drops any old state; one
+        from a later position keeps what was cached before it."""
         rid = item.internal_id
         past = item.num_computed_tokens
         if past == 0:
-            self.release(rid)  # a fresh start (or a full recompute) drops old state
-        elif rid not in self._seqs or self._kv.length(rid) < past:
+            self.release(rid)
+        elif rid not in self._seqs or self._cached(rid) < past:
             raise ModelError(
                 f"request {rid!r}: the engine reports {past} computed tokens but the Thinker "
-                f"holds {self._kv.length(rid)}; it was released or never prefilled"
+                f"holds {self._cached(rid)}; it was released or never prefilled"
             )
-        else:
+        elif self.runner is None:
             self._kv.truncate(rid, past)
+        else:
+            self.runner.slots.truncate(rid, past)
         if not item.input_token_ids:
             raise ModelError(f"request {rid!r}: nothing to compute (empty input_token_ids)")
         seq = self._seqs.get(rid)
@@ -178,6 +217,13 @@ class ThinkerExecutor:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
             )
             self._seqs[rid] = seq
+        return seq
+
+    def _prefill(self, item: BatchItem) -> ItemResult:
+        """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
+        rid = item.internal_id
+        past = item.num_computed_tokens
+        seq = self._sequence(item)
         ids = torch.tensor([item.input_token_ids], dtype=torch.long, device=self.device)
         n = ids.shape[1]
         positions = torch.arange(past, past + n, device=self.device).view(1, 1, n).expand(4, 1, n)
@@ -194,11 +240,64 @@ class ThinkerExecutor:
             # Part of a chunked prefill: nothing is sampled until the prompt is complete.
             return ItemResult(
                 internal_id=rid,
-                next_stage_output=self._stage_output(out.hidden_states, 0, list(item.all_token_ids)),
+                next_stage_output=self._stage_output(
+                    self._rows(out.hidden_states, 0), list(item.all_token_ids)
+                ),
             )
         logits = self._logits(out.last_hidden_state[:, -1])
         (token,) = sample_rows(logits, [item.sampling], [seq.generator])
-        return self._result(item, seq, token, out.hidden_states, 0)
+        return self._result(item, seq, token, self._rows(out.hidden_states, 0))
+
+    def _prefill_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        """Every prefill of the step on the static runner (one or a few launches)."""
+        assert self.runner is not None
+        rows = []
+        for item in items:
+            seq = self._sequence(item)
+            self.runner.slots.acquire(item.internal_id)
+            past = item.num_computed_tokens
+            is_complete = past + len(item.input_token_ids) >= len(item.all_token_ids)
+            rows.append(
+                Row(
+                    rid=item.internal_id,
+                    start=past,
+                    token_ids=item.input_token_ids,
+                    sampling=item.sampling,
+                    generator=seq.generator if is_complete else None,
+                )
+            )
+        outs = self.runner.run(rows, decode=False)
+        results = {}
+        for item, out in zip(items, outs):
+            if out.token is None:  # part of a chunked prefill: nothing sampled yet
+                results[item.internal_id] = ItemResult(
+                    internal_id=item.internal_id,
+                    next_stage_output=self._stage_output(out.hidden, list(item.all_token_ids)),
+                )
+            else:
+                seq = self._seqs[item.internal_id]
+                results[item.internal_id] = self._result(item, seq, out.token, out.hidden)
+        return results
+
+    def _decode_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        assert self.runner is not None
+        seqs = [self._seqs[item.internal_id] for item in items]
+        rows = [
+            Row(
+                rid=item.internal_id,
+                start=item.num_computed_tokens,
+                token_ids=item.input_token_ids[:1],
+                sampling=item.sampling,
+                generator=seq.generator,
+            )
+            for item, seq in zip(items, seqs)
+        ]
+        outs = self.runner.run(rows, decode=True)
+        results = {}
+        for item, seq, out in zip(items, seqs, outs):
+            assert out.token is not None
+            results[item.internal_id] = self._result(item, seq, out.token, out.hidden)
+        return results
 
     def _decode(self, items: list[BatchItem]) -> dict[str, ItemResult]:
         """One new token for each item, in one forward pass."""
@@ -221,7 +320,7 @@ class ThinkerExecutor:
         seqs = [self._seqs[i] for i in ids]
         sampled = sample_rows(logits, [item.sampling for item in items], [s.generator for s in seqs])
         return {
-            item.internal_id: self._result(item, seq, token, out.hidden_states, row)
+            item.internal_id: self._result(item, seq, token, self._rows(out.hidden_states, row))
             for row, (item, seq, token) in enumerate(zip(items, seqs, sampled))
         }
 
@@ -232,12 +331,7 @@ class ThinkerExecutor:
         return suppress(logits, self._num_text_ids, logits.shape[-1])
 
     def _result(
-        self,
-        item: BatchItem,
-        seq: _Sequence,
-        token: int,
-        hidden_states: tuple[torch.Tensor | None, ...],
-        row: int,
+        self, item: BatchItem, seq: _Sequence, token: int, layers: dict[int, torch.Tensor]
     ) -> ItemResult:
         finished = token in self.eos_token_ids
         text = seq.detokenizer.push([token])
@@ -248,20 +342,29 @@ class ThinkerExecutor:
             token_ids=[token],
             finished=finished,
             text=text or None,
-            next_stage_output=self._stage_output(hidden_states, row, [*item.all_token_ids, token]),
+            next_stage_output=self._stage_output(layers, [*item.all_token_ids, token]),
         )
 
-    def _stage_output(
-        self, hidden_states: tuple[torch.Tensor | None, ...], row: int, token_ids: list[int]
-    ) -> dict[str, Any]:
+    def _rows(self, hidden_states: tuple[torch.Tensor | None, ...], row: int) -> dict[int, torch.Tensor]:
+        """Row ``row`` of the captured hidden states, per layer, on the CPU."""
         layers: dict[int, torch.Tensor] = {}
         for layer in self._layers:
             rows = hidden_states[layer]
             assert rows is not None, f"hidden state {layer} was not captured"
             layers[layer] = rows[row].detach().to("cpu")
-        return {"hidden_layers": layers, "token_ids": token_ids, **self._tts}
+        return layers
+
+    def _stage_output(self, layers: dict[int, torch.Tensor], token_ids: list[int]) -> dict[str, Any]:
+        return {"hidden_layers": dict(layers), "token_ids": token_ids, **self._tts}
+
+
+def _static_buckets(args: ModelArgs | None) -> Buckets | None:
+    if args is None or not args.uses_static_runner():
+        return None
+    return Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
 
 
 def create_thinker(**executor_args: Any) -> ThinkerExecutor:
     """Registry factory of ``qwen3_omni.thinker`` (keys: see :class:`ModelArgs`)."""
-    return ThinkerExecutor.from_checkpoint(open_checkpoint(ModelArgs.from_executor_args(executor_args)))
+    args = ModelArgs.from_executor_args(executor_args)
+    return ThinkerExecutor.from_checkpoint(open_checkpoint(args), args)

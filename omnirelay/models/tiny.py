@@ -46,6 +46,7 @@ __all__ = [
     "default_cache_dir",
     "make_tiny_model",
     "quiet_transformers",
+    "scale_code2wav",
     "tiny_config",
 ]
 
@@ -328,7 +329,7 @@ def _token_ids(tokenizer: Any) -> dict[str, int]:
 # --------------------------------------------------------------------------- weights
 
 
-def _scale_code2wav(code2wav: Any) -> None:
+def scale_code2wav(code2wav: Any) -> None:
     """Give the random vocoder an audible, unclamped output.
 
     With the default init (std 0.02) every conv shrinks the signal and the waveform is
@@ -361,6 +362,7 @@ def _scale_code2wav(code2wav: Any) -> None:
         code2wav.code_embedding.weight.normal_(0.0, 1.0)
         config = code2wav.config
         codes = torch.randint(0, config.codebook_size, (1, config.num_quantizers, 40))
+        codes = codes.to(code2wav.code_embedding.weight.device)
         final = convs[-1]
         final.weight.mul_(0.1)  # well inside the clamp while measuring
         std = float(code2wav(codes).std())
@@ -428,7 +430,7 @@ def make_tiny_model(seed: int = 0) -> tuple[Any, Any]:
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config).eval()
         _init_experts(model, std=float(config.initializer_range))
-        _scale_code2wav(model.code2wav)
+        scale_code2wav(model.code2wav)
         _readable_thinker_head(model.thinker, tokenizer)
     return model, tokenizer
 

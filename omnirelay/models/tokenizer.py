@@ -52,7 +52,7 @@ def load_tokenizer(**executor_args: Any) -> Any:
     from omnirelay.models.loader import Checkpoint, ModelArgs
 
     args = ModelArgs.from_executor_args(executor_args)
-    return Checkpoint.open(args.resolve_dir()).load_tokenizer()
+    return Checkpoint.open(args.resolve_dir(), load_format=args.load_format).load_tokenizer()
 
 
 class IncrementalDetokenizer:

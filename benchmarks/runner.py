@@ -1,0 +1,235 @@
+"""``omnirelay bench runner``: each stage's step time on a GPU, eager vs CUDA graphs.
+
+Builds the full-size Qwen3-Omni parts with random weights (``load_format: dummy``) on
+one device, one stage at a time, on the static runner with the shapes the pipeline
+benchmark meets, and times each step as the stage engine calls it (host preparation,
+the forward pass, the device→host copy of the results), median of ``reps`` runs:
+
+* Thinker — prefill of one 30-token prompt and of 16 and 64 prompts in one launch;
+  decode steps of 1, 16 and 64 rows;
+* Talker — prefill + first frame of 1 and 16 requests (40 conditioning rows each); a
+  whole frame (Talker step + 15 code-predictor steps) of 1, 16 and 64 rows;
+* Code2Wav — windows of 4, 29 and 50 frames (one stream), 50 frames x 16 streams.
+
+Each figure is taken with the graphs bypassed (the same code run eagerly) and replayed.
+The graphs' capture time is reported per stage, and the eager/graph agreement: the
+Thinker's greedy ids and the Talker's greedy codes must be equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["render_runner_bench", "run_runner_bench"]
+
+PROMPT_TOKENS = 30
+TALKER_ROWS = 40
+
+
+def _median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000.0 * statistics.median(times)
+
+
+def _pair(graphs: Any, fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> dict[str, float]:
+    graphs.bypass = True
+    eager = _median_ms(fn, max(3, reps // 4), sync)
+    graphs.bypass = False
+    graph = _median_ms(fn, reps, sync)
+    return {"eager_ms": eager, "graph_ms": graph, "speedup": eager / graph if graph > 0 else 0.0}
+
+
+def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import Buckets, Row, ThinkerRunner
+
+    model = checkpoint.load_thinker()
+    text = getattr(model.model, "language_model", model.model)
+    buckets = Buckets(max_num_seqs=64, max_model_len=1024, batch_sizes=(1, 16, 64), prefill_tokens=(64,))
+    runner = ThinkerRunner(
+        text,
+        model.lm_head,
+        capture_layers=(0, int(checkpoint.config.talker_config.accept_hidden_layer)),
+        num_text_ids=256,
+        buckets=buckets,
+        cuda_graphs=True,
+    )
+    start = time.monotonic()
+    runner.capture_graphs()
+    out: dict[str, Any] = {
+        "build_s": model.omnirelay_build.seconds,
+        "capture_s": time.monotonic() - start,
+        "num_graphs": len(runner.graphs),
+    }
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams()
+    rows = [
+        Row(
+            f"r{i}",
+            0,
+            torch.randint(0, 256, (PROMPT_TOKENS,), generator=gen).tolist(),
+            greedy,
+            torch.Generator(),
+        )
+        for i in range(64)
+    ]
+    for row in rows:
+        runner.slots.acquire(row.rid)
+    with torch.inference_mode():
+        for n in (1, 16, 64):
+            out[f"prefill_{n}x{PROMPT_TOKENS}"] = _pair(
+                runner.graphs, functools.partial(runner.run, rows[:n], decode=False), reps, sync
+            )
+        runner.run(rows, decode=False)
+        for n in (1, 16, 64):
+            step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:n]]
+            out[f"decode_{n}"] = _pair(
+                runner.graphs, functools.partial(runner.run, step, decode=True), reps, sync
+            )
+        step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:16]]
+        runner.graphs.bypass = True
+        eager_ids = [o.token for o in runner.run(step, decode=True)]
+        runner.graphs.bypass = False
+        graph_ids = [o.token for o in runner.run(step, decode=True)]
+        out["greedy_ids_equal"] = eager_ids == graph_ids
+    return out
+
+
+def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
+
+    model = checkpoint.load_talker()
+    config = checkpoint.config.talker_config
+    buckets = Buckets(max_num_seqs=64, max_model_len=1024, batch_sizes=(1, 16, 64), prefill_tokens=(64,))
+    runner = TalkerRunner(
+        model,
+        codebook_size=int(config.code_predictor_config.vocab_size),
+        codec_eos=int(config.codec_eos_token_id),
+        num_code_groups=int(config.num_code_groups),
+        buckets=buckets,
+        cuda_graphs=True,
+    )
+    start = time.monotonic()
+    runner.capture_graphs()
+    out: dict[str, Any] = {
+        "build_s": model.omnirelay_build.seconds,
+        "capture_s": time.monotonic() - start,
+        "num_graphs": len(runner.graphs),
+    }
+    hidden = int(config.text_config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    sampled = SamplingParams(temperature=0.9, seed=42)
+
+    def row(rid: str, n: int) -> TalkerRow:
+        embeds = (torch.randn(n, hidden, generator=gen) * 0.02).to(runner.device, runner.dtype)
+        return TalkerRow(rid, embeds, sampled, torch.Generator().manual_seed(1))
+
+    rows = [row(f"r{i}", TALKER_ROWS) for i in range(64)]
+    for r in rows:
+        runner.slots.acquire(r.rid)
+    with torch.inference_mode():
+        for n in (1, 16):
+            out[f"prefill_{n}x{TALKER_ROWS}"] = _pair(
+                runner.graphs, functools.partial(runner.prefill, rows[:n]), reps, sync
+            )
+        runner.prefill(rows)
+        text = [row(r.rid, 1).embeds for r in rows]
+        for n in (1, 16, 64):
+
+            def frame(n: int = n) -> torch.Tensor:
+                for r in rows[:n]:
+                    runner.slots.set_length(r.rid, TALKER_ROWS)
+                return runner.decode(
+                    [TalkerRow(r.rid, t, r.sampling, r.generator) for r, t in zip(rows[:n], text)]
+                )
+
+            out[f"frame_{n}"] = _pair(runner.graphs, frame, reps, sync)
+        greedy = [TalkerRow(r.rid, t, SamplingParams(), r.generator) for r, t in zip(rows[:16], text)]
+        codes = {}
+        previous = runner._codec_embed.clone()  # each frame's input: the last frame's codes
+        for bypass in (True, False):
+            runner.graphs.bypass = bypass
+            runner._codec_embed.copy_(previous)
+            for r in rows[:16]:
+                runner.slots.set_length(r.rid, TALKER_ROWS)
+            codes[bypass] = runner.decode(greedy)
+        runner.graphs.bypass = False
+        out["greedy_codes_equal"] = bool(torch.equal(codes[True], codes[False]))
+    return out
+
+
+def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    from omnirelay.models.runner.code2wav import GraphedCode2Wav
+
+    model = checkpoint.load_code2wav()
+    graphed = GraphedCode2Wav(model, cuda_graphs=True)
+    start = time.monotonic()
+    graphed.capture_graphs()
+    out: dict[str, Any] = {"capture_s": time.monotonic() - start, "num_graphs": len(graphed.graphs)}
+    gen = torch.Generator().manual_seed(0)
+    q, size = int(model.config.num_quantizers), int(model.config.codebook_size)
+    with torch.inference_mode():
+        for b, t in ((1, 4), (1, 29), (1, 50), (16, 50)):
+            codes = torch.randint(0, size, (b, q, t), generator=gen)
+            out[f"window_{b}x{t}"] = _pair(graphed.graphs, functools.partial(graphed, codes), reps, sync)
+    return out
+
+
+def run_runner_bench(*, device: str = "cuda:0", reps: int = 20, stream: Any = None) -> dict[str, Any]:
+    """Time every stage (see the module docstring) on ``device``; the figures as a dict."""
+    from omnirelay.models.loader import ModelArgs, open_checkpoint
+
+    err = stream if stream is not None else sys.stderr
+    if not torch.device(device).type == "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"bench runner needs a CUDA device, got {device!r}")
+    checkpoint = open_checkpoint(ModelArgs(load_format="dummy", device=device))
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "reps": reps,
+    }
+    for name, fn in (("thinker", _thinker), ("talker", _talker), ("code2wav", _code2wav)):
+        err.write(f"bench runner: {name}\n")
+        err.flush()
+        report[name] = fn(checkpoint, reps, sync)
+    return report
+
+
+def render_runner_bench(report: dict[str, Any]) -> str:
+    lines = [
+        f"omnirelay bench runner: {report['device']}, torch {report['torch']}, median of {report['reps']}\n"
+    ]
+    lines.append(f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}\n")
+    for stage in ("thinker", "talker", "code2wav"):
+        figures = report[stage]
+        for key, value in figures.items():
+            if isinstance(value, dict):
+                lines.append(
+                    f"{stage:<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x\n"
+                )
+        extra = ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in figures.items()
+            if not isinstance(v, dict)
+        )
+        lines.append(f"{stage:<10}{extra}\n")
+    return "".join(lines)

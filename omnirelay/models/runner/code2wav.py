@@ -1,0 +1,110 @@
+"""Code2Wav window decodes replayed from CUDA graphs, one per (batch, frames) bucket.
+
+A streaming Code2Wav step decodes a few window shapes over and over (4 frames first,
+then 25 new frames with up to 25 of context; the last window shorter), each ~2,000
+kernel launches eagerly. :class:`GraphedCode2Wav` pads a ``[B, Q, T]`` window up to a
+bucket (code 0 in the padding) and replays that bucket's graph. The decoder is causal —
+its attention looks back only and its convolutions are left-padded — so samples of the
+real frames do not depend on frames after them: the padded decode, cut to the real
+window's length (``T·U − holdback`` samples), is the unpadded decode (checked at startup
+against an eager decode, and in the tests). Windows larger than every bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from omnirelay.models.runner.buckets import bucket
+from omnirelay.models.runner.graphs import GraphSet, Step
+
+__all__ = ["DEFAULT_DECODE_BATCHES", "DEFAULT_DECODE_FRAMES", "GraphedCode2Wav"]
+
+DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16)
+#: Largest relative error (‖graph − eager‖ / ‖eager‖) a padded window may show.
+PADDING_TOLERANCE = 1e-2
+#: 4: a stream's first window; 29 (4 + 25) → 32; 50: 25 new frames + 25 of context.
+DEFAULT_DECODE_FRAMES = (4, 8, 16, 32, 50, 64)
+
+
+class GraphedCode2Wav:
+    """``__call__(codes [B, Q, T]) -> [B, 1, samples]``, like the model itself."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        cuda_graphs: bool,
+        batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCHES,
+        frames: tuple[int, ...] = DEFAULT_DECODE_FRAMES,
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.config = model.config
+        self.upsample = int(model.total_upsample)
+        self.batch_sizes = batch_sizes
+        self.frames = frames
+        self.graphs = GraphSet("code2wav", self.device, enabled=cuda_graphs)
+        q = int(model.config.num_quantizers)
+        self._codes = torch.zeros((batch_sizes[-1], q, frames[-1]), dtype=torch.long, device=self.device)
+        #: relative error of a padded graph decode against the eager one (startup check)
+        self.padding_error = float("inf")
+
+    def capture_graphs(self) -> None:
+        if not self.graphs.enabled:
+            return
+        start = time.monotonic()
+        with torch.inference_mode():
+            for t in self.frames:
+                for b in self.batch_sizes:
+                    self.graphs.capture((b, t), self._step(b, t))
+            self._check_padding()
+        self.graphs.report.seconds = time.monotonic() - start
+        print(
+            f"omnirelay: {self.graphs.report} (padded window vs eager: relative error {self.padding_error:.1e})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _step(self, b: int, t: int) -> Step:
+        def step() -> dict[str, torch.Tensor]:
+            return {"wav": self.model(self._codes[:b, :, :t])}
+
+        return step
+
+    def _check_padding(self) -> None:
+        """A padded graph decode must equal the eager decode of the real window; if it
+        does not (a decoder that looks ahead), the graphs are dropped, with a warning.
+        Equal means within :data:`PADDING_TOLERANCE` relative error: other shapes pick
+        other convolution algorithms, and TF32 ones differ in the last bits."""
+        gen = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, int(self.config.codebook_size), (2, self._codes.shape[1], 5), generator=gen)
+        eager = self.model(codes.to(self.device))
+        graphed = self(codes)
+        if graphed.shape == eager.shape:
+            self.padding_error = float((graphed - eager).norm() / eager.norm().clamp_min(1e-12))
+        if self.padding_error > PADDING_TOLERANCE:
+            self.graphs.clear()
+            print(
+                f"omnirelay: warning: a right-padded Code2Wav window decodes differently from the window "
+                f"itself (relative error {self.padding_error:.2g}: the decoder is not causal); Code2Wav runs "
+                "without CUDA graphs",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        n, q, t = codes.shape
+        b, frames = bucket(n, self.batch_sizes), bucket(t, self.frames)
+        if b is None or frames is None or (b, frames) not in self.graphs:
+            wav: torch.Tensor = self.model(codes.to(self.device))
+            return wav
+        block = torch.zeros((b, q, frames), dtype=torch.long)
+        block[:n, :, :t] = codes
+        self._codes[:b, :, :frames].copy_(block)
+        out = self.graphs.run((b, frames), self._step(b, frames))["wav"]
+        holdback = frames * self.upsample - out.shape[-1]
+        return out[:n, :, : t * self.upsample - holdback]

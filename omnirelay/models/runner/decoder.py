@@ -1,0 +1,208 @@
+"""A ``transformers`` decoder stack run over a static, slot-indexed KV cache.
+
+* :class:`SlotKV` — per layer, keys and values ``[num_slots + 1, max_len, kv_heads,
+  head_dim]`` allocated once (row ``num_slots``: scratch for padding).
+* :class:`StaticDecoder` — one forward pass of a block of ``B`` rows x ``T`` tokens:
+  each row's slot, first position and real token count are tensors, so the same code
+  runs eagerly or inside a CUDA graph (no host synchronization, no shape that depends on
+  a value). New keys and values are written in place at their positions (no
+  ``torch.cat``); padding tokens write to the scratch row.
+* :func:`decoder_layer` — one decoder layer (norms, attention, MLP/MoE) using the
+  layer's own modules; attention gets its keys and values from a ``kv_step`` callback,
+  so the code predictor's per-frame cache uses the same layer code.
+
+Attention: a *fresh* block (every row starts at position 0) attends to itself —
+``scaled_dot_product_attention(is_causal=True)`` with grouped-query heads (flash kernel
+on a GPU); padding sits after each row's tokens, so real tokens never see it. A block
+that continues cached positions (decode, a continued prefill) gathers the first ``L``
+positions of each row's slot and masks positions beyond each query; the query heads of
+one key/value head share one matmul, so the gathered keys are never repeated per head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from omnirelay.errors import ModelError
+
+__all__ = [
+    "KVStep",
+    "SlotKV",
+    "StaticDecoder",
+    "decoder_layer",
+    "experts_implementation",
+    "grouped_attention",
+]
+
+#: ``kv_step(layer_index, keys, values) -> (keys, values, mask, is_causal)``: store this
+#: step's keys/values ``[B, kv_heads, T, D]`` and return what the queries attend to.
+KVStep = Callable[
+    [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]
+]
+
+
+def _rotary_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = modeling.apply_rotary_pos_emb
+    return fn
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked attention, ``q [B, Hq, T, D]`` over ``k, v [B, Hk, L, D]`` (``Hq = g·Hk``),
+    ``mask [B, 1, T, L]`` (True: attend). Scores and softmax in float32."""
+    b, hq, t, d = q.shape
+    hk, length = k.shape[1], k.shape[2]
+    g = hq // hk
+    qg = q.reshape(b, hk, g * t, d)  # query head h uses key head h // g
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    allowed = mask.unsqueeze(2).expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, t, d)
+
+
+def _attend(
+    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
+) -> torch.Tensor:
+    b, t, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_norm(attn.q_proj(x).view(b, t, -1, d)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+    q, k = _rotary_fn()(q, k, cos, sin)
+    keys, values, mask, causal = kv_step(li, k, v)
+    if mask is None:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=causal, scale=attn.scaling, enable_gqa=True
+        )
+    else:
+        out = grouped_attention(q, keys, values, mask, attn.scaling)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def decoder_layer(
+    layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
+) -> torch.Tensor:
+    """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE)."""
+    h = h + _attend(layer.self_attn, layer.input_layernorm(h), cos, sin, kv_step, li)
+    out: torch.Tensor = h + layer.mlp(layer.post_attention_layernorm(h))
+    return out
+
+
+@contextmanager
+def experts_implementation(modules: Iterable[torch.nn.Module], name: str | None) -> Iterator[None]:
+    """Run the MoE experts blocks of ``modules`` with ``transformers``' experts
+    implementation ``name`` (``grouped_mm``, ``batched_mm``) for the duration; None: as is."""
+    configs: dict[int, Any] = {
+        id(m.config): m.config for m in modules if type(m).__name__.endswith("Experts")
+    }
+    if name is None or not configs:
+        yield
+        return
+    saved = {key: c._experts_implementation_internal for key, c in configs.items()}
+    for c in configs.values():
+        c._experts_implementation_internal = name
+    try:
+        yield
+    finally:
+        for key, c in configs.items():
+            c._experts_implementation_internal = saved[key]
+
+
+class SlotKV:
+    """Keys and values of every layer for ``num_slots`` requests (+1 scratch row)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_slots + 1, max_len, kv_heads, head_dim)
+        self.nbytes = 2 * num_layers * (num_slots + 1) * max_len * kv_heads * head_dim * dtype.itemsize
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if self.nbytes > free:
+                raise ModelError(
+                    f"the KV cache needs {self.nbytes / 2**30:.1f} GiB ({num_slots} slots x {max_len} positions) but "
+                    f"{device} has {free / 2**30:.1f} GiB free; lower executor_args.max_num_seqs or max_model_len"
+                )
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scratch = num_slots
+        self.max_len = max_len
+
+
+class StaticDecoder:
+    """Runs ``model`` (a decoder with ``layers``, ``norm``, ``rotary_emb``) on a
+    :class:`SlotKV`; see the module docstring."""
+
+    def __init__(self, model: Any, kv: SlotKV) -> None:
+        self.model = model
+        self.layers = list(model.layers)
+        self.kv = kv
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        attn_len: int | None,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``embeds [B, T, H]``; per row its slot, first position and real token count
+        (``[B]`` int64; a padding row: the scratch slot, start 0, count 1). Returns the
+        normed hidden state of each row's last real token ``[B, H]`` and the hidden states
+        ``[B, T, H]`` entering the layers in ``capture`` (``len(layers)``: the normed output)."""
+        b, t, _ = embeds.shape
+        device = embeds.device
+        steps = torch.arange(t, device=device)
+        positions = starts.unsqueeze(1) + steps.unsqueeze(0)  # [B, T]
+        valid = steps.unsqueeze(0) < counts.unsqueeze(1)
+        write_slots = torch.where(valid, slots.unsqueeze(1), self.kv.scratch)
+        write_pos = torch.where(valid, positions, 0)
+        cos, sin = self.model.rotary_emb(embeds, positions.unsqueeze(0).expand(3, b, t))
+        mask = None
+        if attn_len is not None:
+            keys = torch.arange(attn_len, device=device).view(1, 1, attn_len)
+            ends = (starts + counts).view(b, 1, 1)
+            mask = ((keys <= positions.unsqueeze(2)) & (keys < ends)).unsqueeze(1)  # [B, 1, T, L]
+
+        def kv_step(
+            li: int, k: torch.Tensor, v: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+            cache_k, cache_v = self.kv.keys[li], self.kv.values[li]
+            cache_k[write_slots, write_pos] = k.transpose(1, 2)
+            cache_v[write_slots, write_pos] = v.transpose(1, 2)
+            if attn_len is None:
+                return k, v, None, t > 1
+            keys_ = cache_k[:, :attn_len].index_select(0, slots).transpose(1, 2)
+            values_ = cache_v[:, :attn_len].index_select(0, slots).transpose(1, 2)
+            return keys_, values_, mask, False
+
+        captured: dict[int, torch.Tensor] = {}
+        h = embeds
+        for li, layer in enumerate(self.layers):
+            if li in capture:
+                captured[li] = h
+            h = decoder_layer(layer, h, cos, sin, kv_step, li)
+        h = self.model.norm(h)
+        if len(self.layers) in capture:
+            captured[len(self.layers)] = h
+        last = h[torch.arange(b, device=device), counts - 1]
+        return last, captured

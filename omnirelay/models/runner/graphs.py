@@ -1,0 +1,102 @@
+"""CUDA graphs of fixed-shape steps, captured once at startup and replayed per step.
+
+:class:`GraphSet` holds one graph per key (a bucket shape). :meth:`GraphSet.capture`
+runs the step once eagerly on a side stream (lazy initialisation: kernels, workspaces),
+then records it; :meth:`GraphSet.run` replays the graph if one was captured for the key,
+else runs the step eagerly — the same function, so eager and graph results are the same
+computation. Every graph of a set shares one memory pool: the runner replays one graph at
+a time and copies what it needs out of a graph's outputs before the next replay (a later
+graph may reuse the memory of an earlier one's intermediates).
+
+Inputs and outputs: the step reads only the tensors it is given (views of buffers the
+runner allocated once, so replays see the values copied into them) and returns a dict of
+tensors that live in the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CaptureReport", "GraphSet", "Step"]
+
+Step = Callable[[], dict[str, torch.Tensor]]
+
+
+@dataclass
+class CaptureReport:
+    """What a set's capture took (logged at startup, kept for the stage's health)."""
+
+    name: str
+    num_graphs: int = 0
+    seconds: float = 0.0
+    keys: list[Any] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.num_graphs} CUDA graphs captured in {self.seconds:.1f} s"
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    outputs: dict[str, torch.Tensor]
+
+
+class GraphSet:
+    """Graphs by key on one CUDA device (or none: ``enabled=False`` runs everything eagerly)."""
+
+    def __init__(self, name: str, device: torch.device, *, enabled: bool) -> None:
+        self.name = name
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self._graphs: dict[Hashable, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.report = CaptureReport(name)
+        self.num_replays = 0
+        self.num_eager = 0
+        #: run every step eagerly even where a graph exists (to time or check the eager path)
+        self.bypass = False
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every graph: from now on every step runs eagerly."""
+        self._graphs.clear()
+        self.enabled = False
+
+    def capture(self, key: Hashable, step: Step) -> None:
+        """Warm ``step`` up once, then record it under ``key`` (no-op when disabled)."""
+        if not self.enabled or key in self._graphs:
+            return
+        start = time.monotonic()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the stage process (transfers) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            outputs = step()
+        self._graphs[key] = _Graph(graph, outputs)
+        self.report.num_graphs += 1
+        self.report.seconds += time.monotonic() - start
+        self.report.keys.append(key)
+
+    def run(self, key: Hashable, step: Step) -> dict[str, torch.Tensor]:
+        """The graph's outputs after a replay, or ``step()``'s when no graph has ``key``."""
+        captured = None if self.bypass else self._graphs.get(key)
+        if captured is None:
+            self.num_eager += 1
+            return step()
+        captured.graph.replay()
+        self.num_replays += 1
+        return captured.outputs

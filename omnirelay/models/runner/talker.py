@@ -1,0 +1,304 @@
+"""The Talker on the static runner: a whole codec frame per CUDA graph replay.
+
+One Talker frame is the Talker decoder's step (first codebook from ``codec_head``) and
+then ``Q − 1`` code-predictor steps, each a small transformer pass over a per-frame cache,
+sampling the next codebook — ~6,700 kernel launches eagerly. :class:`TalkerRunner`
+captures all of it, sampling included (:func:`~omnirelay.models.runner.sampler.sample`),
+as one graph per batch bucket and attention length:
+
+* **frame** (a decode) — input: each row's slot, position and the text row of this
+  step; the codec part of the input (the summed embeddings of the row's previous frame)
+  is read from a per-slot buffer that the previous frame wrote. Output: ``[B, Q]`` codes.
+* **prefill** — the conditioning rows of new requests, batched and padded like the
+  Thinker's, then the **tail** (codec head, sampling, the code predictor) on their last
+  hidden states: two replays.
+
+The host's part per step: the text rows, the sampling parameters as ``[B]`` tensors and
+``Q`` uniform numbers per sampling row drawn from the request's own generator (the same
+draws, in the same order, as the dynamic path), and one device→host copy of the codes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
+from omnirelay.models.runner.decoder import (
+    KVStep,
+    SlotKV,
+    StaticDecoder,
+    decoder_layer,
+    experts_implementation,
+)
+from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.sampler import sample
+from omnirelay.models.runner.slots import SlotTable
+from omnirelay.models.runner.thinker import experts_for
+
+__all__ = ["TalkerRow", "TalkerRunner"]
+
+#: The code predictor's sampling when the request samples (the reference's values).
+PREDICTOR_TOP_K = 50
+PREDICTOR_TOP_P = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class TalkerRow:
+    """A prefill row (``embeds [L, H]``, the conditioning) or a frame row (``embeds
+    [1, H]``, this step's text row), on the device."""
+
+    rid: str
+    embeds: torch.Tensor
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+class TalkerRunner:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        talker: Any,
+        *,
+        codebook_size: int,
+        codec_eos: int,
+        num_code_groups: int,
+        buckets: Buckets,
+        cuda_graphs: bool,
+    ) -> None:
+        self.talker = talker
+        decoder = talker.model
+        weight = decoder.codec_embedding.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        config = decoder.config
+        self.hidden = int(config.hidden_size)
+        self.q = num_code_groups
+        self.buckets = buckets
+        self.slots = SlotTable(buckets.max_num_seqs, buckets.max_model_len)
+        self.kv = SlotKV(
+            num_layers=int(config.num_hidden_layers),
+            num_slots=buckets.max_num_seqs,
+            max_len=buckets.max_model_len,
+            kv_heads=int(config.num_key_value_heads),
+            head_dim=int(config.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.decoder = StaticDecoder(decoder, self.kv)
+        self.graphs = GraphSet("talker", self.device, enabled=cuda_graphs)
+        self._experts = [m for m in decoder.modules() if type(m).__name__.endswith("Experts")]
+        vocab = int(config.vocab_size)
+        bias = torch.full((vocab,), float("-inf"), device=self.device)
+        bias[:codebook_size] = 0.0
+        bias[codec_eos] = 0.0  # only codec ids and codec EOS are speech
+        self._codec_bias = bias
+        mb, mt, dev = buckets.max_batch, buckets.max_piece, self.device
+        self._embeds = torch.zeros((mb, mt, self.hidden), dtype=self.dtype, device=dev)
+        self._last = torch.zeros((mb, self.hidden), dtype=self.dtype, device=dev)
+        self._slot_ids = torch.full((mb,), self.kv.scratch, dtype=torch.long, device=dev)
+        self._starts = torch.zeros(mb, dtype=torch.long, device=dev)
+        self._counts = torch.ones(mb, dtype=torch.long, device=dev)
+        self._temperature = torch.zeros(mb, device=dev)
+        self._top_k = torch.zeros(mb, dtype=torch.long, device=dev)
+        self._top_p = torch.ones(mb, device=dev)
+        self._uniform = torch.zeros((mb, self.q), device=dev)
+        #: the summed codec embeddings of each slot's last frame (the next frame's input)
+        self._codec_embed = torch.zeros((buckets.max_num_seqs + 1, self.hidden), dtype=self.dtype, device=dev)
+        predictor = talker.code_predictor.model
+        pconfig = predictor.config
+        shape = (mb, int(pconfig.num_key_value_heads), self.q + 1, int(pconfig.head_dim))
+        self._pred_keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in predictor.layers]
+        self._pred_values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in predictor.layers]
+
+    # ----------------------------------------------------------------- startup
+
+    def capture_graphs(self) -> None:
+        if not self.graphs.enabled:
+            return
+        start = time.monotonic()
+        with torch.inference_mode():
+            for b, t in self.buckets.prefill_shapes():
+                self.graphs.capture(("prefill", b, t, None), self._prefill_step(b, t, None))
+            for b in self.buckets.batch_sizes:
+                self.graphs.capture(("tail", b), self._tail_step(b))
+            for b, length in self.buckets.decode_shapes():
+                self.graphs.capture(("frame", b, length), self._frame_step(b, length))
+        self.graphs.report.seconds = time.monotonic() - start
+        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+
+    # ----------------------------------------------------------------- graph bodies
+
+    def _tail(self, last: torch.Tensor, b: int) -> torch.Tensor:
+        """Codec head, first codebook, then the code predictor's ``Q − 1`` codebooks;
+        writes each row's summed frame embedding to its slot. Returns ``[B, Q]``."""
+        talker = self.talker
+        predictor = talker.code_predictor
+        temperature, uniform = self._temperature[:b], self._uniform[:b]
+        logits = talker.codec_head(last).float() + self._codec_bias
+        first = sample(logits, temperature, self._top_k[:b], self._top_p[:b], uniform[:, 0])
+        first_embed = talker.model.codec_embedding(first)
+        total = first_embed
+        codes = [first]
+        pred_temperature = torch.where(temperature > 0, 1.0, 0.0)
+        pred_top_k = torch.full_like(self._top_k[:b], PREDICTOR_TOP_K)
+        pred_top_p = torch.full_like(self._top_p[:b], PREDICTOR_TOP_P)
+        x = torch.stack([last, first_embed], dim=1)
+        pos = 0
+        for group in range(self.q - 1):
+            t = x.shape[1]
+            position_ids = torch.arange(pos, pos + t, device=self.device).unsqueeze(0)
+            cos, sin = predictor.model.rotary_emb(x, position_ids)
+            h = x
+            for li, layer in enumerate(predictor.model.layers):
+                h = decoder_layer(layer, h, cos, sin, self._frame_kv(b, pos, t), li)
+            h = predictor.model.norm(h)
+            step_logits = predictor.lm_head[group](h[:, -1]).float()
+            token = sample(step_logits, pred_temperature, pred_top_k, pred_top_p, uniform[:, group + 1])
+            codes.append(token)
+            x = predictor.model.codec_embedding[group](token).unsqueeze(1)
+            total = total + x[:, 0]
+            pos += t
+        self._codec_embed.index_copy_(0, self._slot_ids[:b], total)
+        return torch.stack(codes, dim=1)
+
+    def _frame_kv(self, b: int, pos: int, t: int) -> KVStep:
+        def kv_step(
+            li: int, k: torch.Tensor, v: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+            keys, values = self._pred_keys[li][:b], self._pred_values[li][:b]
+            keys[:, :, pos : pos + t] = k
+            values[:, :, pos : pos + t] = v
+            return keys[:, :, : pos + t], values[:, :, : pos + t], None, t > 1
+
+        return kv_step
+
+    def _prefill_step(self, b: int, t: int, attn_len: int | None) -> Step:
+        def step() -> dict[str, torch.Tensor]:
+            with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
+                last, _ = self.decoder.forward(
+                    self._embeds[:b, :t],
+                    self._slot_ids[:b],
+                    self._starts[:b],
+                    self._counts[:b],
+                    attn_len=attn_len,
+                )
+            return {"last": last}
+
+        return step
+
+    def _tail_step(self, b: int) -> Step:
+        def step() -> dict[str, torch.Tensor]:
+            return {"codes": self._tail(self._last[:b], b)}
+
+        return step
+
+    def _frame_step(self, b: int, attn_len: int) -> Step:
+        def step() -> dict[str, torch.Tensor]:
+            slots = self._slot_ids[:b]
+            embeds = (self._codec_embed.index_select(0, slots) + self._embeds[:b, 0]).unsqueeze(1)
+            with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, 1)):
+                last, _ = self.decoder.forward(
+                    embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len
+                )
+            return {"codes": self._tail(last, b)}
+
+        return step
+
+    # ----------------------------------------------------------------- host side
+
+    def _set_rows(
+        self, b: int, rows: Sequence[TalkerRow], slots: list[int], starts: list[int], counts: list[int]
+    ) -> None:
+        pad = b - len(slots)
+        self._slot_ids[:b].copy_(torch.tensor(slots + [self.kv.scratch] * pad, dtype=torch.long))
+        self._starts[:b].copy_(torch.tensor(starts + [0] * pad, dtype=torch.long))
+        self._counts[:b].copy_(torch.tensor(counts + [1] * pad, dtype=torch.long))
+
+    def _set_sampling(self, b: int, rows: Sequence[TalkerRow]) -> None:
+        temperature = torch.zeros(b)
+        top_k = torch.zeros(b, dtype=torch.long)
+        top_p = torch.ones(b)
+        uniform = torch.zeros((b, self.q))
+        for i, row in enumerate(rows):
+            params = row.sampling
+            if params.temperature > 0:
+                temperature[i] = params.temperature
+                top_k[i] = params.top_k
+                top_p[i] = params.top_p
+                uniform[i] = torch.rand(self.q, generator=row.generator)
+        self._temperature[:b].copy_(temperature)
+        self._top_k[:b].copy_(top_k)
+        self._top_p[:b].copy_(top_p)
+        self._uniform[:b].copy_(uniform)
+
+    def _prefill_launch(self, launch: Launch, rows: Sequence[TalkerRow]) -> torch.Tensor:
+        b, t = launch.batch, launch.tokens
+        block = torch.zeros((b, t, self.hidden), dtype=self.dtype, device=self.device)
+        for i, piece in enumerate(launch.pieces):
+            block[i, : piece.count] = rows[piece.row].embeds[piece.offset : piece.offset + piece.count]
+        self._embeds[:b, :t].copy_(block)
+        self._set_rows(
+            b,
+            rows,
+            [self.slots.slot(rows[p.row].rid) for p in launch.pieces],
+            [p.start for p in launch.pieces],
+            [p.count for p in launch.pieces],
+        )
+        out = self.graphs.run(("prefill", b, t, launch.attn_len), self._prefill_step(b, t, launch.attn_len))
+        return out["last"][: len(launch.pieces)].clone()
+
+    def prefill(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
+        """Conditioning of new requests (slots acquired) → their first frames ``[n, Q]`` (CPU)."""
+        for row in rows:
+            self.slots.check_room(row.rid, 0, row.embeds.shape[0])
+        lasts: list[torch.Tensor | None] = [None] * len(rows)
+        for launch in plan_prefill([(0, row.embeds.shape[0]) for row in rows], self.buckets):
+            last = self._prefill_launch(launch, rows)
+            for i, piece in enumerate(launch.pieces):
+                if piece.is_last:
+                    lasts[piece.row] = last[i]
+        for row in rows:
+            self.slots.set_length(row.rid, row.embeds.shape[0])
+        codes = []
+        step = self.buckets.max_batch
+        for first in range(0, len(rows), step):
+            group = rows[first : first + step]
+            b = self.buckets.batch(len(group))
+            self._last[: len(group)].copy_(
+                torch.stack([x for x in lasts[first : first + step] if x is not None])
+            )
+            self._set_rows(
+                b, group, [self.slots.slot(r.rid) for r in group], [0] * len(group), [1] * len(group)
+            )
+            self._set_sampling(b, group)
+            out = self.graphs.run(("tail", b), self._tail_step(b))
+            codes.append(out["codes"][: len(group)].to("cpu"))
+        return torch.cat(codes)
+
+    def decode(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
+        """One frame for each row (prefilled before) → ``[n, Q]`` codes (CPU)."""
+        positions = [self.slots.length(row.rid) for row in rows]
+        codes = []
+        for launch in plan_decode(positions, self.buckets):
+            group = [rows[p.row] for p in launch.pieces]
+            b, n = launch.batch, len(group)
+            text = torch.cat([row.embeds.reshape(1, -1) for row in group])
+            self._embeds[:n, 0].copy_(text)
+            self._set_rows(
+                b, group, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n
+            )
+            self._set_sampling(b, group)
+            out = self.graphs.run(
+                ("frame", b, launch.attn_len), self._frame_step(b, int(launch.attn_len or 0))
+            )
+            codes.append(out["codes"][:n].to("cpu"))
+            for row, position in zip(group, (p.start for p in launch.pieces)):
+                self.slots.set_length(row.rid, position + 1)
+        return torch.cat(codes)
