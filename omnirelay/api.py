@@ -181,21 +181,7 @@ class Pipeline:
         are prepared first, in this process (cached; later starts skip it). Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
-        if isinstance(pipeline, PipelineConfig):
-            if async_chunk_override is not None:
-                pipeline = pipeline.with_async_chunk(async_chunk_override)
-            config = pipeline
-        else:
-            config = load_pipeline(pipeline, async_chunk_override=async_chunk_override, registry=registry)
-        ns = (
-            namespace
-            or config.namespace
-            or f"p{os.getpid()}x{next(_NAMESPACE_COUNTER)}{secrets.token_hex(2)}"
-        )
-        try:
-            validate_namespace(ns)
-        except InvalidKeyError as exc:
-            raise ConfigError(str(exc)) from exc
+        config, ns = _config_and_namespace(pipeline, namespace, async_chunk_override, registry)
         if engine_factory == DEFAULT_ENGINE_FACTORY:
             # Models that need work on first use (SmolLM2's conversion) are made ready once,
             # here, before the workers start: not by several workers racing, and not inside
@@ -434,6 +420,26 @@ class Pipeline:
     def __repr__(self) -> str:
         state = "closed" if self._is_closed else "running"
         return f"Pipeline({self.config.name!r}, namespace={self.namespace!r}, {state})"
+
+
+def _config_and_namespace(
+    pipeline: str | os.PathLike[str] | PipelineConfig,
+    namespace: str | None,
+    async_chunk_override: bool | None,
+    registry: ComponentRegistry | None,
+) -> tuple[PipelineConfig, str]:
+    """The pipeline's config and its /dev/shm namespace: ``namespace``, else the file's,
+    else a fresh ``p<pid>x…`` one (a :class:`ConfigError` when it is not usable)."""
+    if isinstance(pipeline, PipelineConfig):
+        config = pipeline if async_chunk_override is None else pipeline.with_async_chunk(async_chunk_override)
+    else:
+        config = load_pipeline(pipeline, async_chunk_override=async_chunk_override, registry=registry)
+    ns = namespace or config.namespace or f"p{os.getpid()}x{next(_NAMESPACE_COUNTER)}{secrets.token_hex(2)}"
+    try:
+        validate_namespace(ns)
+    except InvalidKeyError as exc:
+        raise ConfigError(str(exc)) from exc
+    return config, ns
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -40,6 +40,38 @@ if TYPE_CHECKING:
 __all__ = ["WavWriter", "last_text_s", "register", "render_timeline", "run_run"]
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the Qwen3-Omni stages' models come from and run: ``--model``, ``--device``,
+    ``--load-format`` and ``--runner`` (see :func:`~omnirelay.cli.session.load_run_config`)."""
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a local Qwen3-Omni checkpoint directory (config.json, safetensors, tokenizer) loaded by "
+        "every Qwen3-Omni stage; never downloaded",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: each stage's "
+        "`devices` in the pipeline file",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: random weights built on the device from the config alone (no checkpoint); without "
+        "--model the shipped Qwen3-Omni-30B-A3B config (default pipeline then: qwen3-omni)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=("auto", "dynamic", "static"),
+        default=None,
+        help="the model runner of the Qwen3-Omni stages: static (KV slots, CUDA graphs; the default on "
+        "CUDA) or dynamic (the default on CPU)",
+    )
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "run",
@@ -80,33 +112,7 @@ def register(sub: Any) -> None:
         help=f"a shipped pipeline name or a YAML file (default: {DEFAULT_PIPELINE}; "
         f"with --model: {DEFAULT_MODEL_PIPELINE})",
     )
-    p.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="a local Qwen3-Omni checkpoint directory (config.json, safetensors, tokenizer) loaded by "
-        "every Qwen3-Omni stage; never downloaded",
-    )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: each stage's "
-        "`devices` in the pipeline file",
-    )
-    p.add_argument(
-        "--load-format",
-        choices=("auto", "dummy"),
-        default=None,
-        help="dummy: random weights built on the device from the config alone (no checkpoint); without "
-        "--model the shipped Qwen3-Omni-30B-A3B config (default pipeline then: qwen3-omni)",
-    )
-    p.add_argument(
-        "--runner",
-        choices=("auto", "dynamic", "static"),
-        default=None,
-        help="the model runner of the Qwen3-Omni stages: static (KV slots, CUDA graphs; the default on "
-        "CUDA) or dynamic (the default on CPU)",
-    )
+    add_model_arguments(p)
     p.add_argument("--out", metavar="FILE.wav", default=None, help="write the audio here (16-bit PCM, mono)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the timeline and figures as JSON")
     p.add_argument(
