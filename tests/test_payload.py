@@ -221,11 +221,51 @@ def test_an_empty_payload_round_trips_and_finish_flags_are_not_payload_fields() 
         (OmniPayload(embed={1: torch.zeros(1)}), r"payload\.embed\[1\] \(key\): expected str, got int"),
         (OmniPayload(codes=Meta()), r"payload\.codes: expected Codes \| None, got Meta"),
         (OmniPayload(speaker=3), r"payload\.speaker: expected str \| None, got int"),
+        # Types next to the ones a field takes as they are still meet its checker.
+        (
+            OmniPayload(meta=Meta(left_context_size=True)),
+            r"payload\.meta\.left_context_size: expected int \| None, got bool",
+        ),
+        (OmniPayload(codes=Codes(audio=[1, 2])), r"payload\.codes\.audio: expected Tensor \| ndarray"),
+        (
+            OmniPayload(meta=Meta(left_context_size=2**64)),
+            r"payload\.meta\.left_context_size: int 18446744073709551616 does not fit in 64 bits",
+        ),
     ],
 )
 def test_schema_violations_are_refused_at_encode(payload: OmniPayload, message: str) -> None:
     with pytest.raises(PayloadEncodeError, match=message):
         plan_encode(payload)
+
+
+def test_a_fields_exact_types_are_ones_its_checker_accepts_whatever_they_hold() -> None:
+    """The encoder skips a field's checker for a value of one of its ``exact`` types."""
+    from omnirelay.payload.schema import struct_spec
+
+    samples: dict[type, list[Any]] = {
+        type(None): [None],
+        bool: [True, False],
+        int: [0, -(2**63), 2**64 - 1],
+        float: [0.5, float("nan")],
+        str: ["", "x"],
+        bytes: [b"", b"x"],
+        torch.Tensor: [torch.zeros(2), torch.zeros((), dtype=torch.bfloat16)],
+        np.ndarray: [np.zeros(2), np.zeros((0, 3), np.int8)],
+        Codes: [Codes()],
+        Meta: [Meta()],
+        Span: [Span(start=0, end=1)],
+    }
+    checked = 0
+    for cls in (OmniPayload, Codes, Meta, Span, Alignment):
+        spec = struct_spec(cls)
+        assert spec is not None
+        for field in spec.fields:
+            assert field.exact is not None  # no field of these is Any
+            for tp in field.exact:
+                for value in samples[tp]:
+                    assert field.check(value) is None, (cls.__name__, field.name, value)
+                    checked += 1
+    assert checked > 40
 
 
 def test_long_id_lists() -> None:
