@@ -221,11 +221,51 @@ def test_an_empty_payload_round_trips_and_finish_flags_are_not_payload_fields() 
         (OmniPayload(embed={1: torch.zeros(1)}), r"payload\.embed\[1\] \(key\): expected str, got int"),
         (OmniPayload(codes=Meta()), r"payload\.codes: expected Codes \| None, got Meta"),
         (OmniPayload(speaker=3), r"payload\.speaker: expected str \| None, got int"),
+        # Types next to the ones a field takes as they are still meet its checker.
+        (
+            OmniPayload(meta=Meta(left_context_size=True)),
+            r"payload\.meta\.left_context_size: expected int \| None, got bool",
+        ),
+        (OmniPayload(codes=Codes(audio=[1, 2])), r"payload\.codes\.audio: expected Tensor \| ndarray"),
+        (
+            OmniPayload(meta=Meta(left_context_size=2**64)),
+            r"payload\.meta\.left_context_size: int 18446744073709551616 does not fit in 64 bits",
+        ),
     ],
 )
 def test_schema_violations_are_refused_at_encode(payload: OmniPayload, message: str) -> None:
     with pytest.raises(PayloadEncodeError, match=message):
         plan_encode(payload)
+
+
+def test_a_fields_exact_types_are_ones_its_checker_accepts_whatever_they_hold() -> None:
+    """The encoder skips a field's checker for a value of one of its ``exact`` types."""
+    from omnirelay.payload.schema import struct_spec
+
+    samples: dict[type, list[Any]] = {
+        type(None): [None],
+        bool: [True, False],
+        int: [0, -(2**63), 2**64 - 1],
+        float: [0.5, float("nan")],
+        str: ["", "x"],
+        bytes: [b"", b"x"],
+        torch.Tensor: [torch.zeros(2), torch.zeros((), dtype=torch.bfloat16)],
+        np.ndarray: [np.zeros(2), np.zeros((0, 3), np.int8)],
+        Codes: [Codes()],
+        Meta: [Meta()],
+        Span: [Span(start=0, end=1)],
+    }
+    checked = 0
+    for cls in (OmniPayload, Codes, Meta, Span, Alignment):
+        spec = struct_spec(cls)
+        assert spec is not None
+        for field in spec.fields:
+            assert field.exact is not None  # no field of these is Any
+            for tp in field.exact:
+                for value in samples[tp]:
+                    assert field.check(value) is None, (cls.__name__, field.name, value)
+                    checked += 1
+    assert checked > 40
 
 
 def test_long_id_lists() -> None:
@@ -746,6 +786,94 @@ def _equal(a: Any, b: Any) -> bool:
             type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
         )
     return type(a) is type(b) and a == b
+
+
+# ---------------------------------------------------------------- output stocks
+def _stock_payload(seed: int) -> OmniPayload:
+    g = torch.Generator().manual_seed(seed)
+    return OmniPayload(
+        codes=Codes(audio=torch.randint(0, 2048, (16 * 50,), generator=g)),
+        meta=Meta(left_context_size=25, codec_frame_valid=torch.rand(3, generator=g) > 0.5),
+        hidden_states={
+            "last": torch.randn(1, 8, generator=g).to(torch.bfloat16),
+            "h0": torch.tensor(seed).bfloat16(),
+            "scalar": torch.tensor(float(seed)),
+        },
+        extras={"np": np.arange(4)},  # numpy arrays are not made ahead
+    )
+
+
+def _as_dicts(x: Any) -> Any:
+    """Structs as dicts of their fields, at any depth (for _equal)."""
+    if isinstance(x, msgspec.Struct):
+        return {"type": type(x).__name__, **{k: _as_dicts(v) for k, v in msgspec.structs.asdict(x).items()}}
+    if type(x) is dict:
+        return {k: _as_dicts(v) for k, v in x.items()}
+    return x
+
+
+def _equal_payload(a: Any, b: OmniPayload) -> bool:
+    return _equal(_as_dicts(a), _as_dicts(b))
+
+
+def test_an_output_stock_fills_tensors_made_ahead_for_a_repeated_header() -> None:
+    from omnirelay.payload.codec import OutputStock
+
+    stock = OutputStock()
+    stock.refill()  # nothing decoded yet: nothing to make
+    assert stock.num_made == 0 and not stock.can_refill
+    first = encode(_stock_payload(1))
+    assert _equal_payload(decode(first, stock=stock), _stock_payload(1))
+    assert stock.can_refill
+    stock.refill()
+    assert stock.num_made == 5  # one per torch tensor of the header just decoded (bfloat16 too)
+    stock.refill()  # made already: not made twice
+    assert stock.num_made == 5 and not stock.can_refill
+    buf = bytearray(encode(_stock_payload(2)))  # same header, other data
+    got = decode(buf, stock=stock)
+    assert stock.num_made == 0  # all five used
+    assert _equal_payload(got, _stock_payload(2))
+    buf[-256:] = bytes(256)  # the outputs own their bytes
+    assert _equal_payload(got, _stock_payload(2))
+    again = decode(encode(_stock_payload(3)), stock=stock)  # no refill: fresh outputs
+    assert _equal_payload(again, _stock_payload(3))
+    assert again.codes is not None and got.codes is not None
+    assert again.codes.audio.data_ptr() != got.codes.audio.data_ptr()
+
+
+def test_an_output_stock_made_for_another_header_is_not_used() -> None:
+    from omnirelay.payload.codec import OutputStock
+
+    stock = OutputStock()
+    decode(encode(_stock_payload(1)), stock=stock)
+    stock.refill()
+    other = {"codes": {"audio": torch.arange(12).reshape(3, 4)}, "meta": {"finished": True}}
+    assert _equal(decode(encode(other), stock=stock), other)  # different header: made ones dropped
+    assert stock.num_made == 0
+    stock.refill()
+    assert stock.num_made == 1  # now made for the header last decoded
+    views = decode(encode(other), copy=False, stock=stock)  # views wanted: made ones stay unused
+    assert _equal(views, other)
+    assert stock.num_made == 1
+    corrupt = bytearray(encode(other))
+    corrupt[:4] = b"XXXX"
+    with pytest.raises(PayloadMagicError):
+        decode(corrupt, stock=stock)
+    assert _equal(decode(encode(other), stock=stock), other)
+    assert stock.num_made == 0
+
+
+def test_an_output_stock_makes_nothing_for_large_tensors() -> None:
+    from omnirelay.payload.codec import OutputStock
+    from omnirelay.payload.decoder import STOCK_MAX_BYTES
+
+    stock = OutputStock()
+    big = {"x": torch.zeros(STOCK_MAX_BYTES // 4 + 1)}  # one float32 over the bound
+    decode(encode(big), stock=stock)
+    decode(encode(big), stock=stock)
+    stock.refill()
+    assert stock.num_made == 0 and not stock.can_refill
+    assert _equal(decode(encode(big), stock=stock), big)
 
 
 # ---------------------------------------------------------------- chunk trees

@@ -792,6 +792,116 @@ def test_a_publish_between_the_failed_claim_and_the_wait_is_not_lost(
     h.close()
 
 
+# ---------------------------------------------------------------- output stocks
+# A get announced by a notice decodes into the tensors its slot's stream will likely need,
+# made while the reader was idle (codec.OutputStock).
+
+
+def _chunk(start: int, n: int = 800) -> Any:
+    return {"codes": {"audio": torch.arange(start, start + n)}, "meta": {"left_context_size": 25}}
+
+
+def _equal_chunk(a: Any, b: Any) -> bool:
+    return (
+        a["meta"] == b["meta"]
+        and a["codes"]["audio"].dtype == b["codes"]["audio"].dtype
+        and torch.equal(a["codes"]["audio"], b["codes"]["audio"])
+    )
+
+
+def _stock_of(cons: Any) -> Any:
+    """The one output stock of the reader that has recorded a header."""
+    (stock,) = [s for s in cons._reader._stocks.values() if s._entry is not None]
+    return stock
+
+
+def test_a_reader_waiting_for_the_publish_makes_its_outputs_ahead(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a reader waits for an announced object, it makes the tensors of the header
+    its slot carried last; the get copies the bytes into them. A different header next
+    leaves them unused and still decodes right."""
+    h = _held_put(namespace, monkeypatch, "E_1_0", _chunk(0))
+    assert h.finish().ok  # the first chunk of this stream: nothing to make ahead yet
+    assert _equal_chunk(h.cons.get(1, 2, "E_1_0").obj, _chunk(0))
+    assert h.prod.reap_consumed() == 1
+    stock = _stock_of(h.cons)
+    assert stock.num_made == 0
+    got, seen = _held_put_got_while_waiting(h, stock, monkeypatch, "E_1_1", _chunk(800))
+    assert _equal_chunk(got, _chunk(800))
+    assert seen == 1  # the one tensor was made while the object was being written
+    assert stock.num_made == 0  # and used
+    got, seen = _held_put_got_while_waiting(h, stock, monkeypatch, "E_1_2", _chunk(0, 10))
+    assert _equal_chunk(got, _chunk(0, 10))
+    assert seen == 1 and stock.num_made == 0  # made for the old header: dropped
+    h.close()
+
+
+def _held_put_got_while_waiting(
+    h: _Held, stock: Any, monkeypatch: pytest.MonkeyPatch, key: str, obj: Any
+) -> tuple[Any, int]:
+    """Put ``obj`` held after its notice; the reader gets it, and at its first pause the
+    put is let go. The object got, and how many outputs were made ahead at that pause."""
+    h.enc.armed = True
+    h.enc.announced.clear()
+    h.enc.release.clear()
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(h.prod.put(1, 2, key, obj)))
+    thread.start()
+    assert h.enc.announced.wait(30)
+    assert list(h.cons.wait_arrivals(2, timeout=30)) == [key]
+    real_yield = os.sched_yield
+    seen: list[int] = []
+
+    def writer_finishes() -> None:
+        seen.append(stock.num_made)
+        h.enc.release.set()
+        thread.join(30)
+        monkeypatch.setattr(os, "sched_yield", real_yield)
+
+    from omnirelay.connectors.shm import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_PUBLISH_WAIT_NS", 30 * 10**9)  # only the hook ends the wait
+    monkeypatch.setattr(os, "sched_yield", writer_finishes)
+    got = h.cons.get(1, 2, key).obj
+    assert out[0].ok and len(seen) == 1
+    assert h.prod.reap_consumed() == 1
+    return got, seen[0]
+
+
+def test_a_reader_about_to_sleep_makes_the_next_outputs_of_its_streams(namespace: str) -> None:
+    """After a get, the stream's next outputs are made when the reader's wait_arrivals
+    finds nothing and is about to sleep; the next get of the same header uses them, and
+    its tensor is not the one an earlier get returned."""
+    prod = create_connector("shm", namespace=namespace, stage_id=1)
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    got = []
+    for i in range(2):  # the first caches the header, the second records it on the slot's stock
+        assert prod.put(1, 2, f"C_1_{i}", _chunk(i)).ok
+        assert list(cons.wait_arrivals(2, timeout=0)) == [f"C_1_{i}"]
+        got.append(cons.get(1, 2, f"C_1_{i}").obj)
+        assert _equal_chunk(got[-1], _chunk(i))
+        assert prod.reap_consumed() == 1
+    stock = _stock_of(cons)
+    assert stock.num_made == 0
+    assert list(cons.wait_arrivals(2, timeout=0)) == []  # not sleeping: nothing made
+    assert stock.num_made == 0
+    assert list(cons.wait_arrivals(2, timeout=0.001)) == []  # would sleep: made first
+    assert stock.num_made == 1
+    assert prod.put(1, 2, "C_1_2", _chunk(2)).ok
+    assert list(cons.wait_arrivals(2, timeout=0)) == ["C_1_2"]
+    last = cons.get(1, 2, "C_1_2").obj
+    assert stock.num_made == 0  # used
+    assert _equal_chunk(last, _chunk(2))
+    assert all(_equal_chunk(g, _chunk(i)) for i, g in enumerate(got))  # earlier results untouched
+    assert all(last["codes"]["audio"].data_ptr() != g["codes"]["audio"].data_ptr() for g in got)
+    assert prod.reap_consumed() == 1
+    assert prod.pending_keys() == []
+    prod.close()
+    cons.close()
+    assert shm_entries(namespace) == []
+
+
 def test_an_announced_slot_the_object_outgrows_is_withdrawn(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,9 @@ Interface (the connectors are written against exactly this):
 * :meth:`EncodePlan.write_into` ``(buf) -> int`` — write the encoding into a writable buffer
   (a shared-memory slot), one copy per tensor, straight from the (possibly strided) source.
 * :func:`encode` ``(obj) -> bytes`` — plan + write into a fresh buffer.
-* :func:`decode` ``(buf, *, copy=True)`` — rebuild the object; the same struct types come back.
+* :func:`decode` ``(buf, *, copy=True, stock=None)`` — rebuild the object; the same struct
+  types come back. ``stock``: a stream's :class:`OutputStock` (tensors made ahead, while the
+  stream was idle, for the header it repeats).
 * :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
 
 Implemented in three modules, one role each: ``wire.py`` (the layout, documented there,
@@ -24,7 +26,7 @@ Decoding untrusted bytes raises only :class:`~omnirelay.errors.PayloadDecodeErro
 
 from __future__ import annotations
 
-from omnirelay.payload.decoder import decode, peek_total_size
+from omnirelay.payload.decoder import OutputStock, decode, peek_total_size
 from omnirelay.payload.encoder import EncodePlan, encode, plan_encode
 from omnirelay.payload.schema import lookup_struct, register_struct, struct_spec
 from omnirelay.payload.wire import ALIGNMENT, MAGIC, PREFIX_SIZE, WIRE_VERSION
@@ -35,6 +37,7 @@ __all__ = [
     "PREFIX_SIZE",
     "WIRE_VERSION",
     "EncodePlan",
+    "OutputStock",
     "decode",
     "encode",
     "lookup_struct",

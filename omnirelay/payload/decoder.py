@@ -40,7 +40,7 @@ from omnirelay.payload.wire import (
     read_prefix,
 )
 
-__all__ = ["decode", "peek_total_size"]
+__all__ = ["STOCK_MAX_BYTES", "OutputStock", "decode", "peek_total_size"]
 
 
 class _RegionInfo(NamedTuple):
@@ -64,6 +64,9 @@ class _Entry(NamedTuple):
     tree: bytes
     template: tuple[int, Any] | None
     total: int
+    #: What an OutputStock makes ahead for this header: its torch regions, or none if
+    #: they hold more than STOCK_MAX_BYTES together.
+    stockable: tuple[_RegionInfo, ...]
 
 
 #: Validated headers by their prefix and header bytes (the prefix holds the total length).
@@ -78,13 +81,70 @@ def peek_total_size(buf: Any) -> int:
     return read_prefix(byte_view(buf))[1]
 
 
-def decode(buf: Any, *, copy: bool = True) -> Any:
+#: An OutputStock makes tensors ahead only for headers whose tensors hold at most this
+#: much together (a bigger copy dwarfs the allocation it saves).
+STOCK_MAX_BYTES: Final = 256 << 10
+
+
+class OutputStock:
+    """Output tensors made ahead for one stream's next decode.
+
+    A stream repeats its header (same shapes, same meta); the shm reader keeps one stock
+    per slot, since a producer reuses its slots. ``decode(..., stock=)`` records the
+    header it decoded; :meth:`refill`, called while the stream is idle, makes fresh
+    tensors for that header's torch regions (numpy's allocator, as a copying decode
+    uses). A decode of the same header then copies the bytes straight into them: on a
+    CPU whose caches went cold while it waited, allocating the array and wrapping it in a
+    tensor cost as much as the rest of the get. A different header drops them.
+
+    Each made tensor goes to at most one decode (a dict pop, atomic under the GIL), so
+    decodes and refills may run on any threads.
+    """
+
+    __slots__ = ("_entry", "_made")
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+        #: region start -> (tensor, its bytes as a writable 1-d uint8 memoryview)
+        self._made: dict[int, tuple[torch.Tensor, memoryview]] = {}
+
+    @property
+    def can_refill(self) -> bool:
+        """Whether :meth:`refill` would make something now."""
+        entry = self._entry
+        return entry is not None and bool(entry.stockable) and not self._made
+
+    @property
+    def num_made(self) -> int:
+        """Tensors made and waiting for the next decode."""
+        return len(self._made)
+
+    def refill(self) -> None:
+        """Make the tensors of the header decoded last (a no-op if some are waiting, or
+        if its tensors exceed :data:`STOCK_MAX_BYTES`)."""
+        entry = self._entry
+        if entry is None or not entry.stockable or self._made:
+            return
+        made = {}
+        for r in entry.stockable:
+            a = np.empty(r.shape, r.read_dtype)
+            t = _from_numpy(a)
+            made[r.start] = (
+                t if r.torch_view is None else t.view(r.torch_view),
+                a.reshape(-1).view(_U8).data,
+            )
+        self._made = made
+
+
+def decode(buf: Any, *, copy: bool = True, stock: OutputStock | None = None) -> Any:
     """Rebuild the object encoded at the start of ``buf`` (extra trailing bytes are ignored).
 
     With ``copy=True`` every tensor and array owns its memory. With ``copy=False`` they are
     views on ``buf`` and the caller keeps ``buf`` alive and unchanged while they are used;
     when ``buf`` is read-only (``bytes``) numpy views are read-only and torch tensors are
-    copied (torch cannot wrap read-only memory). Raises :class:`PayloadDecodeError`.
+    copied (torch cannot wrap read-only memory). ``stock``: the stream's
+    :class:`OutputStock` (its tensors are used if they were made for this header; with
+    ``copy=True`` only). Raises :class:`PayloadDecodeError`.
     """
     mv = byte_view(buf)
     if len(mv) >= PREFIX_SIZE:
@@ -95,6 +155,13 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
             entry = _HEADER_CACHE.get(bytes(mv[: PREFIX_SIZE + header_len]))
             if entry is not None and len(mv) >= entry.total:
                 reader = _Reader(mv, entry.regions, copy)
+                if stock is not None:
+                    if stock._entry is not entry:
+                        stock._entry = entry
+                        stock._made = {}
+                    elif copy and stock._made:
+                        reader.made = stock._made
+                        stock._made = {}
                 if entry.template is not None:
                     return _instantiate(entry.template, reader)
                 return _decode_tree(entry.tree, reader)
@@ -109,11 +176,21 @@ def decode(buf: Any, *, copy: bool = True) -> Any:
     regions = _check_regions(header.regions, align(head_end), total)
     tree = bytes(header.tree)
     obj = _decode_tree(tree, _Reader(mv[:total], regions, copy))  # raises on a bad tree: nothing cached
+    entry = None
     if header_len <= _HEADER_CACHE_MAX_LEN:
         if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
             _HEADER_CACHE.clear()
-        _HEADER_CACHE[bytes(mv[:head_end])] = _Entry(regions, tree, _template_of(tree, regions), total)
+        entry = _Entry(regions, tree, _template_of(tree, regions), total, _stockable(regions))
+        _HEADER_CACHE[bytes(mv[:head_end])] = entry
+    if stock is not None:
+        stock._entry = entry
+        stock._made = {}
     return obj
+
+
+def _stockable(regions: list[_RegionInfo]) -> tuple[_RegionInfo, ...]:
+    out = tuple(r for r in regions if r.kind == "torch" and r.nbytes)
+    return out if sum(r.nbytes for r in out) <= STOCK_MAX_BYTES else ()
 
 
 def _decode_tree(tree: bytes, reader: _Reader) -> Any:
@@ -237,12 +314,14 @@ _from_numpy = torch.from_numpy
 class _Reader:
     """Per-decode state: the validated region table and the ``ext_hook`` that uses it."""
 
-    __slots__ = ("copy", "mv", "regions")
+    __slots__ = ("copy", "made", "mv", "regions")
 
     def __init__(self, mv: memoryview, regions: list[_RegionInfo], copy: bool) -> None:
         self.mv = mv
         self.copy = copy
         self.regions = regions
+        #: Tensors an OutputStock made for this header, by region start.
+        self.made: dict[int, tuple[torch.Tensor, memoryview]] | None = None
 
     def ext_hook(self, code: int, data: memoryview) -> Any:
         if code == EXT_REGION:
@@ -271,6 +350,11 @@ class _Reader:
 
     def build(self, r: _RegionInfo) -> Any:
         """The tensor, array or bytes of region ``r``."""
+        if self.made:
+            made = self.made.pop(r.start, None)  # only torch regions are made ahead
+            if made is not None:  # one copy, no allocation
+                made[1][:] = self.mv[r.start : r.start + r.nbytes]
+                return made[0]
         if r.kind == "bytes":
             return bytes(self.mv[r.start : r.start + r.nbytes])
         if r.nbytes == 0:

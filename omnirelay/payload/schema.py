@@ -97,6 +97,9 @@ class FieldSpec(msgspec.Struct, frozen=True):
     #: omitted on the wire.
     default: Any
     check: Checker
+    #: Types whose every value passes ``check`` (a value of exactly such a type needs no
+    #: call to it): the leaf types of the annotation; ``None`` for ``Any`` (all pass).
+    exact: frozenset[type] | None = frozenset()
 
 
 class StructSpec(msgspec.Struct, frozen=True):
@@ -126,7 +129,8 @@ def register_struct(cls: type[msgspec.Struct], *, name: str | None = None) -> ty
         raise ValueError(f"struct name {wire_name!r} is already registered for {_BY_NAME[wire_name].cls!r}")
     hints = typing.get_type_hints(cls)
     fields = tuple(
-        FieldSpec(f.name, f.default, _compile(hints[f.name], {cls})) for f in msgspec.structs.fields(cls)
+        FieldSpec(f.name, f.default, _compile(hints[f.name], {cls}), _exact_types(hints[f.name]))
+        for f in msgspec.structs.fields(cls)
     )
     spec = StructSpec(wire_name, cls, fields, {f.name: f for f in fields})
     _BY_NAME[wire_name] = spec
@@ -164,6 +168,27 @@ def _describe(tp: Any) -> str:
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_describe(a) for a in typing.get_args(tp))}]"
     return repr(tp)
+
+
+def _exact_types(tp: Any) -> frozenset[type] | None:
+    """The types whose every value the checker of annotation ``tp`` accepts (see
+    :attr:`FieldSpec.exact`); containers are left to the checker."""
+    if tp is Any:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        out: set[type] = set()
+        for arg in typing.get_args(tp):
+            sub = _exact_types(arg)
+            if sub is None:
+                return None
+            out |= sub
+        return frozenset(out)
+    if not isinstance(tp, type) or origin is not None:
+        return frozenset()
+    if tp is float:
+        return frozenset({float, int})
+    return frozenset({tp})
 
 
 def _compile(tp: Any, registering: set[type]) -> Checker:

@@ -152,7 +152,7 @@ class ShmConnector(Connector):
     def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         if self._closed:
             raise ConnectorError("connector is closed")
-        return self._inbox.wait(to_stage, timeout)
+        return self._inbox.wait(to_stage, timeout, self._reader.restock)
 
     def cleanup(self, key: str) -> bool:
         """Retract ``key`` if this connector published it and nobody claimed it yet (a reader

@@ -36,6 +36,7 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from omnirelay.connectors.base import MAX_KEY_BYTES, SMALL_OBJECT_BYTES, Arrivals
@@ -291,13 +292,16 @@ class Inbox:
             listener = self._listen[stage] = (sock, poller)
             return listener
 
-    def wait(self, stage: int, timeout: float | None) -> Arrivals:
+    def wait(self, stage: int, timeout: float | None, idle: Callable[[], None] | None = None) -> Arrivals:
         """Keys announced to ``stage``: those queued now, or else the first to come within
-        ``timeout`` seconds (None: no bound; 0: do not wait)."""
+        ``timeout`` seconds (None: no bound; 0: do not wait). ``idle`` is called when
+        nothing is queued, just before the wait (work best done while idle)."""
         listener = self._listen.get(stage) or self.listen(stage)
         keys = self._drain(listener)
         if keys or keys.overflowed or timeout == 0:
             return keys
+        if idle is not None:
+            idle()
         try:
             ready = listener[1].poll(-1 if timeout is None else timeout * 1000.0)
         except (OSError, ValueError):
