@@ -86,7 +86,7 @@ class SecurityMiddleware:
                 headers.get("authorization"), query_key if kind == "websocket" else None
             )
             if problem is not None:
-                await _refuse(scope, receive, send, 401, problem, "invalid_api_key")
+                await _refuse(scope, receive, send, 401, problem, "invalid_api_key", cors_origin)
                 return
         if cors_origin is None or kind != "http":
             await self.app(scope, receive, send)
@@ -195,12 +195,17 @@ async def _preflight(send: Send, cors_origin: str | None, headers: Headers) -> N
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:
-    """An OpenAI-style JSON error; for a WebSocket, as the handshake's HTTP response."""
+async def _refuse(
+    scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str, cors: str | None = None
+) -> None:
+    """An OpenAI-style JSON error; for a WebSocket, as the handshake's HTTP response.
+    ``cors``: an allowed origin, which may read the error."""
     body = json.dumps(error_body(message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if cors is not None:
+        headers += _cors_headers(cors)
     if scope["type"] == "http":
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
