@@ -94,11 +94,13 @@ def create_app(
 
     _install_error_handlers(app, fe)
 
-    @app.post("/v1/chat/completions", openapi_extra=json_operation(ChatCompletionRequest, _CHAT_OK))
+    @app.post(
+        "/v1/chat/completions", openapi_extra=json_operation(ChatCompletionRequest, _CHAT_OK, fe.model_name)
+    )
     async def _chat(request: Request) -> Response:
         return await chat.chat_completions(request, fe)
 
-    @app.post("/v1/audio/speech", openapi_extra=json_operation(SpeechRequest, _SPEECH_OK))
+    @app.post("/v1/audio/speech", openapi_extra=json_operation(SpeechRequest, _SPEECH_OK, fe.model_name))
     async def _speech(request: Request) -> Response:
         return await speech.speech(request, fe)
 

@@ -56,13 +56,14 @@ def error_responses(*statuses: str) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-def json_operation(model: type[BaseModel], ok: dict[str, Any]) -> dict[str, Any]:
-    """``openapi_extra`` of a route whose JSON body is ``model`` and whose 200 is ``ok``."""
+def json_operation(model: type[BaseModel], ok: dict[str, Any], served: str) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose JSON body is ``model`` and whose 200 is ``ok``;
+    the body's ``model`` field names the one model ``served``."""
+    schema = _inline(model.model_json_schema())
+    if "model" in schema.get("properties", {}):
+        schema["properties"]["model"] = {"anyOf": [{"enum": [served]}, {"type": "null"}], "default": None}
     return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": _inline(model.model_json_schema())}},
-        },
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {"200": ok, **error_responses()},
     }
 
