@@ -495,3 +495,91 @@ def test_over_capacity_is_429_with_retry_after_everywhere(srv: Served) -> None:
     assert error["code"] == "server_busy" and error["status"] == 429 and error["retry_after_s"] == 3
     done = next(e for e in events if e["type"] == "audio.done")
     assert done["total_bytes"] == 0 and "concurrent requests" in done["error"]
+
+
+# ------------------------------------------------------------------- the serve command's flags
+
+
+def _serve_args(*argv: str) -> Any:
+    import argparse
+
+    from omnirelay.cli import serve as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_and_environment_give_the_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    from omnirelay.cli.serve import security_limits
+
+    env = {"OMNIRELAY_API_KEY": " sk-a, sk-b ,"}
+    limits = security_limits(_serve_args(), env)
+    assert limits["api_keys"] == ("sk-a", "sk-b") and not limits["protect_health"]
+    flags = _serve_args(
+        "--api-key",
+        "sk-c",
+        "--api-key",
+        "sk-d",
+        "--allowed-origins",
+        "https://a.example,http://b:8080",
+        "--protect-metrics",
+    )
+    limits = security_limits(flags, env)  # the flags win over the environment
+    assert limits["api_keys"] == ("sk-c", "sk-d") and limits["protect_metrics"]
+    assert limits["allowed_origins"] == ("https://a.example", "http://b:8080")
+    ServerConfig(**limits)  # valid as given
+    assert capsys.readouterr().err == ""  # loopback: no warning
+
+
+def test_serve_warns_on_a_public_address_without_a_key(capsys: pytest.CaptureFixture[str]) -> None:
+    from omnirelay.cli.serve import security_limits
+
+    security_limits(_serve_args("--host", "0.0.0.0"), {})
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "0.0.0.0" in err and "--api-key" in err
+    security_limits(_serve_args("--host", "0.0.0.0"), {"OMNIRELAY_API_KEY": "sk-a"})
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("api_keys", ("has space",), "printable ASCII"),
+        ("api_keys", ("",), "printable ASCII"),
+        ("api_keys", ("a,b",), "comma"),
+        ("allowed_origins", ("app.example",), "scheme://host"),
+        ("allowed_origins", ("https://app.example/path",), "scheme://host"),
+        ("allowed_origins", ("null",), "scheme://host"),
+    ],
+)
+def test_bad_security_settings_are_refused_without_echoing_keys(field: str, value: Any, needle: str) -> None:
+    from omnirelay.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle) as info:
+        ServerConfig(**{field: value})
+    if field == "api_keys":
+        assert all(v not in str(info.value) for v in value if v)
+
+
+def test_default_modalities_in_a_pipeline_file_are_validated() -> None:
+    from importlib.resources import files
+
+    import yaml
+
+    from omnirelay.errors import ConfigError
+    from omnirelay.pipeline import parse_pipeline
+
+    data = yaml.safe_load((files("omnirelay") / "pipelines" / "toy-3stage.yaml").read_text())
+    assert parse_pipeline({**data, "default_modalities": ["text", "audio"]}).default_modalities == (
+        "text",
+        "audio",
+    )
+    for bad, needle in (
+        (["video"], "not an output"),
+        (["timestamps"], "not an output"),
+        (["text", "text"], "twice"),
+        ("text", "list of strings"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            parse_pipeline({**data, "default_modalities": bad})
