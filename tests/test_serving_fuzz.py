@@ -24,7 +24,7 @@ CONFIG = ServerConfig(
     ws_max_config_bytes=64 * 1024,
     ws_max_text_bytes=16 * 1024,
 )
-EXAMPLES = 15
+EXAMPLES = 10
 WS_FRAMES = 44  # four of each kind
 
 

@@ -163,7 +163,17 @@ def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
     @app.exception_handler(OmniRelayError)
     async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
         logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
-        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {exc}", type="server_error", code="internal_error"), status_code=500
+        )
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: still OpenAI's JSON error (not a plain-text 500); the server logs the traceback.
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"),
+            status_code=500,
+        )
 
 
 def _model_card(fe: Frontend) -> dict[str, Any]:

@@ -16,8 +16,8 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Iterable
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -215,7 +215,11 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
 
 def loads_object(raw: str | bytes, what: str) -> dict[str, Any]:
     """``raw`` as a JSON object of at most :data:`MAX_JSON_DEPTH` levels; ValueError that
-    says what is wrong (``what`` names the input) otherwise."""
+    says what is wrong (``what`` names the input) otherwise. The depth is measured on the
+    text before parsing, so the parser never recurses past the limit."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise ValueError(_too_deep(what))
     try:
         value = json.loads(raw)
     except UnicodeDecodeError as exc:
@@ -224,12 +228,10 @@ def loads_object(raw: str | bytes, what: str) -> dict[str, Any]:
         raise ValueError(
             f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
-    except RecursionError as exc:  # far deeper than the limit: the parser gave up
+    except RecursionError as exc:  # unbalanced and deep: the parser gave up first
         raise ValueError(_too_deep(what)) from exc
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got a JSON {_json_kind(value)}")
-    if _deeper_than(value, MAX_JSON_DEPTH):
-        raise ValueError(_too_deep(what))
     return value
 
 
@@ -247,19 +249,22 @@ def _json_kind(value: object) -> str:
     return "boolean" if isinstance(value, bool) else "number"
 
 
-def _deeper_than(value: object, limit: int) -> bool:
-    """Whether ``value`` nests containers more than ``limit`` deep (no recursion)."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        assert isinstance(children, Iterable)
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_INNERMOST_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def _deeper_than(text: bytes, limit: int) -> bool:
+    """Whether JSON ``text`` nests brackets more than ``limit`` deep: strings dropped, only
+    brackets kept, then each pass removes the innermost pairs (one level), all in C."""
+    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", text))
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets, removed = _INNERMOST_PAIR.subn(b"", brackets)
+        if not removed:
+            return False  # unbalanced: the parser says where
+    return bool(brackets)
 
 
 def _too_large(size: int, limit: int) -> ApiError:
