@@ -7,8 +7,8 @@
 2. **WebSocket**: ``--ws-frames`` connections to ``/v1/audio/speech/stream``, each sending
    one malformed frame (random bytes, text that is not JSON, JSON that is not an object,
    nesting far too deep, over the size limit, a missing or unknown ``type``, fields of
-   the wrong JSON type), some after a valid ``session.config``. Each must get exactly one
-   ``error`` frame, then a 1008 close.
+   the wrong JSON type, an unpaired surrogate escape), some after a valid
+   ``session.config``. Each must get exactly one ``error`` frame, then a 1008 close.
 3. The server must still be healthy after both: ``/health`` is 200 and a chat request is
    answered; the pipeline holds no request state and no transfer object.
 
@@ -201,6 +201,9 @@ def malformed_frames(rng: random.Random, n: int, max_bytes: int) -> list[tuple[s
                 ]
             )
         ),
+        "lone surrogate": lambda: (
+            '{"type": "input.text", "text": "a\\u' + rng.choice(["d800", "DBFF", "dc00"]) + '"}'
+        ),
         "truncated json": lambda: json.dumps({"type": rng.choice(_TYPES), "text": "abc"})[
             : rng.randint(1, 20)
         ],
@@ -211,7 +214,7 @@ def malformed_frames(rng: random.Random, n: int, max_bytes: int) -> list[tuple[s
         kind = kinds[i % len(kinds)]
         frame: str | bytes = makers[kind]()
         frames: list[str | bytes] = [_CONFIG, frame] if rng.random() < 0.5 else [frame]
-        if kind == "wrong field type" and '"input.text"' in str(frame):
+        if kind in ("wrong field type", "lone surrogate") and '"input.text"' in str(frame):
             frames = [_CONFIG, frame]  # without a config first it would be config_required
         out.append((kind, frames))
     return out

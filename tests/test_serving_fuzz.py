@@ -25,7 +25,7 @@ CONFIG = ServerConfig(
     ws_max_text_bytes=16 * 1024,
 )
 EXAMPLES = 10
-WS_FRAMES = 44  # four of each kind
+WS_FRAMES = 48  # four of each kind
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,6 @@ def test_http_fuzz_finds_no_server_error(srv: Served) -> None:
 def test_ws_fuzz_gets_an_error_frame_and_1008_each(srv: Served) -> None:
     report = asyncio.run(fuzz_ws(srv.ws_url, frames=WS_FRAMES, max_bytes=CONFIG.ws_max_config_bytes))
     assert report.ok, report.failures
-    assert report.error_then_1008 == WS_FRAMES and len(report.kinds) == 11
+    assert report.error_then_1008 == WS_FRAMES and len(report.kinds) == 12
     assert check_healthy(srv.url, srv.model) is None
     srv.audit()

@@ -303,6 +303,17 @@ def test_deep_json_is_a_400_and_the_server_stays_up(srv: Served, depth: int) -> 
     assert httpx.get(srv.url + "/health").json()["status"] == "healthy"
 
 
+def test_a_lone_surrogate_escape_is_a_400_not_a_crash(srv: Served) -> None:
+    for path, body in (
+        (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+        (SPEECH, '{"input": "\\udfff b"}'),
+    ):
+        resp = _post(srv, path, body.encode(), AUTH)
+        assert resp.status_code == 400 and "unpaired UTF-16 surrogate" in _error(resp)["message"]
+    paired = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}'
+    assert _post(srv, CHAT, paired.encode(), AUTH).status_code == 200
+
+
 def test_an_oversize_body_is_413_whether_declared_or_streamed(srv: Served) -> None:
     big = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
     resp = _post(srv, CHAT, big, AUTH)
@@ -342,6 +353,10 @@ MALFORMED: list[tuple[str, list[str | bytes]]] = [
     ),
     ("voice not a string", [json.dumps({"type": "session.config", "voice": ["ethan"]})]),
     ("oversize", [json.dumps({"type": "session.config", "pad": "x" * 70_000})]),
+    (
+        "lone surrogate",
+        [json.dumps({"type": "session.config"}), '{"type": "input.text", "text": "a\\ud800"}'],
+    ),
 ]
 
 

@@ -232,7 +232,18 @@ def loads_object(raw: str | bytes, what: str) -> dict[str, Any]:
         raise ValueError(_too_deep(what)) from exc
     if not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object, got a JSON {_json_kind(value)}")
+    if _SURROGATE_ESCAPE.search(data) is not None and _has_lone_surrogate(value):
+        # "\ud800" alone parses to a str that no UTF-8 encoder (tokenizer, log, header) takes.
+        raise ValueError(f"{what} has a \\u escape of an unpaired UTF-16 surrogate; it is not text")
     return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _too_deep(what: str) -> str:
@@ -252,6 +263,8 @@ def _json_kind(value: object) -> str:
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
 _INNERMOST_PAIR = re.compile(rb"\[\]|\{\}")
+#: a \u escape in the surrogate range (D800-DFFF): paired ones are fine, so look closer
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _deeper_than(text: bytes, limit: int) -> bool:
