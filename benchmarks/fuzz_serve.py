@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from omnirelay.api import Pipeline
+    from omnirelay.connectors.shm import sweep
     from omnirelay.serving import ServerConfig, ServerThread, create_app
 
     config = ServerConfig(
@@ -326,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                 app.state.frontend.admission.num_active or pipe.num_active
             ) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            leftover = {
+            leftover: dict[str, Any] = {
                 "server_in_flight": app.state.frontend.admission.num_active,
                 "pipeline_in_flight": pipe.num_active,
+                "request_state": pipe.leaks(),
             }
+    leftover["objects_after_shutdown"] = len(sweep(pipe.namespace).objects)
     report = {
         "pipeline": args.pipeline,
         "seed": args.seed,
