@@ -173,7 +173,7 @@ BAD_REQUESTS = [
         400,
         "voices",
     ),
-    ("n > 1", CHAT, {"messages": HI, "n": 2}, 400, "n:"),
+    ("n > 1", CHAT, {"messages": HI, "n": 2}, 400, "one choice per request"),
     ("max_tokens over limit", CHAT, {"messages": HI, "max_tokens": 10**6}, 400, "the limit is 8192"),
     ("oversize prompt", CHAT, {"messages": [{"role": "user", "content": "x" * 1001}]}, 400, "limit is 1000"),
     ("too many stops", CHAT, {"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
@@ -208,7 +208,7 @@ def test_bad_input_gets_a_4xx_that_says_what_to_fix(
 
 def test_oversize_body_is_413_and_the_server_stays_healthy(srv: Served) -> None:
     big = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]})
-    resp = httpx.post(srv.url + CHAT, content=big)
+    resp = httpx.post(srv.url + CHAT, content=big, headers={"Content-Type": "application/json"})
     assert resp.status_code == 413 and "limit is 65536 bytes" in resp.json()["error"]["message"]
     assert httpx.get(srv.url + "/health").json()["status"] == "healthy"
     r = srv.client().chat.completions.create(model=srv.model, messages=HI, modalities=["text"], max_tokens=2)
@@ -329,7 +329,6 @@ def test_ws_errors_keep_the_session_and_split_sentences(srv: Served) -> None:
         ),  # needs pcm
         json.dumps(cfg),
         json.dumps({"type": "input.text", "text": "x" * 3000}),  # over 2,048 bytes a message
-        json.dumps({"type": "no.such"}),
         json.dumps({"type": "input.done"}),  # nothing buffered
         json.dumps({"type": "input.text", "text": "One. Two"}),
         json.dumps({"type": "input.text", "text": "! Three"}),
@@ -343,7 +342,6 @@ def test_ws_errors_keep_the_session_and_split_sentences(srv: Served) -> None:
         "invalid_config",
         "invalid_config",
         "message_too_large",
-        "invalid_message",
         "empty_input",
     ]
     starts = [e for e in events if e["type"] == "audio.start"]

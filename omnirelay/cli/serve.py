@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +24,7 @@ def register(sub: Any) -> None:
             "Start one worker process per stage of the pipeline and serve it: POST /v1/chat/completions "
             "(text and audio, streaming or not), POST /v1/audio/speech, WS /v1/audio/speech/stream "
             "(with word timestamps when the pipeline has an aligner), GET /v1/models, /health and "
-            f"/metrics. The default pipeline, {DEFAULT_PIPELINE}, answers with SmolLM2 and speaks with "
+            f"/metrics (OpenAPI schema: /openapi.json). The default pipeline, {DEFAULT_PIPELINE}, answers with SmolLM2 and speaks with "
             "a Piper voice; speech requests are read verbatim. Ctrl-C stops the server and every worker."
         ),
     )
@@ -58,7 +60,69 @@ def register(sub: Any) -> None:
         help="429 while the pipeline holds more unconsumed transfer bytes than this (default: no limit)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_security_flags(p)
     p.set_defaults(func=run_serve)
+
+
+#: Environment variable with API keys (comma-separated), used when no --api-key is given.
+API_KEY_ENV = "OMNIRELAY_API_KEY"
+
+
+def _add_security_flags(p: Any) -> None:
+    g = p.add_argument_group(
+        "security",
+        "With API keys, every /v1 route and the WebSocket need 'Authorization: Bearer KEY' (the "
+        "WebSocket also takes ?api_key=KEY), else 401; /health and /metrics stay open unless "
+        "protected. Requests from a browser (with an Origin header) are refused with 403 unless the "
+        "origin is this server's own host or listed in --allowed-origins; listed origins get CORS "
+        "headers. JSON routes take only Content-Type: application/json (415 otherwise).",
+    )
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"a key clients must present (repeat for several; default: ${API_KEY_ENV}, "
+        "comma-separated: better, as a command line is visible to other users; none: no "
+        "authentication). Keys are never printed or logged",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGINS",
+        help="browser origins allowed besides the server's own host, comma-separated or repeated "
+        "(scheme://host[:port], e.g. https://app.example.com; * for any); default: none",
+    )
+    g.add_argument(
+        "--protect-health", action="store_true", help="require the API key on /health too (default: open)"
+    )
+    g.add_argument(
+        "--protect-metrics", action="store_true", help="require the API key on /metrics too (default: open)"
+    )
+
+
+def security_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The ServerConfig fields of the security flags (``environ`` supplies the keys when no
+    --api-key is given); warns on stderr when a non-loopback address has no key."""
+    from omnirelay.serving.security import is_loopback_host
+
+    given = args.api_key if args.api_key is not None else [environ.get(API_KEY_ENV, "")]
+    keys = tuple(k.strip() for v in given for k in v.split(",") if k.strip())
+    origins = tuple(o.strip() for v in args.allowed_origins or () for o in v.split(",") if o.strip())
+    if not keys and not is_loopback_host(args.host):
+        print(
+            f"omnirelay serve: WARNING: binding {args.host}, reachable from other machines, without an API "
+            f"key: anyone who can reach it can use it. Pass --api-key KEY (or set {API_KEY_ENV}).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "api_keys": keys,
+        "allowed_origins": origins,
+        "protect_health": args.protect_health,
+        "protect_metrics": args.protect_metrics,
+    }
 
 
 def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
@@ -94,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         max_concurrency=args.max_concurrency,
         max_live_bytes=args.max_live_bytes,
+        **security_limits(args, os.environ),
     )
     prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
     print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)

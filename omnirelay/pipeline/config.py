@@ -197,6 +197,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     connectors: dict[str, ConnectorSpec] = msgspec.field(default_factory=dict)
     default_connector: str = DEFAULT_CONNECTOR_NAME
     description: str = ""
+    #: What a chat request that names no ``modalities`` gets (a subset of ``text``,
+    #: ``audio`` among the final outputs); empty: text only, as OpenAI's API.
+    default_modalities: tuple[str, ...] = ()
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 

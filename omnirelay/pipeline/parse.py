@@ -112,6 +112,8 @@ def parse_pipeline(
                 "whose input never arrives waits forever (default: "
                 f"{DEFAULT_INPUT_WAIT_TIMEOUT_S:g} s)"
             )
+    if "default_modalities" in data:
+        kwargs["default_modalities"] = tuple(ctx.string_list(data, "default_modalities"))
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     stages_raw = data.get("stages")
@@ -233,6 +235,7 @@ PIPELINE_KEYS = (
     "default_connector",
     "connectors",
     "stages",
+    "default_modalities",
 )
 STAGE_KEYS = tuple(StageConfig.__struct_fields__)
 SAMPLING_KEYS = tuple(SamplingConfig.__struct_fields__)
@@ -332,6 +335,14 @@ class _Ctx:
         value = m[key]
         if not isinstance(value, list) or any(type(v) is not int for v in value):
             self.fail(key, f"expected a list of ints, got {_describe(value)}", f"write {key}: [1, 2]")
+        return list(value)
+
+    def string_list(self, m: Mapping[Any, Any], key: str) -> list[str]:
+        value = m[key]
+        if not isinstance(value, list) or any(not isinstance(v, str) or not v for v in value):
+            self.fail(
+                key, f"expected a list of strings, got {_describe(value)}", f"write {key}: [text, audio]"
+            )
         return list(value)
 
     def choice(

@@ -55,6 +55,7 @@ def validate_pipeline(cfg: PipelineConfig) -> None:
         _check_stage_values(cfg, stage)
     _check_sources(cfg)
     _check_final_outputs(cfg)
+    _check_default_modalities(cfg)
     _check_connectors(cfg)
     _check_chunk_contracts(cfg)
 
@@ -234,6 +235,28 @@ def _check_final_outputs(cfg: PipelineConfig) -> None:
             "no stage has final_output: true, so no request could ever finish",
             "mark the stage(s) whose output the client receives with final_output: true and "
             "final_output_type: text, audio or timestamps",
+        )
+
+
+#: The outputs a chat request can ask for (``timestamps`` belong to the speech endpoints).
+CHAT_MODALITIES = ("text", "audio")
+
+
+def _check_default_modalities(cfg: PipelineConfig) -> None:
+    wanted = cfg.default_modalities
+    if not wanted:
+        return
+    produced = {str(s.final_output_type) for s in cfg.stages if s.final_output and s.final_output_type}
+    offered = [m for m in CHAT_MODALITIES if m in produced]
+    bad = [m for m in wanted if m not in offered]
+    if bad or len(set(wanted)) != len(wanted):
+        problem = f"{bad[0]!r} is not an output of this pipeline" if bad else "a modality is listed twice"
+        raise config_error(
+            cfg.source,
+            None,
+            "default_modalities",
+            problem,
+            f"list each once, from {offered} (the final outputs' types), or remove the key for text only",
         )
 
 

@@ -7,13 +7,16 @@ route                                   serves
 ``POST /v1/audio/speech``               :mod:`omnirelay.serving.speech`
 ``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.websocket`
 ``GET /v1/models``                      the one model (the pipeline)
+``GET /v1/models/{id}``                 that model, or 404 ``model_not_found``
 ``GET /health``                         per stage, from ``pipeline.health_async()``;
                                         503 when a stage is down
 ``GET /metrics``                        Prometheus text (:mod:`omnirelay.serving.metrics`)
 ======================================  =================================================
 
 The app does not own the pipeline: whoever started it shuts it down (the ``serve``
-command, a test fixture). Every error leaves as OpenAI's JSON error body with a 4xx/5xx.
+command, a test fixture). Every error leaves as OpenAI's JSON error body with a 4xx/5xx
+and a string ``code`` (``not_found``, ``method_not_allowed`` …). API keys, browser
+origins and CORS are checked before routing (:mod:`omnirelay.serving.security`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError, error_body
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.metrics import CONTENT_TYPE, ServerMetrics, live_bytes
+from omnirelay.serving.openapi import error_responses, json_operation
+from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest
+from omnirelay.serving.security import SecurityMiddleware
 from omnirelay.serving.text import TextCodec, codec_for_pipeline
 
 __all__ = ["create_app"]
@@ -45,6 +51,16 @@ __all__ = ["create_app"]
 logger = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+#: OpenAI-style ``code`` of the errors the router itself raises (status in the status line)
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_CHAT_OK = {
+    "description": "a chat.completion, or with stream: true server-sent chat.completion.chunk events",
+    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+}
+_SPEECH_OK = {
+    "description": "the audio (streamed as it is made with stream or stream_format)",
+    "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}},
+}
 
 
 def create_app(
@@ -74,14 +90,17 @@ def create_app(
 
     app = FastAPI(title="omnirelay", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.frontend = fe
+    app.add_middleware(SecurityMiddleware, config=cfg)
 
     _install_error_handlers(app, fe)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", openapi_extra=json_operation(ChatCompletionRequest, _CHAT_OK, fe.model_name)
+    )
     async def _chat(request: Request) -> Response:
         return await chat.chat_completions(request, fe)
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", openapi_extra=json_operation(SpeechRequest, _SPEECH_OK, fe.model_name))
     async def _speech(request: Request) -> Response:
         return await speech.speech(request, fe)
 
@@ -89,14 +108,14 @@ def create_app(
     async def _speech_stream(ws: WebSocket) -> None:
         await websocket.serve_session(ws, fe)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses("401", "403"))
     async def _models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": fe.model_name, "object": "model", "created": fe.created, "owned_by": "omnirelay"}
-            ],
-        }
+        return {"object": "list", "data": [_model_card(fe)]}
+
+    @app.get("/v1/models/{model_id:path}", responses=error_responses("401", "403", "404"))
+    async def _model(model_id: str) -> dict[str, Any]:
+        fe.check_model(model_id)
+        return _model_card(fe)
 
     @app.get("/health")
     async def _health() -> JSONResponse:
@@ -136,7 +155,7 @@ def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(
-            error_body(str(exc.detail), code=str(exc.status_code)),
+            error_body(str(exc.detail), code=_HTTP_CODES.get(exc.status_code, "invalid_request_error")),
             status_code=exc.status_code,
             headers=exc.headers,
         )
@@ -144,7 +163,21 @@ def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
     @app.exception_handler(OmniRelayError)
     async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
         logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
-        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {exc}", type="server_error", code="internal_error"), status_code=500
+        )
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: still OpenAI's JSON error (not a plain-text 500); the server logs the traceback.
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type="server_error", code="internal_error"),
+            status_code=500,
+        )
+
+
+def _model_card(fe: Frontend) -> dict[str, Any]:
+    return {"id": fe.model_name, "object": "model", "created": fe.created, "owned_by": "omnirelay"}
 
 
 def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:

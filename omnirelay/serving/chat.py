@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` (docs/protocol.md §7.1), OpenAI's schema with audio output.
 
-* ``modalities`` ``["text"]``, ``["text", "audio"]`` (or ``["audio"]``); absent: every
-  output the pipeline has. ``audio`` {voice, format: ``wav`` | ``pcm16``}.
+* ``modalities`` ``["text"]``, ``["text", "audio"]`` (or ``["audio"]``); absent: text
+  only, as OpenAI's (or the pipeline file's ``default_modalities``). ``audio`` {voice, format: ``wav`` | ``pcm16``}.
 * ``stream: false`` — one ``chat.completion``: ``message.content`` is the text,
   ``message.audio`` {id, data: base64 of the whole WAV/PCM16, transcript, expires_at}.
   Stages still overlap inside the pipeline; only the answer waits for the end.
@@ -12,6 +12,9 @@
 * ``stop`` (up to 4 strings) ends the answer at the first match (the request is aborted
   through every stage); ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p`` and ``seed`` set the first stage's sampling.
+* What omnirelay cannot do is refused with a 400 naming the field, never ignored: tools
+  and function calls, ``n > 1``, a ``response_format`` other than text, log
+  probabilities, ``logit_bias``, penalties, a null user message, non-text input parts.
 """
 
 from __future__ import annotations
@@ -172,6 +175,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     body = await read_json_body(request, fe.config.max_body_bytes)
     req = parse(ChatCompletionRequest, body)
     fe.check_model(req.model)
+    req.unsupported()
     modalities = fe.chat_modalities(req.modalities)
     audio = _audio_params(fe, req, modalities)
     messages = [(m.role, m.text(i)) for i, m in enumerate(req.messages)]

@@ -7,10 +7,11 @@ with small limits (one admission slot, a short idle timeout) without touching gl
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 from omnirelay.errors import ConfigError
 
-__all__ = ["DEFAULT_VOICES", "ServerConfig"]
+__all__ = ["DEFAULT_VOICES", "ServerConfig", "normalize_origin"]
 
 #: The Qwen3-Omni speakers (the tiny model has the same table).
 DEFAULT_VOICES = ("chelsie", "ethan", "aiden")
@@ -47,6 +48,16 @@ class ServerConfig:
     ws_idle_timeout_s: float = 30.0
     #: text buffered in one utterance before the server refuses more
     ws_max_utterance_chars: int = 16384
+    # -- security (omnirelay.serving.security)
+    #: keys a client must present as ``Authorization: Bearer KEY`` on /v1 (WebSocket:
+    #: also ``?api_key=KEY``); empty: no authentication. Never shown in a repr.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: browser origins (``scheme://host[:port]``, or ``*`` for any) allowed besides the
+    #: server's own host; they get CORS headers. Other origins get 403.
+    allowed_origins: tuple[str, ...] = ()
+    #: require the API key on /health and /metrics too (they are open by default)
+    protect_health: bool = False
+    protect_metrics: bool = False
     #: histogram buckets of time to first audio / first token, in seconds
     latency_buckets_s: tuple[float, ...] = field(
         default=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -57,6 +68,8 @@ class ServerConfig:
             value = getattr(self, f.name)
             if f.name in ("model_name", "max_live_bytes") and value is None:
                 continue
+            if f.name in ("api_keys", "allowed_origins", "protect_health", "protect_metrics"):
+                continue  # checked by _check_security
             if f.name in ("model_name", "default_voice"):
                 if not isinstance(value, str) or not value.strip():
                     raise ConfigError(f"ServerConfig.{f.name} must be a non-empty string, got {value!r}")
@@ -71,7 +84,55 @@ class ServerConfig:
                     raise ConfigError(f"ServerConfig.{f.name} must be a number > 0, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ServerConfig.{f.name} must be an int > 0, got {value!r}")
+        self._check_security()
         if self.default_voice.lower() not in {v.lower() for v in self.voices}:
             raise ConfigError(
                 f"ServerConfig.default_voice {self.default_voice!r} is not one of voices {list(self.voices)}"
             )
+
+    def _check_security(self) -> None:
+        for name in ("protect_health", "protect_metrics"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"ServerConfig.{name} must be True or False")
+        if not isinstance(self.api_keys, tuple):
+            raise ConfigError("ServerConfig.api_keys must be a tuple of strings")
+        for i, key in enumerate(self.api_keys):
+            # The key's value is never part of a message: it may land in a log.
+            if not isinstance(key, str) or not key or not all(33 <= ord(c) <= 126 for c in key):
+                raise ConfigError(
+                    f"ServerConfig.api_keys[{i}] must be non-empty printable ASCII without spaces "
+                    "(it travels in an Authorization header)"
+                )
+            if "," in key:
+                raise ConfigError(f"ServerConfig.api_keys[{i}] must not contain a comma")
+        if not isinstance(self.allowed_origins, tuple):
+            raise ConfigError("ServerConfig.allowed_origins must be a tuple of strings")
+        for origin in self.allowed_origins:
+            if normalize_origin(origin) is None:
+                raise ConfigError(
+                    f"ServerConfig.allowed_origins: {origin!r} is not an origin; write "
+                    "scheme://host[:port] (e.g. https://app.example.com), or * for any origin"
+                )
+
+
+def normalize_origin(origin: object) -> str | None:
+    """``origin`` as ``scheme://host[:port]`` in lower case (``*`` stays), or None when it is
+    not an origin (a path, a query, another scheme, ``null``)."""
+    if not isinstance(origin, str):
+        return None
+    if origin == "*":
+        return origin
+    try:
+        parts = urlsplit(origin.strip().rstrip("/"))
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        return None
+    if parts.username is not None or parts.fragment:
+        return None
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    default = 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{host}" if port in (None, default) else f"{parts.scheme}://{host}:{port}"

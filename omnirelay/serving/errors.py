@@ -41,7 +41,8 @@ class ApiError(OmniRelayError):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+        # ``code`` is always a string: the specific one, else the error's kind.
+        return error_body(self.message, type=self.type, param=self.param, code=self.code or self.type)
 
 
 def error_body(

@@ -183,11 +183,15 @@ class Frontend:
         return voice.lower()
 
     def chat_modalities(self, value: Any) -> tuple[str, ...]:
-        """docs/protocol.md §7.1: absent → the pipeline's output modalities; else a list of strings
-        within them, or a 400 that lists the supported ones."""
+        """docs/protocol.md §7.1: absent → the pipeline file's ``default_modalities``, else text
+        only (OpenAI's default; a pipeline without text output: what it has); given → a list
+        of strings within the pipeline's outputs, or a 400 that lists the supported ones."""
         supported = [m for m in self.output_types if m in CHAT_MODALITIES]
         if value is None:
-            return tuple(supported)
+            default = self.pipeline.config.default_modalities
+            if default:
+                return tuple(default)
+            return ("text",) if "text" in supported else tuple(supported)
         if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
             raise ApiError(
                 400,

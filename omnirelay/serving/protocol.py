@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, and reading them safely.
 
-* :func:`read_json_body` — the body of an HTTP request as a JSON object, capped at
-  ``max_bytes`` while it is read (413 past it), malformed JSON → 400 that says where.
+* :func:`read_json_body` — the body of an HTTP request as a JSON object: only with
+  ``Content-Type: application/json`` (415 otherwise: a browser may send any other type
+  cross-site without asking first), capped at ``max_bytes`` while it is read (413 past
+  it), malformed JSON → 400 that says where; :func:`loads_object` (the WebSocket's too)
+  refuses nesting deeper than :data:`MAX_JSON_DEPTH` with a 400, never a crash.
 * :func:`parse` — a JSON object into one of the models below; the first validation error
   becomes a 400 naming the field (``messages[0].content: ...``).
 * :class:`ChatCompletionRequest`, :class:`SpeechRequest` — the fields omnirelay honours.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal, TypeVar
 
@@ -24,6 +28,7 @@ from omnirelay.errors import InvalidRequestError
 from omnirelay.serving.errors import ApiError
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "AudioParams",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -31,11 +36,16 @@ __all__ = [
     "SpeechRequest",
     "StreamOptions",
     "check_request_id",
+    "loads_object",
     "parse",
     "read_json_body",
 ]
 
 M = TypeVar("M", bound=BaseModel)
+
+#: The deepest nesting of JSON arrays and objects accepted: OpenAI's bodies nest a few
+#: levels; far deeper input only exhausts the parser's stack.
+MAX_JSON_DEPTH = 64
 
 
 class _Model(BaseModel):
@@ -51,11 +61,27 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    #: refused when present (function calling is not supported)
+    tool_calls: Any = None
+    function_call: Any = None
 
     def text(self, index: int) -> str:
-        """The message's text; a part of another type (image, audio …) is a 400."""
+        """The message's text; a part of another type (image, audio …), a tool call, or a
+        missing content on anything but an assistant turn is a 400."""
+        where = f"messages[{index}]"
+        for key in ("tool_calls", "function_call"):
+            if getattr(self, key) is not None:
+                raise ApiError(
+                    400, f"{where}.{key}: tool and function calls are not supported", param=f"{where}.{key}"
+                )
         if self.content is None:
-            return ""
+            if self.role == "assistant":
+                return ""
+            raise ApiError(
+                400,
+                f"{where}.content is null; a {self.role} message needs its text as a string or text parts",
+                param=f"{where}.content",
+            )
         if isinstance(self.content, str):
             return self.content
         pieces = []
@@ -63,9 +89,9 @@ class ChatMessage(_Model):
             if part.type != "text" or part.text is None:
                 raise ApiError(
                     400,
-                    f"messages[{index}].content[{j}] has type {part.type!r}; only text parts "
-                    "({'type': 'text', 'text': ...}) are supported",
-                    param=f"messages[{index}].content",
+                    f"{where}.content[{j}] has type {part.type!r}; this model takes text only: "
+                    "only text parts ({'type': 'text', 'text': ...}) are supported",
+                    param=f"{where}.content",
                 )
             pieces.append(part.text)
         return "".join(pieces)
@@ -93,7 +119,53 @@ class ChatCompletionRequest(_Model):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
+    # OpenAI's fields that omnirelay cannot honour: refused by unsupported() when they ask
+    # for something, rather than ignored (a client would silently get another answer).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    def unsupported(self) -> None:
+        """A 400 naming the first field that asks for something omnirelay does not do."""
+        for key in ("tools", "functions"):
+            if getattr(self, key):
+                _refuse_field(key, "tool and function calling are not supported")
+        for key in ("tool_choice", "function_call"):
+            if getattr(self, key) not in (None, "none"):
+                _refuse_field(key, "tool and function calling are not supported; omit it or pass 'none'")
+        if self.n != 1:
+            _refuse_field("n", f"n is {self.n}; one choice per request is supported (n: 1)")
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            shown = repr(kind) if isinstance(kind, str) else json.dumps(fmt)[:60]
+            _refuse_field(
+                "response_format", f"response_format {shown} is not supported; only {{'type': 'text'}}"
+            )
+        if self.logprobs not in (None, False) or self.top_logprobs not in (None, 0):
+            _refuse_field("logprobs", "log probabilities are not supported")
+        if self.logit_bias:
+            _refuse_field("logit_bias", "logit_bias is not supported")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, key) not in (None, 0):
+                _refuse_field(key, f"{key} is not supported; omit it or pass 0")
+        for key in ("prediction", "web_search_options"):
+            if getattr(self, key) is not None:
+                _refuse_field(key, f"{key} is not supported")
+
+
+def _refuse_field(param: str, message: str) -> None:
+    raise ApiError(400, message, param=param, code="unsupported_parameter")
 
 
 class SpeechRequest(_Model):
@@ -109,7 +181,16 @@ class SpeechRequest(_Model):
 
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object body; 413 over ``max_bytes``, 400 when not a JSON object."""
+    """The request's JSON object body; 415 unless ``application/json``, 413 over
+    ``max_bytes``, 400 when not a JSON object (see the module docstring)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        shown = repr(content_type[:100]) if content_type else "none"
+        raise ApiError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
@@ -127,16 +208,76 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
+        return loads_object(raw, "the request body")
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+def loads_object(raw: str | bytes, what: str) -> dict[str, Any]:
+    """``raw`` as a JSON object of at most :data:`MAX_JSON_DEPTH` levels; ValueError that
+    says what is wrong (``what`` names the input) otherwise. The depth is measured on the
+    text before parsing, so the parser never recurses past the limit."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise ValueError(_too_deep(what))
+    try:
         value = json.loads(raw)
     except UnicodeDecodeError as exc:
-        raise ApiError(400, f"the request body is not UTF-8 text: {exc.reason}") from exc
+        raise ValueError(f"{what} is not UTF-8 text: {exc.reason}") from exc
     except json.JSONDecodeError as exc:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise ValueError(
+            f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+    except RecursionError as exc:  # unbalanced and deep: the parser gave up first
+        raise ValueError(_too_deep(what)) from exc
     if not isinstance(value, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got a JSON {type(value).__name__}")
+        raise ValueError(f"{what} must be a JSON object, got a JSON {_json_kind(value)}")
+    if _SURROGATE_ESCAPE.search(data) is not None and _has_lone_surrogate(value):
+        # "\ud800" alone parses to a str that no UTF-8 encoder (tokenizer, log, header) takes.
+        raise ValueError(f"{what} has a \\u escape of an unpaired UTF-16 surrogate; it is not text")
     return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _too_deep(what: str) -> str:
+    return f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    return "boolean" if isinstance(value, bool) else "number"
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(rb"[^\[\]{}]+")
+_INNERMOST_PAIR = re.compile(rb"\[\]|\{\}")
+#: a \u escape in the surrogate range (D800-DFFF): paired ones are fine, so look closer
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _deeper_than(text: bytes, limit: int) -> bool:
+    """Whether JSON ``text`` nests brackets more than ``limit`` deep: strings dropped, only
+    brackets kept, then each pass removes the innermost pairs (one level), all in C."""
+    brackets = _NOT_A_BRACKET.sub(b"", _JSON_STRING.sub(b"", text))
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets, removed = _INNERMOST_PAIR.subn(b"", brackets)
+        if not removed:
+            return False  # unbalanced: the parser says where
+    return bool(brackets)
 
 
 def _too_large(size: int, limit: int) -> ApiError:

@@ -24,6 +24,13 @@ whole utterance one sentence):
 * ``audio.done`` {utterance_index, sentence_index, total_bytes, error}.
 
 Then ``session.done`` on ``session.close``; ``error`` {message, code} for anything wrong.
+A **malformed** message — a binary frame, over the size limit, not a JSON object (or
+nested more than 64 deep), a ``type`` missing or not one of the four, a field of the
+wrong JSON type — gets an ``error`` frame and the socket is closed with 1008 (policy
+violation). A well-formed message with a value to fix (an unknown voice, a
+``split`` not offered, too much text, ``input.done`` with nothing buffered) gets an
+``error`` frame and the session goes on. A sentence refused for capacity gets ``error``
+{code: ``server_busy``, status: 429, retry_after_s} and its ``audio.done`` with the error.
 A client that goes away aborts the sentence in flight through every stage. The session
 closes after 30 s without a client message while nothing is being synthesized.
 """
@@ -34,6 +41,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import re
 import uuid
 from collections.abc import Mapping
@@ -54,6 +62,7 @@ from omnirelay.serving.audio import (
 )
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend, RequestStream
+from omnirelay.serving.protocol import loads_object
 from omnirelay.serving.speech import parse_timestamps, speech_extras
 
 __all__ = ["SessionSettings", "serve_session", "split_text"]
@@ -63,6 +72,9 @@ FORMATS = ("pcm", "wav")
 _SENTENCE_END = r"[.!?。！？]+"
 _CLAUSE_END = r"[.!?。！？,;:，；：]+"
 _POLICY = 1008  # close code: the client broke the protocol
+_INTERNAL = 1011  # close code: the server hit an unexpected condition
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +155,8 @@ class _Session:
         async with self._send_lock:
             await self.ws.send_bytes(data)
 
-    async def send_error(self, message: str, code: str) -> None:
-        await self.send_json({"type": "error", "message": message, "code": code})
+    async def send_error(self, message: str, code: str, **extra: Any) -> None:
+        await self.send_json({"type": "error", "message": message, "code": code, **extra})
 
     # -- run ----------------------------------------------------------------------------
 
@@ -191,30 +203,23 @@ class _Session:
                     await self._fail(exc.message, exc.code)
                     return True
                 await self.send_error(exc.message, exc.code)
+            except (WebSocketDisconnect, OSError):
+                raise
+            except Exception as exc:  # a bug, not the client's: say so rather than vanish
+                logger.exception("websocket session %s: unexpected error handling a message", self.id)
+                await self._fail(f"internal error: {type(exc).__name__}", "internal_error", code=_INTERNAL)
+                return True
 
-    async def _fail(self, message: str, code: str) -> None:
+    async def _fail(self, message: str, error_code: str, *, code: int = _POLICY) -> None:
         with contextlib.suppress(Exception):
-            await self.send_error(message, code)
-            await self.ws.close(code=_POLICY)
+            await self.send_error(message, error_code)
+            await self.ws.close(code=code)
 
     async def _handle(self, message: Mapping[str, Any]) -> bool:
-        """Apply one client message; True for ``session.close``."""
-        raw = message.get("text")
-        if raw is None:
-            raise _ProtocolError(
-                "binary frames are not accepted; send JSON text messages", fatal=self.settings is None
-            )
-        if len(raw.encode()) > self.cfg.ws_max_config_bytes:
-            raise _ProtocolError(
-                f"message of {len(raw.encode())} bytes; the limit is {self.cfg.ws_max_config_bytes}",
-                code="message_too_large",
-                fatal=True,
-            )
-        try:
-            msg = json.loads(raw)
-        except ValueError as exc:
-            raise _ProtocolError(f"not valid JSON: {exc}", fatal=self.settings is None) from exc
-        kind = msg.get("type") if isinstance(msg, dict) else None
+        """Apply one client message; True for ``session.close``. A malformed message (see
+        :func:`_decode`) is fatal; a well-formed one with a value to fix is not."""
+        msg = _decode(message, self.cfg.ws_max_config_bytes)
+        kind = msg["type"]
         if kind == "session.config":
             self.settings = self._configure(msg)
             return False
@@ -234,10 +239,6 @@ class _Session:
             if self.buffer.strip():
                 await self._flush(final=True)
             return True
-        else:
-            raise _ProtocolError(
-                f"unknown message type {kind!r}; expected session.config, input.text, input.done or session.close"
-            )
         return False
 
     def _configure(self, msg: dict[str, Any]) -> SessionSettings:
@@ -252,6 +253,8 @@ class _Session:
                 "word_timestamps": _opt(msg, "word_timestamps", bool, base.word_timestamps),
                 "split": _opt(msg, "split", str, base.split),
             }
+        except _FieldTypeError as exc:
+            raise _ProtocolError(f"session.config: {exc}", code="invalid_message", fatal=True) from exc
         except ApiError as exc:
             raise _ProtocolError(f"session.config: {exc.message}", code="invalid_config") from exc
         settings = replace(base, **values)
@@ -281,7 +284,7 @@ class _Session:
     async def _input_text(self, msg: dict[str, Any]) -> None:
         text = msg.get("text")
         if not isinstance(text, str):
-            raise _ProtocolError("input.text needs a string field 'text'")
+            raise _ProtocolError("input.text needs a string field 'text'", fatal=True)
         if len(text.encode()) > self.cfg.ws_max_text_bytes:
             raise _ProtocolError(
                 f"input.text of {len(text.encode())} bytes; the limit is {self.cfg.ws_max_text_bytes} a message",
@@ -340,7 +343,10 @@ class _Session:
                 extras=speech_extras(job.text, s.voice),
             )
         except ApiError as exc:
-            await self.send_error(exc.message, exc.code or str(exc.status))
+            # Over capacity: the frame carries what an HTTP 429's Retry-After would.
+            retry = exc.headers.get("Retry-After")
+            extra = {"retry_after_s": int(retry)} if retry is not None and retry.isdigit() else {}
+            await self.send_error(exc.message, exc.code or exc.type, status=exc.status, **extra)
             await self.send_json({"type": "audio.done", **ids, "total_bytes": 0, "error": exc.message})
             return
         sent = _Sent(start)
@@ -434,13 +440,46 @@ class _Session:
             )
 
 
+class _FieldTypeError(ValueError):
+    """A field of a client message has the wrong JSON type (the message is malformed)."""
+
+
+_JSON_TYPES = {str: "string", bool: "boolean"}
+_MESSAGE_TYPES = ("session.config", "input.text", "input.done", "session.close")
+
+
 def _opt(msg: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
     value = msg.get(key, default)
     if value is None:
         return default
     if type(value) is not kind:
-        raise ApiError(400, f"{key} must be a {kind.__name__}, got {json.dumps(value)[:40]}", param=key)
+        raise _FieldTypeError(f"{key} must be a {_JSON_TYPES[kind]}, got {json.dumps(value)[:40]}")
     return value
+
+
+def _decode(message: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:
+    """A client frame as a message with a known ``type``, or a fatal :class:`_ProtocolError`:
+    a binary frame, more than ``max_bytes``, not a JSON object (or nested too deep), or a
+    ``type`` that is missing or not one of the protocol's."""
+    raw = message.get("text")
+    if raw is None:
+        raise _ProtocolError("binary frames are not accepted; send JSON text messages", fatal=True)
+    size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise _ProtocolError(
+            f"message of {size} bytes; the limit is {max_bytes}", code="message_too_large", fatal=True
+        )
+    try:
+        msg = loads_object(raw, "the message")
+    except ValueError as exc:
+        raise _ProtocolError(str(exc), fatal=True) from exc
+    kind = msg.get("type")
+    if kind not in _MESSAGE_TYPES:
+        shown = json.dumps(kind)[:60]
+        raise _ProtocolError(
+            f"unknown message type {shown}; expected one of {', '.join(_MESSAGE_TYPES)}", fatal=True
+        )
+    return msg
 
 
 async def serve_session(ws: WebSocket, fe: Frontend) -> None:
