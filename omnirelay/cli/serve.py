@@ -66,13 +66,16 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)."""
     from omnirelay.models import VOICE_EXECUTOR
     from omnirelay.models.piper import voice_alias
-    from omnirelay.serving.config import ServerConfig
+    from omnirelay.serving.config import ServerConfig, openai_voice_map
 
+    config = ServerConfig(**limits)
     for stage in pipeline.stages:
         if stage.executor == VOICE_EXECUTOR:
             alias = voice_alias(str(stage.executor_args.get("voice", "en_US-joe-medium")))
-            return ServerConfig(voices=(alias,), default_voice=alias, **limits)
-    return ServerConfig(**limits)
+            config = ServerConfig(voices=(alias,), default_voice=alias, **limits)
+            break
+    openai_voice_map(pipeline.openai_voices, config.voices, pipeline.source)  # before any stage starts
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
