@@ -84,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.models import prepare_stage_models
     from omnirelay.pipeline import load_pipeline
     from omnirelay.serving import create_app
-    from omnirelay.serving.server import serve_forever
+    from omnirelay.serving.server import bind_socket, serve_forever
 
     if args.device is None and args.load_format is None:
         pipeline_config = load_pipeline(args.pipeline)
@@ -98,18 +98,23 @@ def run_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         max_live_bytes=args.max_live_bytes,
     )
-    prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
-    print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-    pipeline = Pipeline.start(pipeline_config)
+    # The port first: a port the server cannot have fails now, not after the stages load.
+    sock = bind_socket(args.host, args.port)
     try:
-        app = create_app(pipeline, config)
-        print(
-            f"omnirelay serve: {pipeline.config.name} on http://{args.host}:{args.port} "
-            f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})",
-            file=sys.stderr,
-            flush=True,
-        )
-        serve_forever(app, args.host, args.port, log_level=args.log_level)
+        prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
+        print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
+        pipeline = Pipeline.start(pipeline_config)
+        try:
+            app = create_app(pipeline, config)
+            print(
+                f"omnirelay serve: {pipeline.config.name} on http://{args.host}:{sock.getsockname()[1]} "
+                f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})",
+                file=sys.stderr,
+                flush=True,
+            )
+            serve_forever(app, args.host, args.port, log_level=args.log_level, sock=sock)
+        finally:
+            pipeline.shutdown()
     finally:
-        pipeline.shutdown()
+        sock.close()
     return 0
