@@ -187,6 +187,27 @@ def test_chat_audio_formats_stream_and_whole(srv: Served, fmt: str) -> None:
     assert got_rate == rate and fewest <= len(samples) <= most
 
 
+def test_health_audit_reports_what_the_pipeline_still_holds(srv: Served) -> None:
+    plain = httpx.get(srv.url + "/health").json()
+    assert "audit" not in plain  # a plain probe never asks every stage
+    held = srv.frontend.submit(endpoint="chat", prompt_token_ids=[1], modalities=["text"], request_id="held")
+    try:
+        audit = httpx.get(srv.url + "/health", params={"audit": "1"}).json()["audit"]
+        assert audit["clean"] is False and audit["num_in_flight"] == 1
+    finally:
+        held.close()
+    srv.wait_idle()
+    audit = httpx.get(srv.url + "/health", params={"audit": "1"}).json()["audit"]
+    assert audit == {
+        "clean": True,
+        "num_in_flight": 0,
+        "pipeline_requests": 0,
+        "num_leaks": 0,
+        "leaks": [],
+        "transfer_objects": 0,
+    }
+
+
 # ------------------------------------------------------------------- voices and bad input
 
 
