@@ -13,9 +13,11 @@ serves on that socket.
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -119,11 +121,32 @@ class ServerThread:
         self.stop()
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by the handler :func:`serve_forever` installs)."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
 def serve_forever(
     app: Any, host: str, port: int, *, log_level: str = "info", sock: socket.socket | None = None
 ) -> None:
-    """Run the server in this thread until SIGINT/SIGTERM (on ``sock`` when given: one
-    from :func:`bind_socket`)."""
-    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level)).run(
-        sockets=None if sock is None else [sock]
-    )
+    """Run the server in this thread (on ``sock`` when given: one from :func:`bind_socket`)
+    until SIGINT (then ``KeyboardInterrupt``) or SIGTERM (then it returns).
+
+    uvicorn stops gracefully on either, then raises the signal again for the handler it
+    found. SIGTERM's default action would end the process there, before the caller's
+    cleanup (the stage processes, their shared memory); the handler installed here turns
+    it into a normal return instead, so a service manager's stop is an orderly one."""
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if is_main else None
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level)).run(
+            sockets=None if sock is None else [sock]
+        )
+    except _Terminated:
+        pass
+    finally:
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
