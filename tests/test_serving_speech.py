@@ -279,7 +279,7 @@ class GatedPipeline:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self.gate = threading.Event()
-        self.at_gate = threading.Event()  # a request made its first samples and waits
+        self.at_gate = threading.Event()  # a request made its first samples; the rest waits
         self.fail_at: str | None = None
         self.active: set[str] = set()
         self.aborted: set[str] = set()
@@ -295,8 +295,10 @@ class GatedPipeline:
         try:
             if self.fail_at == "start":
                 raise RequestFailedError(rid, "stage 'synth' failed: boom")
-            yield self._audio(rid, FIRST, 0.25)
+            # Set before the first samples leave: the client may read them before this
+            # generator is resumed, but the rest can only come after the gate opens.
             self.at_gate.set()
+            yield self._audio(rid, FIRST, 0.25)
             while not self.gate.is_set() and rid not in self.aborted:
                 await asyncio.sleep(0.002)  # polls the test's gate; the loop serves others meanwhile
             if rid in self.aborted:
