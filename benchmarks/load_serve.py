@@ -115,6 +115,19 @@ class ServerProcess:
             raise RuntimeError(f"the server did not start within {timeout_s:g} s:\n{self.tail()}")
         if not self.url:
             raise RuntimeError(f"the server exited before it was ready:\n{self.tail()}")
+        # The line comes just before uvicorn listens: ready is when /health answers.
+        deadline = time.monotonic() + timeout_s
+        while not self._is_healthy():
+            if time.monotonic() > deadline or self._proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the server never answered /health:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def _is_healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=10.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _read(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
