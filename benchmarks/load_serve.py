@@ -11,7 +11,8 @@ pipeline with ``--pipeline``) on a free loopback port, then runs two phases of s
 2. **finish** — each client reads its audio to the end.
 
 A request refused for capacity must be a 429 with ``Retry-After``; the client waits that
-long and tries again (at most ``--max-attempts`` times). Every refusal is counted.
+long and tries again (at most ``--max-attempts`` times, then it gives up). Every refusal
+is counted; any other failure (another status, a broken or empty stream) fails the run.
 
 Afterwards, with no request in flight, the checks: ``/health`` is healthy;
 ``/health?audit=1`` is clean (no per-request state in any stage, none tracked by the
@@ -276,7 +277,10 @@ def _report(
 ) -> dict[str, Any]:
     audit = health.get("audit") or {}
     checks = {
-        "every client served": all(p.served == p.clients for p in phases),
+        # A client that gave up after --max-attempts 429s was refused as it should be.
+        "every client served or refused with a 429": all(
+            not p.errors and p.served + p.gave_up == p.clients for p in phases
+        ),
         "every refusal a 429 with Retry-After": all(p.refused_without_retry_after == 0 for p in phases),
         "health OK afterwards": health.get("http_status") == 200 and health.get("status") == "healthy",
         "no request state afterwards (audit clean)": audit.get("clean") is True,

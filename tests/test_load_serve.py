@@ -24,7 +24,9 @@ def test_reduced_load_leaves_nothing_and_stops_cleanly(
     assert rc == 0, printed
     assert report["passed"] and all(report["checks"].values()), printed
     disconnect, finish = report["phases"]
-    assert (disconnect["served"], finish["served"]) == (20, 20)
+    for phase in (disconnect, finish):
+        assert phase["errors"] == {} and phase["served"] + phase["gave_up"] == 20
+        assert phase["served"] >= 1
     assert disconnect["refused_without_retry_after"] == finish["refused_without_retry_after"] == 0
     assert report["audit"]["clean"] and report["shm_objects_left"] == [] and report["server_exit_code"] == 0
     assert "every refusal a 429 with Retry-After" in printed and "[FAIL]" not in printed
