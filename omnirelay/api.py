@@ -379,11 +379,12 @@ class Pipeline:
         """Where any stage still holds per-request state or transfer objects, as
         ``"stage N: path=value"`` lines of :meth:`leak_state`; ``[]`` when every request
         that ended left nothing behind. Call it when no request is in flight."""
-        return [
-            f"stage {stage_id}: {path}"
-            for stage_id, books in sorted(self.leak_state(timeout_s, settle_s).items())
-            for path in leak_paths(books)
-        ]
+        return _leak_lines(self.leak_state(timeout_s, settle_s))
+
+    async def leaks_async(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> list[str]:
+        """:meth:`leaks` from an event loop (the server's ``/health?audit=1``)."""
+        books = await self._call_async(self._orch.leak_state(timeout_s, settle_s))
+        return _leak_lines(books)
 
     def pids(self) -> dict[int, int | None]:
         """Worker pids by stage id."""
@@ -465,3 +466,9 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
             pass
     if thread is not threading.current_thread():
         thread.join()
+
+
+def _leak_lines(books: dict[int, dict[str, Any]]) -> list[str]:
+    return [
+        f"stage {stage_id}: {path}" for stage_id, state in sorted(books.items()) for path in leak_paths(state)
+    ]

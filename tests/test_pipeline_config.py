@@ -908,3 +908,25 @@ def test_public_exports() -> None:
     for name in pipeline_pkg.__all__:
         assert hasattr(pipeline_pkg, name), name
     assert sorted(pipeline_pkg.__all__) == sorted(set(pipeline_pkg.__all__))
+
+
+# ---------------------------------------------------------------------------------------
+# openai_voices: OpenAI voice names mapped to the pipeline's own
+
+
+def test_openai_voices_load_and_their_shape_is_checked() -> None:
+    cfg = parse_pipeline(_omni(openai_voices={"alloy": "chelsie", "Echo": "ethan"}))
+    assert cfg.openai_voices == {"alloy": "chelsie", "Echo": "ethan"}
+    assert parse_pipeline(_omni()).openai_voices == {}
+    for shipped in ("voice-cpu", "qwen3-omni", "qwen3-omni-tiny", "qwen3-tts-aligner-tiny"):
+        assert "alloy" in load_pipeline(shipped).openai_voices
+    cases = [
+        (["alloy"], "key 'openai_voices': expected a mapping of voice names, got a list"),
+        ({"alloy": 3}, "key 'openai_voices': names and voices must be strings, got the int 3"),
+        ({"alloy": ""}, "key 'openai_voices.alloy': '' is not a voice name"),
+        ({"al loy": "chelsie"}, "key 'openai_voices.al loy': 'al loy' is not a voice name"),
+        ({"alloy": "chelsie", "ALLOY": "ethan"}, "'ALLOY' is mapped twice (also as 'alloy')"),
+    ]
+    for value, expected in cases:
+        message = _error(_omni(openai_voices=value))
+        assert "pipe.yaml" in message and expected in message, message

@@ -162,9 +162,9 @@ BAD_REQUESTS = [
     (
         "bad audio format",
         CHAT,
-        {"messages": HI, "modalities": ["audio"], "audio": {"format": "mp3"}},
+        {"messages": HI, "modalities": ["audio"], "audio": {"format": "ogg"}},
         400,
-        "pcm16",
+        "supported formats: ['wav', 'mp3', 'opus', 'aac', 'flac', 'pcm16']",
     ),
     (
         "unknown voice",
@@ -186,7 +186,14 @@ BAD_REQUESTS = [
         400,
         "/v1/audio/speech/stream",
     ),
-    ("mp3", SPEECH, {"input": "hi", "response_format": "mp3"}, 400, "supported: ['wav', 'pcm']"),
+    (
+        "unknown format",
+        SPEECH,
+        {"input": "hi", "response_format": "m4a"},
+        400,
+        "'m4a' is not supported; supported: ['mp3', 'opus', 'aac', 'flac', 'wav', 'pcm']",
+    ),
+    ("unknown voice", SPEECH, {"input": "hi", "voice": "hal"}, 400, "supported voices: ['aiden', 'chelsie'"),
     ("speed", SPEECH, {"input": "hi", "speed": 1.5}, 400, "only 1.0"),
     ("stream_format", SPEECH, {"input": "hi", "stream_format": "ogg"}, 400, "'audio' or 'sse'"),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -194,3 +195,33 @@ def test_timestamps_header_fits_or_says_why_not() -> None:
     size = len(json.dumps(many, separators=(",", ":")))
     assert header == {"X-Word-Timestamps-Omitted": f"oversize; bytes={size}; limit=4096"}
     assert timestamps_header(None, 4096) == {"X-Word-Timestamps": "null"}
+
+
+def test_openai_voice_map_checks_targets_against_the_servers_voices() -> None:
+    from omnirelay.serving.config import openai_voice_map
+
+    voices = ("chelsie", "Ethan")
+    assert openai_voice_map({"Alloy": "Chelsie", "echo": "ethan"}, voices, "p.yaml") == {
+        "alloy": "chelsie",
+        "echo": "ethan",
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"p.yaml: openai_voices.alloy: 'bob' is not one of the pipeline's voices \['chelsie', 'ethan'\]",
+    ):
+        openai_voice_map({"alloy": "bob"}, voices, "p.yaml")
+    with pytest.raises(
+        ConfigError, match="'ethan' is already one of the pipeline's voices; remove the entry"
+    ):
+        openai_voice_map({"ethan": "chelsie"}, voices, "p.yaml")
+
+
+def test_serve_checks_the_openai_voices_before_any_stage_starts() -> None:
+    from omnirelay.cli.serve import server_config
+    from omnirelay.pipeline import load_pipeline
+
+    cfg = load_pipeline("voice-cpu")
+    assert server_config(cfg).voices == ("joe",)
+    bad = msgspec.structs.replace(cfg, openai_voices={"alloy": "chelsie"})
+    with pytest.raises(ConfigError, match="'chelsie' is not one of the pipeline's voices \\['joe'\\]"):
+        server_config(bad)

@@ -130,7 +130,13 @@ def _check_words(stamps: Any, text: str, duration_ms: float) -> None:
 def test_speech_is_read_verbatim_with_word_timestamps(srv: Served) -> None:
     resp = httpx.post(
         srv.url + SPEECH,
-        json={"model": srv.model, "input": TEXT, "voice": "joe", "word_timestamps": True},
+        json={
+            "model": srv.model,
+            "input": TEXT,
+            "voice": "joe",
+            "word_timestamps": True,
+            "response_format": "wav",
+        },
         timeout=300,
     )
     assert resp.status_code == 200, resp.text

@@ -122,6 +122,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "any_stage_chunks": cfg.any_stage_chunks(),
         "namespace": cfg.namespace,
         "input_wait_timeout_s": cfg.input_wait_timeout_s,
+        "openai_voices": dict(cfg.openai_voices),
         "stages": stages,
         "edges": edges,
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
@@ -145,6 +146,9 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
     timeout = report["input_wait_timeout_s"]
     w(f"  input wait timeout: {'disabled' if timeout == 0 else f'{timeout:g} s'}\n")
     w(f"  namespace: {report['namespace'] or '(chosen per run)'}\n")
+    if report["openai_voices"]:
+        pairs = ", ".join(f"{k} -> {v}" for k, v in report["openai_voices"].items())
+        w(f"  OpenAI voice names: {pairs}\n")
 
     w("\nstages\n")
     for s in report["stages"]:

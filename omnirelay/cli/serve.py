@@ -130,13 +130,16 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)."""
     from omnirelay.models import VOICE_EXECUTOR
     from omnirelay.models.piper import voice_alias
-    from omnirelay.serving.config import ServerConfig
+    from omnirelay.serving.config import ServerConfig, openai_voice_map
 
+    config = ServerConfig(**limits)
     for stage in pipeline.stages:
         if stage.executor == VOICE_EXECUTOR:
             alias = voice_alias(str(stage.executor_args.get("voice", "en_US-joe-medium")))
-            return ServerConfig(voices=(alias,), default_voice=alias, **limits)
-    return ServerConfig(**limits)
+            config = ServerConfig(voices=(alias,), default_voice=alias, **limits)
+            break
+    openai_voice_map(pipeline.openai_voices, config.voices, pipeline.source)  # before any stage starts
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -145,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.models import prepare_stage_models
     from omnirelay.pipeline import load_pipeline
     from omnirelay.serving import create_app
-    from omnirelay.serving.server import serve_forever
+    from omnirelay.serving.server import bind_socket, serve_forever
 
     if args.device is None and args.load_format is None:
         pipeline_config = load_pipeline(args.pipeline)
@@ -160,18 +163,23 @@ def run_serve(args: argparse.Namespace) -> int:
         max_live_bytes=args.max_live_bytes,
         **security_limits(args, os.environ),
     )
-    prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
-    print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-    pipeline = Pipeline.start(pipeline_config)
+    # The port first: a port the server cannot have fails now, not after the stages load.
+    sock = bind_socket(args.host, args.port)
     try:
-        app = create_app(pipeline, config)
-        print(
-            f"omnirelay serve: {pipeline.config.name} on http://{args.host}:{args.port} "
-            f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})",
-            file=sys.stderr,
-            flush=True,
-        )
-        serve_forever(app, args.host, args.port, log_level=args.log_level)
+        prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
+        print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
+        pipeline = Pipeline.start(pipeline_config)
+        try:
+            app = create_app(pipeline, config)
+            print(
+                f"omnirelay serve: {pipeline.config.name} on http://{args.host}:{sock.getsockname()[1]} "
+                f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})",
+                file=sys.stderr,
+                flush=True,
+            )
+            serve_forever(app, args.host, args.port, log_level=args.log_level, sock=sock)
+        finally:
+            pipeline.shutdown()
     finally:
-        pipeline.shutdown()
+        sock.close()
     return 0

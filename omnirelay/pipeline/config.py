@@ -200,6 +200,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: What a chat request that names no ``modalities`` gets (a subset of ``text``,
     #: ``audio`` among the final outputs); empty: text only, as OpenAI's API.
     default_modalities: tuple[str, ...] = ()
+    #: OpenAI voice names (``alloy``, ``echo`` …) mapped to voices the pipeline speaks with,
+    #: so OpenAI clients can keep theirs; the server checks each target against its voices.
+    openai_voices: dict[str, str] = msgspec.field(default_factory=dict)
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 

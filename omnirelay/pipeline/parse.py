@@ -116,6 +116,8 @@ def parse_pipeline(
         kwargs["default_modalities"] = tuple(ctx.string_list(data, "default_modalities"))
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
+    if "openai_voices" in data:
+        kwargs["openai_voices"] = _parse_openai_voices(ctx, data["openai_voices"])
     stages_raw = data.get("stages")
     if "stages" not in data:
         ctx.fail("stages", "the key is missing", "list the stages under 'stages:'")
@@ -163,6 +165,17 @@ def _parse_connectors(ctx: _Ctx, raw: object) -> dict[str, ConnectorSpec]:
             kwargs["extra"] = sub.plain_mapping(spec, "extra")
         out[name] = ConnectorSpec(**kwargs)
     return out
+
+
+def _parse_openai_voices(ctx: _Ctx, raw: object) -> dict[str, str]:
+    fix = "write 'openai_voices:' then 'alloy: <one of the pipeline's voices>' per OpenAI name"
+    if not isinstance(raw, Mapping):
+        ctx.fail("openai_voices", f"expected a mapping of voice names, got {_describe(raw)}", fix)
+    for name, voice in raw.items():
+        if not isinstance(name, str) or not isinstance(voice, str):
+            bad = name if not isinstance(name, str) else voice
+            ctx.fail("openai_voices", f"names and voices must be strings, got {_describe(bad)}", fix)
+    return dict(raw)
 
 
 def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
@@ -234,6 +247,7 @@ PIPELINE_KEYS = (
     "input_wait_timeout_s",
     "default_connector",
     "connectors",
+    "openai_voices",
     "stages",
     "default_modalities",
 )

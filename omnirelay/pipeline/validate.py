@@ -82,6 +82,7 @@ def _check_pipeline_values(cfg: PipelineConfig) -> None:
             "use 1-48 characters of letters, digits, '_' or '.', starting with a letter or digit, "
             "or remove the key",
         )
+    _check_openai_voices(cfg)
     if not cfg.stages:
         raise config_error(
             src,
@@ -90,6 +91,35 @@ def _check_pipeline_values(cfg: PipelineConfig) -> None:
             "the pipeline has no stages",
             "list at least one stage under 'stages:' (id, name, execution_type, executor)",
         )
+
+
+#: A voice name a client may send: what the server matches, case-insensitively.
+VOICE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _check_openai_voices(cfg: PipelineConfig) -> None:
+    """Names and targets are voice names, each name once (case-insensitively); whether a
+    target is one of the pipeline's voices is checked by the server, which knows them."""
+    seen: dict[str, str] = {}
+    for name, voice in cfg.openai_voices.items():
+        for value in (name, voice):
+            if not VOICE_NAME_PATTERN.match(value):
+                raise config_error(
+                    cfg.source,
+                    None,
+                    f"openai_voices.{name}",
+                    f"{value!r} is not a voice name",
+                    "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
+                )
+        if name.lower() in seen:
+            raise config_error(
+                cfg.source,
+                None,
+                f"openai_voices.{name}",
+                f"{name!r} is mapped twice (also as {seen[name.lower()]!r}); names are case-insensitive",
+                "keep one entry per name",
+            )
+        seen[name.lower()] = name
 
 
 def _check_stage_ids(cfg: PipelineConfig) -> None:

@@ -9,7 +9,8 @@ route                                   serves
 ``GET /v1/models``                      the one model (the pipeline)
 ``GET /v1/models/{id}``                 that model, or 404 ``model_not_found``
 ``GET /health``                         per stage, from ``pipeline.health_async()``;
-                                        503 when a stage is down
+                                        503 when a stage is down; ``?audit=1`` adds
+                                        the leak audit (:mod:`omnirelay.serving.audit`)
 ``GET /metrics``                        Prometheus text (:mod:`omnirelay.serving.metrics`)
 ======================================  =================================================
 
@@ -37,6 +38,7 @@ from omnirelay.errors import OmniRelayError
 from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving import chat, speech, websocket
 from omnirelay.serving.admission import Admission
+from omnirelay.serving.audit import leak_audit
 from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError, error_body
 from omnirelay.serving.frontend import Frontend
@@ -118,14 +120,17 @@ def create_app(
         return _model_card(fe)
 
     @app.get("/health")
-    async def _health() -> JSONResponse:
+    async def _health(request: Request) -> JSONResponse:
         try:
             health = await pipeline.health_async()
         except OmniRelayError as exc:
             return JSONResponse({"status": "unhealthy", "error": str(exc), "stages": []}, status_code=503)
         fe.metrics.update_health(health)
         fe.admission.live_bytes = live_bytes(health)
-        return JSONResponse(_health_body(fe, health), status_code=200 if health.is_healthy else 503)
+        body = _health_body(fe, health)
+        if request.query_params.get("audit") in ("1", "true"):
+            body["audit"] = await leak_audit(pipeline, fe.admission.num_active)
+        return JSONResponse(body, status_code=200 if health.is_healthy else 503)
 
     @app.get("/metrics")
     async def _metrics() -> Response:

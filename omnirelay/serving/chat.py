@@ -1,13 +1,16 @@
 """``POST /v1/chat/completions`` (docs/protocol.md §7.1), OpenAI's schema with audio output.
 
 * ``modalities`` ``["text"]``, ``["text", "audio"]`` (or ``["audio"]``); absent: text
-  only, as OpenAI's (or the pipeline file's ``default_modalities``). ``audio`` {voice, format: ``wav`` | ``pcm16``}.
+  only, as OpenAI's (or the pipeline file's ``default_modalities``). ``audio`` {voice,
+  format: ``wav``, ``mp3``, ``opus``, ``aac``, ``flac`` or ``pcm16``: OpenAI's formats, see
+  :mod:`omnirelay.serving.encoding`}.
 * ``stream: false`` — one ``chat.completion``: ``message.content`` is the text,
-  ``message.audio`` {id, data: base64 of the whole WAV/PCM16, transcript, expires_at}.
+  ``message.audio`` {id, data: base64 of the whole file, transcript, expires_at}.
   Stages still overlap inside the pipeline; only the answer waits for the end.
 * ``stream: true`` — SSE ``chat.completion.chunk`` s: a role chunk, ``delta.content``
-  text deltas, ``delta.audio.data`` audio deltas (base64; for ``wav`` the first one starts
-  with the header), a last audio update with ``expires_at``, the finish chunk, a usage
+  text deltas, ``delta.audio.data`` audio deltas (base64 of the encoder's bytes as they are
+  ready; their concatenation is the file, a ``wav`` one with a header of unknown length),
+  a last audio update with ``expires_at``, the finish chunk, a usage
   chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 * ``stop`` (up to 4 strings) ends the answer at the first match (the request is aborted
   through every stage); ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
@@ -32,7 +35,8 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.serving.audio import AudioEmitter, AudioStreamError, pcm16, wav_bytes, wav_header
+from omnirelay.serving.audio import AudioEmitter, AudioStreamError
+from omnirelay.serving.encoding import AudioEncoder
 from omnirelay.serving.errors import ApiError, error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
 from omnirelay.serving.protocol import ChatCompletionRequest, check_request_id, parse, read_json_body
@@ -41,7 +45,8 @@ from omnirelay.serving.text import Detokenizer, TextCodec
 
 __all__ = ["StopMatcher", "chat_completions"]
 
-AUDIO_FORMATS = ("wav", "pcm16")
+#: ``audio.format`` → the encoder's format (OpenAI names raw PCM ``pcm16`` here)
+AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "opus": "opus", "aac": "aac", "flac": "flac", "pcm16": "pcm"}
 MAX_STOPS = 4
 AUDIO_TTL_S = 3600
 
@@ -243,7 +248,9 @@ async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str,
     if fmt is not None and answer.audio is not None:
         samples = torch.cat(pieces) if pieces else torch.zeros(0)
         rate = answer.audio.sample_rate or answer.audio.default_sample_rate
-        data = wav_bytes(samples, rate) if fmt == "wav" else pcm16(samples)
+        encoder = AudioEncoder(AUDIO_FORMATS[fmt], is_streaming=False)
+        encoder.push(samples, rate)
+        data = encoder.finish(rate)
         message["audio"] = {
             "id": f"audio_{answer.stream.request_id}",
             "data": base64.b64encode(data).decode("ascii"),
@@ -270,7 +277,7 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
     rid = answer.stream.request_id
     created = int(time.time())
     audio_id = f"audio_{rid}"
-    has_header = False
+    encoder = AudioEncoder(AUDIO_FORMATS[fmt], is_streaming=True) if fmt is not None else None
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         return _event(
@@ -292,12 +299,10 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
                 if piece:
                     yield chunk({"content": piece})
             elif out.modality == "audio" and (got := answer.audio_of(out)) is not None:
-                samples, rate = got
-                data = pcm16(samples)
-                if fmt == "wav" and not has_header:
-                    data = wav_header(rate) + data  # the header goes before the first audio bytes
-                    has_header = True
-                yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}})
+                assert encoder is not None
+                data = encoder.push(*got)
+                if data:
+                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}})
     except (RequestFailedError, AudioStreamError) as exc:
         if isinstance(exc, RequestFailedError):
             reason = exc.reason
@@ -311,7 +316,10 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
         yield _event(error_body(f"internal error: {exc}", type="server_error"))
         yield b"data: [DONE]\n\n"
         return
-    if fmt is not None:
+    if encoder is not None and answer.audio is not None:
+        tail = encoder.finish(answer.audio.default_sample_rate)
+        if tail:
+            yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(tail).decode("ascii")}})
         yield chunk({"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}})
     yield chunk({}, answer.finish_reason)
     if include_usage:

@@ -6,12 +6,13 @@ with small limits (one admission slot, a short idle timeout) without touching gl
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from omnirelay.errors import ConfigError
 
-__all__ = ["DEFAULT_VOICES", "ServerConfig", "normalize_origin"]
+__all__ = ["DEFAULT_VOICES", "ServerConfig", "normalize_origin", "openai_voice_map"]
 
 #: The Qwen3-Omni speakers (the tiny model has the same table).
 DEFAULT_VOICES = ("chelsie", "ethan", "aiden")
@@ -136,3 +137,24 @@ def normalize_origin(origin: object) -> str | None:
         host = f"[{host}]"
     default = 443 if parts.scheme == "https" else 80
     return f"{parts.scheme}://{host}" if port in (None, default) else f"{parts.scheme}://{host}:{port}"
+
+
+def openai_voice_map(openai_voices: Mapping[str, str], voices: Sequence[str], source: str) -> dict[str, str]:
+    """A pipeline file's ``openai_voices`` as lower-case name → lower-case voice, checked
+    against the voices the server speaks with: a target that is not one of them, or a
+    name that is one of them (it would hide that voice), is a :class:`ConfigError`."""
+    own = {v.lower() for v in voices}
+    out: dict[str, str] = {}
+    for name, voice in openai_voices.items():
+        if voice.lower() not in own:
+            raise ConfigError(
+                f"{source}: openai_voices.{name}: {voice!r} is not one of the pipeline's voices "
+                f"{sorted(own)}; map {name!r} to one of them"
+            )
+        if name.lower() in own:
+            raise ConfigError(
+                f"{source}: openai_voices.{name}: {name!r} is already one of the pipeline's voices; "
+                "remove the entry"
+            )
+        out[name.lower()] = voice.lower()
+    return out

@@ -27,7 +27,7 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
 from omnirelay.serving.admission import Admission, Slot
-from omnirelay.serving.config import ServerConfig
+from omnirelay.serving.config import ServerConfig, openai_voice_map
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.text import TextCodec
@@ -153,6 +153,7 @@ class Frontend:
             )
         )
         self._voices = {v.lower(): v for v in config.voices}
+        self._openai_voices = openai_voice_map(pcfg.openai_voices, config.voices, pcfg.source)
         # Ids whose response is still going out: a client id stays taken until then,
         # even when the pipeline is already done with it.
         self._ids_lock = threading.Lock()
@@ -174,13 +175,19 @@ class Frontend:
             )
 
     def check_voice(self, voice: str | None) -> str:
+        """The pipeline voice a client's ``voice`` names: one of its own, or an OpenAI name
+        the pipeline file maps to one; else a 400 that lists both."""
         if voice is None:
             return self.config.default_voice.lower()
-        if voice.lower() not in self._voices:
-            raise ApiError(
-                400, f"unknown voice {voice!r}; supported voices: {sorted(self._voices)}", param="voice"
-            )
-        return voice.lower()
+        key = voice.lower()
+        if key in self._voices:
+            return key
+        if key in self._openai_voices:
+            return self._openai_voices[key]
+        mapped = f"; OpenAI names it maps: {sorted(self._openai_voices)}" if self._openai_voices else ""
+        raise ApiError(
+            400, f"unknown voice {voice!r}; supported voices: {sorted(self._voices)}{mapped}", param="voice"
+        )
 
     def chat_modalities(self, value: Any) -> tuple[str, ...]:
         """docs/protocol.md §7.1: absent → the pipeline file's ``default_modalities``, else text

@@ -172,7 +172,7 @@ class SpeechRequest(_Model):
     input: str
     model: str | None = None
     voice: str | None = None
-    response_format: str = "wav"
+    response_format: str = "mp3"  # as OpenAI's
     speed: float = 1.0
     stream: bool = False
     stream_format: str | None = None

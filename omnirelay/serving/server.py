@@ -4,19 +4,59 @@
 bound to ``host:port`` (``port=0``: a free port, read back as :attr:`ServerThread.port`),
 and stops it cleanly (in-flight responses finish or are cancelled, the lifespan ends).
 Sockets bind to the address given; the default is the loopback address.
+
+:func:`bind_socket` binds the listening socket up front, so ``omnirelay serve`` fails at
+once on a port it cannot have, before it starts any stage; :func:`serve_forever` then
+serves on that socket.
 """
 
 from __future__ import annotations
 
+import errno
+import signal
+import socket
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from omnirelay.errors import OmniRelayError
 
-__all__ = ["ServerThread", "serve_forever", "uvicorn_config"]
+__all__ = ["ServerThread", "bind_socket", "serve_forever", "uvicorn_config"]
+
+_BIND_ADVICE = {
+    errno.EADDRINUSE: "the address is already in use: another server listens there (stop it, or pick "
+    "another --port)",
+    errno.EACCES: "permission denied: ports below 1024 need root or CAP_NET_BIND_SERVICE (pick a port "
+    "of 1024 or more)",
+    errno.EADDRNOTAVAIL: "the address is not one of this host's (check --host; 0.0.0.0 is every interface)",
+}
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not listening yet (until the server starts,
+    a client is refused rather than left waiting); :class:`OmniRelayError` that says why
+    when it cannot be bound."""
+    where = f"{host}:{port}"
+    if not 0 <= port <= 65535:
+        raise OmniRelayError(f"cannot listen on {where}: the port must be 0-65535 (0: any free port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise OmniRelayError(f"cannot listen on {where}: the host does not resolve ({exc})") from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn does: a restarted server may take the port while old connections linger.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        problem = _BIND_ADVICE.get(exc.errno or 0, exc.strerror or str(exc))
+        raise OmniRelayError(f"cannot listen on {where}: {problem}") from exc
+    return sock
 
 
 def uvicorn_config(app: Any, host: str, port: int, *, log_level: str = "warning") -> uvicorn.Config:
@@ -81,6 +121,32 @@ class ServerThread:
         self.stop()
 
 
-def serve_forever(app: Any, host: str, port: int, *, log_level: str = "info") -> None:
-    """Run the server in this thread until SIGINT/SIGTERM."""
-    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level)).run()
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by the handler :func:`serve_forever` installs)."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def serve_forever(
+    app: Any, host: str, port: int, *, log_level: str = "info", sock: socket.socket | None = None
+) -> None:
+    """Run the server in this thread (on ``sock`` when given: one from :func:`bind_socket`)
+    until SIGINT (then ``KeyboardInterrupt``) or SIGTERM (then it returns).
+
+    uvicorn stops gracefully on either, then raises the signal again for the handler it
+    found. SIGTERM's default action would end the process there, before the caller's
+    cleanup (the stage processes, their shared memory); the handler installed here turns
+    it into a normal return instead, so a service manager's stop is an orderly one."""
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if is_main else None
+    try:
+        uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level)).run(
+            sockets=None if sock is None else [sock]
+        )
+    except _Terminated:
+        pass
+    finally:
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
