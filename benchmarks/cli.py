@@ -177,6 +177,15 @@ def _register_benches(bsub: Any) -> None:
         default=None,
         help="model runner of the Qwen3-Omni stages (dynamic: the eager transformers path, for a baseline)",
     )
+    q.add_argument(
+        "--mps",
+        action="store_true",
+        help=(
+            "run the stages under a private CUDA MPS daemon started for this run and stopped after it "
+            "(their kernels share the GPU at once instead of in time slices; a stage's gpu_share and "
+            "gpu_priority act only under MPS)"
+        ),
+    )
     q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
     q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
     q.add_argument(
@@ -332,6 +341,7 @@ def run_bench_adapter(args: argparse.Namespace) -> int:
 
 
 def run_bench_pipeline(args: argparse.Namespace) -> int:
+    from benchmarks.mps import MpsError
     from benchmarks.pipeline import render_pipeline_bench, run_pipeline_bench, target_met
 
     try:
@@ -351,8 +361,9 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             runner=args.runner,
             timeout_s=args.timeout,
+            mps=args.mps,
         )
-    except ValueError as exc:
+    except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc
     print(render_pipeline_bench(report))
     _write_json(args.json, report)

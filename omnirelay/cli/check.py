@@ -92,6 +92,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "input_builder": cfg.stage_input_builder(s),
                 "final_output": s.final_output,
                 "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
+                "process_env": s.process_env(),
             }
         )
     edges = [
@@ -158,6 +159,9 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             w(f"      input builder (forwarded input): {s['input_builder']}\n")
         final = s["final_output_type"] if s["final_output"] else "no (intermediate)"
         w(f"      final output: {final}\n")
+        if s["process_env"]:
+            env = " ".join(f"{k}={v}" for k, v in s["process_env"].items())
+            w(f"      process environment: {env}\n")
 
     w("\nedges\n")
     if not report["edges"]:
