@@ -69,3 +69,20 @@ def test_a_daemon_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
 def test_missing_control_program_is_a_clear_error() -> None:
     with pytest.raises(MpsError, match="not installed"), mps_daemon(control="no-such-mps-control-program"):
         pass
+
+
+def test_sharing_variants_are_valid_pipelines_of_the_shipped_file() -> None:
+    from benchmarks.sharing import VARIANTS, variant_pipeline
+    from omnirelay.pipeline import parse_pipeline
+
+    envs = {}
+    for name, (_, settings, _) in VARIANTS.items():
+        cfg = parse_pipeline(variant_pipeline("qwen3-omni", settings, 40))
+        assert [s.name for s in cfg.stages] == ["thinker", "talker", "code2wav"]
+        envs[name] = [s.process_env() for s in cfg.stages]
+    assert envs["graphs"] == envs["mps"] == [{}, {}, {}]
+    assert envs["mps-share-low"] == [
+        {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40", "CUDA_MPS_CLIENT_PRIORITY": "1"},
+        {},
+        {},
+    ]
