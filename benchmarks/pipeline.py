@@ -330,7 +330,7 @@ def bench_running_pipeline(
             "torch": torch.__version__,
             "cpus": len(os.sched_getaffinity(0)),
             "loadavg_start": os.getloadavg(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "gpus": _gpu_names(),
             "commit": _commit(),
         },
     }
@@ -356,6 +356,26 @@ def bench_running_pipeline(
     report["decoder_holdback_samples"] = holdback
     report["ok"] = not (objects or report["audit"]["stage_state_left"] or trace.num_watched)
     return report
+
+
+def _gpu_names() -> list[str]:
+    """The GPUs' names, from ``nvidia-smi`` where it runs: this process then creates no
+    CUDA context of its own (under MPS a context would be one more client keeping the
+    daemon up after the run)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode == 0:
+            return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
 def _commit() -> str | None:
