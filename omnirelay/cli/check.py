@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+from omnirelay.connectors.device.paths import edge_path
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
     FinalOutputType,
@@ -107,6 +108,8 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
             "extra": e.extra,
             "processor": e.processor,
             "input_builder": e.input_builder,
+            "path": edge_path(cfg, e)[0].value,
+            "path_reason": edge_path(cfg, e)[1],
         }
         for e in cfg.edges()
     ]
@@ -178,6 +181,12 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             via = ", ".join(parts)
         w(f"  {e['label']}  {e['names']}: {e['contract']}\n")
         w(f"      connector {connector}; {via}\n")
+        if e["path"] in ("gpu-direct", "gpu-direct-peer"):
+            w(
+                f"      tensors: host memory; {e['path']} eligible ({e['path_reason']}), not taken by the shm connector\n"
+            )
+        else:
+            w(f"      tensors: {e['path']} ({e['path_reason']})\n")
 
     w("\nfinal outputs\n")
     for modality, ids in report["final_outputs"].items():
