@@ -72,6 +72,15 @@ def _register_benches(bsub: Any) -> None:
         action="store_true",
         help="do not pin producer and consumer to two CPUs (default: pinned, like transfer_anchor.py --pin)",
     )
+    t.add_argument(
+        "--gpu",
+        metavar="DEVICES",
+        default=None,
+        help=(
+            "GPU -> GPU rows instead: cuda:0 (producer and consumer on one GPU) or cuda:0,cuda:1 (and a "
+            "peer pair); each payload through the host path and the GPU-direct path (CUDA IPC)"
+        ),
+    )
     t.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
     t.set_defaults(func=run_bench_transfer)
 
@@ -246,6 +255,28 @@ def _register_benches(bsub: Any) -> None:
     v.set_defaults(func=run_bench_serve)
 
 
+def _run_gpu_transfer(args: argparse.Namespace, payloads: list[str] | None) -> int:
+    import torch
+
+    from benchmarks.transfer_gpu import GPU_PAYLOADS, render_gpu_table, run_gpu_transfer_bench
+    from omnirelay.connectors.device import cuda_index
+
+    devices = [d.strip() for d in args.gpu.split(",") if d.strip()]
+    if not 1 <= len(devices) <= 2 or any(cuda_index(d) is None for d in devices):
+        raise SystemExit("omnirelay bench transfer: --gpu takes one or two CUDA devices, e.g. cuda:0,cuda:1")
+    if not torch.cuda.is_available() or max(cuda_index(d) or 0 for d in devices) >= torch.cuda.device_count():
+        raise SystemExit(f"omnirelay bench transfer: --gpu {args.gpu}: no such CUDA device here")
+    unknown = [p for p in payloads or [] if p not in GPU_PAYLOADS]
+    if unknown:
+        raise SystemExit(
+            f"omnirelay bench transfer: unknown payloads {unknown}; known: {', '.join(GPU_PAYLOADS)}"
+        )
+    results = run_gpu_transfer_bench(devices, payloads, scale=args.scale)
+    print(render_gpu_table(results))
+    _write_json(args.json, results)
+    return 0
+
+
 def run_bench_transfer(args: argparse.Namespace) -> int:
     import torch
 
@@ -255,6 +286,8 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     payloads = [x.strip() for x in args.payloads.split(",")] if args.payloads else None
     if args.scale <= 0:
         raise SystemExit("omnirelay bench transfer: --scale must be > 0")
+    if args.gpu:
+        return _run_gpu_transfer(args, payloads)
     results = run_transfer_bench(
         payloads, scale=args.scale, baseline=not args.no_baseline, pin=not args.no_pin
     )

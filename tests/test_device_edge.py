@@ -279,3 +279,28 @@ def test_check_prints_each_edge_path() -> None:
     tiny = io.StringIO()
     render_report(build_report(load_pipeline("qwen3-omni-tiny")), tiny)
     assert "tensors: host (stage 0 (thinker) is on cpu)" in tiny.getvalue()
+
+
+def test_gpu_transfer_rows_render_side_by_side() -> None:
+    from benchmarks.transfer_gpu import render_gpu_table
+
+    rows = [
+        {
+            "payload": "prefill_4mb",
+            "src": "cuda:0",
+            "dst": "cuda:0",
+            "path": "host",
+            "p50_us": 900.0,
+            "p99_us": 1200.0,
+        },
+        {
+            "payload": "prefill_4mb",
+            "src": "cuda:0",
+            "dst": "cuda:0",
+            "path": "gpu-direct",
+            "p50_us": 300.0,
+            "p99_us": 400.0,
+        },
+    ]
+    table = render_gpu_table({"device": "X", "rows": rows})
+    assert "| prefill_4mb | cuda:0 -> cuda:0 | 900 / 1,200 µs | 300 / 400 µs | 3.0× |" in table
