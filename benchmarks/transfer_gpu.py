@@ -95,6 +95,7 @@ def _producer(path: str, n: int, payload: str, device: str, namespace: str, conn
     dp = DeviceProducer(
         CudaArena(max(1 << 20, 2 * tensor.numel() * tensor.element_size()), device),
         producer=f"{os.getpid()}-bench",
+        min_bytes=0,
     )
     torch.cuda.synchronize()
     conn.recv()  # the consumer is ready

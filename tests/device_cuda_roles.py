@@ -43,7 +43,7 @@ def producer(conn: Any, device: str) -> None:
     from omnirelay.connectors.device import DeviceProducer, encode_ref
     from omnirelay.connectors.device.cuda import CudaArena
 
-    dp = DeviceProducer(CudaArena(1 << 20, device), producer=f"{os.getpid()}-test")
+    dp = DeviceProducer(CudaArena(1 << 20, device), producer=f"{os.getpid()}-test", min_bytes=0)
     t = torch.arange(1000, device=device, dtype=torch.float32)
     ref = dp.put("r_0_0", t)
     assert ref is not None

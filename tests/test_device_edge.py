@@ -123,7 +123,7 @@ def test_pool_places_first_fit_aligned_blocks_and_merges_freed_ranges() -> None:
 
 def _ref(**kw: object) -> DeviceRef:
     arena = FakeArena(1 << 16)
-    producer = DeviceProducer(arena, producer="p1")
+    producer = DeviceProducer(arena, producer="p1", min_bytes=0)
     ref = producer.put("k", torch.arange(6, dtype=torch.int64).view(2, 3))
     assert ref is not None
     return msgspec.structs.replace(ref, **kw)
@@ -157,7 +157,7 @@ def test_refs_round_trip_and_bad_refs_are_clear_errors() -> None:
 def edge() -> tuple[DeviceProducer, DeviceImporter, FakeArena, FakeOpener]:
     arena = FakeArena(1 << 16)
     opener = FakeOpener()
-    yield DeviceProducer(arena, producer="1234-99"), DeviceImporter(opener), arena, opener
+    yield DeviceProducer(arena, producer="1234-99", min_bytes=0), DeviceImporter(opener), arena, opener
     arena.close()
 
 
@@ -203,9 +203,18 @@ def test_a_release_during_the_copy_is_detected(edge: tuple) -> None:
         importer.take(ref)
 
 
+def test_small_tensors_take_the_host_path() -> None:
+    arena = FakeArena(4 << 20)
+    producer = DeviceProducer(arena, producer="p")  # the default threshold
+    assert producer.put("s_0_0", torch.zeros(1, 2048, dtype=torch.bfloat16)) is None  # 4 KB
+    ref = producer.put("l_0_0", torch.zeros(512, 512))  # 1 MB
+    assert ref is not None and producer.keys() == ["l_0_0"]
+    producer.close()
+
+
 def test_a_full_pool_sends_by_the_host_path_and_leaks_nothing() -> None:
     arena = FakeArena(4096)
-    producer = DeviceProducer(arena, producer="p")
+    producer = DeviceProducer(arena, producer="p", min_bytes=0)
     assert producer.put("big_0_0", torch.zeros(4096, dtype=torch.uint8)) is None
     assert producer.keys() == []
     arena.close()
@@ -257,7 +266,7 @@ def test_a_new_arena_under_a_known_name_replaces_the_old_mapping() -> None:
     importer = DeviceImporter(opener)
     first, second = FakeArena(4096), FakeArena(4096)
     for arena in (first, second):  # a restarted producer with the same identity
-        ref = DeviceProducer(arena, producer="p").put("k_0_0", torch.ones(2))
+        ref = DeviceProducer(arena, producer="p", min_bytes=0).put("k_0_0", torch.ones(2))
         assert ref is not None and torch.equal(importer.take(ref), torch.ones(2))
     assert [o.is_closed for o in opener.opened] == [True, False]
     importer.close()

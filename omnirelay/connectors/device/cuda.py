@@ -67,6 +67,7 @@ class CudaArena:
 
 class CudaOpened:
     def __init__(self, handle: ArenaHandle) -> None:
+        torch.cuda.init()  # a process that never touched CUDA yet cannot map an IPC handle
         storage = torch.UntypedStorage._new_shared_cuda(
             handle.device,
             handle.handle,
