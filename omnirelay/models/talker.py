@@ -50,8 +50,7 @@ from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.talker_conditioning import DEFAULT_SPEAKER, build_conditionings
-from omnirelay.models.talker_input import ThinkerChunk, parse_payload
+from omnirelay.models.talker_input import ThinkerChunk, assistant_start, parse_payload, user_positions
 from omnirelay.models.talker_text import TextConditioner
 
 __all__ = [
@@ -67,6 +66,7 @@ __all__ = [
 #: The reference samples the residual codebooks with these (when the Talker samples).
 CODE_PREDICTOR_TOP_K = 50
 CODE_PREDICTOR_TOP_P = 0.8
+DEFAULT_SPEAKER = "ethan"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +228,10 @@ class TalkerExecutor:
             return self._step_static(batch)
         hidden: dict[str, torch.Tensor] = {}  # last hidden state [1, H]
         decodes: list[tuple[BatchItem, _Sequence]] = []
-        firsts = self._first_inputs([item for item in batch if item.internal_id not in self._seqs])
         for item in batch:
             seq = self._seqs.get(item.internal_id)
             if seq is None:
-                hidden[item.internal_id] = self._prefill(item.internal_id, *firsts[item.internal_id])
+                hidden[item.internal_id] = self._prefill(item)
             else:
                 if seq.is_finished:
                     raise ModelError(f"request {item.internal_id!r}: stepped after its codec EOS")
@@ -293,12 +292,11 @@ class TalkerExecutor:
         seqs: list[_Sequence] = []
         prefills: list[TalkerRow] = []
         continuing: list[tuple[BatchItem, _Sequence]] = []
-        firsts = self._first_inputs([item for item in batch if item.internal_id not in self._seqs])
         for item in batch:
             rid = item.internal_id
             seq = self._seqs.get(rid)
             if seq is None:
-                embeds, seq = firsts[rid]
+                embeds, seq = self._prefill_input(item)
                 runner.slots.acquire(rid)
                 self._seqs[rid] = seq
                 prefills.append(TalkerRow(rid, embeds[0], item.sampling, seq.generator))
@@ -325,8 +323,10 @@ class TalkerExecutor:
 
     # ----------------------------------------------------------------- prefill
 
-    def _prefill(self, rid: str, embeds: torch.Tensor, seq: _Sequence) -> torch.Tensor:
-        """First step of a request on the dynamic path: the prefill of its conditioning."""
+    def _prefill(self, item: BatchItem) -> torch.Tensor:
+        """First step of a request: build its conditioning and run the prefill."""
+        rid = item.internal_id
+        embeds, seq = self._prefill_input(item)
         cache = self._kv.prefill_cache(rid)
         n = embeds.shape[1]
         positions = torch.arange(n, device=self.device).view(1, 1, n).expand(4, 1, n)
@@ -337,26 +337,8 @@ class TalkerExecutor:
         self._seqs[rid] = seq
         return out.last_hidden_state[:, -1]
 
-    def _first_inputs(self, items: list[BatchItem]) -> dict[str, tuple[torch.Tensor, _Sequence]]:
-        """The conditioning ``[1, L, H]`` and new state of each request's first step,
-        built for all of them at once (:func:`build_conditionings`)."""
-        if not items:
-            return {}
-        chunks = [(item.internal_id, self._first_chunk(item)) for item in items]
-        conds = build_conditionings(self.model, self.spec, chunks, self.device, self.dtype)
-        out = {}
-        for item, (rid, chunk), cond in zip(items, chunks, conds):
-            seq = _Sequence(
-                generator=make_generator(item.sampling.seed), tts_eos=cond.tts_eos, tts_pad=cond.tts_pad
-            )
-            seq.text_rows.extend(cond.text_rows)
-            seq.is_eos_fed = cond.is_eos_fed
-            seq.is_upstream_finished = chunk.is_finished
-            out[rid] = (cond.embeds.unsqueeze(0), seq)
-        return out
-
-    def _first_chunk(self, item: BatchItem) -> ThinkerChunk:
-        """The Thinker's chunk 0 of a request's first step."""
+    def _prefill_input(self, item: BatchItem) -> tuple[torch.Tensor, _Sequence]:
+        """The conditioning of a request's first step ``[1, L, H]`` and its new state."""
         rid = item.internal_id
         payload = item.additional_information if item.additional_information is not None else item.inputs
         if payload is None and self.text_input is not None:
@@ -375,7 +357,76 @@ class TalkerExecutor:
                 f"request {rid!r}: the Talker's first input must be the Thinker's chunk 0 "
                 "(embed.prefill, hidden_states.output, ids); got a decode chunk"
             )
-        return chunk
+        return self._conditioning(rid, chunk, item.sampling)
+
+    def _conditioning(
+        self, rid: str, chunk: ThinkerChunk, sampling: SamplingParams
+    ) -> tuple[torch.Tensor, _Sequence]:
+        """The prefill embeddings [1, L, H] and the request's state (trailing text queued)."""
+        spec = self.spec
+        assert chunk.prefill_embed is not None and chunk.prefill_hidden is not None
+        assert chunk.tts_bos is not None and chunk.tts_eos is not None and chunk.tts_pad is not None
+        embed = chunk.prefill_embed.to(self.device, self.dtype)
+        hidden = chunk.prefill_hidden.to(self.device, self.dtype)
+        prompt = chunk.prompt_ids
+        rows = embed.shape[0]
+        start = assistant_start(prompt, spec.im_start_token_id, spec.assistant_token_id)
+        if start is None:
+            raise ModelError(
+                f"request {rid!r}: the Thinker prompt has no '<|im_start|>assistant' turn; the Talker needs the "
+                "chat layout (see omnirelay.models.tokenizer.encode_chat_prompt)"
+            )
+        speaker = (chunk.speaker or DEFAULT_SPEAKER).lower()
+        if speaker not in spec.speaker_ids:
+            raise ModelError(
+                f"request {rid!r}: unknown speaker {speaker!r}; known: {sorted(spec.speaker_ids)}"
+            )
+        project = self.model.text_projection
+        tts = project(torch.cat([chunk.tts_bos, chunk.tts_eos, chunk.tts_pad]).to(self.device, self.dtype))
+        tts_bos, tts_eos, tts_pad = tts[0:1], tts[1:2], tts[2:3]
+
+        # User turns: text positions from the embeddings, multimodal ones from the hidden states.
+        users = [p for p in user_positions(prompt, spec.im_start_token_id, spec.user_token_id) if p < rows]
+        parts = []
+        if users:
+            idx = torch.tensor(users, device=self.device)
+            is_mm = torch.tensor([prompt[p] in spec.multimodal_token_ids for p in users], device=self.device)
+            user_rows = project(embed.index_select(0, idx))
+            if bool(is_mm.any()):
+                mm_rows = self.model.hidden_projection(hidden.index_select(0, idx))
+                user_rows = torch.where(is_mm.unsqueeze(-1), mm_rows, user_rows)
+            parts.append(user_rows)
+
+        # The assistant turn: header (3 rows), 4 × pad, BOS, first text token; + codec rows.
+        assistant = project(embed[start:])
+        seq = _Sequence(generator=make_generator(sampling.seed), tts_eos=tts_eos, tts_pad=tts_pad)
+        if assistant.shape[0] >= 4:
+            first_text = assistant[3:4]
+            seq.text_rows.extend(assistant[r : r + 1] for r in range(4, assistant.shape[0]))
+        else:
+            # The Thinker ended before its first token was fed back: speak nothing but EOS.
+            first_text, seq.is_eos_fed = tts_eos, True
+        header = assistant[:3]
+        if header.shape[0] < 3:
+            header = torch.cat([header, tts_pad.expand(3 - header.shape[0], -1)])
+        text_part = torch.cat([header, tts_pad.expand(4, -1), tts_bos, first_text])
+        codec_ids = torch.tensor(
+            [
+                spec.codec_nothink_id,
+                spec.codec_think_bos_id,
+                spec.codec_think_eos_id,
+                spec.speaker_ids[speaker],
+                spec.codec_pad_id,
+                spec.codec_bos_id,
+            ],
+            device=self.device,
+        )
+        codec_part = torch.cat([torch.zeros_like(header), self._codec_embedding(codec_ids)])
+        parts.append(text_part + codec_part)
+        if chunk.decode_embed is not None:
+            self._queue_text(seq, chunk.decode_embed)
+        seq.is_upstream_finished = chunk.is_finished
+        return torch.cat(parts).unsqueeze(0), seq
 
     # ----------------------------------------------------------------- decode
 

@@ -6,8 +6,7 @@ A CUDA graph replays fixed shapes, so every launch is padded up to a bucket:
   (1, 2, 4 … 64), attention over the first ``L`` cached positions of each row's slot with
   ``L`` from :attr:`Buckets.lengths` (256, 1024, 4096 … up to ``max_model_len``).
 * **prefill** — ``B`` rows of up to ``T`` tokens each: ``T`` from
-  :attr:`Buckets.prefill_tokens` (16, 32, 64, 256, 1024; a short chat turn of 17–32
-  tokens pads to 32, not 64), ``B·T ≤ max_prefill_tokens``. A
+  :attr:`Buckets.prefill_tokens` (16, 64, 256, 1024), ``B·T ≤ max_prefill_tokens``. A
   *fresh* piece (starting at position 0) attends only to itself (causal), so it needs no
   ``L``; a piece that continues cached positions (a prompt longer than the largest ``T``,
   a chunked prefill) gathers ``L`` cached positions like a decode.
@@ -39,7 +38,7 @@ __all__ = [
 ]
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_PREFILL_TOKENS = (16, 32, 64, 256, 1024)
+DEFAULT_PREFILL_TOKENS = (16, 64, 256, 1024)
 #: Most padded tokens (B·T) of one prefill launch.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 #: The smallest attention length bucket; each next one is 4x as long.
