@@ -101,7 +101,7 @@ def test_peer_gpu_two_processes(reader: Any) -> None:
     _round_trip("cuda:0", "cuda:1", reader)
 
 
-def test_a_dead_reader_leaves_nothing(reader: Any) -> None:
+def test_a_dead_reader_returns_every_block(reader: Any) -> None:
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(0)
     dp = _producer("cuda:0")
@@ -118,10 +118,15 @@ def test_a_dead_reader_leaves_nothing(reader: Any) -> None:
     assert proc.exitcode == -9
     assert dp.release("b_0_0")  # the sweep returned the slot; the producer reaps its block
     assert dp.keys() == []
+    whole = dp.put("c_0_0", torch.zeros(ARENA // 2 - 1024, dtype=torch.uint8, device="cuda:0"))
+    assert whole is not None  # every block is reusable
     dp.close()
     torch.cuda.ipc_collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated(0) == baseline
+    # torch's IPC reference counter of the arena is never released by a reader killed while
+    # it maps it: the allocation stays with the producer process until it exits (the arena
+    # at most; nothing per object).
+    assert torch.cuda.memory_allocated(0) <= baseline + ARENA
 
 
 def test_a_dead_producer_is_forgotten() -> None:
