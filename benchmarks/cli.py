@@ -72,6 +72,15 @@ def _register_benches(bsub: Any) -> None:
         action="store_true",
         help="do not pin producer and consumer to two CPUs (default: pinned, like transfer_anchor.py --pin)",
     )
+    t.add_argument(
+        "--gpu",
+        metavar="DEVICES",
+        default=None,
+        help=(
+            "GPU -> GPU rows instead: cuda:0 (producer and consumer on one GPU) or cuda:0,cuda:1 (and a "
+            "peer pair); each payload through the host path and the GPU-direct path (CUDA IPC)"
+        ),
+    )
     t.add_argument("--json", metavar="PATH", help="write all figures as JSON to PATH")
     t.set_defaults(func=run_bench_transfer)
 
@@ -177,6 +186,15 @@ def _register_benches(bsub: Any) -> None:
         default=None,
         help="model runner of the Qwen3-Omni stages (dynamic: the eager transformers path, for a baseline)",
     )
+    q.add_argument(
+        "--mps",
+        action="store_true",
+        help=(
+            "run the stages under a private CUDA MPS daemon started for this run and stopped after it "
+            "(their kernels share the GPU at once instead of in time slices; a stage's gpu_share and "
+            "gpu_priority act only under MPS)"
+        ),
+    )
     q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
     q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
     q.add_argument(
@@ -237,6 +255,28 @@ def _register_benches(bsub: Any) -> None:
     v.set_defaults(func=run_bench_serve)
 
 
+def _run_gpu_transfer(args: argparse.Namespace, payloads: list[str] | None) -> int:
+    import torch
+
+    from benchmarks.transfer_gpu import GPU_PAYLOADS, render_gpu_table, run_gpu_transfer_bench
+    from omnirelay.connectors.device import cuda_index
+
+    devices = [d.strip() for d in args.gpu.split(",") if d.strip()]
+    if not 1 <= len(devices) <= 2 or any(cuda_index(d) is None for d in devices):
+        raise SystemExit("omnirelay bench transfer: --gpu takes one or two CUDA devices, e.g. cuda:0,cuda:1")
+    if not torch.cuda.is_available() or max(cuda_index(d) or 0 for d in devices) >= torch.cuda.device_count():
+        raise SystemExit(f"omnirelay bench transfer: --gpu {args.gpu}: no such CUDA device here")
+    unknown = [p for p in payloads or [] if p not in GPU_PAYLOADS]
+    if unknown:
+        raise SystemExit(
+            f"omnirelay bench transfer: unknown payloads {unknown}; known: {', '.join(GPU_PAYLOADS)}"
+        )
+    results = run_gpu_transfer_bench(devices, payloads, scale=args.scale)
+    print(render_gpu_table(results))
+    _write_json(args.json, results)
+    return 0
+
+
 def run_bench_transfer(args: argparse.Namespace) -> int:
     import torch
 
@@ -246,6 +286,8 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     payloads = [x.strip() for x in args.payloads.split(",")] if args.payloads else None
     if args.scale <= 0:
         raise SystemExit("omnirelay bench transfer: --scale must be > 0")
+    if args.gpu:
+        return _run_gpu_transfer(args, payloads)
     results = run_transfer_bench(
         payloads, scale=args.scale, baseline=not args.no_baseline, pin=not args.no_pin
     )
@@ -332,6 +374,7 @@ def run_bench_adapter(args: argparse.Namespace) -> int:
 
 
 def run_bench_pipeline(args: argparse.Namespace) -> int:
+    from benchmarks.mps import MpsError
     from benchmarks.pipeline import render_pipeline_bench, run_pipeline_bench, target_met
 
     try:
@@ -351,8 +394,9 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             runner=args.runner,
             timeout_s=args.timeout,
+            mps=args.mps,
         )
-    except ValueError as exc:
+    except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc
     print(render_pipeline_bench(report))
     _write_json(args.json, report)

@@ -208,12 +208,51 @@ def run_pipeline_bench(
     runner: str | None = None,
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
+    mps: bool = False,
 ) -> dict[str, Any]:
     """Start ``pipeline`` (default ``qwen3-omni-tiny``; the full-size ``qwen3-omni``
     with ``load_format="dummy"``; ``device``/``load_format``/``runner`` as in
     :func:`~omnirelay.cli.session.load_run_config`), run :func:`bench_running_pipeline` on
-    it, shut it down and add the shutdown to the audit. Progress goes to ``stream``."""
+    it, shut it down and add the shutdown to the audit. Progress goes to ``stream``.
+    ``mps``: the whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`)."""
     _check_options(concurrency, requests, warmup)
+    if mps:
+        from benchmarks.mps import mps_daemon
+
+        with mps_daemon():
+            report = _run_pipeline_bench(
+                concurrency,
+                requests,
+                warmup,
+                prompt,
+                pipeline,
+                device,
+                load_format,
+                runner,
+                timeout_s,
+                stream,
+            )
+        report["mps"] = True
+        return report
+    report = _run_pipeline_bench(
+        concurrency, requests, warmup, prompt, pipeline, device, load_format, runner, timeout_s, stream
+    )
+    report["mps"] = False
+    return report
+
+
+def _run_pipeline_bench(
+    concurrency: Sequence[int],
+    requests: int | None,
+    warmup: int,
+    prompt: str,
+    pipeline: str | None,
+    device: str | None,
+    load_format: str | None,
+    runner: str | None,
+    timeout_s: float,
+    stream: TextIO | None,
+) -> dict[str, Any]:
     err = stream if stream is not None else sys.stderr
     if pipeline is None and load_format != "dummy":
         pipeline = "qwen3-omni-tiny"  # the protocol's test bed: codec frames on every edge
@@ -240,6 +279,7 @@ def run_pipeline_bench(
         prompt=prompt,
         startup_s=startup_s,
         stage_args={s.name: dict(s.executor_args) for s in config.stages},
+        stage_env={s.name: s.process_env() for s in config.stages},
     )
     report["audit"].update(
         shutdown_killed=shutdown.num_killed, shutdown_objects_left=shutdown.num_objects_left
@@ -290,7 +330,7 @@ def bench_running_pipeline(
             "torch": torch.__version__,
             "cpus": len(os.sched_getaffinity(0)),
             "loadavg_start": os.getloadavg(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "gpus": _gpu_names(),
             "commit": _commit(),
         },
     }
@@ -316,6 +356,26 @@ def bench_running_pipeline(
     report["decoder_holdback_samples"] = holdback
     report["ok"] = not (objects or report["audit"]["stage_state_left"] or trace.num_watched)
     return report
+
+
+def _gpu_names() -> list[str]:
+    """The GPUs' names, from ``nvidia-smi`` where it runs: this process then creates no
+    CUDA context of its own (under MPS a context would be one more client keeping the
+    daemon up after the run)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode == 0:
+            return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
 def _commit() -> str | None:

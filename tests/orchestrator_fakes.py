@@ -236,3 +236,14 @@ def build_broken_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngi
     if stage_id == 1:
         raise RuntimeError("stage 1 cannot load its model (on purpose)")
     return build_scripted_engine(pipeline, stage_id)
+
+
+def build_env_checked_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngine:
+    """A scripted engine built only where the stage's process environment is in place
+    (startup fails, naming the variable, where a value is missing or differs)."""
+    import os
+
+    for name, value in pipeline.stages[stage_id].process_env().items():
+        if os.environ.get(name) != value:
+            raise RuntimeError(f"{name} is {os.environ.get(name)!r} in the worker, expected {value!r}")
+    return build_scripted_engine(pipeline, stage_id)

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+from omnirelay.connectors.device.paths import edge_path
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
     FinalOutputType,
@@ -92,6 +93,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "input_builder": cfg.stage_input_builder(s),
                 "final_output": s.final_output,
                 "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
+                "process_env": s.process_env(),
             }
         )
     edges = [
@@ -106,6 +108,8 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
             "extra": e.extra,
             "processor": e.processor,
             "input_builder": e.input_builder,
+            "path": edge_path(cfg, e)[0].value,
+            "path_reason": edge_path(cfg, e)[1],
         }
         for e in cfg.edges()
     ]
@@ -162,6 +166,9 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             w(f"      input builder (forwarded input): {s['input_builder']}\n")
         final = s["final_output_type"] if s["final_output"] else "no (intermediate)"
         w(f"      final output: {final}\n")
+        if s["process_env"]:
+            env = " ".join(f"{k}={v}" for k, v in s["process_env"].items())
+            w(f"      process environment: {env}\n")
 
     w("\nedges\n")
     if not report["edges"]:
@@ -178,6 +185,12 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             via = ", ".join(parts)
         w(f"  {e['label']}  {e['names']}: {e['contract']}\n")
         w(f"      connector {connector}; {via}\n")
+        if e["path"] in ("gpu-direct", "gpu-direct-peer"):
+            w(
+                f"      tensors: host memory; {e['path']} eligible ({e['path_reason']}), not taken by the shm connector\n"
+            )
+        else:
+            w(f"      tensors: {e['path']} ({e['path_reason']})\n")
 
     w("\nfinal outputs\n")
     for modality, ids in report["final_outputs"].items():

@@ -34,7 +34,13 @@ import msgspec
 
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.resolve import explain_stage_async_chunk, resolve_stage_async_chunk
-from omnirelay.pipeline.validate import CONNECTOR_BACKENDS, DEFAULT_CONNECTOR_NAME, validate_pipeline
+from omnirelay.pipeline.validate import (
+    CONNECTOR_BACKENDS,
+    DEFAULT_CONNECTOR_NAME,
+    MPS_PRIORITY_VARIABLE,
+    MPS_SHARE_VARIABLE,
+    validate_pipeline,
+)
 
 __all__ = [
     "CONNECTOR_BACKENDS",
@@ -48,6 +54,7 @@ __all__ = [
     "ExecutionType",
     "FinalOutputType",
     "FlagOrigin",
+    "GpuPriority",
     "PipelineConfig",
     "SamplingConfig",
     "StageConfig",
@@ -84,6 +91,16 @@ class EdgeContract(enum.StrEnum):
 
     CHUNKS = "chunks"  # incremental handoff over the connector while the source runs
     COMPLETE_INPUT = "complete input"  # the orchestrator forwards the finished output
+
+
+class GpuPriority(enum.StrEnum):
+    """A stage's scheduling priority among the processes sharing a GPU under MPS."""
+
+    NORMAL = "normal"
+    LOW = "low"  # its kernels yield SMs to normal-priority processes' kernels
+
+
+_MPS_PRIORITY_VALUES = {GpuPriority.NORMAL: "0", GpuPriority.LOW: "1"}
 
 
 class FlagOrigin(enum.StrEnum):
@@ -128,6 +145,12 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     ``connector`` names the connector of this stage's *input* edges (``None``: the
     pipeline's ``default_connector``); both ends of an edge use it.
+
+    Process settings (applied in the stage's worker before its engine is built, see
+    :meth:`process_env`): ``env`` sets environment variables; ``gpu_share`` (1–100) caps
+    the share of the GPU's SMs the stage's kernels may occupy and ``gpu_priority`` ranks
+    its kernels against other stages' when several stages share a GPU under MPS (the
+    driver reads both only when an MPS daemon runs; without one they change nothing).
     """
 
     id: int
@@ -151,11 +174,24 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     devices: str | None = None
     async_chunk_prewarm_prompt_len: int | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    gpu_share: int | None = None
+    gpu_priority: GpuPriority | None = None
 
     @property
     def label(self) -> str:
         """``stage 1 (talker)``: how messages name this stage."""
         return f"stage {self.id} ({self.name})"
+
+    def process_env(self) -> dict[str, str]:
+        """The environment variables the stage's worker sets before it touches a device:
+        ``env`` plus what ``gpu_share`` and ``gpu_priority`` stand for."""
+        out = dict(self.env)
+        if self.gpu_share is not None:
+            out[MPS_SHARE_VARIABLE] = str(self.gpu_share)
+        if self.gpu_priority is not None:
+            out[MPS_PRIORITY_VARIABLE] = _MPS_PRIORITY_VALUES[self.gpu_priority]
+        return out
 
 
 class Edge(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,12 +28,14 @@ from omnirelay.pipeline.config import (
     ExecutionType,
     FinalOutputType,
     FlagOrigin,
+    GpuPriority,
     PipelineConfig,
     SamplingConfig,
     StageConfig,
 )
 from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
 from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.pipeline.validate import ENV_NAME_PATTERN
 from omnirelay.pipeline.yamlfile import parse_yaml, read_pipeline_text
 
 __all__ = ["PIPELINE_KEYS", "SAMPLING_KEYS", "STAGE_KEYS", "load_pipeline", "parse_pipeline"]
@@ -209,6 +211,9 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "sampling": lambda m, k: _parse_sampling(ctx, m[k]),
         "devices": ctx.optional_string,
         "async_chunk_prewarm_prompt_len": lambda m, k: ctx.integer(m, k, optional=True),
+        "env": ctx.env_mapping,
+        "gpu_share": lambda m, k: ctx.integer(m, k, optional=True),
+        "gpu_priority": lambda m, k: ctx.choice(m, k, GpuPriority, optional=True),
     }
     for key, read in readers.items():
         if key in raw:
@@ -380,6 +385,26 @@ class _Ctx:
                 f"write {key}: {choices[0]}",
             )
         return enum_cls(value)
+
+    def env_mapping(self, m: Mapping[Any, Any], key: str) -> dict[str, str]:
+        """Environment variables: names as the shell writes them, scalar values as strings."""
+        value = self.plain_mapping(m, key)
+        out = {}
+        for name, v in value.items():
+            if not ENV_NAME_PATTERN.fullmatch(name):
+                self.fail(
+                    key,
+                    f"{name!r} is not an environment variable name",
+                    "use letters, digits and '_', not starting with a digit",
+                )
+            if isinstance(v, bool) or not isinstance(v, str | int | float):
+                self.fail(
+                    key,
+                    f"{name}: expected a string or a number, got {_describe(v)}",
+                    f'write {name}: "<text>"',
+                )
+            out[name] = str(v)
+        return out
 
     def plain_mapping(self, m: Mapping[Any, Any], key: str) -> dict[str, Any]:
         value = m[key]

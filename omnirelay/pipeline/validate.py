@@ -29,7 +29,15 @@ from omnirelay.pipeline.diagnostics import config_error
 if TYPE_CHECKING:
     from omnirelay.pipeline.config import PipelineConfig, StageConfig
 
-__all__ = ["CONNECTOR_BACKENDS", "DEFAULT_CONNECTOR_NAME", "NAMESPACE_PATTERN", "validate_pipeline"]
+__all__ = [
+    "CONNECTOR_BACKENDS",
+    "DEFAULT_CONNECTOR_NAME",
+    "ENV_NAME_PATTERN",
+    "MPS_PRIORITY_VARIABLE",
+    "MPS_SHARE_VARIABLE",
+    "NAMESPACE_PATTERN",
+    "validate_pipeline",
+]
 
 # The constants the config module re-exports live here, so that validation needs nothing
 # from the config module at run time (it is imported for annotations only): config
@@ -45,6 +53,12 @@ DEFAULT_CONNECTOR_NAME = "default"
 #: rule as ``omnirelay.connectors.base.validate_namespace`` (a test keeps them equal);
 #: repeated here so a bad file fails at load time without importing the transport layer.
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
+#: An environment variable's name (what a POSIX shell accepts).
+ENV_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: The variables the CUDA driver reads at context creation when an MPS daemon runs:
+#: the share of SMs a process may occupy, and its priority (0 normal, 1 below normal).
+MPS_SHARE_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_PRIORITY_VARIABLE = "CUDA_MPS_CLIENT_PRIORITY"
 
 
 def validate_pipeline(cfg: PipelineConfig) -> None:
@@ -181,6 +195,25 @@ def _check_stage_values(cfg: PipelineConfig, stage: StageConfig) -> None:
             "add final_output: true, or remove final_output_type",
         )
     _check_sampling(cfg, stage)
+    _check_process_settings(cfg, stage)
+
+
+def _check_process_settings(cfg: PipelineConfig, stage: StageConfig) -> None:
+    def fail(key: str, problem: str, fix: str) -> None:
+        raise config_error(cfg.source, stage.label, key, problem, fix)
+
+    if stage.gpu_share is not None and not 1 <= stage.gpu_share <= 100:
+        fail(
+            "gpu_share",
+            f"must be a percentage in 1..100, got {stage.gpu_share}",
+            "use e.g. 50 (half the GPU's SMs), or remove the key to let the stage use them all",
+        )
+    for key, variable in (("gpu_share", MPS_SHARE_VARIABLE), ("gpu_priority", MPS_PRIORITY_VARIABLE)):
+        if getattr(stage, key) is not None and variable in stage.env:
+            fail("env", f"sets {variable}, which {key} sets too", f"keep one of env.{variable} and {key}")
+    for name in stage.env:
+        if not ENV_NAME_PATTERN.fullmatch(name):
+            fail("env", f"{name!r} is not an environment variable name", "use letters, digits and '_'")
 
 
 def _check_sampling(cfg: PipelineConfig, stage: StageConfig) -> None:

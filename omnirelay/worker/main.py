@@ -3,7 +3,8 @@
 :func:`worker_main` is the process target (``spawn`` context only: the front may have
 imported torch, and forking a process with torch's threads is undefined behaviour). It
 
-1. connects its control sockets, builds the engine through the factory named in
+1. sets the stage's process environment (``env``, ``gpu_share``, ``gpu_priority`` of
+   its :class:`~omnirelay.pipeline.StageConfig`), connects its control sockets, builds the engine through the factory named in
    :class:`~omnirelay.worker.spec.WorkerSpec` (``"module:function"``, called as
    ``factory(pipeline, stage_id)``, plus ``tracer=`` a new step tracer when the spec has
    a ``tracer_factory``), starts the control receive thread and says
@@ -74,6 +75,8 @@ def worker_main(spec: WorkerSpec) -> None:
     """The process target of one stage worker (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Before anything creates a CUDA context: the driver reads MPS settings only then.
+    os.environ.update(spec.pipeline.stages[spec.stage_id].process_env())
 
     def is_parent_alive() -> bool:
         return parent_alive(spec.parent_pid)

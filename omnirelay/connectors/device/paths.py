@@ -1,0 +1,63 @@
+"""Which path an edge's tensors take: through host memory, or device to device.
+
+Stages of one pipeline always run on one host (the shm connector is a same-host
+transport), so an edge whose two stages both name a CUDA device can hand its tensors
+over GPU-direct: a CUDA IPC handle of the producer's device pool, the consumer copying
+device to device — on the same GPU, or peer to peer between two GPUs of the host.
+Anything else (a stage on the CPU, the in-process backend, an edge whose finished output
+the front forwards) keeps the host path.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omnirelay.pipeline.config import Edge, PipelineConfig, StageConfig
+
+__all__ = ["EdgePath", "cuda_index", "edge_path", "stage_device"]
+
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+
+
+class EdgePath(enum.StrEnum):
+    HOST = "host"  # device → host, shm slot, host → device
+    GPU_SAME = "gpu-direct"  # both stages on one GPU: a device-to-device copy
+    GPU_PEER = "gpu-direct-peer"  # two GPUs of the host: a peer copy
+    IN_PROCESS = "in-process"  # the inproc backend: objects never leave the process
+
+
+def stage_device(stage: StageConfig) -> str | None:
+    """The torch device a stage's model runs on: ``executor_args.device``, else the
+    stage's ``devices`` (what the worker hands its executor), else None."""
+    device = stage.executor_args.get("device") or stage.devices
+    return str(device) if device else None
+
+
+def cuda_index(device: str | None) -> int | None:
+    """``cuda:N`` → N, ``cuda`` → 0, anything else (cpu, None) → None."""
+    if device is None:
+        return None
+    match = _CUDA.fullmatch(device.strip())
+    if match is None:
+        return None
+    return int(match.group(1) or 0)
+
+
+def edge_path(cfg: PipelineConfig, edge: Edge) -> tuple[EdgePath, str]:
+    """The path of ``edge``'s tensors and why (one line for ``omnirelay check``)."""
+    if edge.backend == "inproc":
+        return EdgePath.IN_PROCESS, "inproc connector: one process"
+    if edge.contract.value != "chunks":
+        return EdgePath.HOST, "the front forwards the finished output"
+    src, dst = cfg.stages[edge.src], cfg.stages[edge.dst]
+    devices = [stage_device(src), stage_device(dst)]
+    indices = [cuda_index(d) for d in devices]
+    for stage, device, index in zip((src, dst), devices, indices):
+        if index is None:
+            return EdgePath.HOST, f"{stage.label} is on {device or 'the default device'}"
+    if indices[0] == indices[1]:
+        return EdgePath.GPU_SAME, f"cuda:{indices[0]} -> cuda:{indices[1]}: CUDA IPC handle, device copy"
+    return EdgePath.GPU_PEER, f"cuda:{indices[0]} -> cuda:{indices[1]}: CUDA IPC handle, peer copy"
