@@ -57,6 +57,15 @@ def register(sub: Any) -> None:
         default=None,
         help="429 while the pipeline holds more unconsumed transfer bytes than this (default: no limit)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart a stage worker that dies at most N times within the restart window, with "
+        "exponential backoff; then /health reports it failed (default: the pipeline file's "
+        "'restart:' mapping, else 5 in 300 s; 0: never restart)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -97,6 +106,17 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
     print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
+    if args.max_restarts is not None:
+        import msgspec
+
+        from omnirelay.errors import ConfigError
+
+        try:
+            policy = msgspec.structs.replace(pipeline_config.restart, max_restarts=args.max_restarts)
+        except ConfigError as exc:
+            print(f"omnirelay serve: --max-restarts: {exc}", file=sys.stderr)
+            return 2
+        pipeline_config = pipeline_config.with_restart(policy)
     pipeline = Pipeline.start(pipeline_config)
     try:
         app = create_app(pipeline, config)

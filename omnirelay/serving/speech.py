@@ -30,7 +30,7 @@ from starlette.responses import Response
 from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError, pcm16, wav_bytes, wav_header
-from omnirelay.serving.errors import ApiError
+from omnirelay.serving.errors import ApiError, request_failed, stream_error_body
 from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.protocol import SpeechRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
@@ -169,7 +169,7 @@ async def _collect(stream: RequestStream, emitter: AudioEmitter) -> tuple[torch.
             elif out.modality == "timestamps" and out.stage_finished:
                 timestamps = parse_timestamps(out)
     except RequestFailedError as exc:
-        raise ApiError(500, f"the pipeline failed the request: {exc.reason}", type="server_error") from exc
+        raise request_failed(exc) from exc
     except AudioStreamError as exc:
         stream.abort("bad_audio")
         raise ApiError(500, f"the audio could not be sent: {exc}", type="server_error") from exc
@@ -212,11 +212,10 @@ async def _sse(stream: RequestStream, emitter: AudioEmitter, fmt: str) -> AsyncI
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
     except (RequestFailedError, AudioStreamError) as exc:
         if isinstance(exc, RequestFailedError):
-            reason = exc.reason
+            yield event({"type": "error", **stream_error_body(exc)})
         else:
-            reason = str(exc)
             stream.abort("bad_audio")
-        yield event({"type": "error", "error": {"message": f"the request failed mid-stream: {reason}"}})
+            yield event({"type": "error", "error": {"message": f"the request failed mid-stream: {exc}"}})
         return
     yield event(
         {"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
