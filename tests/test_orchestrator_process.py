@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.api import Pipeline, validate_request_id
+from omnirelay.api import NO_RESTARTS, Pipeline, validate_request_id
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError, StageDiedError
@@ -228,7 +228,7 @@ def test_many_concurrent_requests_with_aborts(audited: Pipeline) -> None:
 
 
 def test_killed_worker_fails_its_requests_within_5s() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY)
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
     try:
         stalled = [
             pipe.submit([i], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 2})
@@ -264,7 +264,7 @@ def test_killed_worker_fails_its_requests_within_5s() -> None:
 
 
 def test_engine_step_failure_takes_the_stage_down_cleanly() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY)
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
     try:
         bystander = pipe.submit(
             [1], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 1}

@@ -151,7 +151,7 @@ def make_orchestrator() -> tuple[Orchestrator, RecordingFront]:
     control plane records what it sends, and the test feeds it what workers say."""
     orch = Orchestrator(toy_pipeline_config(), namespace="unit")
     front = RecordingFront()
-    orch._control = front  # type: ignore[assignment]
+    orch._supervisor.control = front  # type: ignore[assignment]
     return orch, front
 
 

@@ -1,0 +1,198 @@
+"""Stage supervision with real worker processes (docs/design.md §10): a SIGKILLed stage
+fails its in-flight requests at once with ``stage_unavailable``, its objects are
+reclaimed everywhere, it is restarted with backoff, and serving resumes; the policy gives
+up after its budget and says why.
+
+The scripted engine of :mod:`tests.orchestrator_fakes` stalls stage 0 after a few tokens,
+so a request is mid-stream for sure when its stage is killed; a held engine build
+(:mod:`tests.supervision_fakes`) keeps a restarted stage ``starting`` for as long as a
+test needs. No sleeps: every wait is for an output, an error or a state. Each test ends
+with the leak audit: no request state in any stage, no transfer object, and after
+shutdown nothing under /dev/shm and no process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnirelay.api import NO_RESTARTS, Pipeline, RestartPolicy
+from omnirelay.errors import RequestFailedError, StageDiedError, StageUnavailableError
+from omnirelay.orchestrator import RequestHandle
+from tests.orchestrator_audit import audit_running, audit_stopped
+from tests.orchestrator_fakes import expected_audio, expected_text_tokens
+from tests.supervision_fakes import HOLD_ENV, kill_stage
+from tests.test_orchestrator_process import FACTORY, fake_config, sampling
+
+FAST = RestartPolicy(max_restarts=10, window_s=300, backoff_s=0.05, max_backoff_s=0.2)
+HELD_FACTORY = "tests.supervision_fakes:build_held_engine"
+
+
+@pytest.fixture
+def pipe() -> Iterator[Pipeline]:
+    p = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=FAST)
+    yield p
+    audit_stopped(p)
+
+
+def streaming(pipe: Pipeline, n: int, prefix: str) -> list[RequestHandle]:
+    """``n`` text+audio requests, each mid-stream (its first audio came back) and held
+    there by a stalled stage 0."""
+    handles = [
+        pipe.submit(
+            [i],
+            modalities=["text", "audio"],
+            sampling=sampling(50),
+            extras={"stall_after": 2},
+            request_id=f"{prefix}-{i}",
+        )
+        for i in range(1, n + 1)
+    ]
+    for h in handles:
+        next(o for o in h if o.modality == "audio")
+    return handles
+
+
+def kill_mid_stream(pipe: Pipeline, stage_id: int, prefix: str, n: int = 3) -> float:
+    """SIGKILL the stage under ``n`` streaming requests; each must end with
+    ``stage_unavailable`` naming the stage and the signal. Returns the seconds from the
+    kill to the last failure."""
+    handles = streaming(pipe, n, prefix)
+    t0 = time.monotonic()
+    kill_stage(pipe, stage_id)
+    for h in handles:
+        with pytest.raises(StageUnavailableError) as info:
+            h.result(timeout=2.0)
+        assert f"stage {stage_id} (" in info.value.reason and "killed by SIGKILL" in info.value.reason
+    return time.monotonic() - t0
+
+
+def wait_state(pipe: Pipeline, stage_id: int, state: str, timeout_s: float = 30.0) -> None:
+    """Until the stage is in ``state`` (a condition polled, not a nap)."""
+    deadline = time.monotonic() + timeout_s
+    while pipe.health().stages[stage_id].state != state:
+        assert time.monotonic() < deadline, f"stage {stage_id} never became {state}"
+        time.sleep(0.01)
+
+
+def check_serves(pipe: Pipeline, request_id: str, prompt: list[int]) -> None:
+    res = pipe.submit(
+        prompt, modalities=["text", "audio"], sampling=sampling(4), request_id=request_id
+    ).result(30)
+    assert res.token_ids() == expected_text_tokens(prompt, 4)
+    assert res.audio is not None and torch.equal(res.audio, expected_audio(prompt, 4))
+
+
+def test_sigkill_of_each_stage_mid_stream_fails_fast_restarts_and_serves_again(pipe: Pipeline) -> None:
+    for stage_id in (0, 1, 2):
+        old_pid = pipe.pids()[stage_id]
+        took = kill_mid_stream(pipe, stage_id, prefix=f"k{stage_id}")
+        assert took < 2.0
+        pipe.wait_ready(60)
+        health = pipe.health()
+        st = health.stages[stage_id]
+        assert health.is_healthy and health.status == "healthy"
+        assert st.state == "healthy" and st.num_restarts == 1 and st.last_exit == "killed by SIGKILL"
+        assert st.pid != old_pid and st.is_alive
+        # a failed request's id is reused at once by a new request: it gets its own outputs
+        check_serves(pipe, f"k{stage_id}-1", [7])
+        audit_running(pipe)
+    assert [s.num_restarts for s in pipe.health().stages] == [1, 1, 1]
+
+
+def test_requests_that_do_not_need_the_dead_stage_are_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    pipe = Pipeline.start(fake_config(), engine_factory=HELD_FACTORY, restart=FAST)
+    try:
+        hold.touch()  # the restarted Talker will stay in its engine build
+        kill_mid_stream(pipe, 1, prefix="held")
+        health = pipe.health()
+        assert health.status == "restarting" and health.stages[1].state in ("restarting", "starting")
+        assert not health.is_healthy and "restarting" in (health.stages[1].error or "")
+        for i in range(5):  # new requests that need it: refused at once, with a time to retry
+            with pytest.raises(StageUnavailableError) as info:
+                pipe.submit([i], modalities=["text", "audio"], sampling=sampling(3))
+            assert info.value.retry_after_s is not None and info.value.retry_after_s >= 0
+            assert "stage 1 (talker) is restarting" in info.value.reason
+        # a text-only request needs only the Thinker: served while the Talker restarts
+        res = pipe.submit([4], modalities=["text"], sampling=sampling(3), request_id="held-1").result(10)
+        assert res.token_ids() == expected_text_tokens([4], 3)
+        hold.unlink()
+        pipe.wait_ready(60)
+        check_serves(pipe, "held-2", [9])
+        audit_running(pipe)
+    finally:
+        hold.unlink(missing_ok=True)
+        audit_stopped(pipe)
+
+
+def test_gives_up_after_max_restarts_in_the_window_and_health_says_why() -> None:
+    policy = RestartPolicy(max_restarts=1, window_s=600, backoff_s=0.0, max_backoff_s=0.0)
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=policy)
+    try:
+        kill_mid_stream(pipe, 1, prefix="a", n=1)
+        pipe.wait_ready(60)
+        kill_mid_stream(pipe, 1, prefix="b", n=1)
+        with pytest.raises(StageDiedError, match=r"killed by SIGKILL.*1 restarts within 600 s"):
+            pipe.wait_ready(60)
+        health = pipe.health()
+        st = health.stages[1]
+        assert health.status == "failed" and not health.is_healthy
+        assert st.state == "failed" and st.num_restarts == 1 and st.last_exit == "killed by SIGKILL"
+        assert "stage 1 (talker)" in (st.error or "") and "not restarted" in (st.error or "")
+        with pytest.raises(StageUnavailableError) as info:
+            pipe.submit([4], modalities=["text", "audio"], sampling=sampling(3))
+        assert info.value.retry_after_s is None  # it is not coming back
+        res = pipe.submit([4], modalities=["text"], sampling=sampling(3)).result(10)
+        assert res.token_ids() == expected_text_tokens([4], 3)
+        audit_running(pipe)
+    finally:
+        audit_stopped(pipe)
+
+
+def test_restarts_off_fail_fast_and_the_stage_stays_failed() -> None:
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
+    try:
+        kill_mid_stream(pipe, 2, prefix="off", n=2)
+        with pytest.raises(StageDiedError, match=r"restarts are off"):
+            pipe.wait_ready(10)
+        st = pipe.health().stages[2]
+        assert st.state == "failed" and st.num_restarts == 0 and st.exitcode == -9
+    finally:
+        report = pipe.shutdown()
+    assert report.exitcodes[2] == -9 and report.num_objects_left == 0
+
+
+def test_a_stage_that_dies_while_restarting_is_restarted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold = tmp_path / "hold"
+    monkeypatch.setenv(HOLD_ENV, str(hold))
+    pipe = Pipeline.start(fake_config(), engine_factory=HELD_FACTORY, restart=FAST)
+    try:
+        hold.touch()
+        kill_mid_stream(pipe, 0, prefix="twice", n=1)
+        # the new Thinker is held in its build: kill it there too
+        wait_state(pipe, 0, "starting")
+        kill_stage(pipe, 0)
+        hold.unlink()
+        pipe.wait_ready(60)
+        assert pipe.health().stages[0].num_restarts == 2
+        check_serves(pipe, "twice-1", [3])
+        audit_running(pipe)
+    finally:
+        hold.unlink(missing_ok=True)
+        audit_stopped(pipe)
+
+
+def test_a_failed_request_is_a_request_failed_error_with_the_code() -> None:
+    err = StageUnavailableError("r", "stage 1 (talker) is restarting", retry_after_s=1.5)
+    assert isinstance(err, RequestFailedError) and err.code == "stage_unavailable"
+    assert err.retry_after_s == 1.5 and "restarting" in str(err)
