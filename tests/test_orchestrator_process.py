@@ -31,6 +31,10 @@ FACTORY = "tests.orchestrator_fakes:build_scripted_engine"
 
 
 def fake_config() -> PipelineConfig:
+    return parse_pipeline(fake_config_data())
+
+
+def fake_config_data() -> dict[str, Any]:
     def stage(sid: int, name: str, **kw: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"id": sid, "name": name, "execution_type": "ar", "executor": f"fake.{name}"}
         if sid:
@@ -38,18 +42,14 @@ def fake_config() -> PipelineConfig:
         out.update(kw)
         return out
 
-    return parse_pipeline(
-        {
-            "name": "scripted-3stage",
-            "stages": [
-                stage(0, "thinker", chunk_processor="c0", final_output=True, final_output_type="text"),
-                stage(1, "talker", chunk_processor="c1"),
-                stage(
-                    2, "code2wav", execution_type="generation", final_output=True, final_output_type="audio"
-                ),
-            ],
-        }
-    )
+    return {
+        "name": "scripted-3stage",
+        "stages": [
+            stage(0, "thinker", chunk_processor="c0", final_output=True, final_output_type="text"),
+            stage(1, "talker", chunk_processor="c1"),
+            stage(2, "code2wav", execution_type="generation", final_output=True, final_output_type="audio"),
+        ],
+    }
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,20 @@ import pytest
 import torch
 
 from omnirelay.api import NO_RESTARTS, Pipeline, RestartPolicy
-from omnirelay.errors import RequestFailedError, StageDiedError, StageUnavailableError
+from omnirelay.errors import (
+    ConfigError,
+    PipelineConfigError,
+    RequestFailedError,
+    StageDiedError,
+    StageUnavailableError,
+)
 from omnirelay.orchestrator import RequestHandle
+from omnirelay.orchestrator.supervisor import RestartBook
+from omnirelay.pipeline import parse_pipeline
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.orchestrator_fakes import expected_audio, expected_text_tokens
 from tests.supervision_fakes import HOLD_ENV, kill_stage
-from tests.test_orchestrator_process import FACTORY, fake_config, sampling
+from tests.test_orchestrator_process import FACTORY, fake_config, fake_config_data, sampling
 
 FAST = RestartPolicy(max_restarts=10, window_s=300, backoff_s=0.05, max_backoff_s=0.2)
 HELD_FACTORY = "tests.supervision_fakes:build_held_engine"
@@ -196,3 +204,43 @@ def test_a_failed_request_is_a_request_failed_error_with_the_code() -> None:
     err = StageUnavailableError("r", "stage 1 (talker) is restarting", retry_after_s=1.5)
     assert isinstance(err, RequestFailedError) and err.code == "stage_unavailable"
     assert err.retry_after_s == 1.5 and "restarting" in str(err)
+
+
+# ------------------------------------------------------------------ the policy (pure)
+
+
+def test_the_restart_book_backs_off_exponentially_and_gives_up_within_the_window() -> None:
+    book = RestartBook(RestartPolicy(max_restarts=3, window_s=10, backoff_s=0.5, max_backoff_s=1.5))
+    assert [book.next_delay(1, t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]
+    assert book.next_delay(1, 3.0) is None  # a 4th restart within 10 s: give up
+    assert book.next_delay(2, 3.0) == 0.5  # each stage has its own budget
+    assert book.next_delay(1, 10.5) == 1.5  # the restart at 0.0 left the window
+    assert RestartBook(NO_RESTARTS).next_delay(0, 0.0) is None
+
+
+@pytest.mark.parametrize(
+    ("restart", "key", "words"),
+    [
+        ({"max_restarts": -1}, "restart.max_restarts", "must be an int >= 0"),
+        ({"max_restarts": 2.5}, "restart.max_restarts", "expected an int"),
+        ({"window_s": 0}, "restart.window_s", "must be > 0"),
+        ({"backoff_s": -1}, "restart.backoff_s", "must be >= 0"),
+        ({"backoff_s": 5, "max_backoff_s": 1}, "restart.max_backoff_s", "must be >= backoff_s"),
+        ({"backoff_s": "1s"}, "restart.backoff_s", "expected a number"),
+        ({"max_restart": 3}, "restart.max_restart", "did you mean 'max_restarts'"),
+        ([5], "restart", "expected a mapping"),
+    ],
+)
+def test_a_bad_restart_policy_is_refused_naming_the_key(restart: object, key: str, words: str) -> None:
+    data = {**fake_config_data(), "restart": restart}
+    with pytest.raises(PipelineConfigError) as info:
+        parse_pipeline(data)
+    assert f"key '{key}'" in str(info.value) and words in str(info.value)
+
+
+def test_the_restart_policy_loads_from_the_file() -> None:
+    cfg = parse_pipeline({**fake_config_data(), "restart": {"max_restarts": 2, "backoff_s": 1}})
+    assert cfg.restart == RestartPolicy(max_restarts=2, window_s=300, backoff_s=1.0, max_backoff_s=10)
+    assert parse_pipeline(fake_config_data()).restart == RestartPolicy()
+    with pytest.raises(ConfigError, match="window_s must be > 0"):
+        RestartPolicy(window_s=-1)

@@ -507,16 +507,35 @@ class Router:
         ``stage_unavailable``.
 
         A request needs the stage when the stage is on its path and has not finished it
-        (it holds it, or would get it by prewarm or forwarding). Later admissions that
+        (it holds it, or would get it by prewarm or forwarding), or when the next stage
+        still reads its chunks (:meth:`_needs`). Later admissions that
         need it fail at once, until :meth:`on_stage_back`; requests that do not need it
         (a text-only request when the Talker is down) go on.
         """
         self._dead[stage_id] = (reason, retry_after_s)
         actions: list[Action] = []
         for rid, st in list(self._requests.items()):
-            if stage_id in st.plan.path and stage_id not in st.finished_stages:
+            if self._needs(st, stage_id):
                 actions.extend(self._fail_unavailable(rid, stage_id))
         return actions
+
+    def _needs(self, st: _RequestState, stage_id: int) -> bool:
+        """Does the request still need the stage's process? Yes while the stage has not
+        finished it, and also after, while the next stage still reads the chunks the
+        stage put: the sweep that follows a death reclaims the dead process's unread
+        objects (docs/protocol.md §3.5), so the reader would wait for them forever."""
+        if stage_id not in st.plan.path:
+            return False
+        if stage_id not in st.finished_stages:
+            return True
+        nxt = stage_id + 1
+        return (
+            self.is_chunked
+            and nxt in st.plan.path
+            and self._receives[nxt]
+            and nxt in st.submitted
+            and nxt not in st.finished_stages
+        )
 
     def set_unavailable(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
         """What a request that needs the down stage is told now (the stage is restarting,
