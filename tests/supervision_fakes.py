@@ -5,7 +5,8 @@
   creates the file before it kills a stage, so the restarted worker stays ``starting``
   exactly as long as the test wants (a blocking fake, not a sleep), then removes it.
   A request asking for :data:`STALL_TOKENS` tokens or more stalls in stage 0 after two
-  (so a server's client can hold a stream open mid-way without engine knobs).
+  (so a server's client can hold a stream open mid-way without engine knobs); an idle
+  stage reaps what its consumers took, as the real engine's housekeeping does.
 * :func:`kill_stage` — SIGKILL one stage's worker and return its pid.
 """
 
@@ -16,7 +17,7 @@ import signal
 import time
 
 from omnirelay.api import Pipeline
-from omnirelay.engine.interfaces import StageRequest
+from omnirelay.engine.interfaces import StageOutput, StageRequest
 from omnirelay.pipeline import PipelineConfig
 from tests.orchestrator_fakes import ScriptedEngine, build_scripted_engine
 
@@ -25,6 +26,13 @@ STALL_TOKENS = 1000
 
 
 class _StallingEngine(ScriptedEngine):
+    def step(self) -> list[StageOutput]:
+        if not self._reqs:
+            # Like the real engine's idle housekeeping: forget what consumers took since
+            # the last put, so a live server's namespace shows no consumed object.
+            self.connector.reap_consumed()
+        return super().step()
+
     def add_request(self, request: StageRequest) -> None:
         super().add_request(request)
         if self.stage_id == 0 and request.sampling.max_tokens >= STALL_TOKENS:
