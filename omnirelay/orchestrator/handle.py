@@ -94,6 +94,10 @@ class RequestHandle:
 
     def deliver(self, output: RequestOutput) -> None:
         """Hand one output to the consumer; called by the orchestrator only."""
+        if output.finished and self._on_done is not None:
+            # Before the consumer can see the end: a client that reads the last output and
+            # at once submits a new request under the same id must find the id free.
+            self._on_done(self.request_id)
         with self._cond:
             if self._is_delivered:
                 return  # nothing follows the terminal output
@@ -107,8 +111,6 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_wake, fut)
             except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
                 pass
-        if output.finished and self._on_done is not None:
-            self._on_done(self.request_id)
 
     # -- consumer side ----------------------------------------------------------------------
 
