@@ -9,7 +9,8 @@ a message that says what to fix. Handlers raise it; the app turns it into::
 :func:`translate` maps the runtime's own errors (an invalid request id, a request id
 already in flight, a shut-down pipeline, a stage that is down) to the matching status;
 :func:`request_failed` a request that failed after it was admitted (503
-``stage_unavailable`` with ``Retry-After`` when a stage it needs went down, else 500);
+``stage_unavailable`` with ``Retry-After`` when a stage it needs went down, docs/protocol.md
+§7.5, else 500);
 :func:`stream_error_body` the same failure as a stream's ``error`` event.
 """
 
