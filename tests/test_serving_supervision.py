@@ -118,6 +118,8 @@ def test_a_killed_stage_is_503_with_retry_after_until_it_is_back(hold: Path) -> 
             hb = http.get("/health").json()
             assert hb["status"] == "healthy" and hb["stages"][1]["state"] == "healthy"
             assert hb["stages"][1]["restarts"] == 1
+            metrics = http.get("/metrics").text
+            assert 'omnirelay_stage_restarts_total{stage="1:talker"} 1.0' in metrics
             again = http.post("/v1/chat/completions", json={**AUDIO_CHAT, "max_tokens": 3})
             assert again.status_code == 200 and again.json()["choices"][0]["message"]["audio"]["data"]
         deadline = time.monotonic() + 20

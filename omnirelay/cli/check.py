@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
+
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
     FinalOutputType,
@@ -122,6 +124,8 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "any_stage_chunks": cfg.any_stage_chunks(),
         "namespace": cfg.namespace,
         "input_wait_timeout_s": cfg.input_wait_timeout_s,
+        "restart": msgspec.structs.asdict(cfg.restart),
+        "restart_text": cfg.restart.describe(),
         "stages": stages,
         "edges": edges,
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
@@ -145,6 +149,7 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
     timeout = report["input_wait_timeout_s"]
     w(f"  input wait timeout: {'disabled' if timeout == 0 else f'{timeout:g} s'}\n")
     w(f"  namespace: {report['namespace'] or '(chosen per run)'}\n")
+    w(f"  restart (serve): {report['restart_text']}\n")
 
     w("\nstages\n")
     for s in report["stages"]:
