@@ -244,3 +244,14 @@ def test_the_restart_policy_loads_from_the_file() -> None:
     assert parse_pipeline(fake_config_data()).restart == RestartPolicy()
     with pytest.raises(ConfigError, match="window_s must be > 0"):
         RestartPolicy(window_s=-1)
+
+
+def test_serve_max_restarts_overrides_the_file_and_is_checked() -> None:
+    from omnirelay.cli.main import main
+    from omnirelay.cli.serve import with_max_restarts
+
+    cfg = parse_pipeline({**fake_config_data(), "restart": {"max_restarts": 2, "window_s": 60}})
+    assert with_max_restarts(cfg, 0).restart == RestartPolicy(max_restarts=0, window_s=60)
+    with pytest.raises(ConfigError, match=r"--max-restarts -1: .*max_restarts must be an int >= 0"):
+        with_max_restarts(cfg, -1)
+    assert main(["serve", "--pipeline", "toy-3stage", "--max-restarts", "-1"]) == 1  # before any model work

@@ -84,6 +84,20 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     return ServerConfig(**limits)
 
 
+def with_max_restarts(pipeline: PipelineConfig, max_restarts: int) -> PipelineConfig:
+    """The pipeline with ``--max-restarts`` over its file's restart policy (the other keys
+    stay); a :class:`~omnirelay.errors.ConfigError` that names the flag when it is invalid."""
+    import msgspec
+
+    from omnirelay.errors import ConfigError
+
+    try:
+        policy = msgspec.structs.replace(pipeline.restart, max_restarts=max_restarts)
+    except ConfigError as exc:
+        raise ConfigError(f"--max-restarts {max_restarts}: {exc}") from exc
+    return pipeline.with_restart(policy)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
     from omnirelay.cli.session import Progress
@@ -98,6 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from omnirelay.cli.session import load_run_config
 
         pipeline_config = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
+    if args.max_restarts is not None:
+        pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
     config = server_config(
         pipeline_config,
         model_name=args.model_name,
@@ -106,17 +122,6 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
     print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-    if args.max_restarts is not None:
-        import msgspec
-
-        from omnirelay.errors import ConfigError
-
-        try:
-            policy = msgspec.structs.replace(pipeline_config.restart, max_restarts=args.max_restarts)
-        except ConfigError as exc:
-            print(f"omnirelay serve: --max-restarts: {exc}", file=sys.stderr)
-            return 2
-        pipeline_config = pipeline_config.with_restart(policy)
     pipeline = Pipeline.start(pipeline_config)
     try:
         app = create_app(pipeline, config)
