@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -255,3 +256,27 @@ def test_serve_max_restarts_overrides_the_file_and_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"--max-restarts -1: .*max_restarts must be an int >= 0"):
         with_max_restarts(cfg, -1)
     assert main(["serve", "--pipeline", "toy-3stage", "--max-restarts", "-1"]) == 1  # before any model work
+
+
+def test_a_restart_that_cannot_start_a_process_leaves_the_stage_failed_with_the_reason() -> None:
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=FAST)
+    try:
+        control = pipe._orch._supervisor.control
+        assert control is not None
+
+        def no_sockets(stage_id: int) -> Any:
+            raise OSError(24, "Too many open files")
+
+        control.rebind = no_sockets  # type: ignore[method-assign]
+        kill_mid_stream(pipe, 1, prefix="nofd", n=1)
+        with pytest.raises(
+            StageDiedError, match=r"stage 1 \(talker\) could not be restarted.*Too many open files"
+        ):
+            pipe.wait_ready(30)
+        st = pipe.health().stages[1]
+        assert st.state == "failed" and st.num_restarts == 0
+        with pytest.raises(StageUnavailableError):
+            pipe.submit([1], modalities=["text", "audio"], sampling=sampling(2))
+    finally:
+        report = pipe.shutdown()
+    assert report.num_objects_left == 0

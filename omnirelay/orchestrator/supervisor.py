@@ -247,7 +247,12 @@ class StageSupervisor:
         await asyncio.sleep(delay)
         if self.is_closing:
             return
-        await self._restart(st, st.death_reason or f"{st.label} is restarting")
+        try:
+            await self._restart(st, st.death_reason or f"{st.label} is restarting")
+        except Exception as exc:  # no new process (sockets, fork): nothing will bring it back
+            st.state = StageState.FAILED
+            st.expected_back = None
+            self._hooks.stage_unavailable(st.stage_id, f"{st.label} could not be restarted: {exc!r}", None)
 
     async def _restart(self, st: StageProcess, restarting: str) -> None:
         loop, control = self._loop, self.control
@@ -257,6 +262,7 @@ class StageSupervisor:
             st.reader_fd = None
         if st.process is not None:
             st.process.close()
+            st.process = None
         paths = control.rebind(st.stage_id)
         try:
             st.num_restarts += 1
