@@ -280,3 +280,20 @@ def test_a_restart_that_cannot_start_a_process_leaves_the_stage_failed_with_the_
     finally:
         report = pipe.shutdown()
     assert report.num_objects_left == 0
+
+
+def test_run_starts_its_pipeline_without_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A one-shot run cannot resume its request on a restarted stage: it fails fast.
+    import io
+
+    from omnirelay.cli import session
+
+    seen: dict[str, Any] = {}
+
+    def fake_start(config: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return "pipe"
+
+    monkeypatch.setattr(Pipeline, "start", fake_start)
+    pipe, _ = session.start_pipeline(fake_config(), stream=io.StringIO())
+    assert pipe == "pipe" and seen["restart"] == NO_RESTARTS
