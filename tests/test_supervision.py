@@ -297,3 +297,24 @@ def test_run_starts_its_pipeline_without_restarts(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(Pipeline, "start", fake_start)
     pipe, _ = session.start_pipeline(fake_config(), stream=io.StringIO())
     assert pipe == "pipe" and seen["restart"] == NO_RESTARTS
+
+
+def test_pipeline_health_status_says_failed_before_restarting_before_unhealthy() -> None:
+    from omnirelay.orchestrator import PipelineHealth, StageHealth
+
+    def health(*states: str, error: str | None = None) -> PipelineHealth:
+        stages = [
+            StageHealth(stage_id=i, name=f"s{i}", is_alive=s == "healthy", pid=1, state=s, error=error)
+            for i, s in enumerate(states)
+        ]
+        return PipelineHealth(
+            is_healthy=all(s == "healthy" for s in states) and error is None,
+            namespace="n",
+            num_requests=0,
+            stages=stages,
+        )
+
+    assert health("healthy", "healthy").status == "healthy"
+    assert health("healthy", "starting").status == "restarting"
+    assert health("restarting", "failed").status == "failed"
+    assert health("healthy", "healthy", error="no answer within 2 s").status == "unhealthy"
