@@ -122,14 +122,16 @@ def test_requests_that_do_not_need_the_dead_stage_are_served(
     try:
         hold.touch()  # the restarted Talker will stay in its engine build
         kill_mid_stream(pipe, 1, prefix="held")
-        health = pipe.health()
-        assert health.status == "restarting" and health.stages[1].state in ("restarting", "starting")
-        assert not health.is_healthy and "restarting" in (health.stages[1].error or "")
+        # At once, before anything else reaches the front: a client that resubmits as soon
+        # as its request failed already hears that the stage is restarting.
         for i in range(5):  # new requests that need it: refused at once, with a time to retry
             with pytest.raises(StageUnavailableError) as info:
                 pipe.submit([i], modalities=["text", "audio"], sampling=sampling(3))
             assert info.value.retry_after_s is not None and info.value.retry_after_s >= 0
             assert "stage 1 (talker) is restarting" in info.value.reason
+        health = pipe.health()
+        assert health.status == "restarting" and health.stages[1].state in ("restarting", "starting")
+        assert not health.is_healthy and "restarting" in (health.stages[1].error or "")
         # a text-only request needs only the Thinker: served while the Talker restarts
         res = pipe.submit([4], modalities=["text"], sampling=sampling(3), request_id="held-1").result(10)
         assert res.token_ids() == expected_text_tokens([4], 3)

@@ -357,10 +357,10 @@ class Orchestrator:
         elif isinstance(message, StartupFailed):
             st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"
             self._supervisor.fail_hello(st, st.cause)
-            self._execute(self._stage_failed(stage_id, st.cause))
+            self._on_stage_down(stage_id, st.cause, st.cause, None)
         elif isinstance(message, StageFatal):
             st.cause = f"{st.label} failed: {message.error}"
-            self._execute(self._stage_failed(stage_id, st.cause))
+            self._on_stage_down(stage_id, st.cause, st.cause, None)
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
@@ -368,7 +368,6 @@ class Orchestrator:
         """Mark the stage dead (once) and fail every request that needs it, with
         ``stage_unavailable`` (docs/protocol.md §2.8: each is released in every stage)."""
         st = self._stages[stage_id]
-        self._on_stage_unavailable(stage_id, reason, retry_after_s)
         if st.is_dead:
             return []
         st.is_dead = True
@@ -381,8 +380,17 @@ class Orchestrator:
 
     # -- supervision hooks (docs/design.md §10) -----------------------------------------------
 
-    def _on_stage_down(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
-        self._execute(self._stage_failed(stage_id, reason, retry_after_s))
+    def _on_stage_down(
+        self, stage_id: int, reason: str, unavailable: str, retry_after_s: float | None
+    ) -> None:
+        """The stage's process died: new requests that need it are refused with
+        ``unavailable`` from now on (on every thread) before the in-flight ones are failed
+        with ``reason`` — a client that resubmits as soon as its request failed already
+        hears that the stage is restarting."""
+        self._on_stage_unavailable(stage_id, unavailable, retry_after_s)
+        actions = self._stage_failed(stage_id, reason, retry_after_s)
+        self.router.set_unavailable(stage_id, unavailable, retry_after_s)  # over the death's reason
+        self._execute(actions)
 
     def _on_stage_unavailable(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
         st = self._stages[stage_id]

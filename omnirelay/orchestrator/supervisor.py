@@ -77,8 +77,9 @@ class RestartBook:
 class SupervisorHooks:
     """What the supervisor tells the orchestrator (each called on the loop thread)."""
 
-    #: a stage's process died: fail what needs it; (stage, reason, retry-after or None)
-    stage_down: Callable[[int, str, float | None], None]
+    #: a stage's process died: refuse new requests that need it with the second reason,
+    #: fail the in-flight ones with the first; (stage, reason, unavailable, retry-after)
+    stage_down: Callable[[int, str, str, float | None], None]
     #: what requests needing the down stage are told from now on
     stage_unavailable: Callable[[int, str, float | None], None]
     #: a restarted stage said hello: it takes requests again
@@ -208,7 +209,8 @@ class StageSupervisor:
             reason = f"{st.cause}; its worker process (pid {st.pid}) exited ({st.last_exit})"
         self.fail_hello(st, reason)
         if self.is_closing or not self.is_started:
-            self._hooks.stage_down(stage_id, f"{reason}; its requests were failed", None)
+            down = f"{reason}; its requests were failed"
+            self._hooks.stage_down(stage_id, down, down, None)
             self._track(loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True)))
             return
         delay = self.book.next_delay(stage_id, time.monotonic())
@@ -216,16 +218,14 @@ class StageSupervisor:
             st.state = StageState.FAILED
             st.expected_back = None
             failed = f"{reason}; {self._give_up_note(stage_id)}"
-            self._hooks.stage_down(stage_id, failed, None)
-            self._hooks.stage_unavailable(stage_id, failed, None)  # its last word, also when it was down
+            self._hooks.stage_down(stage_id, failed, failed, None)
         else:
             st.state = StageState.RESTARTING
             back_in = delay + st.startup_s
             st.expected_back = time.monotonic() + back_in
             down = f"{reason}; its requests were failed, it is being restarted"
-            self._hooks.stage_down(stage_id, down, back_in)
             restarting = f"{st.label} is restarting after its worker process died ({st.last_exit})"
-            self._hooks.stage_unavailable(stage_id, restarting, back_in)
+            self._hooks.stage_down(stage_id, down, restarting, back_in)
         self._track(asyncio.ensure_future(self._recover(st, delay)))
 
     def _give_up_note(self, stage_id: int) -> str:
