@@ -38,7 +38,13 @@ from typing import Any, TypeVar
 
 from omnirelay.connectors.base import validate_namespace
 from omnirelay.engine.interfaces import SamplingParams, StageOutput
-from omnirelay.errors import ConfigError, InvalidKeyError, InvalidRequestError, PipelineError
+from omnirelay.errors import (
+    ConfigError,
+    InvalidKeyError,
+    InvalidRequestError,
+    PipelineError,
+    StageUnavailableError,
+)
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
@@ -48,11 +54,18 @@ from omnirelay.orchestrator.router import (
     Router,
     requested_modalities,
 )
-from omnirelay.pipeline import ComponentRegistry, PipelineConfig, load_pipeline
+from omnirelay.pipeline import NO_RESTARTS, ComponentRegistry, PipelineConfig, RestartPolicy, load_pipeline
 from omnirelay.timeline.recorder import StepRecorder
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, leak_paths
 
-__all__ = ["MAX_REQUEST_ID_LEN", "Pipeline", "chat_tokenizer", "validate_request_id"]
+__all__ = [
+    "MAX_REQUEST_ID_LEN",
+    "NO_RESTARTS",
+    "Pipeline",
+    "RestartPolicy",
+    "chat_tokenizer",
+    "validate_request_id",
+]
 
 
 T = TypeVar("T")
@@ -159,6 +172,7 @@ class Pipeline:
         wait_slice_s: float = 0.01,
         on_stage_output: Callable[[StageOutput], None] | None = None,
         trace_steps: bool = False,
+        restart: RestartPolicy | None = None,
     ) -> Pipeline:
         """Load the pipeline, spawn its workers, wait until every engine is built.
 
@@ -177,11 +191,15 @@ class Pipeline:
         its steps' times into the metrics of the outputs they make
         (:class:`~omnirelay.timeline.StepRecorder`; what a
         :class:`~omnirelay.timeline.StageTrace` observer reads); off, no timing work is
-        done. With the default engine factory, models that need preparing on first use
+        done. ``restart``: the restart policy of dead stage workers (default: the
+        pipeline file's ``restart:``, else 5 restarts in 300 s; :data:`NO_RESTARTS` to fail
+        fast). With the default engine factory, models that need preparing on first use
         are prepared first, in this process (cached; later starts skip it). Raises
         :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
         """
         config, ns = _config_and_namespace(pipeline, namespace, async_chunk_override, registry)
+        if restart is not None:
+            config = config.with_restart(restart)
         if engine_factory == DEFAULT_ENGINE_FACTORY:
             # Models that need work on first use (SmolLM2's conversion) are made ready once,
             # here, before the workers start: not by several workers racing, and not inside
@@ -260,7 +278,9 @@ class Pipeline:
         none known: every final output). ``sampling``: one :class:`SamplingParams` for
         stage 0, or ``{stage_id: SamplingParams}``; other stages use their config's
         defaults. ``inputs``: a full input for stage 0 (for example prompt embeddings).
-        Raises :class:`InvalidRequestError` for a malformed request (nothing started).
+        Raises :class:`InvalidRequestError` for a malformed request (nothing started), and
+        :class:`~omnirelay.errors.StageUnavailableError` when a stage the request needs is
+        down (restarting, or given up on); a request that does not need it is served.
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
         ids = _validate_prompt(prompt_token_ids)
@@ -285,7 +305,11 @@ class Pipeline:
             inputs=inputs,
             extras=req_extras,
         )
-        self._precheck.check_admissible(request)
+        plan = self._precheck.check_admissible(request)
+        down = self._orch.unavailable(plan.path)
+        if down is not None:
+            _, reason, retry_after_s = down
+            raise StageUnavailableError(rid, reason, retry_after_s=retry_after_s)
         handle = RequestHandle(rid, abort=self.abort, on_done=self._forget)
         with self._lock:
             if self._is_closed:
@@ -360,9 +384,16 @@ class Pipeline:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def health(self, timeout_s: float = 2.0) -> PipelineHealth:
-        """Per stage: alive, pid, exit code, requests held, queue depth, engine health."""
+        """Per stage: alive, pid, exit code, requests held, queue depth, engine health,
+        state (``starting``, ``healthy``, ``restarting``, ``failed``) and restarts."""
         result: PipelineHealth = self._call(self._orch.health(timeout_s))
         return result
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until every stage is ``healthy`` (a restarted stage said hello). Raises
+        :class:`~omnirelay.errors.StageDiedError` when a stage was given up on, and
+        :class:`TimeoutError` after ``timeout_s``."""
+        self._call(self._orch.wait_ready(timeout_s))
 
     async def health_async(self, timeout_s: float = 2.0) -> PipelineHealth:
         result: PipelineHealth = await self._call_async(self._orch.health(timeout_s))

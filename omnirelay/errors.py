@@ -30,6 +30,7 @@ and dropped.
     ├── PipelineError               the runtime (engine, orchestrator, workers)
     │   ├── StageDiedError          a stage worker process exited
     │   ├── RequestFailedError      a request failed; carries the reason
+    │   │   └── StageUnavailableError   a stage it needs is down (restarting or given up on)
     │   └── InvalidRequestError     a client's request is malformed (also a ValueError)
     └── ModelError                  loading or running a model
 """
@@ -60,6 +61,7 @@ __all__ = [
     "ReuseRejectedError",
     "SendFailedError",
     "StageDiedError",
+    "StageUnavailableError",
     "TransferError",
 ]
 
@@ -155,6 +157,22 @@ class RequestFailedError(PipelineError):
         super().__init__(f"request {request_id!r} failed: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+class StageUnavailableError(RequestFailedError):
+    """A stage the request needs is down: its process died (the request was failed at
+    once) or is being restarted, or the orchestrator gave up restarting it.
+
+    ``retry_after_s``: when the stage is expected back (None: it is not coming back
+    without a restart of the whole pipeline). Servers answer it with 503 and
+    ``Retry-After``; the code clients see is :attr:`code`.
+    """
+
+    code = "stage_unavailable"
+
+    def __init__(self, request_id: str, reason: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(request_id, reason)
+        self.retry_after_s = retry_after_s
 
 
 class InvalidRequestError(PipelineError, ValueError):

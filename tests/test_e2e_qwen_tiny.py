@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from benchmarks.pipeline import bench_running_pipeline, render_pipeline_bench, t
 from omnirelay.api import Pipeline
 from omnirelay.cli.main import main
 from omnirelay.connectors.shm import sweep
+from omnirelay.errors import StageUnavailableError
 from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
 from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
 from omnirelay.models.tiny import CACHE_ENV
@@ -256,3 +259,29 @@ def test_the_requested_voice_reaches_the_talker(pipe: Pipeline, prompt: list[int
     assert not (a1.shape == b.shape and torch.equal(a1, b))
     assert stage_state(pipe) == {}
     assert not_free_slots(pipe.namespace) == []
+
+
+def test_sigkill_of_each_stage_mid_stream_fails_it_restarts_the_stage_and_serves_again(
+    pipe: Pipeline, prompt: list[int]
+) -> None:
+    """Last in the module (it replaces every stage process): each stage in turn is
+    SIGKILLed right after a request's first audio chunk; the request ends within 2 s with
+    ``stage_unavailable``, the stage comes back (docs/design.md §10), a new request reusing
+    the failed one's id gets its whole answer, and nothing is left."""
+    talker = msgspec.structs.replace(stage_sampling_defaults(pipe.config.stage(TALKER)), max_tokens=400)
+    for stage_id in (0, TALKER, CODE2WAV):
+        rid = f"kill-{stage_id}"
+        handle = pipe.submit(prompt, modalities=["text", "audio"], sampling={TALKER: talker}, request_id=rid)
+        next(o for o in handle if o.modality == "audio" and o.audio is not None and o.audio.numel())
+        t0 = time.monotonic()
+        os.kill(pipe.pids()[stage_id] or 0, signal.SIGKILL)
+        with pytest.raises(StageUnavailableError, match="killed by SIGKILL"):
+            handle.result(timeout=2.0)
+        assert time.monotonic() - t0 < 2.0
+        pipe.wait_ready(120)
+        assert pipe.health().stages[stage_id].num_restarts == 1
+        res = pipe.submit(prompt, modalities=["text", "audio"], request_id=rid).result(60)
+        assert res.finish_reason in ("stop", "length") and res.audio is not None and res.audio.numel() > 0
+        assert stage_state(pipe) == {}
+        assert not_free_slots(pipe.namespace) == []
+        assert pipe.num_active == 0

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.api import Pipeline, validate_request_id
+from omnirelay.api import NO_RESTARTS, Pipeline, validate_request_id
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError, StageDiedError
@@ -31,6 +31,10 @@ FACTORY = "tests.orchestrator_fakes:build_scripted_engine"
 
 
 def fake_config() -> PipelineConfig:
+    return parse_pipeline(fake_config_data())
+
+
+def fake_config_data() -> dict[str, Any]:
     def stage(sid: int, name: str, **kw: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"id": sid, "name": name, "execution_type": "ar", "executor": f"fake.{name}"}
         if sid:
@@ -38,18 +42,14 @@ def fake_config() -> PipelineConfig:
         out.update(kw)
         return out
 
-    return parse_pipeline(
-        {
-            "name": "scripted-3stage",
-            "stages": [
-                stage(0, "thinker", chunk_processor="c0", final_output=True, final_output_type="text"),
-                stage(1, "talker", chunk_processor="c1"),
-                stage(
-                    2, "code2wav", execution_type="generation", final_output=True, final_output_type="audio"
-                ),
-            ],
-        }
-    )
+    return {
+        "name": "scripted-3stage",
+        "stages": [
+            stage(0, "thinker", chunk_processor="c0", final_output=True, final_output_type="text"),
+            stage(1, "talker", chunk_processor="c1"),
+            stage(2, "code2wav", execution_type="generation", final_output=True, final_output_type="audio"),
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_many_concurrent_requests_with_aborts(audited: Pipeline) -> None:
 
 
 def test_killed_worker_fails_its_requests_within_5s() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY)
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
     try:
         stalled = [
             pipe.submit([i], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 2})
@@ -264,7 +264,7 @@ def test_killed_worker_fails_its_requests_within_5s() -> None:
 
 
 def test_engine_step_failure_takes_the_stage_down_cleanly() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY)
+    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
     try:
         bystander = pipe.submit(
             [1], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 1}

@@ -497,6 +497,36 @@ def test_dead_stage_does_not_fail_a_request_it_already_finished() -> None:
     assert_router_empty(r)
 
 
+def test_a_dead_producer_fails_a_request_whose_consumer_still_reads_its_chunks() -> None:
+    # The Thinker finished, the Talker still reads its chunks: the sweep after the
+    # Thinker's death reclaims the unread ones, so the request cannot go on.
+    r = Router(omni())
+    r.admit(req("av"))
+    r.on_output(out("av", 0, finished=True))
+    acts = r.on_stage_died(0, "stage 0 (thinker) died", retry_after_s=2.5)
+    (o,) = client(acts)
+    assert o.error_code == "stage_unavailable" and o.retry_after_s == 2.5 and o.stage_id == 0
+    assert aborted(acts, "av") == [1, 2] and released(acts, "av") == [0, 1, 2]
+    assert_router_empty(r)
+
+
+def test_a_down_stage_refuses_admissions_with_its_retry_after_until_it_is_back() -> None:
+    r = Router(omni())
+    r.on_stage_died(2, "stage 2 (code2wav) died", retry_after_s=3.0)
+    r.set_unavailable(2, "stage 2 (code2wav) is restarting", 1.0)
+    (o,) = client(r.admit(req("a")))
+    assert (o.error_code, o.retry_after_s, o.error) == (
+        "stage_unavailable",
+        1.0,
+        "stage 2 (code2wav) is restarting",
+    )
+    assert r.dead_stages() == {2: "stage 2 (code2wav) is restarting"}
+    assert 0 in submits(r.admit(req("t", modalities=("text",))))  # text-only: served
+    r.on_stage_back(2)
+    assert sorted(submits(r.admit(req("b")))) == [0, 1, 2]
+    assert r.dead_stages() == {}
+
+
 def test_fail_all() -> None:
     r = Router(omni())
     for i in range(3):

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from omnirelay.api import Pipeline
+from omnirelay.api import NO_RESTARTS, Pipeline
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import RequestFailedError
@@ -185,7 +185,8 @@ def test_non_chunk_stage_gets_the_forwarded_output() -> None:
 
 
 def test_killed_worker_fails_its_requests_within_5s_and_health_says_so() -> None:
-    p = Pipeline.start("toy-3stage")
+    # Restarts off: this is the stage that stays down (restarts: tests/test_supervision.py).
+    p = Pipeline.start("toy-3stage", restart=NO_RESTARTS)
     try:
         handles = [
             p.submit([i], modalities=["text", "audio"], sampling=SamplingParams(max_tokens=LONG))

@@ -151,7 +151,7 @@ def make_orchestrator() -> tuple[Orchestrator, RecordingFront]:
     control plane records what it sends, and the test feeds it what workers say."""
     orch = Orchestrator(toy_pipeline_config(), namespace="unit")
     front = RecordingFront()
-    orch._control = front  # type: ignore[assignment]
+    orch._supervisor.control = front  # type: ignore[assignment]
     return orch, front
 
 
@@ -218,3 +218,20 @@ def test_a_dead_stage_drops_its_fences_and_an_aborted_reuse_leaves_nothing() -> 
     orch._on_message(0, Released(0, "R"))
     orch._on_message(1, Released(1, "R"))
     assert_front_books_empty(orch)
+
+
+def test_a_handle_frees_its_id_before_the_consumer_can_see_the_end() -> None:
+    # A client that reads the last output and at once resubmits the same id must not be
+    # told the id is still in flight: on_done runs before the terminal is visible.
+    seen: list[bool] = []
+    handle: RequestHandle
+
+    def on_done(rid: str) -> None:
+        seen.append(handle.is_finished)
+
+    handle = RequestHandle("r", on_done=on_done)
+    handle.deliver(RequestOutput(request_id="r", stage_id=0, modality="text", token_ids=[1]))
+    assert seen == []
+    handle.deliver(RequestOutput(request_id="r", stage_id=0, modality="text", finished=True))
+    assert seen == [False]
+    assert [o.finished for o in handle] == [False, True]

@@ -109,6 +109,29 @@ def test_idle_reap_drains_after_consumption_elsewhere(namespace: str) -> None:
     prod.close()
 
 
+def test_housekeeping_forgets_mappings_of_a_dead_producers_slots(namespace: str) -> None:
+    # The sweep unlinks a dead producer's slot files, but their memory lives on while a
+    # consumer's mapping cache holds them: housekeeping must drop those mappings.
+    published, release = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_producer, args=(namespace, 4, published, release))
+    p.start()
+    assert published.wait(60)
+    cons = create_connector("shm", namespace=namespace, stage_id=2, listen=False, dead_owner_scan_s=0.0)
+    try:
+        for i in range(4):
+            assert cons.get(1, 2, f"P_1_{i}").is_ready
+        assert len(cons._maps) >= 1
+        assert cons._maps.drop_dead_owners(lambda owner: True) == 0  # a live producer's stay
+        p.kill()
+        p.join(60)
+        assert sweep(namespace, reclaim=True).reclaimed  # its slot files, unlinked
+        cons.reap_consumed()
+        assert len(cons._maps) == 0 and cons._maps.nbytes == 0
+        assert cons.num_dead_mappings_dropped >= 1
+    finally:
+        cons.close()
+
+
 def test_garbage_object_fails_consumed_and_removed(namespace: str) -> None:
     cons = create_connector("shm", namespace=namespace, stage_id=2)
     path = os.path.join("/dev/shm", names.key_name(namespace, "BAD_1_0"))

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +27,7 @@ import websockets
 from omnirelay.api import Pipeline
 from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.errors import StageUnavailableError
 from omnirelay.models import encode_chat_prompt, stage_tokenizer
 from omnirelay.models.sphinx import Recognizer, word_error_rate
 from omnirelay.models.spoken import spoken_words
@@ -205,3 +209,22 @@ def test_chat_answers_in_text_and_speech(srv: Served) -> None:
     assert "Paris" in (message.content or "")
     pcm, rate = parse_wav(base64.b64decode(message.audio.data))
     assert rate == RATE and len(pcm) > RATE // 2
+
+
+def test_a_killed_voice_fails_its_request_at_once_and_comes_back(srv: Served, prompt_ids: list[int]) -> None:
+    """Last in the module (it replaces the voice's process): the Piper voice is SIGKILLed
+    right after an answer's first audio; the request ends within 2 s with
+    ``stage_unavailable``, the voice restarts (docs/design.md §10) and chat with audio works
+    again over HTTP."""
+    pipe = srv.pipe
+    sampling = SamplingParams(temperature=0.2, top_p=0.9, seed=0, max_tokens=48)
+    handle = pipe.submit(prompt_ids, modalities=["text", "audio"], sampling=sampling)
+    next(o for o in handle if o.modality == "audio" and o.audio is not None and o.audio.numel())
+    t0 = time.monotonic()
+    os.kill(pipe.pids()[1] or 0, signal.SIGKILL)
+    with pytest.raises(StageUnavailableError, match=r"stage 1 \(voice\).*killed by SIGKILL"):
+        handle.result(timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+    pipe.wait_ready(120)
+    assert pipe.health().stages[1].num_restarts == 1
+    test_chat_answers_in_text_and_speech(srv)

@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+import msgspec
+
 from omnirelay.connectors.device.paths import edge_path
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
@@ -127,6 +129,8 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "namespace": cfg.namespace,
         "input_wait_timeout_s": cfg.input_wait_timeout_s,
         "openai_voices": dict(cfg.openai_voices),
+        "restart": msgspec.structs.asdict(cfg.restart),
+        "restart_text": cfg.restart.describe(),
         "stages": stages,
         "edges": edges,
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
@@ -153,6 +157,7 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
     if report["openai_voices"]:
         pairs = ", ".join(f"{k} -> {v}" for k, v in report["openai_voices"].items())
         w(f"  OpenAI voice names: {pairs}\n")
+    w(f"  restart (serve): {report['restart_text']}\n")
 
     w("\nstages\n")
     for s in report["stages"]:

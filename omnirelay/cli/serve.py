@@ -59,6 +59,15 @@ def register(sub: Any) -> None:
         default=None,
         help="429 while the pipeline holds more unconsumed transfer bytes than this (default: no limit)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart a stage worker that dies at most N times within the restart window, with "
+        "exponential backoff; then /health reports it failed (default: the pipeline file's "
+        "'restart:' mapping, else 5 in 300 s; 0: never restart)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_security_flags(p)
     p.set_defaults(func=run_serve)
@@ -142,6 +151,20 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     return config
 
 
+def with_max_restarts(pipeline: PipelineConfig, max_restarts: int) -> PipelineConfig:
+    """The pipeline with ``--max-restarts`` over its file's restart policy (the other keys
+    stay); a :class:`~omnirelay.errors.ConfigError` that names the flag when it is invalid."""
+    import msgspec
+
+    from omnirelay.errors import ConfigError
+
+    try:
+        policy = msgspec.structs.replace(pipeline.restart, max_restarts=max_restarts)
+    except ConfigError as exc:
+        raise ConfigError(f"--max-restarts {max_restarts}: {exc}") from exc
+    return pipeline.with_restart(policy)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
     from omnirelay.cli.session import Progress
@@ -156,6 +179,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from omnirelay.cli.session import load_run_config
 
         pipeline_config = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
+    if args.max_restarts is not None:
+        pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
     config = server_config(
         pipeline_config,
         model_name=args.model_name,

@@ -286,8 +286,13 @@ def start_pipeline(
     """Start ``config``'s stage processes (progress on ``stream``); the pipeline and the
     seconds it took. ``on_stage_output`` and ``trace_steps``: as in
     :meth:`Pipeline.start <omnirelay.api.Pipeline.start>` (a timeline needs both). A
-    Ctrl-C meanwhile shuts it down once it is up, then raises ``KeyboardInterrupt``."""
+    Ctrl-C meanwhile shuts it down once it is up, then raises ``KeyboardInterrupt``.
+
+    Dead stages are not restarted (:data:`~omnirelay.pipeline.NO_RESTARTS`): a one-shot
+    command fails at once with the stage's exit in its message, instead of waiting for a
+    stage that would come back without the request it was running."""
     from omnirelay.api import Pipeline
+    from omnirelay.pipeline import NO_RESTARTS
 
     out = stream if stream is not None else sys.stderr
     names = " -> ".join(s.name for s in config.stages)
@@ -298,6 +303,7 @@ def start_pipeline(
             on_stage_output=on_stage_output,
             trace_steps=trace_steps,
             startup_timeout_s=startup_timeout(config),
+            restart=NO_RESTARTS,
         )
     if held:
         pipe.shutdown()

@@ -6,9 +6,12 @@ Files, one role each (docs/design.md §1, §2):
   through input builders, completion, abort, failure, release (docs/protocol.md §2), pure.
 * ``control.py`` — the front's ends of the ZeroMQ control plane (``ipc://`` in a private
   directory).
-* ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): workers, routing,
-  the id-reuse fence, dead-stage handling, health, shutdown.
-* ``stages.py`` — the worker processes as the front tracks them; health and shutdown reports.
+* ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): routing, the
+  id-reuse fence, what a dead stage means for requests, health, shutdown.
+* ``supervisor.py`` — :class:`StageSupervisor`: spawning, watching and restarting the
+  worker processes by the pipeline's restart policy (docs/design.md §10).
+* ``stages.py`` — the worker processes as the front tracks them (:class:`StageState`);
+  health and shutdown reports.
 * ``requests.py`` — the client's request and outputs; the forwarded-input contract.
 * ``handle.py`` — :class:`RequestHandle` (sync and async iteration), :class:`RequestResult`.
 * ``input_builders.py`` — the builders of forwarded (complete) inputs.
@@ -23,6 +26,7 @@ from omnirelay.orchestrator.orchestrator import (
     PipelineHealth,
     ShutdownReport,
     StageHealth,
+    StageState,
 )
 from omnirelay.orchestrator.router import (
     ForwardedInput,
@@ -49,5 +53,6 @@ __all__ = [
     "ShutdownReport",
     "SourceOutput",
     "StageHealth",
+    "StageState",
     "default_input_builder",
 ]

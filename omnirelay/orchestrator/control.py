@@ -7,6 +7,9 @@ non-blocking sends; the loop watches each event socket's descriptor
 (:meth:`FrontControl.fileno`) and takes what is queued with
 :meth:`FrontControl.recv_ready` — one wake-up per burst, no future per message.
 
+A restarted stage gets a fresh socket pair (:meth:`FrontControl.rebind`): nothing the
+dead worker queued can be read as the new worker's.
+
 Every socket has ``LINGER 0``: at shutdown nothing waits for an unread message (the
 peer is going away too). A PUSH socket with no live peer cannot send; that is a value
 (``False``), not a blocked call.
@@ -39,22 +42,52 @@ class FrontControl:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._cmd: list[zmq.Socket[bytes]] = []
         self._evt: list[zmq.Socket[bytes]] = []
+        #: directories of restarted stages' sockets (removed once the worker connected)
+        self._restart_paths: list[ControlPaths] = []
         self._is_closed = False
         try:
             for stage_id in range(paths.num_stages):
-                cmd = self._ctx.socket(zmq.PUSH)
-                cmd.setsockopt(zmq.LINGER, 0)
-                cmd.setsockopt(zmq.SNDHWM, 0)  # bounded by the requests in flight
+                cmd, evt = self._bind_pair(paths, stage_id)
                 self._cmd.append(cmd)
-                cmd.bind(paths.cmd_addr(stage_id))
-                evt = self._ctx.socket(zmq.PULL)
-                evt.setsockopt(zmq.LINGER, 0)
-                evt.setsockopt(zmq.RCVHWM, 0)
                 self._evt.append(evt)
-                evt.bind(paths.evt_addr(stage_id))
         except BaseException:
             self.close()
             raise
+
+    def _bind_pair(self, paths: ControlPaths, stage_id: int) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        cmd = self._ctx.socket(zmq.PUSH)
+        cmd.setsockopt(zmq.LINGER, 0)
+        cmd.setsockopt(zmq.SNDHWM, 0)  # bounded by the requests in flight
+        evt = self._ctx.socket(zmq.PULL)
+        evt.setsockopt(zmq.LINGER, 0)
+        evt.setsockopt(zmq.RCVHWM, 0)
+        try:
+            cmd.bind(paths.cmd_addr(stage_id))
+            evt.bind(paths.evt_addr(stage_id))
+        except BaseException:
+            cmd.close(linger=0)
+            evt.close(linger=0)
+            raise
+        return cmd, evt
+
+    def rebind(self, stage_id: int) -> ControlPaths:
+        """Fresh sockets for a restarted stage, in a new private directory (the old socket
+        files were removed once the first worker connected). Whatever the dead worker
+        left unread goes with its old sockets: read it first (:meth:`recv_nowait`). The
+        caller removes the returned directory once the new worker said hello."""
+        if self._is_closed:
+            raise PipelineError("the control plane is closed")
+        paths = ControlPaths.create(self.paths.num_stages)
+        try:
+            cmd, evt = self._bind_pair(paths, stage_id)
+        except BaseException:
+            paths.remove()
+            raise
+        self._cmd[stage_id].close(linger=0)
+        self._evt[stage_id].close(linger=0)
+        self._cmd[stage_id], self._evt[stage_id] = cmd, evt
+        self._restart_paths.append(paths)
+        return paths
 
     def send(self, stage_id: int, message: ToWorker) -> bool:
         """Queue ``message`` for the stage; False when no worker is connected (it died)."""
@@ -112,3 +145,5 @@ class FrontControl:
         self._evt.clear()
         self._ctx.term()
         self.paths.remove()
+        for paths in self._restart_paths:
+            paths.remove()

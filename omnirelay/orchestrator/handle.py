@@ -7,7 +7,8 @@ loop (``async for out in handle``). The last output has ``finished=True``:
 * a normal end (``finish_reason`` "stop" / "length" …) is yielded, then iteration stops;
 * an abort (``finish_reason == "abort"``) is yielded, then iteration stops;
 * a failure (``finish_reason == "error"``) raises :class:`RequestFailedError` with the
-  reason (which names the stage) instead of being yielded.
+  reason (which names the stage) instead of being yielded —
+  :class:`~omnirelay.errors.StageUnavailableError` when a stage it needs is down.
 
 :meth:`RequestHandle.result` / :meth:`RequestHandle.result_async` read everything and
 return a :class:`RequestResult` (text token ids, text, the waveform concatenated).
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omnirelay.errors import PipelineError, RequestFailedError
+from omnirelay.errors import PipelineError, RequestFailedError, StageUnavailableError
 from omnirelay.orchestrator.router import RequestOutput
 
 __all__ = ["RequestHandle", "RequestResult"]
@@ -93,6 +94,10 @@ class RequestHandle:
 
     def deliver(self, output: RequestOutput) -> None:
         """Hand one output to the consumer; called by the orchestrator only."""
+        if output.finished and self._on_done is not None:
+            # Before the consumer can see the end: a client that reads the last output and
+            # at once submits a new request under the same id must find the id free.
+            self._on_done(self.request_id)
         with self._cond:
             if self._is_delivered:
                 return  # nothing follows the terminal output
@@ -106,8 +111,6 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_wake, fut)
             except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
                 pass
-        if output.finished and self._on_done is not None:
-            self._on_done(self.request_id)
 
     # -- consumer side ----------------------------------------------------------------------
 
@@ -130,7 +133,10 @@ class RequestHandle:
             if out.finished:
                 self._is_exhausted = True
                 if out.finish_reason == "error":
-                    raise RequestFailedError(self.request_id, out.error or "unknown error")
+                    reason = out.error or "unknown error"
+                    if out.error_code == StageUnavailableError.code:
+                        raise StageUnavailableError(self.request_id, reason, retry_after_s=out.retry_after_s)
+                    raise RequestFailedError(self.request_id, reason)
             return out
         if self._is_exhausted:
             raise StopIteration

@@ -1,17 +1,20 @@
-"""The front-side orchestrator: stage worker processes, the control plane and the router.
+"""The front-side orchestrator: requests, the router, and what the stage workers say.
 
 :class:`Orchestrator` lives on one asyncio event loop (the API runs it on a thread of
 its own, :mod:`omnirelay.api`); every method is called on that loop's thread, so the
 router, the handles map and the sockets have exactly one user.
 
-* :meth:`Orchestrator.start` — bind the control sockets, spawn one worker per stage
-  (``spawn`` context), wait for every :class:`Hello` (a :class:`StartupFailed` or an
-  exit raises :class:`StageDiedError` naming the stage).
+* :meth:`Orchestrator.start` — the :class:`~omnirelay.orchestrator.supervisor.StageSupervisor`
+  spawns one worker per stage and waits for every hello (a failure raises
+  :class:`StageDiedError` naming the stage).
 * :meth:`Orchestrator.admit` / :meth:`Orchestrator.abort` — requests in, by the router.
-* Per stage, a reader task routes what the worker says; the process's sentinel is
-  watched with ``loop.add_reader``, so a dead worker is seen at once: the router fails
-  every request that needed it (the reason names the stage, the pid and the signal) and
-  a sweep reclaims the objects the dead process owned.
+* Per stage, a reader task routes what the worker says. The supervisor watches each
+  process's sentinel, so a dead worker is seen at once: the router fails every request
+  that needed it with ``stage_unavailable`` (the reason names the stage, the pid and the
+  signal), the stage's fences go, a sweep reclaims what the dead process owned, and the
+  stage is restarted by the pipeline's restart policy (or given up on). While it is down,
+  requests that need it are refused at once (:meth:`Orchestrator.unavailable`); requests
+  that do not need it are served.
 * :meth:`Orchestrator.health`, :meth:`Orchestrator.leak_state` — queries over the
   control plane with a timeout.
 * :meth:`Orchestrator.shutdown` — fail what is in flight, ask every worker to stop,
@@ -23,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -59,10 +63,12 @@ from omnirelay.orchestrator.stages import (
     ShutdownReport,
     StageHealth,
     StageProcess,
+    StageState,
     describe_exit,
 )
+from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
-from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec, worker_main
+from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec
 from omnirelay.worker.control import ControlPaths
 from omnirelay.worker.messages import (
     Abort,
@@ -76,7 +82,6 @@ from omnirelay.worker.messages import (
     Release,
     Released,
     RequestFailed,
-    Shutdown,
     StageFatal,
     StartupFailed,
     Submit,
@@ -85,7 +90,7 @@ from omnirelay.worker.messages import (
     wire_request,
 )
 
-__all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "describe_exit"]
+__all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "StageState", "describe_exit"]
 
 
 class Orchestrator:
@@ -117,11 +122,29 @@ class Orchestrator:
         self._wait_slice_s = wait_slice_s
         self._handles: dict[str, RequestHandle] = {}
         self._stages = [StageProcess(s.id, s.label, s.name) for s in self.config.stages]
-        self._control: FrontControl | None = None
+        self._supervisor = StageSupervisor(
+            namespace=namespace,
+            stages=self._stages,
+            make_spec=self._worker_spec,
+            policy=self.config.restart,
+            startup_timeout_s=startup_timeout_s,
+            hooks=SupervisorHooks(
+                stage_down=self._on_stage_down,
+                stage_unavailable=self._on_stage_unavailable,
+                stage_up=self._on_stage_up,
+                route=self._on_message,
+                read=self._read,
+            ),
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = itertools.count(1)
         self._queries: dict[int, asyncio.Future[Any]] = {}
-        self._sweeps: set[asyncio.Future[Any]] = set()
+        #: stages that cannot take requests now → (reason, retry-after s), for callers on
+        #: other threads (:meth:`unavailable`); the router keeps its own copy
+        self._down: dict[int, tuple[str, float | None]] = {}
+        self._down_lock = threading.Lock()
+        #: woken whenever a stage goes down, comes back or is given up on
+        self._state_waiters: list[asyncio.Future[None]] = []
         #: The id-reuse fence: id → the stages told to release it that have not reported
         #: :class:`Released` yet. What a fenced stage says about the id belongs to the
         #: ended request (stale), never to a new one reusing the id.
@@ -148,54 +171,25 @@ class Orchestrator:
             raise
 
     async def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Objects of dead owners in this namespace (an earlier crashed deployment).
-        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
-        paths = ControlPaths.create(len(self._stages))
-        try:
-            self._control = FrontControl(paths)
-        except BaseException:
-            paths.remove()
-            raise
-        ctx = multiprocessing.get_context("spawn")
+        await self._supervisor.start()
         for st in self._stages:
-            st.hello = loop.create_future()
-            spec = WorkerSpec(
-                stage_id=st.stage_id,
-                pipeline=self.config,
-                paths=paths,
-                parent_pid=os.getpid(),
-                engine_factory=self._engine_factory,
-                tracer_factory=self._tracer_factory,
-                idle_wait_s=self._idle_wait_s,
-                wait_slice_s=self._wait_slice_s,
-            )
-            proc = ctx.Process(
-                target=worker_main,
-                args=(spec,),
-                name=f"omnirelay-{self.namespace}-s{st.stage_id}",
-                daemon=True,
-            )
-            proc.start()
-            st.process, st.pid = proc, proc.pid
-            loop.add_reader(proc.sentinel, self._on_exit, st.stage_id)
-            st.reader_fd = self._control.fileno(st.stage_id)
-            loop.add_reader(st.reader_fd, self._read, st.stage_id)
-            loop.call_soon(self._read, st.stage_id)  # anything queued before the watch
-        hellos = [st.hello for st in self._stages if st.hello is not None]
-        done, pending = await asyncio.wait(
-            hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+            st.state = StageState.HEALTHY
+
+    @property
+    def _control(self) -> FrontControl | None:
+        return self._supervisor.control
+
+    def _worker_spec(self, stage_id: int, paths: ControlPaths) -> WorkerSpec:
+        return WorkerSpec(
+            stage_id=stage_id,
+            pipeline=self.config,
+            paths=paths,
+            parent_pid=os.getpid(),
+            engine_factory=self._engine_factory,
+            tracer_factory=self._tracer_factory,
+            idle_wait_s=self._idle_wait_s,
+            wait_slice_s=self._wait_slice_s,
         )
-        for fut in done:
-            fut.result()  # raises the first StageDiedError
-        if pending:
-            late = ", ".join(st.label for st in self._stages if not st.is_ready)
-            raise StageDiedError(
-                f"{late} did not start within {self._startup_timeout_s:g} s (building the engine took too long)"
-            )
-        # Every worker is connected: the socket files are not needed any more, and
-        # without them a front that dies (SIGKILL) leaves nothing on disk.
-        paths.remove()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -294,10 +288,7 @@ class Orchestrator:
             self.admit(*parked)
 
     def _send(self, stage_id: int, message: Any) -> bool:
-        st = self._stages[stage_id]
-        if st.is_dead or st.is_exited or self._control is None:
-            return False
-        return self._control.send(stage_id, message)
+        return self._supervisor.send(stage_id, message)
 
     def _deliver(self, output: RequestOutput) -> None:
         handle = self._handles.get(output.request_id)
@@ -362,65 +353,96 @@ class Orchestrator:
             if fut is not None and not fut.done():
                 fut.set_result(message)
         elif isinstance(message, Hello):
-            st.is_ready = True
-            if st.hello is not None and not st.hello.done():
-                st.hello.set_result(None)
+            self._supervisor.on_hello(st)
         elif isinstance(message, StartupFailed):
-            reason = f"{st.label} failed to start (pid {message.pid}): {message.error}"
-            self._fail_hello(st, reason)
-            self._execute(self._stage_failed(stage_id, reason))
+            st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"
+            self._supervisor.fail_hello(st, st.cause)
+            self._on_stage_down(stage_id, st.cause, st.cause, None)
         elif isinstance(message, StageFatal):
-            self._execute(self._stage_failed(stage_id, f"{st.label} failed: {message.error}"))
+            st.cause = f"{st.label} failed: {message.error}"
+            self._on_stage_down(stage_id, st.cause, st.cause, None)
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
-    def _fail_hello(self, st: StageProcess, reason: str) -> None:
-        if st.hello is not None and not st.hello.done():
-            st.hello.set_exception(StageDiedError(reason))
-            st.hello.exception()  # read by _start when it waits; not an unretrieved error
-
-    def _on_exit(self, stage_id: int) -> None:
-        """The worker's process sentinel became readable: it exited."""
-        st = self._stages[stage_id]
-        loop = self._loop
-        proc = st.process
-        assert loop is not None and proc is not None
-        loop.remove_reader(proc.sentinel)
-        # The sentinel closes as the process exits, a moment before it can be reaped.
-        proc.join(timeout=1.0)
-        st.exitcode = proc.exitcode
-        st.is_exited = True
-        st.exited.set()
-        # Its last messages (a StartupFailed with the real reason, final outputs) may be
-        # queued but not read yet: handle them before reporting the death.
-        if self._control is not None:
-            for message in self._control.recv_nowait(stage_id):
-                self._on_message(stage_id, message)
-        if not self._is_closing or not st.said_goodbye:
-            reason = (
-                f"{st.label} worker process (pid {st.pid}) died ({describe_exit(proc.exitcode)}); "
-                "its requests were failed"
-            )
-            self._fail_hello(st, reason)
-            self._execute(self._stage_failed(stage_id, reason))
-        # Objects the dead process still owned (unread chunks) belong to nobody now.
-        fut = loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
-        self._sweeps.add(fut)
-        fut.add_done_callback(self._sweeps.discard)
-
-    def _stage_failed(self, stage_id: int, reason: str) -> list[Action]:
-        """Mark the stage dead (once) and fail every request that needs it."""
+    def _stage_failed(self, stage_id: int, reason: str, retry_after_s: float | None = None) -> list[Action]:
+        """Mark the stage dead (once) and fail every request that needs it, with
+        ``stage_unavailable`` (docs/protocol.md §2.8: each is released in every stage)."""
         st = self._stages[stage_id]
         if st.is_dead:
             return []
         st.is_dead = True
-        st.death_reason = reason
-        actions = self.router.on_stage_died(stage_id, reason)
+        actions = self.router.on_stage_died(stage_id, reason, retry_after_s=retry_after_s)
         for rid in [rid for rid, stages in self._unreleased.items() if stage_id in stages]:
             # No Released will come; a parked reuse is admitted (and fails at once when it
             # needs this stage).
             self._lift_fence(stage_id, rid)
         return actions
+
+    # -- supervision hooks (docs/design.md §10) -----------------------------------------------
+
+    def _on_stage_down(
+        self, stage_id: int, reason: str, unavailable: str, retry_after_s: float | None
+    ) -> None:
+        """The stage's process died: new requests that need it are refused with
+        ``unavailable`` from now on (on every thread) before the in-flight ones are failed
+        with ``reason`` — a client that resubmits as soon as its request failed already
+        hears that the stage is restarting."""
+        self._on_stage_unavailable(stage_id, unavailable, retry_after_s)
+        actions = self._stage_failed(stage_id, reason, retry_after_s)
+        self.router.set_unavailable(stage_id, unavailable, retry_after_s)  # over the death's reason
+        self._execute(actions)
+
+    def _on_stage_unavailable(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
+        st = self._stages[stage_id]
+        st.death_reason = reason
+        self.router.set_unavailable(stage_id, reason, retry_after_s)
+        back = None if retry_after_s is None else time.monotonic() + retry_after_s
+        with self._down_lock:
+            self._down[stage_id] = (reason, back)
+        self._wake_state_waiters()
+
+    def _on_stage_up(self, stage_id: int) -> None:
+        self.router.on_stage_back(stage_id)
+        with self._down_lock:
+            self._down.pop(stage_id, None)
+        self._wake_state_waiters()
+
+    def _wake_state_waiters(self) -> None:
+        waiters, self._state_waiters = self._state_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Return once every stage is ``healthy`` (at once when they are). Raises
+        :class:`StageDiedError` when a stage is ``failed`` (given up on) and
+        :class:`TimeoutError` after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            failed = [st for st in self._stages if st.state == StageState.FAILED]
+            if failed:
+                raise StageDiedError(failed[0].death_reason or f"{failed[0].label} failed")
+            if all(st.state == StageState.HEALTHY for st in self._stages):
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._state_waiters.append(fut)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"the stages were not all healthy within {timeout_s:g} s")
+            await asyncio.wait([fut], timeout=remaining)
+
+    def unavailable(self, stage_ids: range | list[int]) -> tuple[int, str, float | None] | None:
+        """The first of ``stage_ids`` that cannot take requests now, as ``(stage id,
+        reason, seconds until it is expected back or None)``; None when all can. Any thread."""
+        now = time.monotonic()
+        with self._down_lock:
+            for sid in stage_ids:
+                down = self._down.get(sid)
+                if down is not None:
+                    reason, back = down
+                    return sid, reason, None if back is None else max(0.0, back - now)
+        return None
 
     # -- queries --------------------------------------------------------------------------
 
@@ -450,7 +472,8 @@ class Orchestrator:
         return replies
 
     async def health(self, timeout_s: float = 2.0) -> PipelineHealth:
-        """Per stage: alive, pid, exit, requests held, the engine's health."""
+        """Per stage: alive, pid, exit, requests held, the engine's health, its supervision
+        state and restarts."""
         replies = await self._query(HealthRequest, timeout_s)
         stages = []
         for st in self._stages:
@@ -470,10 +493,14 @@ class Orchestrator:
                     queue_depth=None if reply is None else reply.num_requests,
                     engine=None if reply is None else reply.engine,
                     error=error,
+                    state=st.state.value,
+                    num_restarts=st.num_restarts,
+                    last_exit=st.last_exit,
+                    retry_after_s=self._supervisor.retry_after(st),
                 )
             )
         return PipelineHealth(
-            is_healthy=all(s.is_alive and s.error is None for s in stages),
+            is_healthy=all(s.is_alive and s.error is None and s.state == StageState.HEALTHY for s in stages),
             namespace=self.namespace,
             num_requests=self.router.num_requests,
             stages=stages,
@@ -499,30 +526,12 @@ class Orchestrator:
         for rid, (_, handle) in list(self._parked.items()):
             del self._parked[rid]
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
-        for st in self._stages:
-            if st.process is None or st.is_exited:
-                continue
-            if st.is_ready:
-                self._send(st.stage_id, Shutdown())
-            else:  # still building its engine (a failed startup): it reads no messages yet
-                st.process.terminate()
-        num_killed = await self._reap_processes(timeout_s)
-        loop = asyncio.get_running_loop()
-        for st in self._stages:
-            if st.reader_fd is not None:
-                loop.remove_reader(st.reader_fd)
-                st.reader_fd = None
+        num_killed = await self._supervisor.stop(timeout_s)
         for fut in self._queries.values():
             fut.cancel()
         self._queries.clear()
-        if self._control is not None:
-            self._control.close()
-        if self._sweeps:
-            await asyncio.gather(*self._sweeps, return_exceptions=True)
+        loop = asyncio.get_running_loop()
         report = await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
-        for st in self._stages:
-            if st.process is not None:
-                st.process.close()
         self._shutdown_report = ShutdownReport(
             exitcodes={st.stage_id: st.exitcode for st in self._stages},
             num_killed=num_killed,
@@ -530,32 +539,6 @@ class Orchestrator:
             num_objects_left=len(report.objects) - len(report.reclaimed),
         )
         return self._shutdown_report
-
-    async def _reap_processes(self, timeout_s: float) -> int:
-        """Wait for every worker to exit; SIGTERM, then SIGKILL, the ones that do not."""
-        running = [st for st in self._stages if st.process is not None and not st.is_exited]
-        num_killed = 0
-        for sig_timeout, escalate in ((timeout_s, "terminate"), (3.0, "kill"), (5.0, None)):
-            if running:
-                waits = [asyncio.ensure_future(st.exited.wait()) for st in running]
-                await asyncio.wait(waits, timeout=sig_timeout)
-                for w in waits:
-                    w.cancel()
-                await asyncio.gather(*waits, return_exceptions=True)
-            running = [st for st in running if not st.is_exited]
-            if not running or escalate is None:
-                break
-            for st in running:
-                assert st.process is not None
-                getattr(st.process, escalate)()
-                num_killed += 1
-        for st in running:  # the sentinel never fired (should not happen): join directly
-            assert st.process is not None and self._loop is not None
-            self._loop.remove_reader(st.process.sentinel)
-            st.process.join(timeout=1.0)
-            st.exitcode = st.process.exitcode
-            st.is_exited = True
-        return num_killed
 
 
 #: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).

@@ -69,6 +69,11 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    #: a failure's kind for clients: ``"stage_unavailable"`` (a stage it needs is down;
+    #: servers answer 503) or None (the request itself failed)
+    error_code: str | None = None
+    #: with ``stage_unavailable``: seconds until the stage is expected back (None: not expected)
+    retry_after_s: float | None = None
     metrics: dict[str, float] = {}
 
 

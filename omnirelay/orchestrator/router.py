@@ -16,7 +16,9 @@ Entry points (each called on the orchestrator's thread, once per event):
 * :meth:`Router.on_output` — route one :class:`StageOutput` (§2.4), forward finished
   outputs to non-chunk stages through their input builders (§2.5), completion (§2.6);
 * :meth:`Router.abort` (§2.7), :meth:`Router.fail`, :meth:`Router.on_stage_died`,
-  :meth:`Router.fail_all` — the other ways a request ends.
+  :meth:`Router.fail_all` — the other ways a request ends;
+* :meth:`Router.set_unavailable` / :meth:`Router.on_stage_back` — what admissions that need
+  a down stage are told while it restarts, and its return.
 
 Whatever way a request ends, the router forgets it and, in the same action list, tells
 every stage that still holds it to abort and every stage to release it. A failure in any
@@ -175,7 +177,8 @@ class Router:
         }
         self._all_stage_ids = tuple(s.id for s in config.stages)
         self._requests: dict[str, _RequestState] = {}
-        self._dead: dict[int, str] = {}
+        #: stages that cannot take requests now: stage id → (reason, retry-after seconds)
+        self._dead: dict[int, tuple[str, float | None]] = {}
         self.num_dropped_outputs = 0  # outputs of requests that had already ended
 
     # -- queries ----------------------------------------------------------------------
@@ -200,7 +203,8 @@ class Router:
         return sum(1 for st in self._requests.values() if stage_id in st.submitted - st.finished_stages)
 
     def dead_stages(self) -> dict[int, str]:
-        return dict(self._dead)
+        """Stages that cannot take requests now, with the reason."""
+        return {sid: reason for sid, (reason, _) in self._dead.items()}
 
     def plan(self, modalities: Iterable[str] | None) -> RequestPlan:
         """Final outputs, final stage and prewarmed stages for these modalities (pure)."""
@@ -253,7 +257,7 @@ class Router:
         self._requests[rid] = st
         dead = [s for s in plan.path if s in self._dead]
         if dead:
-            return self.fail(rid, self._dead[dead[0]], stage_id=dead[0])
+            return self._fail_unavailable(rid, dead[0])
         actions: list[Action] = [StageSubmit(0, self._first_request(st))]
         st.submitted.add(0)
         for s in plan.prewarm_stage_ids:
@@ -390,7 +394,7 @@ class Router:
             return
         rid = st.request.request_id
         if nxt in self._dead:
-            actions.extend(self.fail(rid, self._dead[nxt], stage_id=nxt))
+            actions.extend(self._fail_unavailable(rid, nxt))
             return
         acc = st.sources.get(s) or _Accumulator()
         source = SourceOutput(
@@ -466,9 +470,19 @@ class Router:
         self._end(st, actions)
         return actions
 
-    def fail(self, request_id: str, reason: str, *, stage_id: int | None = None) -> list[Action]:
+    def fail(
+        self,
+        request_id: str,
+        reason: str,
+        *,
+        stage_id: int | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> list[Action]:
         """Fail a request with ``reason``: the client gets an error terminal, every stage
-        that holds it aborts it, every stage releases it. Unknown ids are a no-op."""
+        that holds it aborts it, every stage releases it. Unknown ids are a no-op.
+        ``code`` / ``retry_after_s``: the terminal's :attr:`RequestOutput.error_code` and
+        :attr:`RequestOutput.retry_after_s`."""
         st = self._requests.get(request_id)
         if st is None:
             return []
@@ -479,24 +493,64 @@ class Router:
             finished=True,
             finish_reason="error",
             error=reason,
+            error_code=code,
+            retry_after_s=retry_after_s,
         )
         actions: list[Action] = [ClientOutput(request_id, terminal)]
         self._end(st, actions)
         return actions
 
-    def on_stage_died(self, stage_id: int, reason: str) -> list[Action]:
-        """A stage worker is gone: fail every request that still needs it.
+    def on_stage_died(
+        self, stage_id: int, reason: str, *, retry_after_s: float | None = None
+    ) -> list[Action]:
+        """A stage worker is gone: fail every request that still needs it, with
+        ``stage_unavailable``.
 
         A request needs the stage when the stage is on its path and has not finished it
-        (it holds it, or would get it by prewarm or forwarding). Later admissions that
-        need it fail at once.
+        (it holds it, or would get it by prewarm or forwarding), or when the next stage
+        still reads its chunks (:meth:`_needs`). Later admissions that
+        need it fail at once, until :meth:`on_stage_back`; requests that do not need it
+        (a text-only request when the Talker is down) go on.
         """
-        self._dead[stage_id] = reason
+        self._dead[stage_id] = (reason, retry_after_s)
         actions: list[Action] = []
         for rid, st in list(self._requests.items()):
-            if stage_id in st.plan.path and stage_id not in st.finished_stages:
-                actions.extend(self.fail(rid, reason, stage_id=stage_id))
+            if self._needs(st, stage_id):
+                actions.extend(self._fail_unavailable(rid, stage_id))
         return actions
+
+    def _needs(self, st: _RequestState, stage_id: int) -> bool:
+        """Does the request still need the stage's process? Yes while the stage has not
+        finished it, and also after, while the next stage still reads the chunks the
+        stage put: the sweep that follows a death reclaims the dead process's unread
+        objects (docs/protocol.md §3.5), so the reader would wait for them forever."""
+        if stage_id not in st.plan.path:
+            return False
+        if stage_id not in st.finished_stages:
+            return True
+        nxt = stage_id + 1
+        return (
+            self.is_chunked
+            and nxt in st.plan.path
+            and self._receives[nxt]
+            and nxt in st.submitted
+            and nxt not in st.finished_stages
+        )
+
+    def set_unavailable(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
+        """What a request that needs the down stage is told now (the stage is restarting,
+        starting, or given up on)."""
+        self._dead[stage_id] = (reason, retry_after_s)
+
+    def on_stage_back(self, stage_id: int) -> None:
+        """The stage runs again (a restarted worker said hello): admit requests needing it."""
+        self._dead.pop(stage_id, None)
+
+    def _fail_unavailable(self, request_id: str, stage_id: int) -> list[Action]:
+        reason, retry_after_s = self._dead[stage_id]
+        return self.fail(
+            request_id, reason, stage_id=stage_id, code="stage_unavailable", retry_after_s=retry_after_s
+        )
 
     def fail_all(self, reason: str) -> list[Action]:
         """Fail every request in flight (shutdown)."""

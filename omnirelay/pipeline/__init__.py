@@ -8,6 +8,7 @@ Files (one role each):
   ``next_stage_processor``, ``stage_input_builder``, ``edge_contract``, ``edges``,
   ``final_output_stage_ids``, ``final_stage_id``.
 * ``resolve.py`` — the one ``async_chunk`` resolver (docs/protocol.md §1.2).
+* ``restart.py`` — :class:`RestartPolicy`: when a dead stage process is started again.
 * ``validate.py`` — construction-time checks (docs/protocol.md §1.1–§1.5).
 * ``parse.py`` — :func:`load_pipeline` / :func:`parse_pipeline`: shape and types of input.
 * ``yamlfile.py`` — shipped names, strict YAML (``true``/``false`` only, no duplicate keys).
@@ -44,6 +45,7 @@ from omnirelay.pipeline.placeholder import (
 )
 from omnirelay.pipeline.registry import ComponentRegistry, Registry
 from omnirelay.pipeline.resolve import resolve_stage_async_chunk
+from omnirelay.pipeline.restart import NO_RESTARTS, RestartPolicy
 from omnirelay.pipeline.yamlfile import shipped_pipeline_names
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "DEFAULT_INPUT_WAIT_TIMEOUT_S",
     "DEFAULT_MAX_NUM_SEQS",
     "IM_START_TOKEN_ID",
+    "NO_RESTARTS",
     "SYSTEM_ROLE_TOKEN_ID",
     "USER_ROLE_TOKEN_ID",
     "ComponentRegistry",
@@ -68,6 +71,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineConfigWarning",
     "Registry",
+    "RestartPolicy",
     "SamplingConfig",
     "StageConfig",
     "load_pipeline",

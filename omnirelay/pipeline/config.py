@@ -4,7 +4,8 @@ Data (frozen ``msgspec`` structs, so a validated config can cross to stage worke
 the control plane):
 
 * :class:`PipelineConfig` — name, pipeline ``async_chunk`` flag, namespace, input wait
-  timeout, named :class:`ConnectorSpec` s, and the :class:`StageConfig` list.
+  timeout, named :class:`ConnectorSpec` s, the :class:`StageConfig` list, and the
+  :class:`~omnirelay.pipeline.restart.RestartPolicy` of its stage processes.
 * :class:`StageConfig` — one stage: execution type, executor, sources, final output,
   the ``async_chunk`` tri-state, processor hooks, connector, scheduler settings and
   :class:`SamplingConfig`.
@@ -34,6 +35,7 @@ import msgspec
 
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.resolve import explain_stage_async_chunk, resolve_stage_async_chunk
+from omnirelay.pipeline.restart import RestartPolicy
 from omnirelay.pipeline.validate import (
     CONNECTOR_BACKENDS,
     DEFAULT_CONNECTOR_NAME,
@@ -239,6 +241,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: OpenAI voice names (``alloy``, ``echo`` …) mapped to voices the pipeline speaks with,
     #: so OpenAI clients can keep theirs; the server checks each target against its voices.
     openai_voices: dict[str, str] = msgspec.field(default_factory=dict)
+    #: When and how often a dead stage worker is started again (``restart:``).
+    restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 
@@ -391,3 +395,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if type(value) is not bool:
             raise ConfigError(f"async_chunk override must be True or False, got {value!r}")
         return msgspec.structs.replace(self, async_chunk=value, async_chunk_origin=FlagOrigin.OVERRIDE)
+
+    def with_restart(self, policy: RestartPolicy) -> PipelineConfig:
+        """A copy with another restart policy (``serve --max-restarts``, ``run``'s fail-fast)."""
+        if not isinstance(policy, RestartPolicy):
+            raise ConfigError(f"restart policy must be a RestartPolicy, got {policy!r}")
+        return msgspec.structs.replace(self, restart=policy)

@@ -35,6 +35,7 @@ from omnirelay.pipeline.config import (
 )
 from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
 from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.pipeline.restart import RESTART_KEYS, RestartPolicy, restart_policy_problem
 from omnirelay.pipeline.validate import ENV_NAME_PATTERN
 from omnirelay.pipeline.yamlfile import parse_yaml, read_pipeline_text
 
@@ -120,6 +121,8 @@ def parse_pipeline(
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     if "openai_voices" in data:
         kwargs["openai_voices"] = _parse_openai_voices(ctx, data["openai_voices"])
+    if "restart" in data:
+        kwargs["restart"] = _parse_restart(ctx, data["restart"])
     stages_raw = data.get("stages")
     if "stages" not in data:
         ctx.fail("stages", "the key is missing", "list the stages under 'stages:'")
@@ -137,6 +140,24 @@ def parse_pipeline(
     for message in pending_warnings:
         warnings.warn(PipelineConfigWarning(message), stacklevel=3)
     return cfg
+
+
+def _parse_restart(ctx: _Ctx, raw: object) -> RestartPolicy:
+    fix = "write e.g. 'restart: {max_restarts: 5, window_s: 300, backoff_s: 0.5, max_backoff_s: 10}'"
+    if not isinstance(raw, Mapping):
+        ctx.fail("restart", f"expected a mapping, got {_describe(raw)}", fix)
+    sub = _Ctx(ctx.source, ctx.where, prefix="restart.")
+    sub.check_keys(raw, RESTART_KEYS, "restart")
+    kw: dict[str, Any] = {}
+    if "max_restarts" in raw:
+        kw["max_restarts"] = sub.integer(raw, "max_restarts")
+    for key in ("window_s", "backoff_s", "max_backoff_s"):
+        if key in raw:
+            kw[key] = sub.number(raw, key, fix="use seconds, e.g. 0.5")
+    problem = restart_policy_problem(**kw)
+    if problem is not None:
+        sub.fail(problem.split(" ", 1)[0], problem, fix)
+    return RestartPolicy(**kw)
 
 
 def _parse_connectors(ctx: _Ctx, raw: object) -> dict[str, ConnectorSpec]:
@@ -253,6 +274,7 @@ PIPELINE_KEYS = (
     "default_connector",
     "connectors",
     "openai_voices",
+    "restart",
     "stages",
     "default_modalities",
 )

@@ -8,9 +8,11 @@ route                                   serves
 ``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.websocket`
 ``GET /v1/models``                      the one model (the pipeline)
 ``GET /v1/models/{id}``                 that model, or 404 ``model_not_found``
-``GET /health``                         per stage, from ``pipeline.health_async()``;
-                                        503 when a stage is down; ``?audit=1`` adds
-                                        the leak audit (:mod:`omnirelay.serving.audit`)
+``GET /health``                         per stage, from ``pipeline.health_async()``:
+                                        state (starting, healthy, restarting, failed),
+                                        restarts, last exit; 503 unless all healthy;
+                                        ``?audit=1`` adds the leak audit
+                                        (:mod:`omnirelay.serving.audit`)
 ``GET /metrics``                        Prometheus text (:mod:`omnirelay.serving.metrics`)
 ======================================  =================================================
 
@@ -34,13 +36,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omnirelay.api import Pipeline
-from omnirelay.errors import OmniRelayError
+from omnirelay.errors import OmniRelayError, StageUnavailableError
 from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving import chat, speech, websocket
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.audit import leak_audit
 from omnirelay.serving.config import ServerConfig
-from omnirelay.serving.errors import ApiError, error_body
+from omnirelay.serving.errors import ApiError, error_body, translate
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.metrics import CONTENT_TYPE, ServerMetrics, live_bytes
 from omnirelay.serving.openapi import error_responses, json_operation
@@ -167,6 +169,9 @@ def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
 
     @app.exception_handler(OmniRelayError)
     async def _runtime_error(request: Request, exc: OmniRelayError) -> JSONResponse:
+        if isinstance(exc, StageUnavailableError):  # a stage is down: 503, not a server bug
+            err = translate(exc)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         logger.error("unhandled omnirelay error on %s: %s", request.url.path, exc)
         return JSONResponse(
             error_body(f"internal error: {exc}", type="server_error", code="internal_error"), status_code=500
@@ -200,10 +205,14 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
                 "num_requests": st.num_requests,
                 "queue_depth": st.queue_depth,
                 "error": st.error,
+                "state": st.state,
+                "restarts": st.num_restarts,
+                "last_exit": st.last_exit,
+                "retry_after_s": st.retry_after_s,
             }
         )
     return {
-        "status": "healthy" if health.is_healthy else "unhealthy",
+        "status": health.status,
         "model": fe.model_name,
         "namespace": health.namespace,
         "num_requests": health.num_requests,

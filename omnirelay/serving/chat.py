@@ -37,7 +37,7 @@ from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError
 from omnirelay.serving.encoding import AudioEncoder
-from omnirelay.serving.errors import ApiError, error_body
+from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
 from omnirelay.serving.protocol import ChatCompletionRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
@@ -239,7 +239,7 @@ async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str,
             elif out.modality == "audio" and (got := answer.audio_of(out)) is not None:
                 pieces.append(got[0])
     except RequestFailedError as exc:
-        raise ApiError(500, f"the pipeline failed the request: {exc.reason}", type="server_error") from exc
+        raise request_failed(exc) from exc
     except AudioStreamError as exc:
         answer.stream.abort("bad_audio")
         raise ApiError(500, f"the audio could not be sent: {exc}", type="server_error") from exc
@@ -305,11 +305,10 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
                     yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}})
     except (RequestFailedError, AudioStreamError) as exc:
         if isinstance(exc, RequestFailedError):
-            reason = exc.reason
+            yield _event(stream_error_body(exc))
         else:
-            reason = str(exc)
             answer.stream.abort("bad_audio")
-        yield _event(error_body(f"the request failed mid-stream: {reason}", type="server_error"))
+            yield _event(error_body(f"the request failed mid-stream: {exc}", type="server_error"))
         yield b"data: [DONE]\n\n"
         return
     except OmniRelayError as exc:  # pragma: no cover - defensive: a runtime error mid-stream

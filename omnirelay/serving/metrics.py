@@ -21,6 +21,7 @@ omnirelay_real_time_factor                  wall time / audio duration (< 1: fas
                                             than real time)
 omnirelay_stage_e2e_seconds{stage}          a final stage's own time for a request
 omnirelay_stage_up{stage}                   1 when the worker is alive
+omnirelay_stage_restarts_total{stage}       times the stage's worker was restarted
 omnirelay_stage_queue_depth{stage}          requests the stage's engine holds
 omnirelay_stage_pending_objects{stage}      transfer objects sent and not yet reaped
 omnirelay_stage_live_bytes{stage}           bytes of live transfer objects
@@ -62,6 +63,9 @@ class _HealthCollector(Collector):
         depth = GaugeMetricFamily(
             "omnirelay_stage_queue_depth", "requests the stage's engine holds", labels=["stage"]
         )
+        restarts = CounterMetricFamily(
+            "omnirelay_stage_restarts", "times the stage's worker was restarted", labels=["stage"]
+        )
         held = GaugeMetricFamily(
             "omnirelay_stage_requests", "requests the stage holds by the router's books", labels=["stage"]
         )
@@ -85,6 +89,7 @@ class _HealthCollector(Collector):
         for st in snap.stages:
             label = f"{st.stage_id}:{st.name}"
             up.add_metric([label], 1.0 if st.is_alive else 0.0)
+            restarts.add_metric([label], float(st.num_restarts))
             held.add_metric([label], float(st.num_requests))
             if st.queue_depth is not None:
                 depth.add_metric([label], float(st.queue_depth))
@@ -97,7 +102,7 @@ class _HealthCollector(Collector):
             for edge, books in _edges(st.engine).items():
                 edge_bytes.add_metric([edge], float(books.get("pending_bytes", 0)))
                 edge_keys.add_metric([edge], float(books.get("pending_keys", 0)))
-        yield from (up, depth, held, pending, live, moved, edge_bytes, edge_keys)
+        yield from (up, restarts, depth, held, pending, live, moved, edge_bytes, edge_keys)
 
 
 def _connector(engine: dict[str, Any] | None) -> dict[str, Any]:

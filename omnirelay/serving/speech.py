@@ -39,7 +39,7 @@ from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError
 from omnirelay.serving.encoding import FORMATS, AudioEncoder
-from omnirelay.serving.errors import ApiError
+from omnirelay.serving.errors import ApiError, request_failed, stream_error_body
 from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.protocol import SpeechRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
@@ -214,7 +214,7 @@ async def _resume(first: bytes | None, body: AsyncGenerator[bytes, None]) -> Asy
 def _failure(exc: RequestFailedError | AudioStreamError, stream: RequestStream) -> ApiError:
     """The API error of a request that failed before its response started."""
     if isinstance(exc, RequestFailedError):
-        return ApiError(500, f"the pipeline failed the request: {exc.reason}", type="server_error")
+        return request_failed(exc)  # a stage that is down: 503 stage_unavailable
     stream.abort("bad_audio")
     return ApiError(500, f"the audio could not be sent: {exc}", type="server_error")
 
@@ -272,11 +272,10 @@ async def _sse(stream: RequestStream, body: AsyncIterator[bytes]) -> AsyncIterat
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
     except (RequestFailedError, AudioStreamError) as exc:
         if isinstance(exc, RequestFailedError):
-            reason = exc.reason
+            yield event({"type": "error", **stream_error_body(exc)})
         else:
-            reason = str(exc)
             stream.abort("bad_audio")
-        yield event({"type": "error", "error": {"message": f"the request failed mid-stream: {reason}"}})
+            yield event({"type": "error", "error": {"message": f"the request failed mid-stream: {exc}"}})
         return
     yield event(
         {"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnirelay.errors import RequestFailedError
+from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.serving.audio import (
     DEFAULT_SAMPLE_RATE,
     AudioEmitter,
@@ -60,7 +60,7 @@ from omnirelay.serving.audio import (
     wav_bytes,
     wav_header,
 )
-from omnirelay.serving.errors import ApiError
+from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.protocol import loads_object
 from omnirelay.serving.speech import parse_timestamps, speech_extras
@@ -355,6 +355,8 @@ class _Session:
             await self._send_audio(stream, s, sent)
         except RequestFailedError as exc:
             error = exc.reason
+            if isinstance(exc, StageUnavailableError):  # the client may retry this sentence
+                await self.send_error(request_failed(exc).message, StageUnavailableError.code)
         except AudioStreamError as exc:
             error = str(exc)
             stream.abort("bad_audio")

@@ -26,6 +26,8 @@ The facade over the two sides (docs/design.md §7):
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,8 @@ class ShmOptions:
     pool_max_slots: int = 256
     map_cache_bytes: int = 1 << 30  # consumer-side cache of slot mappings
     map_cache_entries: int = 128
+    #: how often housekeeping forgets cached mappings of dead producers' slots (seconds)
+    dead_owner_scan_s: float = 1.0
     listen: bool = True  # bind this stage's notice socket at construction
     sweep_on_start: bool = True
     shm_dir: str = names.SHM_DIR
@@ -66,6 +70,9 @@ class ShmOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConnectorError(f"shm option {name} must be a non-negative int, got {value!r}")
+        scan = self.dead_owner_scan_s
+        if isinstance(scan, bool) or not isinstance(scan, int | float) or not math.isfinite(scan) or scan < 0:
+            raise ConnectorError(f"shm option dead_owner_scan_s must be seconds >= 0, got {scan!r}")
         for name in ("listen", "sweep_on_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"shm option {name} must be true or false, got {getattr(self, name)!r}")
@@ -129,6 +136,8 @@ class ShmConnector(Connector):
             on_consumed=self._producer.take_back,
             on_error=self._note_error,
         )
+        self._next_dead_scan = 0.0
+        self.num_dead_mappings_dropped = 0
         self._closed = False
         if self.options.sweep_on_start:
             from omnirelay.connectors.shm.reclaim import sweep
@@ -163,7 +172,13 @@ class ShmConnector(Connector):
         return self._producer.cleanup_prefix(prefix)
 
     def reap_consumed(self) -> int:
-        """One bounded rotating pass over pending keys (docs/protocol.md §3.5), syscall-free."""
+        """One bounded rotating pass over pending keys (docs/protocol.md §3.5), syscall-free;
+        now and then (``dead_owner_scan_s``) also forget cached mappings of dead producers'
+        slots, whose memory lives on while mapped."""
+        now = time.monotonic()
+        if now >= self._next_dead_scan:
+            self._next_dead_scan = now + self.options.dead_owner_scan_s
+            self.num_dead_mappings_dropped += self._maps.drop_dead_owners(names.owner_alive)
         return self._producer.reap()
 
     def pending_keys(self) -> list[str]:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omnirelay.connectors.shm import atomics, slot
+from omnirelay.connectors.shm import atomics, names, slot
 from omnirelay.errors import ConnectorError
 
 __all__ = ["Mapping", "MappingCache"]
@@ -163,6 +163,26 @@ class MappingCache:
             if mp.retired and mp.users == 0 and self._maps.get(mp.ident) is mp:
                 del self._maps[mp.ident]
                 self._drop_locked(mp)
+
+    def drop_dead_owners(self, is_alive: Callable[[names.OwnerId], bool]) -> int:
+        """Forget the mappings of slots whose producer is dead; returns how many.
+
+        A dead producer's slot files are unlinked by the sweep (docs/protocol.md §3.5), but
+        a file's memory lives on while any process maps it: the cache would hold up to its
+        byte budget of a dead process's memory until LRU eviction. The owner is read from
+        each slot's own header (no system call); ``is_alive`` is asked once per owner."""
+        with self._lock:
+            owners = {ident: slot.owner_of(mp.mm) for ident, mp in self._maps.items()}
+        verdicts = {owner: is_alive(owner) for owner in set(owners.values()) if owner is not None}
+        dead = [ident for ident, owner in owners.items() if owner is not None and not verdicts[owner]]
+        num = 0
+        with self._lock:
+            for ident in dead:
+                mp = self._maps.pop(ident, None)
+                if mp is not None:
+                    self._drop_locked(mp)  # a pinned one goes with its last reference
+                    num += 1
+        return num
 
     def clear(self) -> None:
         """Forget every mapping (each goes with its last reference)."""

@@ -58,6 +58,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omnirelay.connectors.shm import names
+
 if TYPE_CHECKING:
     from omnirelay.connectors.shm.atomics import Word
 
@@ -77,6 +79,7 @@ __all__ = [
     "claim",
     "claimer_record",
     "key_len_of",
+    "owner_of",
     "payload_offset",
     "read_header",
     "read_payload_span",
@@ -156,6 +159,17 @@ class SlotHeader:
     @property
     def payload_off(self) -> int:
         return payload_offset(self.key_len)
+
+
+_OWNER_PID = struct.Struct("<I")
+_OWNER_START = struct.Struct("<Q")
+
+
+def owner_of(buf: Any) -> names.OwnerId | None:
+    """The producer (pid, start time) named in a slot's header; None if it is no slot."""
+    if len(buf) < HEADER_SIZE or bytes(buf[:8]) != MAGIC:
+        return None
+    return names.OwnerId(_OWNER_PID.unpack_from(buf, 20)[0], _OWNER_START.unpack_from(buf, 32)[0])
 
 
 def read_header(buf: Any, size: int) -> SlotHeader | str:

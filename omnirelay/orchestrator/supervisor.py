@@ -1,0 +1,359 @@
+"""Stage worker processes: spawning, watching and restarting them (docs/design.md §10).
+
+:class:`StageSupervisor` owns the worker processes and the front's control sockets; the
+orchestrator owns requests. Everything runs on the orchestrator's event loop thread.
+
+* :meth:`StageSupervisor.start` — bind the control sockets, spawn one worker per stage
+  (``spawn`` context), wait for every hello; a failure raises :class:`StageDiedError`
+  naming the stage (a stage that cannot start at all is not restarted: that is a
+  configuration or model error, and retrying it would only hide it).
+* Each process's sentinel is watched with ``loop.add_reader``, so a dead worker is seen
+  as soon as the kernel closes it — not when a request next trips on it. Then, in order:
+
+  1. the worker's last queued messages are routed (its real reason may be among them);
+  2. :attr:`SupervisorHooks.stage_down` fails at once every request that needed the
+     stage, with ``stage_unavailable`` (docs/protocol.md §2.8: release by id everywhere,
+     the dead stage's fences dropped);
+  3. a sweep reclaims what the dead process owned under /dev/shm — slots, published
+     keys, claim records (docs/protocol.md §3.5) — *before* any new process of the stage
+     exists, so a reused id never meets a dead incarnation's key;
+  4. :class:`RestartBook` decides: wait the backoff and spawn a new worker on fresh
+     control sockets, or give up (``failed``, with the reason) when the policy's budget
+     of restarts in its window is spent or restarts are off;
+  5. the new worker's hello brings the stage back (:attr:`SupervisorHooks.stage_up`).
+     A worker that dies while starting goes through the same path again.
+
+* :meth:`StageSupervisor.stop` — ask every worker to stop, wait (then SIGTERM, then
+  SIGKILL), close the sockets. The orchestrator sweeps the namespace after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omnirelay.connectors.shm import sweep
+from omnirelay.errors import StageDiedError
+from omnirelay.orchestrator.control import FrontControl
+from omnirelay.orchestrator.stages import StageProcess, StageState, describe_exit
+from omnirelay.pipeline.restart import RestartPolicy
+from omnirelay.worker import WorkerSpec, worker_main
+from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.messages import Shutdown, ToFront
+
+__all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
+
+
+class RestartBook:
+    """The restart budget of every stage under one :class:`RestartPolicy` (pure; the
+    clock is passed in)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._times: dict[int, deque[float]] = {}
+
+    def next_delay(self, stage_id: int, now: float) -> float | None:
+        """A stage died at ``now``: the wait before its restart (booked as done now), or
+        None when the policy gives up (restarts off, or the window's budget spent)."""
+        times = self._times.setdefault(stage_id, deque())
+        while times and times[0] <= now - self.policy.window_s:
+            times.popleft()
+        if len(times) >= self.policy.max_restarts:
+            return None
+        delay = self.policy.backoff(len(times))
+        times.append(now)
+        return delay
+
+    def num_recent(self, stage_id: int) -> int:
+        return len(self._times.get(stage_id, ()))
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorHooks:
+    """What the supervisor tells the orchestrator (each called on the loop thread)."""
+
+    #: a stage's process died: refuse new requests that need it with the second reason,
+    #: fail the in-flight ones with the first; (stage, reason, unavailable, retry-after)
+    stage_down: Callable[[int, str, str, float | None], None]
+    #: what requests needing the down stage are told from now on
+    stage_unavailable: Callable[[int, str, float | None], None]
+    #: a restarted stage said hello: it takes requests again
+    stage_up: Callable[[int], None]
+    #: route one message a worker sent
+    route: Callable[[int, ToFront], None]
+    #: the stage's event socket may be readable
+    read: Callable[[int], None]
+
+
+class StageSupervisor:
+    """The stage worker processes of one pipeline; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        stages: list[StageProcess],
+        make_spec: Callable[[int, ControlPaths], WorkerSpec],
+        policy: RestartPolicy,
+        startup_timeout_s: float,
+        hooks: SupervisorHooks,
+    ) -> None:
+        self.namespace = namespace
+        self.stages = stages
+        self._make_spec = make_spec
+        self.book = RestartBook(policy)
+        self._startup_timeout_s = startup_timeout_s
+        self._hooks = hooks
+        self.control: FrontControl | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx = multiprocessing.get_context("spawn")
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.is_started = False
+        self.is_closing = False
+
+    @property
+    def policy(self) -> RestartPolicy:
+        return self.book.policy
+
+    # -- first start ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn every worker and wait for its hello (see the module docstring)."""
+        loop = self._loop = asyncio.get_running_loop()
+        # Objects of dead owners in this namespace (an earlier crashed deployment).
+        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        paths = ControlPaths.create(len(self.stages))
+        try:
+            self.control = FrontControl(paths)
+        except BaseException:
+            paths.remove()
+            raise
+        for st in self.stages:
+            self._spawn(st, paths)
+        hellos = [st.hello for st in self.stages if st.hello is not None]
+        done, pending = await asyncio.wait(
+            hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for fut in done:
+            fut.result()  # raises the first StageDiedError
+        if pending:
+            late = ", ".join(st.label for st in self.stages if not st.is_ready)
+            raise StageDiedError(
+                f"{late} did not start within {self._startup_timeout_s:g} s (building the engine took too long)"
+            )
+        # Every worker is connected: the socket files are not needed any more, and
+        # without them a front that dies (SIGKILL) leaves nothing on disk.
+        paths.remove()
+        self.is_started = True
+
+    def _spawn(self, st: StageProcess, paths: ControlPaths) -> None:
+        loop, control = self._loop, self.control
+        assert loop is not None and control is not None
+        st.hello = loop.create_future()
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(self._make_spec(st.stage_id, paths),),
+            name=f"omnirelay-{self.namespace}-s{st.stage_id}",
+            daemon=True,
+        )
+        proc.start()
+        st.new_process(proc)
+        st.startup_began = time.monotonic()
+        loop.add_reader(proc.sentinel, self._on_exit, st.stage_id)
+        st.reader_fd = control.fileno(st.stage_id)
+        loop.add_reader(st.reader_fd, self._hooks.read, st.stage_id)
+        loop.call_soon(self._hooks.read, st.stage_id)  # anything queued before the watch
+
+    def on_hello(self, st: StageProcess) -> None:
+        """The stage's worker said hello (routed by the orchestrator)."""
+        st.is_ready = True
+        st.startup_s = time.monotonic() - st.startup_began
+        if st.hello is not None and not st.hello.done():
+            st.hello.set_result(None)
+        if not self.is_started:
+            st.state = StageState.HEALTHY
+
+    def fail_hello(self, st: StageProcess, reason: str) -> None:
+        if st.hello is not None and not st.hello.done():
+            st.hello.set_exception(StageDiedError(reason))
+            st.hello.exception()  # read by whoever waits for it; not an unretrieved error
+
+    # -- a worker exited ----------------------------------------------------------------------
+
+    def _on_exit(self, stage_id: int) -> None:
+        """The worker's process sentinel became readable: it exited."""
+        st = self.stages[stage_id]
+        loop, proc = self._loop, st.process
+        assert loop is not None and proc is not None
+        loop.remove_reader(proc.sentinel)
+        # The sentinel closes as the process exits, a moment before it can be reaped.
+        proc.join(timeout=1.0)
+        st.exitcode = proc.exitcode
+        st.is_exited = True
+        st.exited.set()
+        st.last_exit = describe_exit(proc.exitcode)
+        # Its last messages (a StartupFailed with the real reason, final outputs) may be
+        # queued but not read yet: handle them before reporting the death.
+        if self.control is not None:
+            for message in self.control.recv_nowait(stage_id):
+                self._hooks.route(stage_id, message)
+        if self.is_closing and st.said_goodbye:
+            return
+        reason = f"{st.label} worker process (pid {st.pid}) died ({st.last_exit})"
+        if st.cause is not None:  # it said why before it exited
+            reason = f"{st.cause}; its worker process (pid {st.pid}) exited ({st.last_exit})"
+        self.fail_hello(st, reason)
+        if self.is_closing or not self.is_started:
+            down = f"{reason}; its requests were failed"
+            self._hooks.stage_down(stage_id, down, down, None)
+            self._track(loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True)))
+            return
+        delay = self.book.next_delay(stage_id, time.monotonic())
+        if delay is None:
+            st.state = StageState.FAILED
+            st.expected_back = None
+            failed = f"{reason}; {self._give_up_note(stage_id)}"
+            self._hooks.stage_down(stage_id, failed, failed, None)
+        else:
+            st.state = StageState.RESTARTING
+            back_in = delay + st.startup_s
+            st.expected_back = time.monotonic() + back_in
+            down = f"{reason}; its requests were failed, it is being restarted"
+            restarting = f"{st.label} is restarting after its worker process died ({st.last_exit})"
+            self._hooks.stage_down(stage_id, down, restarting, back_in)
+        self._track(asyncio.ensure_future(self._recover(st, delay)))
+
+    def _give_up_note(self, stage_id: int) -> str:
+        if not self.policy.is_enabled:
+            return "restarts are off (max_restarts: 0)"
+        return (
+            f"not restarted: {self.book.num_recent(stage_id)} restarts within {self.policy.window_s:g} s "
+            f"already (restart policy: {self.policy.describe()})"
+        )
+
+    async def _recover(self, st: StageProcess, delay: float | None) -> None:
+        """Reclaim the dead process's objects, then restart the stage (unless given up)."""
+        loop = asyncio.get_running_loop()
+        # Before any new process of the stage can put: a reused id must not find a dead
+        # incarnation's key (docs/protocol.md §3.5 crash safety).
+        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        if self.is_closing or delay is None:
+            return
+        await asyncio.sleep(delay)
+        if self.is_closing:
+            return
+        try:
+            await self._restart(st, st.death_reason or f"{st.label} is restarting")
+        except Exception as exc:  # no new process (sockets, fork): nothing will bring it back
+            st.state = StageState.FAILED
+            st.expected_back = None
+            self._hooks.stage_unavailable(st.stage_id, f"{st.label} could not be restarted: {exc!r}", None)
+
+    async def _restart(self, st: StageProcess, restarting: str) -> None:
+        loop, control = self._loop, self.control
+        assert loop is not None and control is not None
+        if st.reader_fd is not None:
+            loop.remove_reader(st.reader_fd)
+            st.reader_fd = None
+        if st.process is not None:
+            st.process.close()
+            st.process = None
+        paths = control.rebind(st.stage_id)
+        try:
+            st.num_restarts += 1
+            self._spawn(st, paths)
+            st.expected_back = time.monotonic() + st.startup_s
+            self._hooks.stage_unavailable(st.stage_id, restarting, st.startup_s)
+            assert st.hello is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(st.hello), self._startup_timeout_s)
+            except StageDiedError:
+                return  # its exit is being handled: the next restart or the give-up
+            except TimeoutError:
+                if st.process is not None and not st.is_exited:
+                    st.process.kill()  # its exit takes the usual path
+                return
+        finally:
+            paths.remove()
+        st.state = StageState.HEALTHY
+        st.expected_back = None
+        st.is_dead = False
+        st.death_reason = None
+        self._hooks.stage_up(st.stage_id)
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
+
+    def retry_after(self, st: StageProcess) -> float | None:
+        """Seconds until the stage is expected back (None: not expected)."""
+        if st.expected_back is None:
+            return None
+        return max(0.0, st.expected_back - time.monotonic())
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def send(self, stage_id: int, message: Any) -> bool:
+        st = self.stages[stage_id]
+        if st.is_dead or st.is_exited or self.control is None:
+            return False
+        return self.control.send(stage_id, message)
+
+    async def stop(self, timeout_s: float) -> int:
+        """Stop every worker (Shutdown, then SIGTERM, then SIGKILL), end supervision and
+        close the control plane; returns how many workers had to be signalled."""
+        self.is_closing = True
+        for st in self.stages:
+            if st.process is None or st.is_exited:
+                continue
+            if st.is_ready:
+                self.send(st.stage_id, Shutdown())
+            else:  # still building its engine: it reads no messages yet
+                st.process.terminate()
+        num_killed = await self._reap_processes(timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for st in self.stages:
+            if st.reader_fd is not None:
+                loop.remove_reader(st.reader_fd)
+                st.reader_fd = None
+        if self.control is not None:
+            self.control.close()
+        for st in self.stages:
+            if st.process is not None:
+                st.process.close()
+        return num_killed
+
+    async def _reap_processes(self, timeout_s: float) -> int:
+        """Wait for every worker to exit; SIGTERM, then SIGKILL, the ones that do not."""
+        running = [st for st in self.stages if st.process is not None and not st.is_exited]
+        num_killed = 0
+        for sig_timeout, escalate in ((timeout_s, "terminate"), (3.0, "kill"), (5.0, None)):
+            if running:
+                waits = [asyncio.ensure_future(st.exited.wait()) for st in running]
+                await asyncio.wait(waits, timeout=sig_timeout)
+                for w in waits:
+                    w.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+            running = [st for st in running if not st.is_exited]
+            if not running or escalate is None:
+                break
+            for st in running:
+                assert st.process is not None
+                getattr(st.process, escalate)()
+                num_killed += 1
+        for st in running:  # the sentinel never fired (should not happen): join directly
+            assert st.process is not None and self._loop is not None
+            self._loop.remove_reader(st.process.sentinel)
+            st.process.join(timeout=1.0)
+            st.exitcode = st.process.exitcode
+            st.is_exited = True
+        return num_killed
