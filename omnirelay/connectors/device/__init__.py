@@ -19,10 +19,37 @@ Here a tensor instead stays on the device:
   copy when the two stages are on different GPUs).
 """
 
-from omnirelay.connectors.device.channel import DeviceImporter, DeviceProducer, StaleBlockError
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from omnirelay.connectors.device.paths import EdgePath, cuda_index, edge_path, stage_device
-from omnirelay.connectors.device.pool import Block, DevicePool
-from omnirelay.connectors.device.refs import ArenaHandle, DeviceRef, decode_ref, encode_ref
+
+if TYPE_CHECKING:
+    from omnirelay.connectors.device.channel import DeviceImporter, DeviceProducer, StaleBlockError
+    from omnirelay.connectors.device.pool import Block, DevicePool
+    from omnirelay.connectors.device.refs import ArenaHandle, DeviceRef, decode_ref, encode_ref
+
+#: Where the names that need torch (through the payload codec) live: imported on first use,
+#: so what only asks which path an edge takes (``omnirelay check``, ``--help``) stays light.
+_LAZY = {
+    "DeviceImporter": "channel",
+    "DeviceProducer": "channel",
+    "StaleBlockError": "channel",
+    "Block": "pool",
+    "DevicePool": "pool",
+    "ArenaHandle": "refs",
+    "DeviceRef": "refs",
+    "decode_ref": "refs",
+    "encode_ref": "refs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "ArenaHandle",
