@@ -52,6 +52,10 @@ class KillResult:
     refused_503: int = 0
     refused_wrong: list[str] = field(default_factory=list)
     restart_s: float | None = None
+    #: when the last /health poll that still saw the stage down was sent: no request can
+    #: succeed before the server answered it (restart_s, seen by a poller 20 ms apart, can
+    #: come after the probe's first success)
+    last_down_s: float | None = None
     first_success_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,6 +68,7 @@ class KillResult:
             "refused_503": self.refused_503,
             "refused_wrong": self.refused_wrong,
             "restart_s": None if self.restart_s is None else round(self.restart_s, 3),
+            "last_down_s": None if self.last_down_s is None else round(self.last_down_s, 3),
             "first_success_s": None if self.first_success_s is None else round(self.first_success_s, 3),
         }
 
@@ -141,10 +146,12 @@ async def kill_one(client: httpx.AsyncClient, stage_id: int, args: argparse.Name
         result.stream_errors.append(code)
     restarts = stage["restarts"]
     while True:
+        t_sent = time.monotonic()
         st = (await client.get("/health")).json()["stages"][stage_id]
         if st["state"] == "healthy" and st["restarts"] > restarts:
             result.restart_s = time.monotonic() - t_kill
             break
+        result.last_down_s = t_sent - t_kill
         if st["state"] == "failed" or time.monotonic() - t_kill > args.timeout:
             break
         await asyncio.sleep(0.02)
