@@ -4,6 +4,11 @@
 ``abort_fraction`` of them the number of outputs after which the client aborts), runs
 them at once from one event loop, and checks every request that was not aborted against
 ``expect(prompt, max_tokens) -> (text token ids, waveform)``.
+
+A request planned to be aborted asks for :data:`UNENDING` tokens, so it cannot end
+before its client's abort arrives, however the threads are scheduled: every planned
+abort lands (a short one would race its own completion, and an abort that arrives after
+the end is a no-op), and the aborted ones' text so far is checked as a prefix.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.orchestrator.router import RequestOutput
 
 Expect = Callable[[list[int], int], tuple[list[int], torch.Tensor]]
+
+#: max_tokens of a request planned to be aborted: far more outputs than any abort point
+UNENDING = 1_000_000_000
 
 
 @dataclass
@@ -51,7 +59,7 @@ def run_concurrent(
         handle = pipe.submit(
             prompt,
             modalities=["text", "audio"],
-            sampling=SamplingParams(max_tokens=n),
+            sampling=SamplingParams(max_tokens=n if abort_after is None else UNENDING),
             request_id=f"{prefix}{i}",
         )
         outs: list[RequestOutput] = []
@@ -71,12 +79,15 @@ def run_concurrent(
     for outs, (prompt, n, abort_after) in zip(results, plan):
         last = outs[-1]
         assert last.finished
+        got_text = [t for o in outs if o.modality == "text" for t in o.token_ids]
         if last.finish_reason == "abort":
             assert abort_after is not None, "an abort nobody asked for"
+            if got_text:  # what came before the abort is the request's own text
+                assert got_text == expect(prompt, len(got_text))[0], (prompt, "aborted")
             report.num_aborted += 1
             continue
+        assert abort_after is None, (prompt, "a planned abort was lost")
         text, wave = expect(prompt, n)
-        got_text = [t for o in outs if o.modality == "text" for t in o.token_ids]
         pieces = [o.audio.reshape(-1) for o in outs if o.modality == "audio" and o.audio is not None]
         assert got_text == text, (prompt, n)
         assert pieces and torch.equal(torch.cat(pieces), wave), (prompt, n)

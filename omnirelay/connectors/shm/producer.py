@@ -209,8 +209,8 @@ class Producer:
             if stale.word.load() != slot.stamp(slot.FREE, stale.seq):
                 self.num_put_failures += 1
                 return PutResult(ok=False, error=f"key {key!r} is already published and not yet consumed")
-            del self._pending[key]
-        self._reclaim(stale)
+            self._unpend_locked(key, stale)
+        self._release(stale)
         return None
 
     def _announce_early(self, to_stage: int, off: int, key_bytes: bytes) -> tuple[_Slot, int] | None:
@@ -353,6 +353,20 @@ class Producer:
             self._busy.add(sl)
         return sl
 
+    def _unpend_locked(self, key: str, sl: _Slot) -> None:
+        """Forget ``key``'s object (the caller holds the lock) and remove its name in the
+        same critical section. A put of the key on another thread (another send lane)
+        then finds the object either still pending — and reclaims it itself — or gone
+        together with its name; never gone from ``pending`` with the name still linked,
+        where its ``link`` would fail as if another producer held the key."""
+        del self._pending[key]
+        self._unlink_name(sl)
+
+    def _unlink_name(self, sl: _Slot) -> None:
+        if sl.khash is not None:
+            _unlink_quiet(self._kprefix + sl.khash)
+            sl.khash = None
+
     def _reclaim(self, sl: _Slot) -> None:
         """A consumed (FREE) or retracted slot of ours: remove the key's name, then pool it.
         Only its producer removes a published object's name, so the name is still ours."""
@@ -415,13 +429,15 @@ class Producer:
                     orphaned.append(sl)  # the consumer died mid-read
                 else:
                     self._pending[key] = sl
+                    continue
+                self._unlink_name(sl)  # see _unpend_locked
             self.num_reaped += len(reclaimed) + len(orphaned)
         for sl in orphaned:
             sl.word.store(slot.stamp(slot.FREE, sl.seq))  # the dead claimer's claim ends here
             reclaimed.append(sl)
         for sl in reclaimed:
             sl.unrecorded_since = None
-            self._reclaim(sl)
+            self._release(sl)
         return len(reclaimed)
 
     def take_back(self, key: str) -> None:
@@ -432,9 +448,9 @@ class Producer:
             sl = self._pending.get(key)
             if sl is None or sl.word.load() != slot.stamp(slot.FREE, sl.seq):
                 return
-            del self._pending[key]
+            self._unpend_locked(key, sl)
             self.num_reaped += 1
-        self._reclaim(sl)
+        self._release(sl)
 
     def cleanup(self, key: str) -> bool:
         """Retract ``key`` if we published it and nobody claimed it yet.
@@ -453,7 +469,7 @@ class Producer:
             return False  # a reader claimed it first: it frees the slot, reap picks it up
         with self._lock:
             if self._pending.get(key) is sl:
-                del self._pending[key]
+                self._unpend_locked(key, sl)
             self.num_cleaned += 1
         sl.word.store(slot.stamp(slot.FREE, seq))
         self._reclaim(sl)
