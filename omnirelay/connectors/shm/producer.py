@@ -370,8 +370,7 @@ class Producer:
     def _reclaim(self, sl: _Slot) -> None:
         """A consumed (FREE) or retracted slot of ours: remove the key's name, then pool it.
         Only its producer removes a published object's name, so the name is still ours."""
-        if sl.khash is not None:
-            _unlink_quiet(self._kprefix + sl.khash)
+        self._unlink_name(sl)
         self._release(sl)
 
     def _release(self, sl: _Slot) -> None:
