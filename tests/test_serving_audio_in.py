@@ -144,14 +144,16 @@ def test_audio_outside_a_user_turn_is_refused(srv: Served) -> None:
     assert resp.status_code == 200, resp.text
 
 
-def test_audio_rows_fill_the_placeholders_in_order() -> None:
-    """In one process: the Thinker's embeddings (hidden state 0) at the prompt's audio
-    positions are the audio encoder's rows for the clips, in order; its text positions
-    are the token embeddings."""
+@pytest.mark.parametrize("runner", ["dynamic", "static"])
+def test_audio_rows_fill_the_placeholders_in_order(runner: str) -> None:
+    """In one process, on either runner: the Thinker's embeddings (hidden state 0) at the
+    prompt's audio positions are the audio encoder's rows for the clips, in order; its
+    text positions are the token embeddings."""
     from omnirelay.models.thinker import create_thinker
 
     torch.set_flush_denormal(True)
-    ex = create_thinker(tiny=True, seed=0, num_threads=1)
+    static = {"cuda_graphs": False, "max_num_seqs": 2, "max_model_len": 256} if runner == "static" else {}
+    ex = create_thinker(tiny=True, seed=0, num_threads=1, runner=runner, **static)
     clips = [_tone(AUDIO_INPUT_RATE, 0.6, 300), _tone(AUDIO_INPUT_RATE, 1.3, 900)]
     counts = [num_audio_tokens(c.size, 50) for c in clips]
     text = (

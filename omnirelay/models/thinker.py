@@ -32,7 +32,9 @@ prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.audio_in.Qw
 the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in order,
 the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
 ``<|audio_end|>``). Audio tokens take one text position each, as Qwen3-Omni's rope index
-gives them. Image and video inputs are not wired.
+gives them. On the static runner a prefill launch that holds audio tokens runs eagerly
+(its embeddings come from outside the captured graph). Image and video inputs are not
+wired.
 """
 
 from __future__ import annotations
@@ -245,10 +247,6 @@ class ThinkerExecutor:
             return None
         if self.audio_token_id is None:
             raise ModelError(f"{who}: this Thinker has no audio token; it cannot take audio input")
-        if self.runner is not None:
-            raise ModelError(
-                f"{who}: audio input runs on the dynamic runner; set executor_args.runner: dynamic"
-            )
         if self._audio_encoder is None:
             # Where the text decoder is, the encoders are too (see __init__).
             tower = getattr(self.model.model, "audio_tower", None) or self.model.audio_tower
@@ -261,6 +259,18 @@ class ThinkerExecutor:
             )
         self.num_audio_clips += len(clips)
         return rows
+
+    def _audio_rows(self, seq: _Sequence, item: BatchItem) -> tuple[list[int], torch.Tensor] | None:
+        """The static runner's form of :meth:`_prompt_embeds`: the audio positions of this
+        prefill piece and their rows."""
+        audio_id = self.audio_token_id
+        if seq.audio is None or audio_id is None:
+            return None
+        positions = [j for j, t in enumerate(item.input_token_ids) if t == audio_id]
+        if not positions:
+            return None
+        first = item.all_token_ids[: item.num_computed_tokens].count(audio_id)
+        return positions, seq.audio[first : first + len(positions)]
 
     def _prompt_embeds(self, seq: _Sequence, item: BatchItem, ids: torch.Tensor) -> torch.Tensor | None:
         """The embeddings of this prefill piece with its audio positions filled in (None
@@ -323,6 +333,7 @@ class ThinkerExecutor:
                     token_ids=item.input_token_ids,
                     sampling=item.sampling,
                     generator=seq.generator if is_complete else None,
+                    embeds=self._audio_rows(seq, item),
                 )
             )
         outs = self.runner.run(rows, decode=False)
