@@ -63,6 +63,20 @@ def test_the_shipped_voice_pipeline_hears_first() -> None:
     assert (tiny.audio_entry_stage_id, tiny.prompt_stage_id) == (None, 0)
 
 
+def test_check_prints_the_recognizer_and_its_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    from omnirelay.cli.main import main
+
+    assert main(["check", "voice-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] asr: generation, executor asr.pocketsphinx" in out
+    assert "entry: requests that carry audio (contract: the complete utterance in, 16 kHz mono; its " in out
+    assert "entry: requests without audio (the prompt stage; audio is heard first by stage 0)" in out
+    assert (
+        "0 -> 1  asr -> thinker: complete input\n      connector default (shm); input builder asr_to_thinker"
+        in out
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
