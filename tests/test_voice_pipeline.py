@@ -259,6 +259,16 @@ def test_a_spoken_question_is_heard_and_answered(srv: Served) -> None:
     (heard,) = [o.text for o in outputs if o.modality == "transcript"]
     assert _words(heard) == _words(QUESTION), heard
     assert "Paris" in "".join(o.text or "" for o in outputs if o.modality == "text")
+    # Aborted while the recognizer holds it: nothing of it is left in any stage.
+    handle = srv.pipe.submit(
+        [0],
+        modalities=["text", "audio"],
+        inputs=audio_inputs([pcm16k]),
+        extras={"chat_turns": [["user", [{"audio": 0}]]]},
+        entry_stage_id=0,
+    )
+    handle.abort()
+    assert [o.finish_reason for o in handle if o.finished] == ["abort"]
 
 
 def _recognized(srv: Served) -> dict[str, int]:
