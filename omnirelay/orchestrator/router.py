@@ -31,7 +31,7 @@ hold rule's "not streaming" condition is always true here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +45,13 @@ from omnirelay.orchestrator.requests import (
     InputBuilder,
     PipelineRequest,
     RequestOutput,
+    RequestPlan,
     SourceOutput,
     default_input_builder,
+    requested_modalities,
+    stage_sampling_defaults,
 )
-from omnirelay.pipeline import PipelineConfig, StageConfig, placeholder_prompt_len
+from omnirelay.pipeline import PipelineConfig, placeholder_prompt_len
 
 __all__ = [
     "Action",
@@ -93,36 +96,6 @@ class ClientOutput(msgspec.Struct, frozen=True):
 
 
 Action = StageSubmit | StageAbort | StageRelease | ClientOutput
-
-
-# ----------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True, slots=True)
-class RequestPlan:
-    """Which stages a request touches (docs/protocol.md §2.2, §2.3)."""
-
-    final_output_stage_ids: tuple[int, ...]
-    final_stage_id: int
-    prewarm_stage_ids: tuple[int, ...]
-    #: where the request enters: 0, or the prompt stage when it skips an entry_input stage
-    entry_stage_id: int = 0
-
-    @property
-    def path(self) -> range:
-        """Every stage the request needs: entry..final_stage_id (pipelines are linear)."""
-        return range(self.entry_stage_id, self.final_stage_id + 1)
-
-
-def stage_sampling_defaults(stage: StageConfig) -> SamplingParams:
-    """The stage config's sampling values over :class:`SamplingParams`' defaults."""
-    cfg = stage.sampling
-    values = {
-        name: getattr(cfg, name)
-        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens")
-        if getattr(cfg, name) is not None
-    }
-    return SamplingParams(**values, stop_token_ids=tuple(cfg.stop_token_ids))
 
 
 @dataclass
@@ -613,16 +586,3 @@ class Router:
     def _modality(self, stage_id: int) -> str:
         t = self.config.stage(stage_id).final_output_type
         return "" if t is None else str(t)
-
-
-def requested_modalities(modalities: Sequence[str] | str | None) -> tuple[str, ...] | None:
-    """Normalize a client's ``modalities`` argument; :class:`InvalidRequestError` on bad types."""
-    if modalities is None:
-        return None
-    if isinstance(modalities, str):
-        modalities = (modalities,)
-    if not isinstance(modalities, Sequence) or not all(isinstance(m, str) for m in modalities):
-        raise InvalidRequestError(
-            f"modalities must be a list of strings such as ['text', 'audio'], got {modalities!r}"
-        )
-    return tuple(modalities)
