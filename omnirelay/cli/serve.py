@@ -60,6 +60,22 @@ def register(sub: Any) -> None:
         help="429 while the pipeline holds more unconsumed transfer bytes than this (default: no limit)",
     )
     p.add_argument(
+        "--max-audio-input-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="chat input_audio: the longest audio a request may carry, all parts together, in "
+        "seconds decoded; longer is a 400 naming the limit (default 60)",
+    )
+    p.add_argument(
+        "--max-audio-input-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        metavar="N",
+        help="chat input_audio: the most encoded audio bytes a request may carry, all parts "
+        "together (default 2 MiB; the 4 MiB body limit holds about 3 MiB of base64 audio)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=None,
@@ -186,6 +202,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         max_concurrency=args.max_concurrency,
         max_live_bytes=args.max_live_bytes,
+        max_audio_input_s=args.max_audio_input_s,
+        max_audio_input_bytes=args.max_audio_input_bytes,
         **security_limits(args, os.environ),
     )
     # The port first: a port the server cannot have fails now, not after the stages load.

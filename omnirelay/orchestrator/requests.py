@@ -4,6 +4,8 @@ the contract of a forwarded (complete) input.
 * :class:`PipelineRequest` — a validated client request, as the router sees it;
 * :class:`RequestOutput` — what the client sees: one output of a final-output stage, or
   the request's end;
+* :class:`RequestPlan` — which stages a request touches; :func:`stage_sampling_defaults`,
+  :func:`requested_modalities` — a stage's sampling defaults, a client's modalities;
 * :class:`SourceOutput` / :class:`ForwardedInput` / :class:`InputBuilder` — a finished
   stage's output, the next stage's input built from it, and the builder's signature
   (docs/protocol.md §2.5); :func:`default_input_builder` forwards tokens, text and audio.
@@ -14,6 +16,7 @@ serving layer and the input builders exchange them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +24,7 @@ import msgspec
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.errors import InvalidRequestError
 from omnirelay.pipeline import StageConfig
 
 __all__ = [
@@ -28,8 +32,11 @@ __all__ = [
     "InputBuilder",
     "PipelineRequest",
     "RequestOutput",
+    "RequestPlan",
     "SourceOutput",
     "default_input_builder",
+    "requested_modalities",
+    "stage_sampling_defaults",
 ]
 
 
@@ -39,6 +46,9 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     ``sampling`` holds the parameters of every stage (client values merged over the
     stage config's defaults by the API). ``prompt_token_ids`` may be ``None`` for an
     embeds-only prompt (carried in ``inputs``); such a request cannot be prewarmed.
+    ``entry_stage_id``: the stage the request enters at, given ``prompt_token_ids`` and
+    ``inputs`` (None: the pipeline's prompt stage; its ``entry_input`` stage for a request
+    that carries audio, docs/protocol.md §1.9).
     """
 
     request_id: str
@@ -47,6 +57,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     sampling: dict[int, SamplingParams] = {}
     inputs: Any = None
     extras: dict[str, Any] = {}
+    entry_stage_id: int | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -60,7 +71,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
     request_id: str
     stage_id: int
-    modality: str  # "text" | "audio" | "timestamps" | "" (a terminal not tied to a stage)
+    #: "text" | "audio" | "timestamps" | "transcript" (what an ``entry_input: audio`` stage
+    #: heard: one line per clip; never the request's last output) | "" (a terminal not tied
+    #: to a stage)
+    modality: str
     token_ids: list[int] = []
     text: str | None = None
     audio: Any = None  # 1-D float32 tensor of new samples
@@ -128,3 +142,43 @@ def default_input_builder(
         inputs["audio"] = torch.cat([torch.as_tensor(a).reshape(-1) for a in source.audio])
         inputs["sample_rate"] = source.sample_rate
     return ForwardedInput(prompt_token_ids=list(source.token_ids) or [0], inputs=inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    """Which stages a request touches (docs/protocol.md §2.2, §2.3)."""
+
+    final_output_stage_ids: tuple[int, ...]
+    final_stage_id: int
+    prewarm_stage_ids: tuple[int, ...]
+    #: where the request enters: 0, or the prompt stage when it skips an entry_input stage
+    entry_stage_id: int = 0
+
+    @property
+    def path(self) -> range:
+        """Every stage the request needs: entry..final_stage_id (pipelines are linear)."""
+        return range(self.entry_stage_id, self.final_stage_id + 1)
+
+
+def stage_sampling_defaults(stage: StageConfig) -> SamplingParams:
+    """The stage config's sampling values over :class:`SamplingParams`' defaults."""
+    cfg = stage.sampling
+    values = {
+        name: getattr(cfg, name)
+        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens")
+        if getattr(cfg, name) is not None
+    }
+    return SamplingParams(**values, stop_token_ids=tuple(cfg.stop_token_ids))
+
+
+def requested_modalities(modalities: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """Normalize a client's ``modalities`` argument; :class:`InvalidRequestError` on bad types."""
+    if modalities is None:
+        return None
+    if isinstance(modalities, str):
+        modalities = (modalities,)
+    if not isinstance(modalities, Sequence) or not all(isinstance(m, str) for m in modalities):
+        raise InvalidRequestError(
+            f"modalities must be a list of strings such as ['text', 'audio'], got {modalities!r}"
+        )
+    return tuple(modalities)

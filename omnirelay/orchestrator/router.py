@@ -31,7 +31,7 @@ hold rule's "not streaming" condition is always true here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +45,13 @@ from omnirelay.orchestrator.requests import (
     InputBuilder,
     PipelineRequest,
     RequestOutput,
+    RequestPlan,
     SourceOutput,
     default_input_builder,
+    requested_modalities,
+    stage_sampling_defaults,
 )
-from omnirelay.pipeline import PipelineConfig, StageConfig, placeholder_prompt_len
+from omnirelay.pipeline import PipelineConfig, placeholder_prompt_len
 
 __all__ = [
     "Action",
@@ -93,34 +96,6 @@ class ClientOutput(msgspec.Struct, frozen=True):
 
 
 Action = StageSubmit | StageAbort | StageRelease | ClientOutput
-
-
-# ----------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True, slots=True)
-class RequestPlan:
-    """Which stages a request touches (docs/protocol.md §2.2, §2.3)."""
-
-    final_output_stage_ids: tuple[int, ...]
-    final_stage_id: int
-    prewarm_stage_ids: tuple[int, ...]
-
-    @property
-    def path(self) -> range:
-        """Every stage the request needs: 0..final_stage_id (pipelines are linear)."""
-        return range(self.final_stage_id + 1)
-
-
-def stage_sampling_defaults(stage: StageConfig) -> SamplingParams:
-    """The stage config's sampling values over :class:`SamplingParams`' defaults."""
-    cfg = stage.sampling
-    values = {
-        name: getattr(cfg, name)
-        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens")
-        if getattr(cfg, name) is not None
-    }
-    return SamplingParams(**values, stop_token_ids=tuple(cfg.stop_token_ids))
 
 
 @dataclass
@@ -206,23 +181,37 @@ class Router:
         """Stages that cannot take requests now, with the reason."""
         return {sid: reason for sid, (reason, _) in self._dead.items()}
 
-    def plan(self, modalities: Iterable[str] | None) -> RequestPlan:
-        """Final outputs, final stage and prewarmed stages for these modalities (pure)."""
+    def plan(self, modalities: Iterable[str] | None, entry_stage_id: int | None = None) -> RequestPlan:
+        """Final outputs, final stage and prewarmed stages for these modalities, entering at
+        ``entry_stage_id`` (None: the prompt stage) (pure)."""
         cfg = self.config
+        entry = cfg.prompt_stage_id if entry_stage_id is None else entry_stage_id
         finals = cfg.final_output_stage_ids(modalities)
         final_stage_id = cfg.final_stage_id(modalities)
         prewarm: tuple[int, ...] = ()
-        if self.is_chunked and final_stage_id > 0:
+        if self.is_chunked and final_stage_id > entry:
             # §2.3: a stage that does not receive chunks gets its real input by
             # forwarding; prewarming it would let it run before its input exists.
-            prewarm = tuple(s for s in range(1, final_stage_id + 1) if self._receives[s])
+            prewarm = tuple(s for s in range(entry + 1, final_stage_id + 1) if self._receives[s])
         return RequestPlan(
-            final_output_stage_ids=tuple(finals), final_stage_id=final_stage_id, prewarm_stage_ids=prewarm
+            final_output_stage_ids=tuple(finals),
+            final_stage_id=final_stage_id,
+            prewarm_stage_ids=prewarm,
+            entry_stage_id=entry,
         )
 
     def check_admissible(self, request: PipelineRequest) -> RequestPlan:
         """Client errors that need no state (§2.3 step 3); raises :class:`InvalidRequestError`."""
-        plan = self.plan(request.modalities)
+        entry = request.entry_stage_id
+        allowed = sorted(
+            s for s in (self.config.prompt_stage_id, self.config.audio_entry_stage_id) if s is not None
+        )
+        if entry is not None and (isinstance(entry, bool) or entry not in allowed):
+            raise InvalidRequestError(
+                f"request {request.request_id!r} cannot enter pipeline {self.config.name!r} at stage "
+                f"{entry!r}; requests enter at stage {' or '.join(map(str, allowed))}"
+            )
+        plan = self.plan(request.modalities, entry)
         if not request.prompt_token_ids and request.inputs is None:
             raise InvalidRequestError(
                 f"request {request.request_id!r} has no prompt: pass prompt_token_ids (or inputs)"
@@ -239,7 +228,7 @@ class Router:
     # -- admission (§2.2, §2.3) -----------------------------------------------------------
 
     def admit(self, request: PipelineRequest) -> list[Action]:
-        """Create the request's state and submit stage 0 plus the prewarm placeholders.
+        """Create the request's state and submit its entry stage plus the prewarm placeholders.
 
         Raises :class:`InvalidRequestError` for a client error (nothing changed). A dead
         stage on the request's path ends the request at once (a failed terminal output).
@@ -258,8 +247,9 @@ class Router:
         dead = [s for s in plan.path if s in self._dead]
         if dead:
             return self._fail_unavailable(rid, dead[0])
-        actions: list[Action] = [StageSubmit(0, self._first_request(st))]
-        st.submitted.add(0)
+        entry = plan.entry_stage_id
+        actions: list[Action] = [StageSubmit(entry, self._first_request(st))]
+        st.submitted.add(entry)
         for s in plan.prewarm_stage_ids:
             actions.append(StageSubmit(s, self._placeholder_request(st, s)))
             st.submitted.add(s)
@@ -278,7 +268,7 @@ class Router:
         return StageRequest(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids or []),
-            sampling=self._sampling(st, 0),
+            sampling=self._sampling(st, st.plan.entry_stage_id),
             inputs=req.inputs,
             final_stage_id=st.plan.final_stage_id,
             extras=dict(req.extras),
@@ -340,6 +330,8 @@ class Router:
         actions: list[Action] = []
         if out.finished:
             st.finished_stages.add(s)
+            if s == self.config.audio_entry_stage_id:
+                actions.append(ClientOutput(out.request_id, self._transcript(out)))
         if s in st.finals:
             self._final_message(st, self._message(st, out), actions)
         if out.finished and out.request_id in self._requests:
@@ -360,6 +352,17 @@ class Router:
             stage_finished=out.finished,
             finish_reason=out.finish_reason if out.finished else None,
             metrics=dict(out.metrics),
+        )
+
+    def _transcript(self, out: StageOutput) -> RequestOutput:
+        """What the recognizer heard (docs/protocol.md §1.9): one output, not the request's
+        last, before the answer it prompted."""
+        return RequestOutput(
+            request_id=out.request_id,
+            stage_id=out.stage_id,
+            modality="transcript",
+            text=out.text or "",
+            stage_finished=True,
         )
 
     def _final_message(self, st: _RequestState, msg: RequestOutput, actions: list[Action]) -> None:
@@ -583,16 +586,3 @@ class Router:
     def _modality(self, stage_id: int) -> str:
         t = self.config.stage(stage_id).final_output_type
         return "" if t is None else str(t)
-
-
-def requested_modalities(modalities: Sequence[str] | str | None) -> tuple[str, ...] | None:
-    """Normalize a client's ``modalities`` argument; :class:`InvalidRequestError` on bad types."""
-    if modalities is None:
-        return None
-    if isinstance(modalities, str):
-        modalities = (modalities,)
-    if not isinstance(modalities, Sequence) or not all(isinstance(m, str) for m in modalities):
-        raise InvalidRequestError(
-            f"modalities must be a list of strings such as ['text', 'audio'], got {modalities!r}"
-        )
-    return tuple(modalities)

@@ -66,6 +66,13 @@ class Row:
     token_ids: Sequence[int]
     sampling: SamplingParams
     generator: torch.Generator | None  # None: do not sample (a partial prefill)
+    #: embeddings that replace the token embeddings at these indices of ``token_ids`` (a
+    #: prompt's audio tokens): (indices, rows [len(indices), H]); None: none
+    embeds: tuple[Sequence[int], torch.Tensor] | None = None
+
+
+#: (batch indices, token indices, rows) of embeddings a launch replaces
+_Overrides = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class ThinkerRunner:
@@ -126,10 +133,13 @@ class ThinkerRunner:
 
     # ----------------------------------------------------------------- steps
 
-    def _step(self, b: int, t: int, attn_len: int | None) -> Step:
+    def _step(self, b: int, t: int, attn_len: int | None, overrides: _Overrides | None = None) -> Step:
         def step() -> dict[str, torch.Tensor]:
             with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
                 embeds = self.text.embed_tokens(self._ids[:b, :t])
+                if overrides is not None:
+                    batch_idx, token_idx, rows = overrides
+                    embeds = embeds.index_put((batch_idx, token_idx), rows.to(embeds.dtype))
                 last, captured = self.decoder.forward(
                     embeds,
                     self._slot_ids[:b],
@@ -162,7 +172,37 @@ class ThinkerRunner:
         self._slot_ids[:b].copy_(slots)
         self._starts[:b].copy_(starts)
         self._counts[:b].copy_(counts)
+        overrides = self._overrides(launch, rows)
+        if overrides is not None:
+            # Embeddings from outside the graph (audio tokens): this launch runs eagerly.
+            return self.graphs.run(
+                ("embeds", b, t, launch.attn_len), self._step(b, t, launch.attn_len, overrides)
+            )
         return self.graphs.run((b, t, launch.attn_len), self._step(b, t, launch.attn_len))
+
+    def _overrides(self, launch: Launch, rows: Sequence[Row]) -> _Overrides | None:
+        """The launch's replaced embeddings as (batch indices, token indices, rows)."""
+        batch_idx: list[int] = []
+        token_idx: list[int] = []
+        parts = []
+        for i, piece in enumerate(launch.pieces):
+            given = rows[piece.row].embeds
+            if given is None:
+                continue
+            indices, values = given
+            for j, index in enumerate(indices):
+                if piece.offset <= index < piece.offset + piece.count:
+                    batch_idx.append(i)
+                    token_idx.append(index - piece.offset)
+                    parts.append(values[j])
+        if not parts:
+            return None
+        device = self.device
+        return (
+            torch.tensor(batch_idx, device=device),
+            torch.tensor(token_idx, device=device),
+            torch.stack(parts).to(device),
+        )
 
     def _collect(
         self,
