@@ -82,8 +82,8 @@ class RealtimeClient:
         assert created["type"] == "session.created", created
         return client
 
-    async def send(self, event: dict[str, Any] | str) -> None:
-        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+    async def send(self, event: dict[str, Any] | str | bytes) -> None:
+        await self.ws.send(event if isinstance(event, str | bytes) else json.dumps(event))
 
     async def next(self, timeout: float = 60.0) -> dict[str, Any]:
         raw = await asyncio.wait_for(self.ws.recv(), timeout)
