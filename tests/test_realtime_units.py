@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omnirelay.serving.conversation import Conversation, Item
+from omnirelay.serving.realtime import InputBuffer
 from omnirelay.serving.realtime_events import (
     EventError,
     RealtimeSettings,
@@ -159,3 +160,15 @@ def test_the_conversation_drops_its_oldest_items_first() -> None:
     assert [i.id for i in conv.add(Item("big", "user", "input_text", "x" * 15))] == ["i1", "i2"]
     assert conv.messages("be brief") == [("system", "be brief"), ("user", "hello"), ("user", "x" * 15)]
     assert conv.window()["num_dropped_items"] == 3
+
+
+def test_the_input_buffer_keeps_the_session_clock() -> None:
+    buf = InputBuffer()
+    for n in range(5):
+        buf.append(np.arange(n * 10, n * 10 + 10, dtype=np.int16))
+    buf.drop_before(15)
+    assert (buf.start, buf.end, buf.num_samples) == (15, 50, 35)
+    assert buf.take(20, 32).tolist() == list(range(20, 32))
+    assert (buf.start, buf.num_samples) == (32, 18)
+    buf.clear()
+    assert (buf.start, buf.end) == (50, 50) and buf.take(0, 100).size == 0

@@ -236,7 +236,9 @@ def test_bad_events_get_errors_and_the_session_goes_on(srv: Served) -> None:
 
 
 @pytest.mark.parametrize(
-    "frame", [b"\x00binary", "not json", json.dumps([1]), json.dumps({"type": "x" * (5 * 1024 * 1024)})]
+    "frame",
+    [b"\x00binary", "not json", json.dumps([1]), json.dumps({"type": "x" * (5 * 1024 * 1024)})],
+    ids=["binary", "not-json", "not-an-object", "too-large"],
 )
 def test_malformed_frames_get_an_error_and_close_1008(srv: Served, frame: str | bytes) -> None:
     async def go() -> None:

@@ -83,36 +83,50 @@ logger = logging.getLogger(__name__)
 
 
 class InputBuffer:
-    """The session's uncommitted input audio (int16) and where it starts in the session's
-    audio clock (samples appended since the session began)."""
+    """The session's uncommitted input audio (int16 pieces, joined only when taken) and
+    where it starts in the session's audio clock (samples appended since it began)."""
 
     def __init__(self) -> None:
         self.start = 0
-        self._pcm = np.zeros(0, dtype=np.int16)
+        self._pieces: list[np.ndarray] = []
+        self._size = 0
 
     @property
     def end(self) -> int:
-        return self.start + self._pcm.size
+        return self.start + self._size
 
     @property
     def num_samples(self) -> int:
-        return int(self._pcm.size)
+        return self._size
 
     def append(self, samples: np.ndarray) -> None:
-        self._pcm = np.concatenate([self._pcm, samples])
+        if samples.size:
+            self._pieces.append(samples)
+            self._size += int(samples.size)
 
     def take(self, start: int, end: int) -> np.ndarray:
         """Samples ``[start, end)`` out of the buffer; everything before ``end`` goes."""
-        lo, hi = max(0, start - self.start), max(0, min(end, self.end) - self.start)
-        out = self._pcm[lo:hi].copy()
-        self.drop_before(end)
+        self.drop_before(start)
+        n = max(0, min(end, self.end) - self.start)
+        joined = np.concatenate(self._pieces) if self._pieces else np.zeros(0, np.int16)
+        out = joined[:n].copy()
+        self._pieces = [joined[n:]] if joined.size > n else []
+        self._size -= n
+        self.start += n
         return out
 
     def drop_before(self, position: int) -> None:
-        cut = min(max(0, position - self.start), self._pcm.size)
-        if cut:
-            self._pcm = self._pcm[cut:].copy()
-            self.start += cut
+        cut = min(max(0, position - self.start), self._size)
+        self.start += cut
+        self._size -= cut
+        while cut:
+            head = self._pieces[0]
+            if head.size <= cut:
+                self._pieces.pop(0)
+                cut -= int(head.size)
+            else:
+                self._pieces[0] = head[cut:]
+                cut = 0
 
     def clear(self) -> None:
         self.drop_before(self.end)
