@@ -105,17 +105,18 @@ def chat_tokenizer(
 ) -> Callable[[str], list[int]]:
     """A ``text -> prompt token ids`` function for ``Pipeline.start(..., tokenizer=...)``.
 
-    It is stage 0's tokenizer with its chat layout: ``text`` becomes one user turn (after
+    It is the prompt stage's tokenizer (stage 0, or stage 1 behind a speech recognizer)
+    with its chat layout: ``text`` becomes one user turn (after
     ``system``, if given) and the open assistant turn (the Qwen ChatML layout the
     Qwen3-Omni Thinker and Talker expect, or SmolLM2's own template). The tokenizer is
     loaded now, in this process; what it needs on first use (the tiny Qwen3-Omni, SmolLM2's
-    converted checkpoint) is made first and cached. Raises :class:`ConfigError` when stage
-    0 is not a text model.
+    converted checkpoint) is made first and cached. Raises :class:`ConfigError` when that
+    stage is not a text model.
     """
     from omnirelay.models import encode_chat_prompt, stage_tokenizer
 
     config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
-    stage = config.stages[0]
+    stage = config.stages[config.prompt_stage_id]
     tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
     if tokenizer is None:
         raise ConfigError(
@@ -271,13 +272,18 @@ class Pipeline:
         request_id: str | None = None,
         inputs: Any = None,
         extras: Mapping[str, Any] | None = None,
+        entry_stage_id: int | None = None,
     ) -> RequestHandle:
         """Start one request; never blocks. Returns its :class:`RequestHandle`.
 
         ``modalities``: the outputs wanted (``["text"]``, ``["text", "audio"]`` …; None or
         none known: every final output). ``sampling``: one :class:`SamplingParams` for
-        stage 0, or ``{stage_id: SamplingParams}``; other stages use their config's
-        defaults. ``inputs``: a full input for stage 0 (for example prompt embeddings).
+        the prompt stage (:attr:`PipelineConfig.prompt_stage_id`: stage 0, or the stage
+        behind an ``entry_input`` stage), or ``{stage_id: SamplingParams}``; other stages
+        use their config's defaults. ``inputs``: a full input for the entry stage (prompt
+        embeddings, a Thinker's audio). ``entry_stage_id``: where the request enters (None:
+        the prompt stage; :attr:`PipelineConfig.audio_entry_stage_id` for a request whose
+        audio a speech-recognition stage hears first).
         Raises :class:`InvalidRequestError` for a malformed request (nothing started), and
         :class:`~omnirelay.errors.StageUnavailableError` when a stage the request needs is
         down (restarting, or given up on); a request that does not need it is served.
@@ -304,6 +310,7 @@ class Pipeline:
             sampling=self._sampling(sampling),
             inputs=inputs,
             extras=req_extras,
+            entry_stage_id=entry_stage_id,
         )
         plan = self._precheck.check_admissible(request)
         down = self._orch.unavailable(plan.path)
@@ -332,7 +339,7 @@ class Pipeline:
         if sampling is None:
             return {}
         if isinstance(sampling, SamplingParams):
-            return {0: sampling}
+            return {self.config.prompt_stage_id: sampling}
         if not isinstance(sampling, Mapping):
             raise InvalidRequestError(
                 f"sampling must be a SamplingParams or a {{stage_id: SamplingParams}} mapping, got {sampling!r}"

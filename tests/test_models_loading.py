@@ -16,6 +16,7 @@ from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models import (
     ALIGNER_EXECUTOR,
     EXECUTOR_NAMES,
+    RECOGNIZER_EXECUTOR,
     SMOLLM2_EXECUTOR,
     SPHINX_ALIGNER_EXECUTOR,
     VOICE_EXECUTOR,
@@ -223,7 +224,7 @@ def test_tiny_tokenizer_round_trips_text_offline() -> None:
 def test_executors_register_under_the_pipeline_names() -> None:
     registry = ComponentRegistry()
     register_executors(registry.executors)
-    voice = (SMOLLM2_EXECUTOR, VOICE_EXECUTOR, SPHINX_ALIGNER_EXECUTOR)
+    voice = (RECOGNIZER_EXECUTOR, SMOLLM2_EXECUTOR, VOICE_EXECUTOR, SPHINX_ALIGNER_EXECUTOR)
     assert set(registry.executors.names()) == {*EXECUTOR_NAMES, ALIGNER_EXECUTOR, *voice}
     tiny = load_pipeline("qwen3-omni-tiny", registry=None)
     assert {stage.executor for stage in tiny.stages} == set(EXECUTOR_NAMES)

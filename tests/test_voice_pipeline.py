@@ -29,11 +29,13 @@ from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import StageUnavailableError
 from omnirelay.models import encode_chat_prompt, stage_tokenizer
+from omnirelay.models.audio_in import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.models.sphinx import Recognizer, word_error_rate
 from omnirelay.models.spoken import spoken_words
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving.audio import parse_wav
+from omnirelay.serving.audio_input import decode_audio
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import Served, serve
 
@@ -66,7 +68,8 @@ def srv(served: Served) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[int]:
-    stage = load_pipeline(DEFAULT_PIPELINE).stages[0]
+    config = load_pipeline(DEFAULT_PIPELINE)
+    stage = config.stages[config.prompt_stage_id]
     return encode_chat_prompt(stage_tokenizer(stage.executor, stage.executor_args), PROMPT)
 
 
@@ -211,6 +214,68 @@ def test_chat_answers_in_text_and_speech(srv: Served) -> None:
     assert rate == RATE and len(pcm) > RATE // 2
 
 
+QUESTION = "What is the capital of France?"
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c if c.isalnum() or c.isspace() else " " for c in text.lower()).split()
+
+
+def test_a_spoken_question_is_heard_and_answered(srv: Served) -> None:
+    """The question, spoken by the pipeline's own voice (speech endpoint, WAV at 22.05 kHz),
+    sent back as an ``input_audio`` part: the recognizer stage hears it (its transcript is
+    the user turn) and the Thinker answers it, in text and speech. The transcript is read
+    off the same request through the Python API; the text-only request right after it
+    skips the recognizer (its prompt is the plain chat prompt)."""
+    spoken = httpx.post(
+        srv.url + SPEECH, json={"model": srv.model, "input": QUESTION, "response_format": "wav"}, timeout=300
+    )
+    assert spoken.status_code == 200, spoken.text
+    part = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(spoken.content).decode(), "format": "wav"},
+    }
+    r = srv.client().chat.completions.create(
+        model=srv.model,
+        messages=[{"role": "user", "content": [part]}],
+        modalities=["text", "audio"],
+        audio={"voice": "joe", "format": "wav"},
+    )
+    message = r.choices[0].message
+    assert "Paris" in (message.content or ""), message.content
+    pcm, rate = parse_wav(base64.b64decode(message.audio.data))
+    assert rate == RATE and len(pcm) > RATE // 2
+    srv.audit()
+    # The transcript itself, through the API on the same pipeline.
+    pcm16k = decode_audio(spoken.content, "wav", sample_rate=AUDIO_INPUT_RATE)
+    handle = srv.pipe.submit(
+        [0],
+        modalities=["text"],
+        inputs=audio_inputs([pcm16k]),
+        extras={"chat_turns": [["user", [{"audio": 0}]]]},
+        entry_stage_id=srv.pipe.config.audio_entry_stage_id,
+    )
+    outputs = list(handle)
+    (heard,) = [o.text for o in outputs if o.modality == "transcript"]
+    assert _words(heard) == _words(QUESTION), heard
+    assert "Paris" in "".join(o.text or "" for o in outputs if o.modality == "text")
+
+
+def _recognized(srv: Served) -> dict[str, int]:
+    engine = srv.pipe.health().stages[0].engine
+    assert engine is not None and engine["stage"] == "asr"
+    return dict(engine["num_finished_by_reason"])
+
+
+def test_text_chat_skips_the_recognizer(srv: Served) -> None:
+    before = _recognized(srv)
+    text = srv.client().chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8
+    )
+    assert "Paris" in (text.choices[0].message.content or "")
+    assert _recognized(srv) == before  # the request never reached the recognizer
+
+
 def test_a_killed_voice_fails_its_request_at_once_and_comes_back(srv: Served, prompt_ids: list[int]) -> None:
     """Last in the module (it replaces the voice's process): the Piper voice is SIGKILLed
     right after an answer's first audio; the request ends within 2 s with
@@ -221,10 +286,10 @@ def test_a_killed_voice_fails_its_request_at_once_and_comes_back(srv: Served, pr
     handle = pipe.submit(prompt_ids, modalities=["text", "audio"], sampling=sampling)
     next(o for o in handle if o.modality == "audio" and o.audio is not None and o.audio.numel())
     t0 = time.monotonic()
-    os.kill(pipe.pids()[1] or 0, signal.SIGKILL)
-    with pytest.raises(StageUnavailableError, match=r"stage 1 \(voice\).*killed by SIGKILL"):
+    os.kill(pipe.pids()[2] or 0, signal.SIGKILL)
+    with pytest.raises(StageUnavailableError, match=r"stage 2 \(voice\).*killed by SIGKILL"):
         handle.result(timeout=2.0)
     assert time.monotonic() - t0 < 2.0
     pipe.wait_ready(120)
-    assert pipe.health().stages[1].num_restarts == 1
+    assert pipe.health().stages[2].num_restarts == 1
     test_chat_answers_in_text_and_speech(srv)

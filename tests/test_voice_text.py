@@ -132,7 +132,7 @@ def _req(rid: str, delta: str | None, chunk_id: int, finished: bool = False) -> 
 
 def test_the_processor_sends_one_chunk_per_completed_sentence() -> None:
     cfg = load_pipeline("voice-cpu")
-    proc = ThinkerToVoiceStage(cfg.stages[0], cfg)
+    proc = ThinkerToVoiceStage(cfg.stages[cfg.prompt_stage_id], cfg)
     deltas = ["Paris", " is", " big.", " It", " is", " old", None]
     built = []
     for i, delta in enumerate(deltas):

@@ -96,6 +96,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "final_output": s.final_output,
                 "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
                 "process_env": s.process_env(),
+                "entry": _entry_text(cfg, s.id),
             }
         )
     edges = [
@@ -138,6 +139,20 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
     }
 
 
+def _entry_text(cfg: PipelineConfig, stage_id: int) -> str | None:
+    """Which requests enter at this stage (docs/protocol.md §1.9); None: none do."""
+    if stage_id == cfg.audio_entry_stage_id:
+        return (
+            "requests that carry audio (contract: the complete utterance in, 16 kHz mono; its "
+            f"transcript out, forwarded to stage {cfg.prompt_stage_id})"
+        )
+    if stage_id == cfg.prompt_stage_id:
+        if cfg.audio_entry_stage_id is not None:
+            return "requests without audio (the prompt stage; audio is heard first by stage 0)"
+        return "every request (the prompt stage)"
+    return None
+
+
 def render_report(report: dict[str, Any], out: TextIO) -> None:
     """Human-readable form of :func:`build_report`."""
 
@@ -165,6 +180,8 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         w(f", devices {s['devices'] or '(default)'}, max_num_seqs {s['max_num_seqs']}\n")
         w(f"      async_chunk: {s['async_chunk_reason']}\n")
         w(f"      receives chunks: {yes(s['receives_chunks'])} ({s['receives_chunks_reason']})\n")
+        if s["entry"]:
+            w(f"      entry: {s['entry']}\n")
         if s["next_stage_processor"]:
             w(f"      next-stage processor: {s['next_stage_processor']}\n")
         if s["input_builder"] and not s["receives_chunks"] and s["id"] > 0:

@@ -186,14 +186,14 @@ def load_run_config(
 
 
 def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
-    """Stage 0's tokenizer (the Thinker's). Whatever the stages' models need on first use
+    """The prompt stage's tokenizer (the Thinker's). Whatever the stages' models need on first use
     (the tiny model, SmolLM2's converted checkpoint, the voice's graph) is made ready
     first, each step announced on ``stream`` (stderr) with its progress."""
     from omnirelay.models import EXECUTOR_NAMES, prepare_stage_models, stage_tokenizer
     from omnirelay.models.loader import ModelArgs
     from omnirelay.models.tiny import build_tiny, cached_tiny_dir
 
-    stage = config.stages[0]
+    stage = config.stages[config.prompt_stage_id]
     if stage.executor in EXECUTOR_NAMES:
         args = ModelArgs.from_executor_args(stage.executor_args)
         if args.is_tiny and not (cached_tiny_dir(args.seed) / "config.json").is_file():
@@ -216,7 +216,7 @@ def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
 def sampling_overrides(
     config: PipelineConfig, *, max_tokens: int | None = None, seed: int | None = None
 ) -> dict[int, SamplingParams]:
-    """Per-stage sampling: stage 0's ``max_tokens``, and ``seed`` for every AR stage;
+    """Per-stage sampling: the prompt stage's ``max_tokens``, and ``seed`` for every AR stage;
     everything else from the pipeline file. Empty when nothing is overridden."""
     from omnirelay.orchestrator.router import stage_sampling_defaults
 
@@ -224,7 +224,10 @@ def sampling_overrides(
     if max_tokens is not None:
         if max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
-        out[0] = msgspec.structs.replace(stage_sampling_defaults(config.stages[0]), max_tokens=max_tokens)
+        prompt = config.prompt_stage_id
+        out[prompt] = msgspec.structs.replace(
+            stage_sampling_defaults(config.stages[prompt]), max_tokens=max_tokens
+        )
     if seed is not None:
         if seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {seed}")

@@ -18,6 +18,8 @@ One file per role:
   ``phonemizer`` (CMUdict → the voice's IPA) and ``spoken`` (numbers and abbreviations
   spelled out).
 * ``sphinx`` — ``aligner.pocketsphinx``: forced alignment; a recognizer and word error rate.
+* ``recognizer`` — ``asr.pocketsphinx``: speech recognition in front of a Thinker;
+  ``audio_in`` — the contract of a request's audio input, Qwen3-Omni's audio encoder.
 * ``prepared`` — the cache of models made ready on first use (converted, rewritten).
 
 Executors are registered by name into a registry the caller owns::
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from omnirelay.models.aligner import ALIGNER_EXECUTOR, create_aligner
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.piper import VOICE_EXECUTOR
+from omnirelay.models.recognizer import RECOGNIZER_EXECUTOR
 from omnirelay.models.smollm2 import SMOLLM2_EXECUTOR
 from omnirelay.models.sphinx import SPHINX_ALIGNER_EXECUTOR
 from omnirelay.models.tiny import build_tiny
@@ -51,6 +54,7 @@ from omnirelay.pipeline.registry import Registry
 if TYPE_CHECKING:
     from omnirelay.models.code2wav import Code2WavExecutor
     from omnirelay.models.piper import PiperVoiceExecutor
+    from omnirelay.models.recognizer import SphinxRecognizerExecutor
     from omnirelay.models.smollm2 import SmolLM2Executor
     from omnirelay.models.sphinx import SphinxAlignerExecutor
     from omnirelay.models.talker import TalkerExecutor
@@ -60,6 +64,7 @@ __all__ = [
     "ALIGNER_EXECUTOR",
     "CODE2WAV_EXECUTOR",
     "EXECUTOR_NAMES",
+    "RECOGNIZER_EXECUTOR",
     "SMOLLM2_EXECUTOR",
     "SPHINX_ALIGNER_EXECUTOR",
     "TALKER_EXECUTOR",
@@ -73,6 +78,7 @@ __all__ = [
     "create_code2wav",
     "create_smollm2",
     "create_sphinx_aligner",
+    "create_sphinx_recognizer",
     "create_talker",
     "create_thinker",
     "create_voice",
@@ -133,6 +139,13 @@ def create_sphinx_aligner(**executor_args: Any) -> SphinxAlignerExecutor:
     return create(**executor_args)
 
 
+def create_sphinx_recognizer(**executor_args: Any) -> SphinxRecognizerExecutor:
+    """``asr.pocketsphinx``: a speech-recognition stage in front of a Thinker."""
+    from omnirelay.models.recognizer import create_sphinx_recognizer as create
+
+    return create(**executor_args)
+
+
 def stage_tokenizer(executor: str, executor_args: Mapping[str, Any]) -> Any | None:
     """The tokenizer of a text-model stage (a Qwen3-Omni Thinker or SmolLM2), prepared
     first when needed; ``None`` for any other executor. A tokenizer with its own chat
@@ -183,3 +196,4 @@ def register_executors(executors: Registry[Any], *, replace: bool = False) -> No
     executors.add(SMOLLM2_EXECUTOR, create_smollm2, replace=replace)
     executors.add(VOICE_EXECUTOR, create_voice, replace=replace)
     executors.add(SPHINX_ALIGNER_EXECUTOR, create_sphinx_aligner, replace=replace)
+    executors.add(RECOGNIZER_EXECUTOR, create_sphinx_recognizer, replace=replace)

@@ -26,7 +26,13 @@ decode), on the CPU. Two ways to run the model, chosen by ``executor_args.runner
   slot per request allocated at startup, every prefill of a step in one padded launch,
   decode steps replayed from CUDA graphs captured at startup.
 
-Text-only prompts; audio/image/video inputs of the Thinker are not wired here.
+Audio input (docs/protocol.md §1.9): a request whose ``inputs`` carry audio clips
+(:func:`~omnirelay.models.audio_in.read_audio_inputs`) has them encoded once, on its first
+prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.audio_in.QwenAudioEncoder`);
+the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in order,
+the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
+``<|audio_end|>``). Audio tokens take one text position each, as Qwen3-Omni's rope index
+gives them. Image and video inputs are not wired.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
+from omnirelay.models.audio_in import QwenAudioEncoder, read_audio_inputs
 from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
@@ -51,6 +58,8 @@ __all__ = ["ThinkerExecutor", "create_thinker"]
 class _Sequence:
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
+    #: the request's audio-token embeddings, in prompt order (None: no audio input)
+    audio: torch.Tensor | None = None
 
 
 class ThinkerExecutor:
@@ -95,6 +104,10 @@ class ThinkerExecutor:
         self._tts = {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
         self._kv = KVPool()
         self._seqs: dict[str, _Sequence] = {}
+        self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
+        self._audio_encoder: QwenAudioEncoder | None = None
+        #: audio clips encoded so far (observable in tests and health)
+        self.num_audio_clips = 0
         #: the static runner (None: the dynamic KVPool path)
         self.runner: ThinkerRunner | None = None
         if static is not None:
@@ -215,9 +228,53 @@ class ThinkerExecutor:
             seq = _Sequence(
                 generator=make_generator(item.sampling.seed),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
+                audio=self._encode_audio(item),
             )
             self._seqs[rid] = seq
         return seq
+
+    def _encode_audio(self, item: BatchItem) -> torch.Tensor | None:
+        """The audio-token rows of the request's clips; None without audio. The prompt must
+        reserve exactly one ``<|audio_pad|>`` per row."""
+        who = f"request {item.external_id!r}"
+        clips = read_audio_inputs(item.inputs, who)
+        num_pads = 0 if self.audio_token_id is None else item.all_token_ids.count(self.audio_token_id)
+        if not clips:
+            if num_pads:
+                raise ModelError(f"{who}: the prompt has {num_pads} audio positions but no audio input")
+            return None
+        if self.audio_token_id is None:
+            raise ModelError(f"{who}: this Thinker has no audio token; it cannot take audio input")
+        if self.runner is not None:
+            raise ModelError(
+                f"{who}: audio input runs on the dynamic runner; set executor_args.runner: dynamic"
+            )
+        if self._audio_encoder is None:
+            # Where the text decoder is, the encoders are too (see __init__).
+            tower = getattr(self.model.model, "audio_tower", None) or self.model.audio_tower
+            self._audio_encoder = QwenAudioEncoder(tower)
+        rows = self._audio_encoder.embed(clips)
+        if rows.shape[0] != num_pads:
+            raise ModelError(
+                f"{who}: the prompt has {num_pads} audio positions but its {len(clips)} clip(s) make "
+                f"{rows.shape[0]} audio tokens"
+            )
+        self.num_audio_clips += len(clips)
+        return rows
+
+    def _prompt_embeds(self, seq: _Sequence, item: BatchItem, ids: torch.Tensor) -> torch.Tensor | None:
+        """The embeddings of this prefill piece with its audio positions filled in (None
+        when the request has no audio: the model embeds the ids itself)."""
+        audio_id = self.audio_token_id
+        if seq.audio is None or audio_id is None:
+            return None
+        embeds = self._text.embed_tokens(ids)
+        mask = torch.eq(ids[0], audio_id)
+        count = int(mask.sum())
+        if count:
+            first = item.all_token_ids[: item.num_computed_tokens].count(audio_id)
+            embeds[0, mask] = seq.audio[first : first + count].to(embeds.device, embeds.dtype)
+        return embeds
 
     def _prefill(self, item: BatchItem) -> ItemResult:
         """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
@@ -228,8 +285,10 @@ class ThinkerExecutor:
         n = ids.shape[1]
         positions = torch.arange(past, past + n, device=self.device).view(1, 1, n).expand(4, 1, n)
         cache = self._kv.prefill_cache(rid)
+        embeds = self._prompt_embeds(seq, item, ids)
         out = self._text(
-            input_ids=ids,
+            input_ids=ids if embeds is None else None,
+            inputs_embeds=embeds,
             position_ids=positions,
             **{self._cache_kw: cache},
             use_cache=True,

@@ -46,6 +46,7 @@ __all__ = [
     "default_cache_dir",
     "make_tiny_model",
     "quiet_transformers",
+    "scale_audio_tower",
     "scale_code2wav",
     "tiny_config",
 ]
@@ -53,7 +54,7 @@ __all__ = [
 #: Environment variable naming the cache directory of built tiny models.
 CACHE_ENV = "OMNIRELAY_CACHE"
 #: Bump when anything below changes what a tiny checkpoint contains.
-TINY_RECIPE_VERSION = 2
+TINY_RECIPE_VERSION = 3
 
 #: Special tokens of the tiny tokenizer (the names of the real Qwen3-Omni tokenizer).
 TINY_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -97,6 +98,8 @@ _CODEC: dict[str, Any] = {
 }
 #: Standard deviation of the tiny decoder's output (before the final clamp to ±1).
 _TINY_AUDIO_STD = 0.1
+#: Gain of the tiny audio encoder's last projection (its tokens near the text embeddings' scale).
+_TINY_AUDIO_TOKEN_SCALE = 0.05
 #: Weight scale of the vocoder's residual-unit convs relative to variance-preserving.
 _RESIDUAL_GAIN = 0.3
 
@@ -209,8 +212,10 @@ def tiny_config(token_ids: dict[str, int], vocab_size: int) -> Any:
         "output_dim": width,
         "downsample_hidden_size": 16,
         "max_source_positions": 64,
-        "n_window": 4,
-        "n_window_infer": 8,
+        # The real window (100 feature frames, 1 s, per chunk of 13 tokens): the library's
+        # token count assumes it, whatever the config says.
+        "n_window": 50,
+        "n_window_infer": 200,
         "conv_chunksize": 16,
     }
     vision = {
@@ -370,6 +375,26 @@ def scale_code2wav(code2wav: Any) -> None:
             final.weight.mul_(_TINY_AUDIO_STD / std)
 
 
+def scale_audio_tower(tower: Any) -> None:
+    """Make the random audio encoder hear its input.
+
+    With the default init (std 0.02) three stacked convolutions shrink the features to
+    nothing and the sinusoidal positions alone decide the output: every clip would give the
+    same audio tokens, and a test could not tell whether the audio reached the Thinker.
+    Variance-preserving convolutions and projections keep the features alive; the last
+    projection brings the output to about the scale of the text embeddings.
+    """
+    with torch.no_grad():
+        layers = [m for m in tower.modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Linear)]
+        for layer in layers:
+            w = layer.weight
+            fan_in = w[0].numel()
+            w.normal_(0.0, 1.0 / math.sqrt(fan_in))
+            if layer.bias is not None:
+                layer.bias.zero_()
+        tower.proj2.weight.mul_(_TINY_AUDIO_TOKEN_SCALE)
+
+
 def _init_experts(model: torch.nn.Module, std: float) -> None:
     """Initialize every MoE experts block from the seeded RNG.
 
@@ -410,6 +435,8 @@ def _recipe_key(seed: int) -> str:
     recipe = {
         "version": TINY_RECIPE_VERSION,
         "seed": seed,
+        # the audio tower's recipe (the real window, scaled weights: scale_audio_tower)
+        "audio_tower": 1,
         # The saved layout follows the library's conversions; rebuild when they change.
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
@@ -432,6 +459,8 @@ def make_tiny_model(seed: int = 0) -> tuple[Any, Any]:
         _init_experts(model, std=float(config.initializer_range))
         scale_code2wav(model.code2wav)
         _readable_thinker_head(model.thinker, tokenizer)
+        thinker = model.thinker
+        scale_audio_tower(getattr(thinker.model, "audio_tower", None) or thinker.audio_tower)
     return model, tokenizer
 
 

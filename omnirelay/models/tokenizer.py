@@ -20,8 +20,10 @@ from typing import Any
 __all__ = [
     "IncrementalDetokenizer",
     "encode_chat_prompt",
+    "encode_chat_turns",
     "format_chat_prompt",
     "load_tokenizer",
+    "thinker_audio_window",
 ]
 
 _REPLACEMENT = "\ufffd"
@@ -47,12 +49,36 @@ def encode_chat_prompt(tokenizer: Any, text: str, *, system: str | None = None) 
     return [int(t) for t in ids]
 
 
+def encode_chat_turns(tokenizer: Any, turns: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of ``(role, text)`` turns and the open assistant turn: the tokenizer's own
+    chat template (``chat_ids``, SmolLM2's), else ChatML."""
+    chat_ids = getattr(tokenizer, "chat_ids", None)
+    if callable(chat_ids):
+        return [int(t) for t in chat_ids([(r, t) for r, t in turns])]
+    parts = [f"<|im_start|>{'system' if r == 'developer' else r}\n{t}<|im_end|>\n" for r, t in turns]
+    text = "".join(parts) + "<|im_start|>assistant\n"
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
 def load_tokenizer(**executor_args: Any) -> Any:
     """The tokenizer of the checkpoint a stage's ``executor_args`` name (same keys)."""
     from omnirelay.models.loader import Checkpoint, ModelArgs
 
     args = ModelArgs.from_executor_args(executor_args)
     return Checkpoint.open(args.resolve_dir(), load_format=args.load_format).load_tokenizer()
+
+
+def thinker_audio_window(**executor_args: Any) -> int | None:
+    """The audio encoder window (``n_window``) of the Thinker a stage's ``executor_args``
+    name, read from its config (None when it has no audio encoder): the front lays out a
+    clip's audio tokens with it."""
+    from omnirelay.models.loader import Checkpoint, ModelArgs
+
+    args = ModelArgs.from_executor_args(executor_args)
+    config = Checkpoint.open(args.resolve_dir(), load_format=args.load_format).config
+    audio = getattr(config.thinker_config, "audio_config", None)
+    window = getattr(audio, "n_window", None)
+    return int(window) if window is not None else None
 
 
 class IncrementalDetokenizer:

@@ -5,14 +5,19 @@
   name. Names this table does not know use
   :func:`~omnirelay.orchestrator.requests.default_input_builder`.
 * :func:`code2wav_to_aligner_builder` — Code2Wav's finished waveform → the aligner.
+* :class:`TranscriptToPrompt` (``asr_to_thinker``) — a recognizer's transcript → the
+  Thinker's chat prompt.
 
 The worker side's counterpart (the stage engine factory) is :mod:`omnirelay.worker.factory`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from omnirelay.errors import ConfigError
 from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
@@ -22,7 +27,7 @@ from omnirelay.orchestrator.requests import (
 )
 from omnirelay.pipeline import PipelineConfig, StageConfig
 
-__all__ = ["build_input_builders", "code2wav_to_aligner_builder"]
+__all__ = ["CHAT_TURNS_EXTRA", "TranscriptToPrompt", "build_input_builders", "code2wav_to_aligner_builder"]
 
 
 def code2wav_to_aligner_builder(
@@ -54,8 +59,56 @@ def code2wav_to_aligner_builder(
     return ForwardedInput(prompt_token_ids=[0], inputs=inputs)
 
 
+#: ``extras`` key of a request whose audio a recognizer hears first: its chat turns, each
+#: ``[role, [part, ...]]`` with a part a text or ``{"audio": k}`` (the k-th clip).
+CHAT_TURNS_EXTRA = "chat_turns"
+
+
+class TranscriptToPrompt:
+    """``asr_to_thinker``: the recognizer's transcripts → the prompt stage's chat prompt
+    (docs/protocol.md §1.9). The recognizer's text is one transcript per clip, one line
+    each; each ``{"audio": k}`` part of the request's turns becomes the k-th. The stage's
+    tokenizer is loaded when the builder is made (the front's startup), not per request."""
+
+    def __init__(self, stage: StageConfig) -> None:
+        from omnirelay.models import stage_tokenizer
+
+        self.tokenizer = stage_tokenizer(stage.executor, dict(stage.executor_args))
+        if self.tokenizer is None:
+            raise ConfigError(f"{stage.label}: asr_to_thinker needs a text model with a tokenizer")
+
+    def __call__(
+        self, source: SourceOutput, request: PipelineRequest, stage: StageConfig
+    ) -> ForwardedInput | None:
+        from omnirelay.models.tokenizer import encode_chat_turns
+
+        transcripts = source.text.split("\n")
+        turns = []
+        for role, parts in request.extras.get(CHAT_TURNS_EXTRA) or []:
+            text = []
+            for part in parts:
+                if isinstance(part, str):
+                    text.append(part)
+                else:
+                    k = int(part["audio"])
+                    if not 0 <= k < len(transcripts):
+                        raise ValueError(
+                            f"the recognizer gave {len(transcripts)} transcript(s), none for clip {k}"
+                        )
+                    text.append(transcripts[k])
+            turns.append((str(role), "".join(text)))
+        if not turns:
+            raise ValueError(f"the request has no {CHAT_TURNS_EXTRA!r} to put the transcript into")
+        ids = encode_chat_turns(self.tokenizer, turns)
+        return ForwardedInput(prompt_token_ids=ids, extras={"transcript": source.text})
+
+
 _BUILDERS: dict[str, InputBuilder] = {
     "code2wav_to_aligner": code2wav_to_aligner_builder,
+}
+#: builders that need the stage to be made (a tokenizer to load)
+_BUILDER_FACTORIES: dict[str, Callable[[StageConfig], InputBuilder]] = {
+    "asr_to_thinker": TranscriptToPrompt,
 }
 
 
@@ -65,6 +118,7 @@ def build_input_builders(pipeline: PipelineConfig) -> dict[int, InputBuilder]:
     for stage in pipeline.stages:
         if not stage.input_sources:
             continue
-        name = pipeline.stage_input_builder(stage)
-        out[stage.id] = _BUILDERS.get(name or "", default_input_builder)
+        name = pipeline.stage_input_builder(stage) or ""
+        factory = _BUILDER_FACTORIES.get(name)
+        out[stage.id] = factory(stage) if factory is not None else _BUILDERS.get(name, default_input_builder)
     return out

@@ -39,6 +39,9 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     ``sampling`` holds the parameters of every stage (client values merged over the
     stage config's defaults by the API). ``prompt_token_ids`` may be ``None`` for an
     embeds-only prompt (carried in ``inputs``); such a request cannot be prewarmed.
+    ``entry_stage_id``: the stage the request enters at, given ``prompt_token_ids`` and
+    ``inputs`` (None: the pipeline's prompt stage; its ``entry_input`` stage for a request
+    that carries audio, docs/protocol.md §1.9).
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     sampling: dict[int, SamplingParams] = {}
     inputs: Any = None
     extras: dict[str, Any] = {}
+    entry_stage_id: int | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -60,7 +64,10 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
     request_id: str
     stage_id: int
-    modality: str  # "text" | "audio" | "timestamps" | "" (a terminal not tied to a stage)
+    #: "text" | "audio" | "timestamps" | "transcript" (what an ``entry_input: audio`` stage
+    #: heard: one line per clip; never the request's last output) | "" (a terminal not tied
+    #: to a stage)
+    modality: str
     token_ids: list[int] = []
     text: str | None = None
     audio: Any = None  # 1-D float32 tensor of new samples

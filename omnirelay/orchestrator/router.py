@@ -105,11 +105,13 @@ class RequestPlan:
     final_output_stage_ids: tuple[int, ...]
     final_stage_id: int
     prewarm_stage_ids: tuple[int, ...]
+    #: where the request enters: 0, or the prompt stage when it skips an entry_input stage
+    entry_stage_id: int = 0
 
     @property
     def path(self) -> range:
-        """Every stage the request needs: 0..final_stage_id (pipelines are linear)."""
-        return range(self.final_stage_id + 1)
+        """Every stage the request needs: entry..final_stage_id (pipelines are linear)."""
+        return range(self.entry_stage_id, self.final_stage_id + 1)
 
 
 def stage_sampling_defaults(stage: StageConfig) -> SamplingParams:
@@ -206,23 +208,37 @@ class Router:
         """Stages that cannot take requests now, with the reason."""
         return {sid: reason for sid, (reason, _) in self._dead.items()}
 
-    def plan(self, modalities: Iterable[str] | None) -> RequestPlan:
-        """Final outputs, final stage and prewarmed stages for these modalities (pure)."""
+    def plan(self, modalities: Iterable[str] | None, entry_stage_id: int | None = None) -> RequestPlan:
+        """Final outputs, final stage and prewarmed stages for these modalities, entering at
+        ``entry_stage_id`` (None: the prompt stage) (pure)."""
         cfg = self.config
+        entry = cfg.prompt_stage_id if entry_stage_id is None else entry_stage_id
         finals = cfg.final_output_stage_ids(modalities)
         final_stage_id = cfg.final_stage_id(modalities)
         prewarm: tuple[int, ...] = ()
-        if self.is_chunked and final_stage_id > 0:
+        if self.is_chunked and final_stage_id > entry:
             # §2.3: a stage that does not receive chunks gets its real input by
             # forwarding; prewarming it would let it run before its input exists.
-            prewarm = tuple(s for s in range(1, final_stage_id + 1) if self._receives[s])
+            prewarm = tuple(s for s in range(entry + 1, final_stage_id + 1) if self._receives[s])
         return RequestPlan(
-            final_output_stage_ids=tuple(finals), final_stage_id=final_stage_id, prewarm_stage_ids=prewarm
+            final_output_stage_ids=tuple(finals),
+            final_stage_id=final_stage_id,
+            prewarm_stage_ids=prewarm,
+            entry_stage_id=entry,
         )
 
     def check_admissible(self, request: PipelineRequest) -> RequestPlan:
         """Client errors that need no state (§2.3 step 3); raises :class:`InvalidRequestError`."""
-        plan = self.plan(request.modalities)
+        entry = request.entry_stage_id
+        allowed = sorted(
+            s for s in (self.config.prompt_stage_id, self.config.audio_entry_stage_id) if s is not None
+        )
+        if entry is not None and (isinstance(entry, bool) or entry not in allowed):
+            raise InvalidRequestError(
+                f"request {request.request_id!r} cannot enter pipeline {self.config.name!r} at stage "
+                f"{entry!r}; requests enter at stage {' or '.join(map(str, allowed))}"
+            )
+        plan = self.plan(request.modalities, entry)
         if not request.prompt_token_ids and request.inputs is None:
             raise InvalidRequestError(
                 f"request {request.request_id!r} has no prompt: pass prompt_token_ids (or inputs)"
@@ -239,7 +255,7 @@ class Router:
     # -- admission (§2.2, §2.3) -----------------------------------------------------------
 
     def admit(self, request: PipelineRequest) -> list[Action]:
-        """Create the request's state and submit stage 0 plus the prewarm placeholders.
+        """Create the request's state and submit its entry stage plus the prewarm placeholders.
 
         Raises :class:`InvalidRequestError` for a client error (nothing changed). A dead
         stage on the request's path ends the request at once (a failed terminal output).
@@ -258,8 +274,9 @@ class Router:
         dead = [s for s in plan.path if s in self._dead]
         if dead:
             return self._fail_unavailable(rid, dead[0])
-        actions: list[Action] = [StageSubmit(0, self._first_request(st))]
-        st.submitted.add(0)
+        entry = plan.entry_stage_id
+        actions: list[Action] = [StageSubmit(entry, self._first_request(st))]
+        st.submitted.add(entry)
         for s in plan.prewarm_stage_ids:
             actions.append(StageSubmit(s, self._placeholder_request(st, s)))
             st.submitted.add(s)
@@ -278,7 +295,7 @@ class Router:
         return StageRequest(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids or []),
-            sampling=self._sampling(st, 0),
+            sampling=self._sampling(st, st.plan.entry_stage_id),
             inputs=req.inputs,
             final_stage_id=st.plan.final_stage_id,
             extras=dict(req.extras),
@@ -340,6 +357,8 @@ class Router:
         actions: list[Action] = []
         if out.finished:
             st.finished_stages.add(s)
+            if s == self.config.audio_entry_stage_id:
+                actions.append(ClientOutput(out.request_id, self._transcript(out)))
         if s in st.finals:
             self._final_message(st, self._message(st, out), actions)
         if out.finished and out.request_id in self._requests:
@@ -360,6 +379,17 @@ class Router:
             stage_finished=out.finished,
             finish_reason=out.finish_reason if out.finished else None,
             metrics=dict(out.metrics),
+        )
+
+    def _transcript(self, out: StageOutput) -> RequestOutput:
+        """What the recognizer heard (docs/protocol.md §1.9): one output, not the request's
+        last, before the answer it prompted."""
+        return RequestOutput(
+            request_id=out.request_id,
+            stage_id=out.stage_id,
+            modality="transcript",
+            text=out.text or "",
+            stage_finished=True,
         )
 
     def _final_message(self, st: _RequestState, msg: RequestOutput, actions: list[Action]) -> None:

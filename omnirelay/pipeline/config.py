@@ -53,6 +53,7 @@ __all__ = [
     "ConnectorSpec",
     "Edge",
     "EdgeContract",
+    "EntryInput",
     "ExecutionType",
     "FinalOutputType",
     "FlagOrigin",
@@ -79,6 +80,12 @@ class FinalOutputType(enum.StrEnum):
     TEXT = "text"
     AUDIO = "audio"
     TIMESTAMPS = "timestamps"
+
+
+class EntryInput(enum.StrEnum):
+    """What a stage declared with ``entry_input`` takes from the client's request."""
+
+    AUDIO = "audio"  # the request's audio (a complete utterance); requests without audio skip it
 
 
 class ConnectorRole(enum.StrEnum):
@@ -153,6 +160,10 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     the share of the GPU's SMs the stage's kernels may occupy and ``gpu_priority`` ranks
     its kernels against other stages' when several stages share a GPU under MPS (the
     driver reads both only when an MPS daemon runs; without one they change nothing).
+
+    ``entry_input: audio`` (stage 0 only): requests that carry audio enter here (a speech
+    recognizer: the complete utterance in, its transcript out, forwarded to stage 1);
+    requests without audio skip the stage and enter at stage 1, the prompt stage.
     """
 
     id: int
@@ -179,6 +190,7 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     env: dict[str, str] = msgspec.field(default_factory=dict)
     gpu_share: int | None = None
     gpu_priority: GpuPriority | None = None
+    entry_input: EntryInput | None = None
 
     @property
     def label(self) -> str:
@@ -264,6 +276,18 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"pipeline {self.name!r} has no stage {stage!r}; its stage ids are 0..{len(self.stages) - 1}"
             )
         return self.stages[stage]
+
+    @property
+    def prompt_stage_id(self) -> int:
+        """The stage a request's prompt (token ids, sampling) is for: stage 0, or stage 1
+        behind an ``entry_input`` stage. Requests without audio enter here."""
+        return 1 if self.stages[0].entry_input is not None else 0
+
+    @property
+    def audio_entry_stage_id(self) -> int | None:
+        """The stage that takes a request's audio input before the prompt stage (its
+        ``entry_input: audio``); None when the pipeline has none."""
+        return 0 if self.stages[0].entry_input is EntryInput.AUDIO else None
 
     def connector_spec(self, name: str) -> ConnectorSpec:
         """The named connector; :data:`DEFAULT_CONNECTOR_NAME` is ``shm`` unless defined."""

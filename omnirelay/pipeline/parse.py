@@ -25,6 +25,7 @@ from omnirelay.pipeline.config import (
     DEFAULT_INPUT_WAIT_TIMEOUT_S,
     ConnectorRole,
     ConnectorSpec,
+    EntryInput,
     ExecutionType,
     FinalOutputType,
     FlagOrigin,
@@ -235,6 +236,7 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "env": ctx.env_mapping,
         "gpu_share": lambda m, k: ctx.integer(m, k, optional=True),
         "gpu_priority": lambda m, k: ctx.choice(m, k, GpuPriority, optional=True),
+        "entry_input": lambda m, k: ctx.choice(m, k, EntryInput, optional=True),
     }
     for key, read in readers.items():
         if key in raw:

@@ -196,6 +196,34 @@ def _check_stage_values(cfg: PipelineConfig, stage: StageConfig) -> None:
         )
     _check_sampling(cfg, stage)
     _check_process_settings(cfg, stage)
+    _check_entry_input(cfg, stage)
+
+
+def _check_entry_input(cfg: PipelineConfig, stage: StageConfig) -> None:
+    """An ``entry_input`` stage is the first stage, feeds a prompt stage through a complete
+    edge (requests without its input enter there), and is no final output."""
+    if stage.entry_input is None:
+        return
+
+    def fail(problem: str, fix: str) -> None:
+        raise config_error(cfg.source, stage.label, "entry_input", problem, fix)
+
+    if stage.id != 0:
+        fail("only stage 0 may take the request's input ahead of the prompt stage", "remove the key")
+    if stage.final_output:
+        fail(
+            "an entry stage's output feeds the next stage, not the client",
+            "remove final_output (and final_output_type)",
+        )
+    if len(cfg.stages) < 2:
+        fail(
+            "it needs a next stage (the prompt stage) to hand its output to", "add the prompt stage after it"
+        )
+    if stage.chunk_processor is not None:
+        fail(
+            "its output is handed over complete (the transcript of the whole utterance)",
+            "remove chunk_processor",
+        )
 
 
 def _check_process_settings(cfg: PipelineConfig, stage: StageConfig) -> None:

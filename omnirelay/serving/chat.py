@@ -17,7 +17,12 @@
   ``top_p`` and ``seed`` set the first stage's sampling.
 * What omnirelay cannot do is refused with a 400 naming the field, never ignored: tools
   and function calls, ``n > 1``, a ``response_format`` other than text, log
-  probabilities, ``logit_bias``, penalties, a null user message, non-text input parts.
+  probabilities, ``logit_bias``, penalties, a null user message, image parts, audio parts
+  on a pipeline that cannot hear.
+* ``input_audio`` parts of user messages ({``data``: base64, ``format``: ``wav``, ``mp3``
+  or ``pcm16``, raw 16-bit mono at 24 kHz}) are decoded within the server's limits
+  (``max_audio_input_bytes``, ``max_audio_input_s``: a 400 naming the limit) and heard by
+  the pipeline (:mod:`omnirelay.serving.chat_input`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError
+from omnirelay.serving.chat_input import decode_turns, hears_audio, submit_turns
 from omnirelay.serving.encoding import AudioEncoder
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
@@ -97,6 +103,9 @@ class _Answer:
     num_completion_tokens: int = 0
     text_finish_reason: str | None = None
     last_finish_reason: str | None = None
+    #: the prompt the text stage computed (its final metrics): the front's prompt is not
+    #: the one computed when a recognizer's transcript made it
+    num_prompt_tokens: int | None = None
     _detok: Detokenizer | None = None
 
     def text_of(self, out: RequestOutput) -> str:
@@ -114,6 +123,8 @@ class _Answer:
         self.num_completion_tokens += len(out.token_ids)
         if out.stage_finished:
             self.text_finish_reason = out.finish_reason
+            if "num_prompt_tokens" in out.metrics:
+                self.num_prompt_tokens = int(out.metrics["num_prompt_tokens"])
         piece = self.stops.push(raw)
         if out.stage_finished:
             piece += self.stops.finish()
@@ -142,10 +153,11 @@ class _Answer:
         return reason if reason in ("stop", "length") else "stop"
 
     def usage(self) -> dict[str, int]:
+        prompt = self.num_prompt_tokens if self.num_prompt_tokens is not None else len(self.prompt)
         return {
-            "prompt_tokens": len(self.prompt),
+            "prompt_tokens": prompt,
             "completion_tokens": self.num_completion_tokens,
-            "total_tokens": len(self.prompt) + self.num_completion_tokens,
+            "total_tokens": prompt + self.num_completion_tokens,
         }
 
 
@@ -183,11 +195,12 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     req.unsupported()
     modalities = fe.chat_modalities(req.modalities)
     audio = _audio_params(fe, req, modalities)
-    messages = [(m.role, m.text(i)) for i, m in enumerate(req.messages)]
-    fe.check_text("".join(content for _, content in messages), "messages")
+    takes_audio = hears_audio(fe)
+    turns = [(m.role, m.parts(i, takes_audio=takes_audio)) for i, m in enumerate(req.messages)]
+    fe.check_text("".join(p for _, ps in turns for p in ps if isinstance(p, str)), "messages")
     stops = _stops(req.stop)
     rid = check_request_id(request.headers.get("x-request-id"), "chatcmpl")
-    prompt = fe.codec.encode_chat(messages)
+    decoded = await decode_turns(fe, turns)
     sampling = fe.sampling(
         max_tokens=req.max_completion_tokens or req.max_tokens,
         temperature=req.temperature,
@@ -195,9 +208,10 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
         seed=req.seed,
     )
     extras = {"voice": audio[1]} if audio else {}
-    stream = fe.submit(
+    stream, prompt = submit_turns(
+        fe,
         endpoint="chat",
-        prompt_token_ids=prompt,
+        turns=decoded,
         modalities=modalities,
         request_id=rid,
         sampling=sampling,

@@ -35,6 +35,10 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     #: the longest speech ``input`` and chat prompt, in characters
     max_input_chars: int = 16384
+    #: chat ``input_audio``: the most encoded audio bytes (all parts of a request together)
+    max_audio_input_bytes: int = 2 * 1024 * 1024
+    #: chat ``input_audio``: the longest decoded audio, in seconds (all parts together)
+    max_audio_input_s: float = 60.0
     #: the largest ``max_tokens`` a client may ask for
     max_tokens_limit: int = 8192
     #: voices a client may name (case-insensitive)

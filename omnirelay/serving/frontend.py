@@ -231,7 +231,7 @@ class Frontend:
         top_p: float | None = None,
         seed: int | None = None,
     ) -> SamplingParams | None:
-        """Stage 0's parameters: the client's values over the stage config's defaults."""
+        """The prompt stage's parameters: the client's values over the stage config's defaults."""
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
             raise ApiError(
                 400,
@@ -250,7 +250,7 @@ class Frontend:
         }
         if not given:
             return None
-        base = stage_sampling_defaults(self.pipeline.config.stages[0])
+        base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])
         return msgspec.structs.replace(base, **given)
 
     # -- requests ------------------------------------------------------------------------
@@ -265,9 +265,12 @@ class Frontend:
         sampling: SamplingParams | None = None,
         extras: dict[str, Any] | None = None,
         inputs: Any = None,
+        entry_stage_id: int | None = None,
     ) -> RequestStream:
         """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
-        ``inputs``: stage 0's full input (a speech request's, see :meth:`submit_speech`)."""
+        ``inputs``: the entry stage's full input (a speech request's, see
+        :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.chat_input`);
+        ``entry_stage_id``: where it enters (None: the prompt stage)."""
         with self._ids_lock:
             if request_id in self._ids:
                 raise ApiError(
@@ -291,6 +294,7 @@ class Frontend:
                 request_id=request_id,
                 inputs=inputs,
                 extras=extras,
+                entry_stage_id=entry_stage_id,
             )
         except OmniRelayError as exc:
             slot.release()
@@ -310,7 +314,7 @@ class Frontend:
         prompt = self.codec.speech_prompt(text)
         sampling = None
         if prompt.max_tokens is not None:
-            base = stage_sampling_defaults(self.pipeline.config.stages[0])
+            base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])
             sampling = msgspec.structs.replace(base, max_tokens=prompt.max_tokens)
         return self.submit(
             endpoint=endpoint,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,11 +31,14 @@ from omnirelay.serving.errors import ApiError
 __all__ = [
     "MAX_JSON_DEPTH",
     "AudioParams",
+    "AudioPart",
     "ChatCompletionRequest",
     "ChatMessage",
     "ContentPart",
+    "InputAudio",
     "SpeechRequest",
     "StreamOptions",
+    "Turn",
     "check_request_id",
     "loads_object",
     "parse",
@@ -52,9 +56,30 @@ class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+class InputAudio(_Model):
+    data: str
+    format: str
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
+    image_url: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPart:
+    """An ``input_audio`` part as the client sent it (decoded later, with the limits);
+    ``param`` names it in errors (``messages[0].content[1].input_audio``)."""
+
+    data: str
+    format: str
+    param: str
+
+
+#: One message as the pipeline takes it: its role and its parts in order.
+Turn = tuple[str, list[str | AudioPart]]
 
 
 class ChatMessage(_Model):
@@ -68,6 +93,14 @@ class ChatMessage(_Model):
     def text(self, index: int) -> str:
         """The message's text; a part of another type (image, audio …), a tool call, or a
         missing content on anything but an assistant turn is a 400."""
+        pieces = self.parts(index, takes_audio=False)
+        return "".join(p for p in pieces if isinstance(p, str))
+
+    def parts(self, index: int, *, takes_audio: bool) -> list[str | AudioPart]:
+        """The message's text and ``input_audio`` parts, in order (docs/protocol.md §7.1).
+        A 400 for a tool call, a missing content on anything but an assistant turn, audio
+        outside a user turn or on a model that takes none (``takes_audio``), and every
+        other part type (images are not taken)."""
         where = f"messages[{index}]"
         for key in ("tool_calls", "function_call"):
             if getattr(self, key) is not None:
@@ -76,25 +109,43 @@ class ChatMessage(_Model):
                 )
         if self.content is None:
             if self.role == "assistant":
-                return ""
+                return [""]
             raise ApiError(
                 400,
                 f"{where}.content is null; a {self.role} message needs its text as a string or text parts",
                 param=f"{where}.content",
             )
         if isinstance(self.content, str):
-            return self.content
-        pieces = []
+            return [self.content]
+        pieces: list[str | AudioPart] = []
+        takes = "only text parts ({'type': 'text', 'text': ...})"
+        if takes_audio:
+            takes += " and input_audio parts ({'type': 'input_audio', 'input_audio': {'data', 'format'}})"
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            here = f"{where}.content[{j}]"
+            if part.type == "text" and part.text is not None:
+                pieces.append(part.text)
+            elif part.type == "input_audio" and takes_audio and self.role == "user":
+                if part.input_audio is None:
+                    raise ApiError(400, f"{here}.input_audio is required", param=f"{here}.input_audio")
+                audio = part.input_audio
+                pieces.append(AudioPart(audio.data, audio.format, f"{here}.input_audio"))
+            elif part.type == "input_audio" and takes_audio:
+                raise ApiError(
+                    400, f"{here}: audio input is taken in user messages only, not {self.role}", param=here
+                )
+            else:
+                kind = (
+                    "image input is not supported"
+                    if part.type == "image_url"
+                    else "this part is not supported"
+                )
                 raise ApiError(
                     400,
-                    f"{where}.content[{j}] has type {part.type!r}; this model takes text only: "
-                    "only text parts ({'type': 'text', 'text': ...}) are supported",
+                    f"{here} has type {part.type!r}; {kind}: this model takes {takes}",
                     param=f"{where}.content",
                 )
-            pieces.append(part.text)
-        return "".join(pieces)
+        return pieces
 
 
 class AudioParams(_Model):

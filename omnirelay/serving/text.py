@@ -10,7 +10,8 @@
 * :class:`ByteCodec` — for pipelines without a tokenizer (the toy pipeline): a prompt is
   its UTF-8 bytes, a token id is one character.
 
-:func:`codec_for_pipeline` picks one from stage 0's executor. :class:`SpeechPrompt` is
+:func:`codec_for_pipeline` picks one from the prompt stage's executor (stage 0, or the
+stage behind a speech recognizer). :class:`SpeechPrompt` is
 what a codec makes of a speech request's text.
 """
 
@@ -24,6 +25,9 @@ from omnirelay.models.tokenizer import IncrementalDetokenizer
 from omnirelay.pipeline import PipelineConfig
 
 __all__ = [
+    "AUDIO_END",
+    "AUDIO_PAD",
+    "AUDIO_START",
     "SPEAK_INSTRUCTION",
     "ByteCodec",
     "ChatMLCodec",
@@ -83,15 +87,40 @@ def format_chat(messages: Sequence[tuple[str, str]]) -> str:
     return "".join(parts)
 
 
-class ChatMLCodec:
-    """A ``transformers`` tokenizer with the Qwen chat template."""
+#: Qwen3-Omni's audio placeholders: one clip is start, n pads (one per audio token), end.
+AUDIO_START, AUDIO_PAD, AUDIO_END = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"
 
-    def __init__(self, tokenizer: Any) -> None:
+
+class ChatMLCodec:
+    """A ``transformers`` tokenizer with the Qwen chat template. ``audio_window``: the
+    Thinker's audio encoder window (``n_window``) when it takes audio input, else None."""
+
+    def __init__(self, tokenizer: Any, *, audio_window: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.audio_window = audio_window
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         ids = self.tokenizer.encode(format_chat(messages), add_special_tokens=False)
         return [int(t) for t in ids]
+
+    def encode_chat_audio(self, messages: Sequence[tuple[str, Sequence[str | int]]]) -> list[int]:
+        """Turns whose parts are text or a clip's audio-token count, each clip laid out as
+        Qwen3-Omni's processor does (start, one pad per token, end). Raises ValueError when
+        the text itself holds an audio placeholder (the count would no longer match)."""
+        flat = []
+        for role, parts in messages:
+            content = []
+            for part in parts:
+                if isinstance(part, str):
+                    if any(tok in part for tok in (AUDIO_START, AUDIO_PAD, AUDIO_END)):
+                        raise ValueError(
+                            f"the text holds {AUDIO_PAD!r} or its start/end tokens, reserved for audio"
+                        )
+                    content.append(part)
+                else:
+                    content.append(AUDIO_START + AUDIO_PAD * part + AUDIO_END)
+            flat.append((role, "".join(content)))
+        return self.encode_chat(flat)
 
     def encode_speech(self, text: str) -> list[int]:
         return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
@@ -155,15 +184,18 @@ class ByteCodec:
 
 
 def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
-    """The Qwen tokenizer when stage 0 runs a Qwen3-Omni executor, SmolLM2's when it runs
+    """The Qwen tokenizer when the prompt stage runs a Qwen3-Omni executor, SmolLM2's when it runs
     SmolLM2 (prepared first if needed), else :class:`ByteCodec`."""
-    stage0 = config.stages[0]
+    stage0 = config.stages[config.prompt_stage_id]
     if stage0.executor == "smollm2.thinker":
         from omnirelay.models.smollm2 import load_smol_tokenizer
 
         return SmolChatCodec(load_smol_tokenizer(**dict(stage0.executor_args)))
     if stage0.executor.startswith("qwen3_omni."):
         from omnirelay.models import load_tokenizer
+        from omnirelay.models.tokenizer import thinker_audio_window
 
-        return ChatMLCodec(load_tokenizer(**dict(stage0.executor_args)))
+        args = dict(stage0.executor_args)
+        window = thinker_audio_window(**args) if stage0.executor == "qwen3_omni.thinker" else None
+        return ChatMLCodec(load_tokenizer(**args), audio_window=window)
     return ByteCodec()
