@@ -150,6 +150,7 @@ def test_the_conversation_drops_its_oldest_items(srv: Served) -> None:
 
 def test_vad_events_match_the_speech_edges_of_a_wav(srv: Served, tmp_path: Path) -> None:
     # Speech from 1.0 s to 2.2 s in background noise, written to a WAV file and read back.
+    # Short answers: the session asks for them before the turn is spoken.
     path = tmp_path / "turn.wav"
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
@@ -161,6 +162,8 @@ def test_vad_events_match_the_speech_edges_of_a_wav(srv: Served, tmp_path: Path)
 
     async def go() -> None:
         c = await RealtimeClient.connect(rt_url(srv))
+        await c.send({"type": "session.update", "session": {"max_response_output_tokens": 6}})
+        await c.until("session.updated")
         for event in append_events(samples, RATE):
             await c.send(event)
         started = await c.until("input_audio_buffer.speech_started")
@@ -169,8 +172,14 @@ def test_vad_events_match_the_speech_edges_of_a_wav(srv: Served, tmp_path: Path)
         assert abs(started["audio_start_ms"] + 300 - 1000) <= 100, started
         assert abs(stopped["audio_end_ms"] - 500 - 2200) <= 100, stopped
         assert started["item_id"] == stopped["item_id"]
-        # No recognizer in this pipeline: the turn cannot be committed, and it says so.
-        assert (await c.until("error"))["error"]["code"] == "audio_input_unsupported"
+        # The turn is committed as the user's speech, which the Thinker's audio tower hears.
+        committed = await c.until("input_audio_buffer.committed")
+        created = await c.until("conversation.item.created")
+        assert committed["item_id"] == created["item"]["id"] == started["item_id"]
+        assert created["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+        done = await c.until("response.done")
+        assert done["response"]["status"] in ("completed", "incomplete")
+        assert pcm_of([r.event for r in c.events], done["response"]["id"])
         await c.close()
 
     run(go())

@@ -4,8 +4,8 @@ An item is one message: a user's text or transcribed speech, an assistant's answ
 text it said, cut where a barge-in or a cancel stopped it), or a system note. A
 response's prompt is the session's instructions, then every item's text in order.
 
-Two bounds keep a long session's prompt and memory finite: at most ``max_items`` items,
-and at most ``max_chars`` characters of text in all. Adding an item past either drops
+Bounds keep a long session's prompt and memory finite: at most ``max_items`` items, at
+most ``max_chars`` characters of text and ``max_audio_samples`` of speech in all. Adding an item past either drops
 the oldest items (never the one just added) and returns them, so the session can tell
 the client (``conversation.item.deleted``, and the count in ``session.updated``).
 """
@@ -38,6 +38,8 @@ class Item:
         part: dict[str, Any] = {"type": self.kind}
         if self.kind in ("input_text", "text"):
             part["text"] = self.text
+        elif self.kind == "input_audio":  # heard inside the pipeline: no transcript here
+            part["transcript"] = self.text or None
         else:
             part["transcript"] = self.text if self.text or self.status != "in_progress" else None
         return {
@@ -53,9 +55,10 @@ class Item:
 class Conversation:
     """See the module docstring."""
 
-    def __init__(self, max_items: int, max_chars: int) -> None:
+    def __init__(self, max_items: int, max_chars: int, *, max_audio_samples: int | None = None) -> None:
         self.max_items = max_items
         self.max_chars = max_chars
+        self.max_audio_samples = max_audio_samples
         self._items: OrderedDict[str, Item] = OrderedDict()
         self.num_dropped = 0
 
@@ -89,6 +92,27 @@ class Conversation:
     @property
     def num_chars(self) -> int:
         return sum(len(item.text) for item in self._items.values())
+
+    @property
+    def num_audio_samples(self) -> int:
+        return sum(int(item.audio.size) for item in self._items.values() if item.audio is not None)
+
+    @property
+    def has_user_turn(self) -> bool:
+        return any(
+            item.role == "user" and (item.text or item.audio is not None) for item in self._items.values()
+        )
+
+    def turns(self, instructions: str) -> list[tuple[str, list[Any]]]:
+        """The prompt's turns as chat input takes them (:mod:`omnirelay.serving.chat_input`):
+        ``(role, [text | clip])``; a user's speech is its clip until it has a transcript."""
+        out: list[tuple[str, list[Any]]] = [("system", [instructions])] if instructions else []
+        for item in self._items.values():
+            if item.audio is not None and not item.text:
+                out.append((item.role, [item.audio]))
+            elif item.text:
+                out.append((item.role, [item.text]))
+        return out
 
     def messages(self, instructions: str) -> list[tuple[str, str]]:
         """``(role, text)`` turns of a prompt: the instructions, then each item with text."""

@@ -22,7 +22,14 @@ Server events: ``session.created`` / ``session.updated``;
 * **Turns.** With ``turn_detection`` (server VAD, on by default), speech in the appended
   audio starts and ends a turn: ``speech_started``, then at the end ``speech_stopped``,
   the commit of the speech (from ``prefix_padding_ms`` before its onset) and, with
-  ``create_response``, a response. Without it the client commits and asks itself.
+  ``create_response``, a response. Without it the client commits and asks itself. A
+  committed turn is a user item of ``input_audio``, resampled to the pipeline's input
+  rate and heard the way chat's ``input_audio`` parts are
+  (:mod:`omnirelay.serving.chat_input`: a recognizer stage, or the Thinker's audio
+  encoder); a pipeline that hears no audio answers the commit with an ``error``
+  (``audio_input_unsupported``). The clip stays in the conversation (its transcript is
+  the pipeline's, inside the request): later responses hear it again, within
+  ``max_audio_input_s`` of audio in all (older items are dropped).
 * **Barge-in.** Speech that starts while a response is in flight (``interrupt_response``)
   cancels it: the request is aborted through every stage, ``response.done`` with status
   ``cancelled`` follows ``speech_started`` at once, and no delta of that response comes
@@ -53,6 +60,10 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from omnirelay.models.audio_in import AUDIO_INPUT_RATE
+from omnirelay.serving import audio_input
+from omnirelay.serving.audio import wav_header
+from omnirelay.serving.chat_input import hears_audio
 from omnirelay.serving.conversation import Conversation, Item
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend
@@ -143,7 +154,11 @@ class Session:
         self.id = new_id("sess")
         modalities = ("text", "audio") if "audio" in fe.output_types else ("text",)
         self.settings = RealtimeSettings(modalities=modalities, voice=fe.check_voice(None))
-        self.conversation = Conversation(self.cfg.realtime_max_items, self.cfg.max_input_chars)
+        self.conversation = Conversation(
+            self.cfg.realtime_max_items,
+            self.cfg.max_input_chars,
+            max_audio_samples=round(self.cfg.max_audio_input_s * AUDIO_INPUT_RATE),
+        )
         self.buffer = InputBuffer()
         self.vad: EnergyVad | None = None
         self._vad_origin = 0  # the session sample where the detector's clock starts
@@ -363,12 +378,19 @@ class Session:
 
     async def _commit(self, audio: np.ndarray, item_id: str) -> bool:
         """Make committed speech a user turn; False (after an ``error``) when it cannot be."""
-        message = (
-            f"the pipeline {self.fe.model_name!r} has no speech recognizer: committed audio cannot become a "
-            "user turn; send text with conversation.item.create"
-        )
-        await self.send_error(EventError(message, code="audio_input_unsupported"))
-        return False
+        if not hears_audio(self.fe):
+            message = (
+                f"the pipeline {self.fe.model_name!r} takes no audio input (no speech recognizer, no audio "
+                "encoder): committed audio cannot become a user turn; send text with conversation.item.create"
+            )
+            await self.send_error(EventError(message, code="audio_input_unsupported"))
+            return False
+        # The pipeline hears at its own input rate: FFmpeg's resampler, off the event loop.
+        clip = await asyncio.to_thread(_to_input_rate, audio, self.rate)
+        previous = self.conversation.last_id
+        await self.send("input_audio_buffer.committed", {"previous_item_id": previous, "item_id": item_id})
+        await self.add_item(Item(id=item_id, role="user", kind="input_audio", audio=clip), previous)
+        return True
 
     # -- items and responses -------------------------------------------------------------
 
@@ -402,6 +424,13 @@ class Session:
                 param="response_id" if wanted is not None else None,
             )
         await self.runner.cancel("client_cancelled")
+
+
+def _to_input_rate(audio: np.ndarray, rate: int) -> np.ndarray:
+    """int16 PCM at the session's rate → float32 at the rate pipelines hear (16 kHz)."""
+    wav = wav_header(rate, audio.size) + audio.astype("<i2").tobytes()
+    limits = audio_input.AudioLimits(max_bytes=len(wav) + 1, max_duration_s=audio.size / rate + 1.0)
+    return audio_input.decode_audio(wav, "wav", sample_rate=AUDIO_INPUT_RATE, limits=limits)
 
 
 class SessionBooks:

@@ -26,6 +26,7 @@ from starlette.websockets import WebSocketDisconnect
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError, pcm16
+from omnirelay.serving.chat_input import submit_turns
 from omnirelay.serving.conversation import Item
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
@@ -52,6 +53,8 @@ class Response:
     is_over: bool = False
     text: list[str] = field(default_factory=list)
     num_output_tokens: int = 0
+    #: the prompt the text stage computed (behind a recognizer the front never sees it)
+    num_prompt_tokens: int | None = None
     num_audio_samples: int = 0
     task: asyncio.Task[None] | None = None
     detok: Detokenizer | None = None
@@ -59,6 +62,10 @@ class Response:
     @property
     def has_audio(self) -> bool:
         return "audio" in self.settings.modalities
+
+    @property
+    def input_tokens(self) -> int:
+        return self.num_prompt_tokens if self.num_prompt_tokens is not None else len(self.prompt)
 
     def ids(self) -> dict[str, Any]:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
@@ -76,9 +83,9 @@ class Response:
             "voice": self.settings.voice,
             "output_audio_format": "pcm16",
             "usage": {
-                "input_tokens": len(self.prompt),
+                "input_tokens": self.input_tokens,
                 "output_tokens": self.num_output_tokens,
-                "total_tokens": len(self.prompt) + self.num_output_tokens,
+                "total_tokens": self.input_tokens + self.num_output_tokens,
             },
         }
 
@@ -99,25 +106,27 @@ class ResponseRunner:
                 f"response {self.current.id!r} is in progress; cancel it or wait for response.done",
                 code="conversation_already_has_active_response",
             )
-        messages = s.conversation.messages(settings.instructions)
-        if not any(role == "user" for role, _ in messages):
+        if not s.conversation.has_user_turn:
             raise EventError(
                 "the conversation has no user message to answer; add one first", code="empty_conversation"
             )
+        turns = s.conversation.turns(settings.instructions)
         try:
-            s.fe.check_text("".join(text for _, text in messages), "conversation")
+            s.fe.check_text("".join(p for _, ps in turns for p in ps if isinstance(p, str)), "conversation")
             sampling = s.fe.sampling(max_tokens=settings.max_output_tokens, temperature=settings.temperature)
         except ApiError as exc:
             raise EventError(exc.message, code=exc.code or "invalid_value", param=exc.param) from exc
         kind = "audio" if "audio" in settings.modalities else "text"
         item = Item(id=new_id("item"), role="assistant", kind=kind, status="in_progress")
-        resp = Response(new_id("resp"), item, settings, s.fe.codec.encode_chat(messages))
-        modalities = ("text", "audio") if kind == "audio" else ("text",)
+        resp = Response(new_id("resp"), item, settings, [])
         try:
-            resp.stream = s.fe.submit(
+            # A user's speech enters the way chat's input_audio does (a recognizer stage,
+            # or the Thinker's audio encoder); text-only turns make the plain chat prompt.
+            resp.stream, resp.prompt = submit_turns(
+                s.fe,
                 endpoint="realtime",
-                prompt_token_ids=resp.prompt,
-                modalities=modalities,
+                turns=turns,
+                modalities=("text", "audio") if kind == "audio" else ("text",),
                 request_id=resp.id,
                 sampling=sampling,
                 extras={"voice": settings.voice} if kind == "audio" else {},
@@ -221,6 +230,8 @@ class ResponseRunner:
 
     def _text_of(self, resp: Response, out: RequestOutput) -> str:
         resp.num_output_tokens += len(out.token_ids)
+        if out.stage_finished and "num_prompt_tokens" in out.metrics:
+            resp.num_prompt_tokens = int(out.metrics["num_prompt_tokens"])
         if out.text is not None:
             return out.text
         if resp.detok is None:
