@@ -23,7 +23,8 @@ def register(sub: Any) -> None:
         description=(
             "Start one worker process per stage of the pipeline and serve it: POST /v1/chat/completions "
             "(text and audio, streaming or not), POST /v1/audio/speech, WS /v1/audio/speech/stream "
-            "(with word timestamps when the pipeline has an aligner), GET /v1/models, /health and "
+            "(with word timestamps when the pipeline has an aligner), WS /v1/realtime (OpenAI's Realtime "
+            "API: server VAD, barge-in), GET /v1/models, /health and "
             f"/metrics (OpenAPI schema: /openapi.json). The default pipeline, {DEFAULT_PIPELINE}, answers with SmolLM2 and speaks with "
             "a Piper voice; speech requests are read verbatim. Ctrl-C stops the server and every worker."
         ),
@@ -83,6 +84,12 @@ def register(sub: Any) -> None:
         help="restart a stage worker that dies at most N times within the restart window, with "
         "exponential backoff; then /health reports it failed (default: the pipeline file's "
         "'restart:' mapping, else 5 in 300 s; 0: never restart)",
+    )
+    p.add_argument(
+        "--ui",
+        action="store_true",
+        help="serve a browser page at / that records the microphone, talks to WS /v1/realtime and plays "
+        "the answer (browsers give the microphone to localhost or HTTPS pages only; default: off)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_security_flags(p)
@@ -151,17 +158,21 @@ def security_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> dic
 
 
 def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
-    """The server's config for ``pipeline``: ``limits`` (model name, concurrency …) and the
-    voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)."""
+    """The server's config for ``pipeline``: ``limits`` (model name, concurrency …), the
+    voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)
+    and its audio rate (the Piper voice's; otherwise Code2Wav's 24 kHz)."""
     from omnirelay.models import VOICE_EXECUTOR
-    from omnirelay.models.piper import voice_alias
+    from omnirelay.models.piper import voice_alias, voice_sample_rate
     from omnirelay.serving.config import ServerConfig, openai_voice_map
 
     config = ServerConfig(**limits)
     for stage in pipeline.stages:
         if stage.executor == VOICE_EXECUTOR:
-            alias = voice_alias(str(stage.executor_args.get("voice", "en_US-joe-medium")))
-            config = ServerConfig(voices=(alias,), default_voice=alias, **limits)
+            voice = str(stage.executor_args.get("voice", "en_US-joe-medium"))
+            alias = voice_alias(voice)
+            config = ServerConfig(
+                voices=(alias,), default_voice=alias, sample_rate=voice_sample_rate(voice), **limits
+            )
             break
     openai_voice_map(pipeline.openai_voices, config.voices, pipeline.source)  # before any stage starts
     return config
@@ -204,6 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_live_bytes=args.max_live_bytes,
         max_audio_input_s=args.max_audio_input_s,
         max_audio_input_bytes=args.max_audio_input_bytes,
+        ui=args.ui,
         **security_limits(args, os.environ),
     )
     # The port first: a port the server cannot have fails now, not after the stages load.
@@ -214,9 +226,11 @@ def run_serve(args: argparse.Namespace) -> int:
         pipeline = Pipeline.start(pipeline_config)
         try:
             app = create_app(pipeline, config)
+            url = f"http://{args.host}:{sock.getsockname()[1]}"
             print(
-                f"omnirelay serve: {pipeline.config.name} on http://{args.host}:{sock.getsockname()[1]} "
-                f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})",
+                f"omnirelay serve: {pipeline.config.name} on {url} "
+                f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})"
+                + (f"; the browser page: {url}/" if args.ui else ""),
                 file=sys.stderr,
                 flush=True,
             )

@@ -54,6 +54,7 @@ __all__ = [
     "sentence_seed",
     "voice_alias",
     "voice_files",
+    "voice_sample_rate",
 ]
 
 VOICE_EXECUTOR = "piper.voice"
@@ -89,6 +90,12 @@ def voice_files(voice: str) -> tuple[Path, Path]:
     if onnx is None or config is None or not onnx.is_file():
         raise ModelError(f"{dist} is installed but lacks {stem}.onnx / {stem}.onnx.json (module {module})")
     return onnx, config
+
+
+def voice_sample_rate(voice: str) -> int:
+    """The rate a voice speaks at, from its config (no model loaded)."""
+    _, config_path = voice_files(voice)
+    return int(json.loads(config_path.read_text())["audio"]["sample_rate"])
 
 
 def _recipe(voice: str) -> dict[str, Any]:

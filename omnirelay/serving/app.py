@@ -6,6 +6,9 @@ route                                   serves
 ``POST /v1/chat/completions``           :mod:`omnirelay.serving.chat`
 ``POST /v1/audio/speech``               :mod:`omnirelay.serving.speech`
 ``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.websocket`
+``WS /v1/realtime``                     :mod:`omnirelay.serving.realtime`
+``GET /``                               the browser page (``ui`` on only:
+                                        :mod:`omnirelay.serving.ui`)
 ``GET /v1/models``                      the one model (the pipeline)
 ``GET /v1/models/{id}``                 that model, or 404 ``model_not_found``
 ``GET /health``                         per stage, from ``pipeline.health_async()``:
@@ -38,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from omnirelay.api import Pipeline
 from omnirelay.errors import OmniRelayError, StageUnavailableError
 from omnirelay.orchestrator import PipelineHealth
-from omnirelay.serving import chat, speech, websocket
+from omnirelay.serving import chat, realtime, speech, ui, websocket
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.audit import leak_audit
 from omnirelay.serving.config import ServerConfig
@@ -111,6 +114,18 @@ def create_app(
     @app.websocket(speech.WS_PATH)
     async def _speech_stream(ws: WebSocket) -> None:
         await websocket.serve_session(ws, fe)
+
+    sessions = realtime.SessionBooks(cfg.realtime_max_sessions)
+
+    @app.websocket(realtime.REALTIME_PATH)
+    async def _realtime(ws: WebSocket) -> None:
+        await realtime.serve_realtime(ws, fe, sessions)
+
+    if cfg.ui:
+
+        @app.get("/", include_in_schema=False)
+        async def _page() -> Response:
+            return ui.page_response()
 
     @app.get("/v1/models", responses=error_responses("401", "403"))
     async def _models() -> dict[str, Any]:

@@ -53,6 +53,21 @@ class ServerConfig:
     ws_idle_timeout_s: float = 30.0
     #: text buffered in one utterance before the server refuses more
     ws_max_utterance_chars: int = 16384
+    # -- WebSocket /v1/realtime (omnirelay.serving.realtime)
+    #: the rate of the session's pcm16 audio, both ways: the pipeline's output rate
+    sample_rate: int = 24000
+    #: the largest client event (an ``input_audio_buffer.append`` carries base64 audio)
+    realtime_max_event_bytes: int = 4 * 1024 * 1024
+    #: the most audio the input buffer holds before an append is refused
+    realtime_max_buffer_s: float = 60.0
+    #: conversation items a session keeps; older ones are dropped first
+    realtime_max_items: int = 64
+    #: realtime sessions open at once; one more is refused (close 1013, try again later)
+    realtime_max_sessions: int = 64
+    #: a session closes after this long without a client event while no response runs
+    realtime_idle_timeout_s: float = 600.0
+    #: serve the browser page at ``/`` (``omnirelay serve --ui``)
+    ui: bool = False
     # -- security (omnirelay.serving.security)
     #: keys a client must present as ``Authorization: Bearer KEY`` on /v1 (WebSocket:
     #: also ``?api_key=KEY``); empty: no authentication. Never shown in a repr.
@@ -75,6 +90,10 @@ class ServerConfig:
                 continue
             if f.name in ("api_keys", "allowed_origins", "protect_health", "protect_metrics"):
                 continue  # checked by _check_security
+            if f.name == "ui":
+                if type(value) is not bool:
+                    raise ConfigError("ServerConfig.ui must be True or False")
+                continue
             if f.name in ("model_name", "default_voice"):
                 if not isinstance(value, str) or not value.strip():
                     raise ConfigError(f"ServerConfig.{f.name} must be a non-empty string, got {value!r}")
