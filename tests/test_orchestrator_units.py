@@ -73,6 +73,8 @@ def test_handle_sync_iteration_and_result() -> None:
     )
     h.deliver(out(True, "stop", token_ids=[2], text="hi"))
     h.deliver(out(token_ids=[99]))  # nothing follows a terminal output
+    # Nor does a second end free the id again: by then a new request may hold it.
+    h.deliver(out(True, "error", error="late"))
     assert done == ["r"] and h.is_finished
     res = h.result(timeout=1)
     assert res.token_ids() == [1, 2] and res.text == "hi" and res.finish_reason == "stop"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,10 @@ import pytest
 import websockets
 from websockets.exceptions import InvalidStatus
 
+from omnirelay.cli.serve import security_limits
+from omnirelay.errors import ConfigError
 from omnirelay.serving import Admission, ServerConfig
+from omnirelay.serving.config import host_of_header
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.protocol import MAX_JSON_DEPTH
 from omnirelay.serving.security import SecurityMiddleware
@@ -33,6 +37,7 @@ CONFIG = ServerConfig(
     max_body_bytes=64 * 1024,
     api_keys=KEYS,
     allowed_origins=(ALLOWED,),
+    allowed_hosts=("localhost", "127.0.0.1", "::1"),
     ws_max_config_bytes=64 * 1024,
     ws_first_config_timeout_s=5,
     ws_idle_timeout_s=5,
@@ -264,6 +269,77 @@ def test_the_servers_own_host_is_allowed_without_cors(srv: Served) -> None:
     assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
     got, code = asyncio.run(_ws_speak(srv.ws_url, origin=own, additional_headers=AUTH))
     assert code == 1000 and got
+
+
+def _raw_status(srv: Served, request: bytes) -> int:
+    """The status line's code of one raw HTTP/1.1 exchange (any Host header we like)."""
+    with socket.create_connection(("127.0.0.1", srv.server.port), timeout=10) as sock:
+        sock.sendall(request)
+        head = b""
+        while b"\r\n" not in head:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def test_dns_rebinding_a_foreign_host_header_is_refused(srv: Served) -> None:
+    # A page on evil.example whose name now resolves to 127.0.0.1: its Origin matches its Host.
+    port = srv.server.port
+    evil = f"evil.example:{port}"
+    resp = _post(srv, CHAT, {"messages": HI}, {**AUTH, "Host": evil, "Origin": f"http://{evil}"})
+    assert resp.status_code == 400 and _error(resp)["code"] == "invalid_host"
+    assert "evil.example" in _error(resp)["message"]
+    assert httpx.get(srv.url + "/health", headers={"Host": evil}).status_code == 400
+    handshake = (
+        f"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: {evil}\r\nOrigin: http://{evil}\r\n"
+        "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nAuthorization: Bearer {KEYS[0]}\r\n\r\n"
+    ).encode()
+    assert _raw_status(srv, handshake) == 400
+    assert _raw_status(srv, b"GET /health HTTP/1.0\r\n\r\n") == 400  # no Host at all
+    for good in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}"):
+        assert httpx.get(srv.url + "/health", headers={"Host": good}).status_code == 200, good
+
+
+@pytest.mark.parametrize(
+    ("header", "host"),
+    [
+        ("localhost:8000", "localhost"),
+        ("Example.COM.", "example.com"),
+        ("[::1]:8000", "::1"),
+        ("[::1]", "::1"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("bad host", None),
+        ("a:b:c", None),
+        ("[::1", None),
+        ("*", None),
+        ("x" * 300, None),
+    ],
+)
+def test_host_header_parsing(header: str, host: str | None) -> None:
+    assert host_of_header(header) == host
+
+
+def test_serve_answers_loopback_names_on_a_loopback_address_and_any_host_elsewhere() -> None:
+    def limits(host: str, allowed: list[str] | None = None) -> Any:
+        args = SimpleNamespace(
+            host=host,
+            api_key=["k"],
+            allowed_origins=None,
+            allowed_hosts=allowed,
+            protect_health=False,
+            protect_metrics=False,
+        )
+        return security_limits(args, {})["allowed_hosts"]  # type: ignore[arg-type]
+
+    assert limits("127.0.0.1") == ("localhost", "127.0.0.1", "::1")
+    assert limits("127.0.0.2") == ("localhost", "127.0.0.1", "::1", "127.0.0.2")
+    assert limits("0.0.0.0") == ("*",)
+    assert limits("0.0.0.0", ["api.example.com,10.0.0.5", "::1"]) == ("api.example.com", "10.0.0.5", "::1")
+    with pytest.raises(ConfigError, match="not a host name"):
+        ServerConfig(allowed_hosts=("http://x",))
 
 
 # ------------------------------------------------------------------- bad bodies

@@ -46,10 +46,12 @@ def test_late_result_after_cleanup_recreates_nothing(reregister: bool) -> None:
         p.recv_conn.get_gates["R_0_0"] = gate
         assert p.receiver.load_async("i1", "R")
         gate.wait_started()  # the get is in flight
-        p.receiver.cleanup_receiver("i1")
+        cleaner = threading.Thread(target=p.receiver.cleanup_receiver, args=("i1",))
+        cleaner.start()
+        gate.release()
+        cleaner.join()
         if reregister:
             assert p.receiver.load_async("i1", "R")  # a new entry for the same internal id
-        gate.release()
         assert p.receiver.flush()
         assert p.recv_conn.num_gets["R_0_0"] == (2 if reregister else 1)
         assert p.receiver.poll_events().is_empty  # the late chunk was dropped
@@ -64,6 +66,41 @@ def test_late_result_after_cleanup_recreates_nothing(reregister: bool) -> None:
         assert not p.receiver.is_upstream_exhausted("i1")
         assert p.receiver.health()["receiver"]["num_stale_results"] == 1
         p.receiver.finish_requests(["i1"])
+        p.audit()
+
+
+def test_cleanup_returns_only_after_the_get_in_flight_ended() -> None:
+    """A reused id: once the cleanup of its earlier request returned (the stage then reports
+    the id released), no get of that request may still run, or it could consume the chunk
+    the request under the same id puts next, under the same key, and drop it as stale."""
+    with make_pipeline() as p:
+        send(p, "s1", "R", {"old": 1}, finished=True)
+        assert p.sender.flush()
+        gate = Gate("get R_0_0")
+        p.recv_conn.get_gates["R_0_0"] = gate
+        assert p.receiver.load_async("old", "R")
+        gate.wait_started()  # the old request's get is in flight
+        cleaned = threading.Event()
+
+        def clean() -> None:
+            p.receiver.cleanup_receiver("old")
+            cleaned.set()
+
+        cleaner = threading.Thread(target=clean)
+        cleaner.start()
+        # Whatever the scheduling, the cleanup cannot end while the get is held at the gate.
+        assert not cleaned.wait(0.2)
+        assert p.receiver.leak_state().get("gets_in_flight") == {"old": 1}
+        gate.release()
+        cleaner.join()
+        assert p.recv_conn.num_gets["R_0_0"] == 1
+        del p.recv_conn.get_gates["R_0_0"]
+        # The id is released: its next request puts and reads R_0_0 again, and gets its own chunk.
+        send(p, "s2", "R", {"new": 2}, finished=True)
+        assert p.sender.flush()
+        assert receive(p, "new", "R").payload == {"new": 2}
+        assert p.receiver.health()["receiver"]["num_stale_results"] == 1
+        p.receiver.finish_requests(["old", "new"])
         p.audit()
 
 

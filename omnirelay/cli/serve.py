@@ -107,7 +107,8 @@ def _add_security_flags(p: Any) -> None:
         "WebSocket also takes ?api_key=KEY), else 401; /health and /metrics stay open unless "
         "protected. Requests from a browser (with an Origin header) are refused with 403 unless the "
         "origin is this server's own host or listed in --allowed-origins; listed origins get CORS "
-        "headers. JSON routes take only Content-Type: application/json (415 otherwise).",
+        "headers. A loopback server answers only to loopback Host names (--allowed-hosts). JSON routes "
+        "take only Content-Type: application/json (415 otherwise).",
     )
     g.add_argument(
         "--api-key",
@@ -125,6 +126,15 @@ def _add_security_flags(p: Any) -> None:
         metavar="ORIGINS",
         help="browser origins allowed besides the server's own host, comma-separated or repeated "
         "(scheme://host[:port], e.g. https://app.example.com; * for any); default: none",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=None,
+        metavar="HOSTS",
+        help="Host header values the server answers, comma-separated or repeated (names or "
+        "addresses without port; * for any); others get 400. Default: for a loopback --host, "
+        "localhost, 127.0.0.1 and ::1 (this defeats DNS rebinding from a web page); else any",
     )
     g.add_argument(
         "--protect-health", action="store_true", help="require the API key on /health too (default: open)"
@@ -149,12 +159,28 @@ def security_limits(args: argparse.Namespace, environ: Mapping[str, str]) -> dic
             file=sys.stderr,
             flush=True,
         )
+    hosts = tuple(h.strip() for v in args.allowed_hosts or () for h in v.split(",") if h.strip())
+    if not hosts:
+        hosts = _default_allowed_hosts(args.host)
     return {
         "api_keys": keys,
         "allowed_origins": origins,
+        "allowed_hosts": hosts,
         "protect_health": args.protect_health,
         "protect_metrics": args.protect_metrics,
     }
+
+
+def _default_allowed_hosts(bind: str) -> tuple[str, ...]:
+    """Loopback names for a loopback address (and the address itself); any otherwise."""
+    from omnirelay.serving.security import is_loopback_host
+
+    if not is_loopback_host(bind):
+        return ("*",)
+    names = ["localhost", "127.0.0.1", "::1"]
+    if bind.strip("[]").lower() not in names:
+        names.append(bind.strip("[]"))
+    return tuple(names)
 
 
 def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:

@@ -87,20 +87,25 @@ class RequestHandle:
         self._cond = threading.Condition(threading.Lock())
         self._items: deque[RequestOutput] = deque()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._is_delivered = False  # the terminal output arrived (producer side)
+        self._is_end_claimed = False  # deliver took a terminal output (producer side)
+        self._is_delivered = False  # the terminal output is there for the consumer
         self._is_exhausted = False  # the consumer read the terminal output
 
     # -- producer side (orchestrator thread) ----------------------------------------------
 
     def deliver(self, output: RequestOutput) -> None:
         """Hand one output to the consumer; called by the orchestrator only."""
+        with self._cond:
+            if self._is_end_claimed:
+                return  # nothing follows the terminal output
+            if output.finished:
+                self._is_end_claimed = True  # a second end is dropped above
         if output.finished and self._on_done is not None:
             # Before the consumer can see the end: a client that reads the last output and
-            # at once submits a new request under the same id must find the id free.
+            # at once submits a new request under the same id must find the id free. Only
+            # for the first end: a late second one would free the id of that new request.
             self._on_done(self.request_id)
         with self._cond:
-            if self._is_delivered:
-                return  # nothing follows the terminal output
             self._items.append(output)
             if output.finished:
                 self._is_delivered = True

@@ -6,13 +6,22 @@ with small limits (one admission slot, a short idle timeout) without touching gl
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from omnirelay.errors import ConfigError
 
-__all__ = ["DEFAULT_VOICES", "ServerConfig", "normalize_origin", "openai_voice_map"]
+__all__ = [
+    "DEFAULT_VOICES",
+    "ServerConfig",
+    "host_of_header",
+    "normalize_host",
+    "normalize_origin",
+    "openai_voice_map",
+]
 
 #: The Qwen3-Omni speakers (the tiny model has the same table).
 DEFAULT_VOICES = ("chelsie", "ethan", "aiden")
@@ -75,6 +84,12 @@ class ServerConfig:
     #: browser origins (``scheme://host[:port]``, or ``*`` for any) allowed besides the
     #: server's own host; they get CORS headers. Other origins get 403.
     allowed_origins: tuple[str, ...] = ()
+    #: ``Host`` header values (names or addresses, no port; ``*`` for any) the server
+    #: answers; others get 400 ``invalid_host``. It defeats DNS rebinding: a web page whose
+    #: name re-resolves to 127.0.0.1 reaches the port with its own name as ``Host`` (and a
+    #: matching ``Origin``). ``serve`` fills it from ``--host``; the default here, for an app
+    #: embedded in another server, is any.
+    allowed_hosts: tuple[str, ...] = ("*",)
     #: require the API key on /health and /metrics too (they are open by default)
     protect_health: bool = False
     protect_metrics: bool = False
@@ -88,7 +103,13 @@ class ServerConfig:
             value = getattr(self, f.name)
             if f.name in ("model_name", "max_live_bytes") and value is None:
                 continue
-            if f.name in ("api_keys", "allowed_origins", "protect_health", "protect_metrics"):
+            if f.name in (
+                "api_keys",
+                "allowed_origins",
+                "allowed_hosts",
+                "protect_health",
+                "protect_metrics",
+            ):
                 continue  # checked by _check_security
             if f.name == "ui":
                 if type(value) is not bool:
@@ -129,6 +150,16 @@ class ServerConfig:
                 )
             if "," in key:
                 raise ConfigError(f"ServerConfig.api_keys[{i}] must not contain a comma")
+        if not isinstance(self.allowed_hosts, tuple) or not self.allowed_hosts:
+            raise ConfigError(
+                "ServerConfig.allowed_hosts must be a non-empty tuple of host names ('*' for any)"
+            )
+        for name in self.allowed_hosts:
+            if normalize_host(name) is None:
+                raise ConfigError(
+                    f"ServerConfig.allowed_hosts: {name!r} is not a host name or address; write e.g. "
+                    "'api.example.com', '10.0.0.5' or '::1' (no scheme, no port), or '*' for any"
+                )
         if not isinstance(self.allowed_origins, tuple):
             raise ConfigError("ServerConfig.allowed_origins must be a tuple of strings")
         for origin in self.allowed_origins:
@@ -137,6 +168,47 @@ class ServerConfig:
                     f"ServerConfig.allowed_origins: {origin!r} is not an origin; write "
                     "scheme://host[:port] (e.g. https://app.example.com), or * for any origin"
                 )
+
+
+_HOST_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*\.?$")
+
+
+def normalize_host(host: object) -> str | None:
+    """A host name or address as the ``Host`` check compares it (lower case, IPv6 without
+    brackets, no trailing dot), ``*``, or None if it is neither."""
+    if not isinstance(host, str):
+        return None
+    name = host.strip().lower()
+    if name == "*":
+        return name
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    if len(name) > 253 or not _HOST_NAME.match(name):
+        return None
+    return name.rstrip(".")
+
+
+def host_of_header(value: str) -> str | None:
+    """The host part of a ``Host`` header (``name``, ``name:port``, ``[v6]:port``),
+    normalized; None if malformed."""
+    value = value.strip()
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0 or (value[end + 1 :] and not _is_port_suffix(value[end + 1 :])):
+            return None
+        return normalize_host(value[: end + 1])
+    name, sep, port = value.rpartition(":")
+    if sep and _is_port_suffix(":" + port):
+        return normalize_host(name) if name != "*" else None
+    return normalize_host(value) if value != "*" else None
+
+
+def _is_port_suffix(text: str) -> bool:
+    return text.startswith(":") and text[1:].isdigit() and 0 < len(text) <= 6
 
 
 def normalize_origin(origin: object) -> str | None:

@@ -3,6 +3,11 @@
 :class:`SecurityMiddleware` runs before routing, on every HTTP request and WebSocket
 handshake, in this order:
 
+0. **Host.** Unless ``allowed_hosts`` holds ``*``, a request whose ``Host`` header names
+   another host is refused with 400 ``invalid_host``. A loopback server (``serve``'s
+   default) answers only to loopback names, which defeats DNS rebinding: a page on
+   ``evil.example`` whose name is re-pointed at 127.0.0.1 would otherwise reach the port as
+   its own host, and its ``Origin`` would match its ``Host``.
 1. **Origin.** A request with an ``Origin`` header (a browser's) is refused with 403
    ``origin_not_allowed`` unless the origin is in ``allowed_origins`` (or that list holds
    ``*``), or names the server's own host (its ``host:port`` equals the ``Host`` header).
@@ -33,7 +38,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnirelay.serving.config import ServerConfig, normalize_origin
+from omnirelay.serving.config import ServerConfig, host_of_header, normalize_host, normalize_origin
 from omnirelay.serving.errors import error_body
 
 __all__ = ["SecurityMiddleware", "is_loopback_host"]
@@ -62,6 +67,8 @@ class SecurityMiddleware:
             p for p, on in (("/health", config.protect_health), ("/metrics", config.protect_metrics)) if on
         ]
         self._protected_paths = frozenset(protected)
+        hosts = {normalize_host(h) for h in config.allowed_hosts}
+        self._hosts: frozenset[str] | None = None if "*" in hosts else frozenset(h for h in hosts if h)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -70,6 +77,11 @@ class SecurityMiddleware:
             return
         headers = Headers(scope=scope)
         query_key = _take_query_key(scope)  # always removed, so it never reaches a log
+        if self._hosts is not None:
+            given = headers.get("host")
+            if given is None or host_of_header(given) not in self._hosts:
+                await _refuse(scope, receive, send, 400, _host_message(given), "invalid_host")
+                return
         origin = headers.get("origin")
         cors_origin: str | None = None
         if origin is not None:
@@ -160,6 +172,16 @@ def _take_query_key(scope: Scope) -> str | None:
         return None
     scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "api_key"]).encode("latin-1")
     return values[-1]
+
+
+def _host_message(host: str | None) -> str:
+    if host is None:
+        return "the request has no Host header"
+    shown = host if len(host) <= 200 else host[:200] + "..."
+    return (
+        f"this server does not answer to the host {shown!r}; it answers to the names given with "
+        "--allowed-hosts (default for a loopback address: localhost, 127.0.0.1 and ::1)"
+    )
 
 
 def _origin_message(origin: str) -> str:

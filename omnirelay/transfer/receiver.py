@@ -9,7 +9,11 @@
   :class:`~omnirelay.transfer.envelope.ChunkEnvelope`: its flags are read, its body is
   handed to the scheduler unread (what a chunk means is the consuming stage's business).
 * :meth:`ReceiveSide.cleanup_receiver` — drop every per-request map entry. No tombstones:
-  a late result is rejected because its entry is no longer *the* registered object.
+  a late result is rejected because its entry is no longer *the* registered object. It
+  returns only once no get of the request is in flight: a get that outlived its
+  registration could otherwise consume the chunk of a *later* request under the same id
+  (same key) after the stages reported the id released, and that request would wait for
+  a chunk that is gone.
 
 A registration lives until its chunk is committed (or the request is cleaned); a new one is
 needed for the next chunk. Per request the receiver keeps: the registration, the get
@@ -88,6 +92,11 @@ class ReceiveSide:
         self._clock = clock
         self._on_chunk_ready = on_chunk_ready
         self._lock = threading.Lock()
+        #: Notified when a request's last in-flight get ended (``cleanup_receiver`` waits).
+        self._gets_ended = threading.Condition(self._lock)
+        #: Gets running outside the lock, by internal id (a get is bounded: the connector
+        #: contract says it never blocks beyond a short wait for a publish in progress).
+        self._gets_in_flight: dict[str, int] = {}
         self._entries: dict[str, LoadEntry] = {}
         self._by_key: dict[str, LoadEntry] = {}
         self._num_received: dict[str, int] = {}  # the get counter, by internal id
@@ -166,40 +175,55 @@ class ReceiveSide:
 
     def poll(self, entry: LoadEntry) -> None:
         """One get for ``entry``, on a receive worker. The get runs outside the lock."""
+        iid = entry.internal_id
         with self._lock:
-            if self._entries.get(entry.internal_id) is not entry:
+            if self._entries.get(iid) is not entry:
                 return  # stale: cleaned (and maybe re-registered) meanwhile
             entry.is_queued = False
             key = entry.key
             self._counts["num_polls"] += 1
+            self._gets_in_flight[iid] = self._gets_in_flight.get(iid, 0) + 1
         try:
             result = self._connector.get(self._from_stage, self._stage, key)
         except Exception as exc:  # the contract says get never raises: fail, don't spin
             result = GetResult(GetStatus.FAILED, error=f"connector.get raised {type(exc).__name__}: {exc}")
-        if result.status is GetStatus.NOT_YET:
-            entry.is_waited = True  # only this poll touches the entry (it was queued once)
-            return  # its arrival notice (or the fallback pass) polls it again
-        envelope: ChunkEnvelope | None = None
-        reason = ""
-        if result.status is GetStatus.READY:
-            problem = check_envelope(result.obj)
-            if problem is None:
-                envelope = result.obj
-            else:
-                reason = f"chunk {key!r} violates the transfer contract: {problem}"
-        else:
-            reason = f"chunk {key!r} could not be received: {result.error or 'no reason given'}"
+        except BaseException:
+            with self._lock:
+                self._end_get_locked(iid)
+            raise
         with self._lock:
-            if self._entries.get(entry.internal_id) is not entry:
+            self._end_get_locked(iid)
+            if result.status is GetStatus.NOT_YET:
+                entry.is_waited = True  # only this poll touches the entry (it was queued once)
+                return  # its arrival notice (or the fallback pass) polls it again
+            if self._entries.get(iid) is not entry:
                 # Cleanup is a commit barrier: the consumed data is dropped, no state recreated.
                 self._counts["num_stale_results"] += 1
                 return
-            if envelope is not None:
-                self._commit_locked(entry, envelope)
+            reason = self._commit_or_reason_locked(entry, result)
+            if reason is None:
                 return
             self._unregister_locked(entry)
             self._counts["num_failed"] += 1
-        self._record(entry.internal_id, entry.external_id, FailureKind.RECEIVE_FAILED, reason)
+        self._record(iid, entry.external_id, FailureKind.RECEIVE_FAILED, reason)
+
+    def _end_get_locked(self, internal_id: str) -> None:
+        left = self._gets_in_flight[internal_id] - 1
+        if left:
+            self._gets_in_flight[internal_id] = left
+            return
+        del self._gets_in_flight[internal_id]
+        self._gets_ended.notify_all()
+
+    def _commit_or_reason_locked(self, entry: LoadEntry, result: GetResult) -> str | None:
+        """Commit a READY result that keeps the transfer contract; else why the chunk failed."""
+        if result.status is GetStatus.READY:
+            problem = check_envelope(result.obj)
+            if problem is None:
+                self._commit_locked(entry, result.obj)
+                return None
+            return f"chunk {entry.key!r} violates the transfer contract: {problem}"
+        return f"chunk {entry.key!r} could not be received: {result.error or 'no reason given'}"
 
     def _commit_locked(self, entry: LoadEntry, chunk: ChunkEnvelope) -> None:
         """docs/protocol.md §4.8, under the lock, after the identity check: the flags
@@ -258,7 +282,9 @@ class ReceiveSide:
         return out
 
     def cleanup_receiver(self, internal_id: str) -> None:
-        """Drop every trace of the request (idempotent); any poll in flight loses identity."""
+        """Drop every trace of the request (idempotent); any poll in flight loses identity,
+        and this returns once its get ended (see the module docstring). Never call it on a
+        receive worker."""
         with self._lock:
             entry = self._entries.get(internal_id)
             if entry is not None:
@@ -267,6 +293,8 @@ class ReceiveSide:
             self._exhausted.discard(internal_id)
             self._segment_finished.discard(internal_id)
             self._box.discard_request(internal_id)
+            while internal_id in self._gets_in_flight:
+                self._gets_ended.wait()
 
     def _record(self, internal_id: str, external_id: str, kind: FailureKind, reason: str) -> None:
         self._box.record(TransferFailure(internal_id, external_id, kind, reason, self._stage))
@@ -289,6 +317,7 @@ class ReceiveSide:
                 "get_counters": dict(self._num_received),
                 "upstream_exhausted": sorted(self._exhausted),
                 "segment_finished": sorted(self._segment_finished),
+                "gets_in_flight": dict(self._gets_in_flight),
             }
             return {k: v for k, v in maps.items() if v}
 
