@@ -206,7 +206,7 @@ def test_the_query_key_is_removed_before_anything_logs_the_path() -> None:
         "type": "http",
         "method": "GET",
         "path": "/health",
-        "headers": [],
+        "headers": [(b"host", b"127.0.0.1:8000")],
         "query_string": f"a=1&api_key={KEYS[0]}&b=2".encode(),
     }
 
