@@ -19,7 +19,7 @@ from omnirelay.connectors.device import (
     decode_ref,
     encode_ref,
 )
-from tests.device_cuda_roles import consumer, digest, producer
+from tests.device_cuda_roles import consumer, digest, producer, shm_consumer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -146,3 +146,63 @@ def test_a_dead_producer_is_forgotten() -> None:
     with pytest.raises((RuntimeError, StaleBlockError)):  # a dead producer's memory is not served
         importer.take(ref)
     importer.close()
+
+
+# ------------------------------------------------------------------ the wired shm connector
+
+
+def test_the_shm_connector_on_a_gpu_direct_edge() -> None:
+    """Two processes on cuda:0 (same-GPU GPU-direct) through the shm connector: the object
+    arrives whole on the reader's device exactly once, abort releases its blocks, a reader
+    killed inside its claim is reaped with its blocks, nothing is left after close."""
+    from omnirelay.connectors.shm.connector import ShmConnector
+    from tests.conftest import shm_entries
+
+    namespace = f"gd{os.getpid()}"
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated(0)
+    prod = ShmConnector(
+        namespace, 1, gpu_direct_to=(2,), device="cuda:0", device_pool_bytes=64 << 20, device_min_bytes=0
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=shm_consumer, args=(child, namespace, "cuda:0"), daemon=True)
+    proc.start()
+    try:
+        obj = _tensors("cuda:0")
+        del obj["tensor_64mb"]
+        assert prod.put(1, 2, "a_1_0", obj).ok
+        health = prod.health()
+        assert (health.num_device_puts, health.device_blocks, health.num_device_fallbacks) == (4, 4, 0)
+        parent.send(("get", "a_1_0"))
+        status, error, got = parent.recv()
+        assert status == "ready", error
+        assert got == {k: (digest(t), "cuda:0") for k, t in obj.items()}  # whole, on its device
+        parent.send(("get_once", "a_1_0"))
+        assert parent.recv()[0] == "not_yet"  # exactly once
+        assert prod.reap_consumed() == 1 and prod.health().device_blocks == 0
+
+        assert prod.put(1, 2, "b_1_0", obj).ok  # aborted before it is read
+        assert prod.cleanup_prefix("b_1_") == 1 and prod.health().device_blocks == 0
+        parent.send(("get_once", "b_1_0"))
+        assert parent.recv()[0] == "not_yet"
+
+        assert prod.put(1, 2, "c_1_0", obj).ok
+        parent.send(("die_in_copy", "c_1_0"))
+        assert parent.recv() == "dying"
+        proc.join(timeout=30)
+        assert proc.exitcode == -9
+        assert prod.reap_consumed() == 1  # the dead reader's claim ends; its blocks go
+        assert prod.pending_keys() == [] and prod.health().device_blocks == 0
+        assert prod.put(1, 2, "d_1_0", {"t": torch.zeros(32 << 20, dtype=torch.uint8, device="cuda:0")}).ok
+        assert prod.health().num_device_fallbacks == 0  # every block reusable
+        assert prod.cleanup("d_1_0")
+    finally:
+        if proc.is_alive():
+            parent.send("stop")
+            proc.join(timeout=30)
+        prod.close()
+    assert shm_entries(namespace) == []
+    torch.cuda.ipc_collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) <= baseline + (64 << 20)  # at most the pool, pinned
