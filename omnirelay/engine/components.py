@@ -123,6 +123,9 @@ def create_stage_engine(
         # Where both stages of an edge are on CUDA devices, its tensors go device to device.
         options = gpu_direct_options(pipeline, s) if backend == "shm" else {}
         connector = create_connector(backend, namespace=ns, stage_id=s.id, **options)
+        keep_on_device = getattr(parts.executor, "keep_outputs_on_device", None)
+        if options.get("gpu_direct_to") and callable(keep_on_device):
+            keep_on_device(True)  # its outputs cross device to device: no copy to the host first
     try:
         return StageEngine(
             s,
