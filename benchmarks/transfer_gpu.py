@@ -141,7 +141,8 @@ def _measure_pair(path: str, payload: str, src: str, dst: str, n: int) -> dict[s
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    lat = sorted((d - s) / 1000 for s, d in zip(sent, done))[min(5, n // 10) :]  # first ones warm up
+    warm = min(5, n // 10)  # the first transfers open the pool and map it: warm-up, in time order
+    lat = sorted((d - s) / 1000 for s, d in list(zip(sent, done))[warm:])
     return {
         "path": path,
         "src": src,
