@@ -197,6 +197,7 @@ def test_the_shm_connector_on_a_gpu_direct_edge() -> None:
         assert prod.put(1, 2, "d_1_0", {"t": torch.zeros(32 << 20, dtype=torch.uint8, device="cuda:0")}).ok
         assert prod.health().num_device_fallbacks == 0  # every block reusable
         assert prod.cleanup("d_1_0")
+        del obj  # the test's own tensors are no part of what must be freed
     finally:
         if proc.is_alive():
             parent.send("stop")
@@ -206,3 +207,32 @@ def test_the_shm_connector_on_a_gpu_direct_edge() -> None:
     torch.cuda.ipc_collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(0) <= baseline + (64 << 20)  # at most the pool, pinned
+
+
+def test_the_thinker_hands_its_rows_on_its_device_for_a_gpu_direct_edge() -> None:
+    """On a GPU-direct edge the Thinker's rows for the Talker stay on its device (copies:
+    the step's buffers are reused), equal to the host rows it hands otherwise."""
+    from omnirelay.models import Checkpoint
+    from omnirelay.models.loader import ModelArgs
+    from omnirelay.models.thinker import ThinkerExecutor
+    from tests.test_models_support import run_thinker, tiny_dir
+
+    args = ModelArgs(device="cuda:0", runner="static", cuda_graphs=True, max_num_seqs=8, max_model_len=256)
+    thinker = ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir(), device="cuda:0"), args)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9]}
+    layer = thinker.accept_hidden_layer
+    host = run_thinker(thinker, prompts, 3, accept_hidden_layer=layer)
+    thinker.keep_outputs_on_device(True)
+    device = run_thinker(thinker, prompts, 3, accept_hidden_layer=layer)
+    for rid in prompts:
+        for new in device[rid].results:
+            out = new.next_stage_output
+            assert all(t.device.type == "cuda" for t in out["hidden_layers"].values())
+            assert out["tts_pad"].device.type == "cuda"
+        a, b = host[rid].results[0].next_stage_output, device[rid].results[0].next_stage_output
+        assert all(
+            torch.equal(a["hidden_layers"][k], b["hidden_layers"][k].cpu()) for k in a["hidden_layers"]
+        )
+        assert all(
+            p.hidden_states["output"].device.type == "cuda" for p in device[rid].payloads if p.hidden_states
+        )
