@@ -354,6 +354,8 @@ class ThinkerExecutor:
         when they are small) instead of copying them to the host here. A no-op on the CPU."""
         self._out_device = self.device if enabled and self.device.type == "cuda" else None
         self._tts = self._tts_on(self._out_device or torch.device("cpu"))
+        if self.runner is not None:
+            self.runner.keep_hidden_on_device = self._out_device is not None
 
     def _tts_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         rows = self._tts_rows.to(device)
