@@ -1,25 +1,26 @@
 """``omnirelay bench transfer --gpu cuda:0[,cuda:1]``: GPU → GPU rows beside the host path.
 
-For each payload, a producer process holding the tensor on the first device and a
-consumer process that needs it on the second (the same device when one is named) move it
-through the shm connector two ways:
+For each payload, a producer process holding its tensors on the first device and a
+consumer process that needs them on the second (the same device when one is named) move
+them through the shm connector two ways:
 
-* ``host`` — the connector carries the tensor's bytes: device → host into the slot
-  (the encoder), the consumer's copy out of the slot, host → device;
-* ``gpu-direct`` — the producer places the tensor in its device pool
-  (:class:`~omnirelay.connectors.device.DeviceProducer`), the connector carries only the
-  :class:`~omnirelay.connectors.device.DeviceRef`, and the consumer copies device to
-  device through CUDA IPC (a peer copy across GPUs); the block is released when the
-  consumer has it, as the producer's reap does.
+* ``host`` — a host edge: the connector carries the tensors' bytes (device → host into
+  the slot, the consumer's copy out of the slot, host → device);
+* ``gpu-direct`` — the connector of a GPU-direct edge (``gpu_direct_to`` /
+  ``gpu_direct_in``, as the pipeline sets them where both stages are on CUDA devices):
+  the put places each tensor in the producer's device pool and the slot carries its
+  reference, the get copies it device to device through CUDA IPC (a peer copy across
+  GPUs), the producer's reap releases the block. Every tensor of the payload takes it
+  (``device_min_bytes=0``): the rows show what the size threshold of the default
+  (``MIN_BYTES``) is chosen from.
 
-Latency is one way, ``perf_counter_ns`` right before the producer's first step and right
-after the consumer's tensor is complete on its device; one object in flight.
+Latency is one way, ``perf_counter_ns`` right before the producer's put and right after
+the consumer's tensors are complete on its device; one object in flight.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import statistics
 import time
 import uuid
@@ -31,6 +32,8 @@ __all__ = ["GPU_PAYLOADS", "render_gpu_table", "run_gpu_transfer_bench"]
 
 #: name -> (description, trials)
 GPU_PAYLOADS: dict[str, tuple[str, int]] = {
+    "thinker_step": ("bf16 1x2048 hidden state + 1x2048 embedding (one Thinker step, 8 KB)", 400),
+    "codec_frame": ("int64 16 codes (one Talker frame, 128 B)", 400),
     "hidden_step": ("bf16 1x2048 hidden step (4 KB)", 400),
     "codec_chunk": ("int64 16x50 codes (6.4 KB)", 400),
     "prefill_4mb": ("f32 512x2048 prefill (4 MB)", 100),
@@ -39,29 +42,37 @@ GPU_PAYLOADS: dict[str, tuple[str, int]] = {
 PATHS = ("host", "gpu-direct")
 
 
-def _make(name: str, device: str) -> torch.Tensor:
+def _make(name: str, device: str) -> dict[str, torch.Tensor]:
+    if name == "thinker_step":
+        return {
+            "hidden": torch.randn(1, 2048, device=device).to(torch.bfloat16),
+            "embed": torch.randn(1, 2048, device=device).to(torch.bfloat16),
+        }
+    if name == "codec_frame":
+        return {"codes": torch.randint(0, 2048, (16,), device=device)}
     if name == "hidden_step":
-        return torch.randn(1, 2048, device=device).to(torch.bfloat16)
+        return {"t": torch.randn(1, 2048, device=device).to(torch.bfloat16)}
     if name == "codec_chunk":
-        return torch.randint(0, 2048, (16, 50), device=device)
+        return {"t": torch.randint(0, 2048, (16, 50), device=device)}
     if name == "prefill_4mb":
-        return torch.randn(512, 2048, device=device)
-    return torch.randn(4096, 4096, device=device)
+        return {"t": torch.randn(512, 2048, device=device)}
+    return {"t": torch.randn(4096, 4096, device=device)}
 
 
-def _connector(namespace: str, stage: int) -> Any:
+def _connector(namespace: str, stage: int, path: str, device: str, pool: int = 0) -> Any:
     from omnirelay.connectors import create_connector
 
-    return create_connector("shm", namespace=namespace, stage_id=stage)
+    options: dict[str, Any] = {}
+    if path == "gpu-direct" and stage == 1:
+        options = {"gpu_direct_to": (2,), "device": device, "device_min_bytes": 0, "device_pool_bytes": pool}
+    elif path == "gpu-direct":
+        options = {"gpu_direct_in": True, "device": device}
+    return create_connector("shm", namespace=namespace, stage_id=stage, **options)
 
 
 def _consumer(path: str, n: int, device: str, namespace: str, conn: Any) -> None:
-    from omnirelay.connectors.device import DeviceImporter, decode_ref
-    from omnirelay.connectors.device.cuda import CudaOpener
-
     torch.cuda.set_device(device)
-    shm = _connector(namespace, 2)
-    importer = DeviceImporter(CudaOpener(), torch.device(device))
+    shm = _connector(namespace, 2, path, device)
     done: list[int] = []
     conn.send("ready")
     try:
@@ -72,53 +83,41 @@ def _consumer(path: str, n: int, device: str, namespace: str, conn: Any) -> None
                     raise RuntimeError(got.error)
                 shm.wait_arrivals(2, timeout=1.0)
             if path == "host":
-                t = got.obj["t"].to(device, non_blocking=False)
+                out = {k: t.to(device, non_blocking=False) for k, t in got.obj.items()}
                 torch.cuda.current_stream(device).synchronize()
             else:
-                t = importer.take(decode_ref(got.obj["ref"]))
+                out = got.obj  # on this device already, the copies complete
+                assert all(t.device == torch.device(device) for t in out.values())
             done.append(time.perf_counter_ns())
-            del t
+            del out
             conn.send(i)
         conn.send(done)
     finally:
-        importer.close()
         shm.close()
 
 
 def _producer(path: str, n: int, payload: str, device: str, namespace: str, conn: Any) -> None:
-    from omnirelay.connectors.device import DeviceProducer, encode_ref
-    from omnirelay.connectors.device.cuda import CudaArena
-
     torch.cuda.set_device(device)
-    shm = _connector(namespace, 1)
-    tensor = _make(payload, device)
-    dp = DeviceProducer(
-        CudaArena(max(1 << 20, 2 * tensor.numel() * tensor.element_size()), device),
-        producer=f"{os.getpid()}-bench",
-        min_bytes=0,
-    )
+    obj = _make(payload, device)
+    pool = max(1 << 20, 4 * sum(t.numel() * t.element_size() for t in obj.values()))
+    shm = _connector(namespace, 1, path, device, pool)
     torch.cuda.synchronize()
     conn.recv()  # the consumer is ready
     sent: list[int] = []
     try:
         for i in range(n):
-            key = f"L{i}_1_0"
             t0 = time.perf_counter_ns()
-            if path == "host":
-                res = shm.put(1, 2, key, {"t": tensor})
-            else:
-                ref = dp.put(key, tensor)
-                assert ref is not None
-                res = shm.put(1, 2, key, {"ref": encode_ref(ref)})
+            res = shm.put(1, 2, f"L{i}_1_0", obj)
             if not res.ok:
                 raise RuntimeError(res.error)
             sent.append(t0)
             conn.recv()  # the consumer has it
-            dp.release(key)  # what the reap of the consumed key does
-            shm.reap_consumed()
+            shm.reap_consumed()  # consumed: the slot (and its device blocks) go back
+        health = shm.health()
+        if path == "gpu-direct" and (health.num_device_puts != n * len(obj) or health.num_device_fallbacks):
+            raise RuntimeError(f"not every tensor went GPU-direct: {health}")
         conn.send(sent)
     finally:
-        dp.close()
         shm.close()
 
 
@@ -142,7 +141,8 @@ def _measure_pair(path: str, payload: str, src: str, dst: str, n: int) -> dict[s
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    lat = sorted((d - s) / 1000 for s, d in zip(sent, done))[min(5, n // 10) :]  # first ones warm up
+    warm = min(5, n // 10)  # the first transfers open the pool and map it: warm-up, in time order
+    lat = sorted((d - s) / 1000 for s, d in list(zip(sent, done))[warm:])
     return {
         "path": path,
         "src": src,

@@ -49,3 +49,39 @@ def producer(conn: Any, device: str) -> None:
     assert ref is not None
     conn.send((encode_ref(ref), digest(t), dp.handle.producer))
     conn.recv()  # never answered: the test kills this process
+
+
+def shm_consumer(conn: Any, namespace: str, device: str) -> None:
+    """The receiving stage of a GPU-direct shm edge. Commands: ``("get", key)`` waits for
+    the object and answers (status, error, {name: (digest, device)}); ``("get_once", key)``
+    answers one get's status; ``("die_in_copy", key)`` kills itself inside the claim, where
+    the device copy would start (a reader that crashes mid-read); ``"stop"``."""
+    from omnirelay.connectors.shm.connector import ShmConnector
+
+    torch.cuda.set_device(device)
+    shm = ShmConnector(namespace, 2, gpu_direct_in=True, device=device, sweep_on_start=False)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg == "stop":
+                break
+            op, key = msg
+            if op == "die_in_copy":
+
+                def die(*_: Any) -> torch.Tensor:
+                    conn.send("dying")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    raise AssertionError("unreachable")
+
+                shm._reader._device = die
+            got = shm.get(1, 2, key)
+            if op == "get":
+                while got.status.value == "not_yet":
+                    shm.wait_arrivals(2, timeout=1.0)
+                    got = shm.get(1, 2, key)
+            tensors = {}
+            if got.is_ready:
+                tensors = {k: (digest(t), str(t.device)) for k, t in got.obj.items()}
+            conn.send((got.status.value, got.error, tensors))
+    finally:
+        shm.close()

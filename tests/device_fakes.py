@@ -88,3 +88,32 @@ class FakeOpener:
         opened = FakeOpened(handle, self.on_read)
         self.opened.append(opened)
         return opened
+
+
+class FakeBackend:
+    """The shm connector's device backend over the fake GPU: the tensors passed through
+    :meth:`on_device` stand for tensors on the device (every other one is a host tensor).
+    ``fail_arena``: making an arena fails (no device memory, no IPC export)."""
+
+    def __init__(self) -> None:
+        self._on_device: dict[int, torch.Tensor] = {}  # by id, held: ids are never reused
+        self.arenas: list[FakeArena] = []
+        self.opener_made = FakeOpener()
+        self.fail_arena: str | None = None
+
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._on_device[id(tensor)] = tensor
+        return tensor
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self._on_device.get(id(tensor)) is tensor
+
+    def arena(self, capacity: int, device: str | None, like: torch.Tensor) -> FakeArena:
+        if self.fail_arena is not None:
+            raise RuntimeError(self.fail_arena)
+        arena = FakeArena(capacity)
+        self.arenas.append(arena)
+        return arena
+
+    def opener(self) -> FakeOpener:
+        return self.opener_made

@@ -284,7 +284,9 @@ def test_check_prints_each_edge_path() -> None:
     assert [e["path"] for e in report["edges"]] == ["gpu-direct-peer", "gpu-direct"]
     out = io.StringIO()
     render_report(report, out)
-    assert "tensors: host memory; gpu-direct-peer eligible (cuda:0 -> cuda:1" in out.getvalue()
+    text = out.getvalue()
+    assert "tensors: gpu-direct-peer (cuda:0 -> cuda:1: CUDA IPC handle, peer copy" in text
+    assert "tensors: gpu-direct (cuda:1 -> cuda:1" in text and "under 256 KiB through the host" in text
     tiny = io.StringIO()
     render_report(build_report(load_pipeline("qwen3-omni-tiny")), tiny)
     assert "tensors: host (stage 0 (thinker) is on cpu)" in tiny.getvalue()

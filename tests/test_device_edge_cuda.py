@@ -19,7 +19,7 @@ from omnirelay.connectors.device import (
     decode_ref,
     encode_ref,
 )
-from tests.device_cuda_roles import consumer, digest, producer
+from tests.device_cuda_roles import consumer, digest, producer, shm_consumer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -146,3 +146,93 @@ def test_a_dead_producer_is_forgotten() -> None:
     with pytest.raises((RuntimeError, StaleBlockError)):  # a dead producer's memory is not served
         importer.take(ref)
     importer.close()
+
+
+# ------------------------------------------------------------------ the wired shm connector
+
+
+def test_the_shm_connector_on_a_gpu_direct_edge() -> None:
+    """Two processes on cuda:0 (same-GPU GPU-direct) through the shm connector: the object
+    arrives whole on the reader's device exactly once, abort releases its blocks, a reader
+    killed inside its claim is reaped with its blocks, nothing is left after close."""
+    from omnirelay.connectors.shm.connector import ShmConnector
+    from tests.conftest import shm_entries
+
+    namespace = f"gd{os.getpid()}"
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated(0)
+    prod = ShmConnector(
+        namespace, 1, gpu_direct_to=(2,), device="cuda:0", device_pool_bytes=64 << 20, device_min_bytes=0
+    )
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=shm_consumer, args=(child, namespace, "cuda:0"), daemon=True)
+    proc.start()
+    try:
+        obj = _tensors("cuda:0")
+        del obj["tensor_64mb"]
+        assert prod.put(1, 2, "a_1_0", obj).ok
+        health = prod.health()
+        assert (health.num_device_puts, health.device_blocks, health.num_device_fallbacks) == (4, 4, 0)
+        parent.send(("get", "a_1_0"))
+        status, error, got = parent.recv()
+        assert status == "ready", error
+        assert got == {k: (digest(t), "cuda:0") for k, t in obj.items()}  # whole, on its device
+        parent.send(("get_once", "a_1_0"))
+        assert parent.recv()[0] == "not_yet"  # exactly once
+        assert prod.reap_consumed() == 1 and prod.health().device_blocks == 0
+
+        assert prod.put(1, 2, "b_1_0", obj).ok  # aborted before it is read
+        assert prod.cleanup_prefix("b_1_") == 1 and prod.health().device_blocks == 0
+        parent.send(("get_once", "b_1_0"))
+        assert parent.recv()[0] == "not_yet"
+
+        assert prod.put(1, 2, "c_1_0", obj).ok
+        parent.send(("die_in_copy", "c_1_0"))
+        assert parent.recv() == "dying"
+        proc.join(timeout=30)
+        assert proc.exitcode == -9
+        assert prod.reap_consumed() == 1  # the dead reader's claim ends; its blocks go
+        assert prod.pending_keys() == [] and prod.health().device_blocks == 0
+        assert prod.put(1, 2, "d_1_0", {"t": torch.zeros(32 << 20, dtype=torch.uint8, device="cuda:0")}).ok
+        assert prod.health().num_device_fallbacks == 0  # every block reusable
+        assert prod.cleanup("d_1_0")
+        del obj  # the test's own tensors are no part of what must be freed
+    finally:
+        if proc.is_alive():
+            parent.send("stop")
+            proc.join(timeout=30)
+        prod.close()
+    assert shm_entries(namespace) == []
+    torch.cuda.ipc_collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) <= baseline + (64 << 20)  # at most the pool, pinned
+
+
+def test_the_thinker_hands_its_rows_on_its_device_for_a_gpu_direct_edge() -> None:
+    """On a GPU-direct edge the Thinker's rows for the Talker stay on its device (copies:
+    the step's buffers are reused), equal to the host rows it hands otherwise."""
+    from omnirelay.models import Checkpoint
+    from omnirelay.models.loader import ModelArgs
+    from omnirelay.models.thinker import ThinkerExecutor
+    from tests.test_models_support import run_thinker, tiny_dir
+
+    args = ModelArgs(device="cuda:0", runner="static", cuda_graphs=True, max_num_seqs=8, max_model_len=256)
+    thinker = ThinkerExecutor.from_checkpoint(Checkpoint.open(tiny_dir(), device="cuda:0"), args)
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9]}
+    layer = thinker.accept_hidden_layer
+    host = run_thinker(thinker, prompts, 3, accept_hidden_layer=layer)
+    thinker.keep_outputs_on_device(True)
+    device = run_thinker(thinker, prompts, 3, accept_hidden_layer=layer)
+    for rid in prompts:
+        for new in device[rid].results:
+            out = new.next_stage_output
+            assert all(t.device.type == "cuda" for t in out["hidden_layers"].values())
+            assert out["tts_pad"].device.type == "cuda"
+        a, b = host[rid].results[0].next_stage_output, device[rid].results[0].next_stage_output
+        assert all(
+            torch.equal(a["hidden_layers"][k], b["hidden_layers"][k].cpu()) for k in a["hidden_layers"]
+        )
+        assert all(
+            p.hidden_states["output"].device.type == "cuda" for p in device[rid].payloads if p.hidden_states
+        )

@@ -219,3 +219,22 @@ def test_static_runner_gives_the_tokens_and_hidden_states_of_the_dynamic_one(
                 assert got[layer].shape == want[layer].shape
                 torch.testing.assert_close(got[layer], want[layer], rtol=1e-4, atol=1e-5)
     assert static_thinker.runner is not None and static_thinker.runner.slots.num_free == 8
+
+
+def test_keeping_outputs_on_device_changes_nothing_on_the_cpu(
+    thinker: ThinkerExecutor, prompts: dict[str, list[int]]
+) -> None:
+    """A GPU-direct edge asks the Thinker to keep its rows on its device; on the CPU they
+    are the same host tensors as before."""
+    rid, prompt = next(iter(prompts.items()))
+    before = run_thinker(thinker, {rid: prompt}, 2, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
+    thinker.keep_outputs_on_device(True)
+    try:
+        after = run_thinker(thinker, {rid: prompt}, 2, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
+    finally:
+        thinker.keep_outputs_on_device(False)
+    for old, new in zip(before.results, after.results):
+        a, b = old.next_stage_output, new.next_stage_output
+        assert all(b["hidden_layers"][k].device.type == "cpu" for k in b["hidden_layers"])
+        assert all(torch.equal(a["hidden_layers"][k], b["hidden_layers"][k]) for k in a["hidden_layers"])
+        assert torch.equal(a["tts_pad"], b["tts_pad"]) and b["tts_pad"].device.type == "cpu"

@@ -207,12 +207,7 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             via = ", ".join(parts)
         w(f"  {e['label']}  {e['names']}: {e['contract']}\n")
         w(f"      connector {connector}; {via}\n")
-        if e["path"] in ("gpu-direct", "gpu-direct-peer"):
-            w(
-                f"      tensors: host memory; {e['path']} eligible ({e['path_reason']}), not taken by the shm connector\n"
-            )
-        else:
-            w(f"      tensors: {e['path']} ({e['path_reason']})\n")
+        w(f"      tensors: {e['path']} ({e['path_reason']})\n")
 
     w("\nfinal outputs\n")
     for modality, ids in report["final_outputs"].items():

@@ -130,6 +130,16 @@ class ConnectorHealth(msgspec.Struct):
     pool_slots: int = 0
     pool_bytes: int = 0
     last_error: str | None = None
+    #: GPU-direct edges (docs/protocol.md §3.9): tensors placed in the device pool, their
+    #: bytes, tensors that took the host path because the pool was full or the device
+    #: failed (and the last reason), blocks and bytes held now, tensors copied out.
+    num_device_puts: int = 0
+    device_bytes_put: int = 0
+    num_device_fallbacks: int = 0
+    last_device_fallback: str | None = None
+    device_blocks: int = 0
+    device_pool_bytes: int = 0
+    num_device_gets: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

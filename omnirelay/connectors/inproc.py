@@ -216,5 +216,6 @@ class InprocConnector(Connector):
                 num_live_objects=live,
                 live_bytes=sum(self._pending.values()),
                 last_error=self._last_error,
+                last_device_fallback=None,
                 **self._counts,
             )

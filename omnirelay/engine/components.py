@@ -117,8 +117,15 @@ def create_stage_engine(
             raise ConfigError(
                 f"{s.label} sends or receives chunks: give the pipeline (or this call) a namespace"
             )
+        from omnirelay.connectors.device.paths import gpu_direct_options
+
         backend = pipeline.connector_spec(roles.connector_name).backend
-        connector = create_connector(backend, namespace=ns, stage_id=s.id)
+        # Where both stages of an edge are on CUDA devices, its tensors go device to device.
+        options = gpu_direct_options(pipeline, s) if backend == "shm" else {}
+        connector = create_connector(backend, namespace=ns, stage_id=s.id, **options)
+        keep_on_device = getattr(parts.executor, "keep_outputs_on_device", None)
+        if options.get("gpu_direct_to") and callable(keep_on_device):
+            keep_on_device(True)  # its outputs cross device to device: no copy to the host first
     try:
         return StageEngine(
             s,

@@ -145,6 +145,11 @@ class Executor(Protocol):
         """Free the request's model state (KV cache …). Idempotent."""
         ...
 
+    # Optional: ``keep_outputs_on_device(enabled: bool)`` — called once, before the first
+    # step, when the stage's edge to the next one is GPU-direct (docs/protocol.md §3.9):
+    # hand next_stage_output's tensors on the model's device instead of copying them to
+    # the host (the Thinker does).
+
 
 class StageEngineProtocol(Protocol):
     """What the worker loop drives; one engine thread calls everything but the commands.

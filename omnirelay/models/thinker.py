@@ -102,8 +102,11 @@ class ThinkerExecutor:
         self._num_text_ids = min(vocab, len(tokenizer))
         with torch.inference_mode():
             ids = torch.tensor(tts_token_ids, dtype=torch.long, device=self.device)
-            rows = self._text.embed_tokens(ids).detach().to("cpu")
-        self._tts = {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
+            self._tts_rows = self._text.embed_tokens(ids).detach()
+        #: Where the rows handed to the Talker live: the host, or (on a GPU-direct edge,
+        #: see keep_outputs_on_device) this device.
+        self._out_device: torch.device | None = None
+        self._tts = self._tts_on(torch.device("cpu"))
         self._kv = KVPool()
         self._seqs: dict[str, _Sequence] = {}
         self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
@@ -415,13 +418,30 @@ class ThinkerExecutor:
             next_stage_output=self._stage_output(layers, [*item.all_token_ids, token]),
         )
 
+    def keep_outputs_on_device(self, enabled: bool) -> None:
+        """Hand the Talker its rows on this device (the edge to it is GPU-direct: the
+        connector moves them device to device, or straight from the device into its slot
+        when they are small) instead of copying them to the host here. A no-op on the CPU."""
+        self._out_device = self.device if enabled and self.device.type == "cuda" else None
+        self._tts = self._tts_on(self._out_device or torch.device("cpu"))
+        if self.runner is not None:
+            self.runner.keep_hidden_on_device = self._out_device is not None
+
+    def _tts_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        rows = self._tts_rows.to(device)
+        return {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
+
     def _rows(self, hidden_states: tuple[torch.Tensor | None, ...], row: int) -> dict[int, torch.Tensor]:
-        """Row ``row`` of the captured hidden states, per layer, on the CPU."""
+        """Row ``row`` of the captured hidden states, per layer: on the CPU, or a copy on
+        this device (the step's buffers are reused by the next step) on a GPU-direct edge."""
         layers: dict[int, torch.Tensor] = {}
         for layer in self._layers:
             rows = hidden_states[layer]
             assert rows is not None, f"hidden state {layer} was not captured"
-            layers[layer] = rows[row].detach().to("cpu")
+            if self._out_device is None:
+                layers[layer] = rows[row].detach().to("cpu")
+            else:
+                layers[layer] = rows[row].detach().clone()
         return layers
 
     def _stage_output(self, layers: dict[int, torch.Tensor], token_ids: list[int]) -> dict[str, Any]:

@@ -11,6 +11,9 @@ Interface (the connectors are written against exactly this):
   types come back. ``stock``: a stream's :class:`OutputStock` (tensors made ahead, while the
   stream was idle, for the header it repeats).
 * :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
+* GPU-direct edges (docs/protocol.md §3.9): ``plan_encode(obj, place=)`` offers each
+  tensor to a :data:`Placer` (a device pool), whose reference then travels instead of the
+  bytes; ``decode(buf, device=)`` rebuilds such tensors with a :data:`DeviceTaker`.
 
 Implemented in three modules, one role each: ``wire.py`` (the layout, documented there,
 and what both directions share), ``encoder.py`` and ``decoder.py``.
@@ -26,8 +29,8 @@ Decoding untrusted bytes raises only :class:`~omnirelay.errors.PayloadDecodeErro
 
 from __future__ import annotations
 
-from omnirelay.payload.decoder import OutputStock, decode, peek_total_size
-from omnirelay.payload.encoder import EncodePlan, encode, plan_encode
+from omnirelay.payload.decoder import DeviceTaker, OutputStock, decode, peek_total_size
+from omnirelay.payload.encoder import EncodePlan, Placer, encode, plan_encode
 from omnirelay.payload.schema import lookup_struct, register_struct, struct_spec
 from omnirelay.payload.wire import ALIGNMENT, MAGIC, PREFIX_SIZE, WIRE_VERSION
 
@@ -36,8 +39,10 @@ __all__ = [
     "MAGIC",
     "PREFIX_SIZE",
     "WIRE_VERSION",
+    "DeviceTaker",
     "EncodePlan",
     "OutputStock",
+    "Placer",
     "decode",
     "encode",
     "lookup_struct",

@@ -3,6 +3,11 @@
 * :func:`decode` ``(buf, *, copy=True)`` — rebuild the object; the same struct types come back.
 * :func:`peek_total_size` ``(buf) -> int`` — the encoded length, from the prefix alone.
 
+A "device" region (a tensor left on a GPU of the host, docs/protocol.md §3.9) is rebuilt
+by the caller's ``device`` hook, ``device(ref_bytes, dtype, shape) -> tensor``, which
+copies it out of the producer's device pool (it raises :class:`PayloadDecodeError` for a
+reference it cannot serve); a decode without a hook refuses such a payload.
+
 Decoding untrusted bytes raises only :class:`~omnirelay.errors.PayloadDecodeError` (or a
 subclass), never an ``IndexError``, ``KeyError`` or ``struct.error``.
 
@@ -17,6 +22,7 @@ too: the tree is rebuilt from a template. Measured on a codec chunk (a dict), wa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -32,6 +38,7 @@ from omnirelay.payload.wire import (
     EXT_STRUCT,
     EXT_TUPLE,
     HEADER_DECODER,
+    MAX_DEVICE_REF,
     PREFIX_SIZE,
     U32,
     Region,
@@ -40,7 +47,10 @@ from omnirelay.payload.wire import (
     read_prefix,
 )
 
-__all__ = ["STOCK_MAX_BYTES", "OutputStock", "decode", "peek_total_size"]
+__all__ = ["STOCK_MAX_BYTES", "DeviceTaker", "OutputStock", "decode", "peek_total_size"]
+
+#: ``device(ref_bytes, dtype, shape) -> tensor``: rebuilds a "device" region.
+DeviceTaker = Callable[[memoryview, torch.dtype, tuple[int, ...]], torch.Tensor]
 
 
 class _RegionInfo(NamedTuple):
@@ -136,7 +146,9 @@ class OutputStock:
         self._made = made
 
 
-def decode(buf: Any, *, copy: bool = True, stock: OutputStock | None = None) -> Any:
+def decode(
+    buf: Any, *, copy: bool = True, stock: OutputStock | None = None, device: DeviceTaker | None = None
+) -> Any:
     """Rebuild the object encoded at the start of ``buf`` (extra trailing bytes are ignored).
 
     With ``copy=True`` every tensor and array owns its memory. With ``copy=False`` they are
@@ -154,7 +166,7 @@ def decode(buf: Any, *, copy: bool = True, stock: OutputStock | None = None) -> 
         if header_len <= _HEADER_CACHE_MAX_LEN:
             entry = _HEADER_CACHE.get(bytes(mv[: PREFIX_SIZE + header_len]))
             if entry is not None and len(mv) >= entry.total:
-                reader = _Reader(mv, entry.regions, copy)
+                reader = _Reader(mv, entry.regions, copy, device)
                 if stock is not None:
                     if stock._entry is not entry:
                         stock._entry = entry
@@ -175,7 +187,9 @@ def decode(buf: Any, *, copy: bool = True, stock: OutputStock | None = None) -> 
         raise PayloadDecodeError(f"malformed payload header: {exc}") from exc
     regions = _check_regions(header.regions, align(head_end), total)
     tree = bytes(header.tree)
-    obj = _decode_tree(tree, _Reader(mv[:total], regions, copy))  # raises on a bad tree: nothing cached
+    obj = _decode_tree(
+        tree, _Reader(mv[:total], regions, copy, device)
+    )  # raises on a bad tree: nothing cached
     entry = None
     if header_len <= _HEADER_CACHE_MAX_LEN:
         if len(_HEADER_CACHE) >= _HEADER_CACHE_ENTRIES:
@@ -314,12 +328,15 @@ _from_numpy = torch.from_numpy
 class _Reader:
     """Per-decode state: the validated region table and the ``ext_hook`` that uses it."""
 
-    __slots__ = ("copy", "made", "mv", "regions")
+    __slots__ = ("copy", "device", "made", "mv", "regions")
 
-    def __init__(self, mv: memoryview, regions: list[_RegionInfo], copy: bool) -> None:
+    def __init__(
+        self, mv: memoryview, regions: list[_RegionInfo], copy: bool, device: DeviceTaker | None = None
+    ) -> None:
         self.mv = mv
         self.copy = copy
         self.regions = regions
+        self.device = device
         #: Tensors an OutputStock made for this header, by region start.
         self.made: dict[int, tuple[torch.Tensor, memoryview]] | None = None
 
@@ -357,6 +374,8 @@ class _Reader:
                 return made[0]
         if r.kind == "bytes":
             return bytes(self.mv[r.start : r.start + r.nbytes])
+        if r.kind == "device":
+            return self._take_device(r)
         if r.nbytes == 0:
             if r.kind == "numpy":
                 return np.empty(r.shape, r.np_dtype)
@@ -371,6 +390,15 @@ class _Reader:
             src = src.copy()  # torch cannot wrap read-only memory
         t = _from_numpy(src)
         return t if r.torch_view is None else t.view(r.torch_view)
+
+    def _take_device(self, r: _RegionInfo) -> torch.Tensor:
+        if self.device is None:
+            raise PayloadDecodeError(
+                "the payload holds a tensor left on a GPU (a GPU-direct reference), and this "
+                "receiver takes no GPU-direct edge"
+            )
+        assert r.torch_dtype is not None  # Invariant: _check_region gives device regions one
+        return self.device(self.mv[r.start : r.start + r.nbytes], r.torch_dtype.dtype, r.shape)
 
 
 def _check_regions(regions: list[Region], data_start: int, total: int) -> list[_RegionInfo]:
@@ -395,6 +423,8 @@ def _check_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo
         if np_dtype is None:
             raise PayloadDecodeError(f"region {i}: unknown or unsupported numpy dtype {r.dtype!r}")
         itemsize = np_dtype.itemsize
+    elif r.kind == "device":
+        return _check_device_region(i, r, data_start, total)
     else:  # "bytes": the header decoder admits no other kind
         if r.dtype != "uint8" or len(r.shape) != 1:
             raise PayloadDecodeError(f"region {i}: a bytes region must be uint8 and 1-d")
@@ -423,6 +453,27 @@ def _check_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo
     else:
         read_dtype = np_dtype if np_dtype is not None else _U8
     return _RegionInfo(r.kind, start, r.nbytes, r.shape, torch_dtype, np_dtype, read_dtype, torch_view)
+
+
+def _check_device_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo:
+    """A "device" region: the dtype and shape are the tensor's, the bytes its reference."""
+    torch_dtype = TORCH_BY_NAME.get(r.dtype)
+    if torch_dtype is None:
+        raise PayloadDecodeError(f"region {i}: unknown torch dtype {r.dtype!r}")
+    if math.prod(max(d, 1) for d in r.shape) * torch_dtype.itemsize > 2**62:
+        raise PayloadDecodeError(f"region {i}: shape {r.shape} is too large")
+    if not 0 < r.nbytes <= MAX_DEVICE_REF:
+        raise PayloadDecodeError(
+            f"region {i}: a device reference of {r.nbytes} bytes (1 to {MAX_DEVICE_REF} travel)"
+        )
+    if r.offset % ALIGNMENT:
+        raise PayloadDecodeError(f"region {i}: offset {r.offset} is not a multiple of {ALIGNMENT}")
+    start = data_start + r.offset
+    if start + r.nbytes > total:
+        raise PayloadDecodeError(
+            f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
+        )
+    return _RegionInfo("device", start, r.nbytes, r.shape, torch_dtype, None, _U8, None)
 
 
 def _build_struct(name: str, fields: dict[Any, Any]) -> Any:

@@ -7,11 +7,17 @@
   possibly device) source.
 * :func:`encode` ``(obj) -> bytes`` — plan + write into a fresh buffer.
 
+``plan_encode(obj, place=...)`` is the GPU-direct form (docs/protocol.md §3.9): each tensor
+is first offered to ``place``, which returns the bytes of a device reference once the
+tensor is in a device pool (its region is then a "device" region holding them), or None
+(the tensor's bytes travel as usual). Without ``place`` the walk is the plain one.
+
 Every object takes the same walk (:class:`_Planner`); errors name the offending path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -35,7 +41,7 @@ from omnirelay.payload.wire import (
     align,
 )
 
-__all__ = ["EncodePlan", "encode", "plan_encode"]
+__all__ = ["EncodePlan", "Placer", "encode", "plan_encode"]
 
 #: Regions up to this size are copied with a memoryview assignment (cheapest for small
 #: ones, but it holds the GIL); larger ones with numpy, which releases the GIL while it
@@ -57,6 +63,10 @@ _astuple = msgspec.structs.astuple
 _Ext = msgspec.msgpack.Ext
 #: The reference values of the first regions, made once (a chunk has a handful).
 _REGION_REFS: Final = tuple(_Ext(EXT_REGION, U32.pack(i)) for i in range(64))
+
+#: ``place(tensor) -> bytes | None``: the encoded device reference of ``tensor`` once it is
+#: in a device pool, or None for the host path (see the module docstring).
+Placer = Callable[[torch.Tensor], bytes | None]
 
 #: A region table entry as the header carries it: (kind, dtype, shape, offset, nbytes).
 RegionEntry = tuple[str, str, tuple[int, ...], int, int]
@@ -276,6 +286,29 @@ class _Planner:
         return _REGION_REFS[index] if index < len(_REGION_REFS) else _Ext(EXT_REGION, U32.pack(index))
 
 
+class _DevicePlanner(_Planner):
+    """The walk of a GPU-direct put: each tensor is offered to ``place`` first."""
+
+    __slots__ = ("place",)
+
+    def __init__(self, strict: bool, place: Placer) -> None:
+        super().__init__(strict)
+        self.place = place
+
+    def _add_tensor(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
+        info = TORCH_BY_DTYPE.get(t.dtype)
+        if (
+            info is not None
+            and t.layout is torch.strided
+            and t.dim() <= MAX_DIMS
+            and not (t.is_quantized or t.is_nested)
+        ):  # ``place`` tells whether the tensor is on its device at all
+            ref = self.place(t)
+            if ref is not None:
+                return self._add_region("device", info.name, tuple(t.shape), len(ref), ref)
+        return super()._add_tensor(t)
+
+
 def _unsupported(obj: Any) -> str:
     tp = type(obj)
     name = _type_name(tp)
@@ -355,14 +388,16 @@ class EncodePlan:
         return n
 
 
-def plan_encode(obj: Any) -> EncodePlan:
-    """Validate ``obj`` and prepare its encoding. Raises :class:`PayloadEncodeError`."""
+def plan_encode(obj: Any, place: Placer | None = None) -> EncodePlan:
+    """Validate ``obj`` and prepare its encoding. Raises :class:`PayloadEncodeError`.
+    ``place``: offered every tensor that is not on the CPU (a GPU-direct edge)."""
     try:
         try:
-            return _plan(obj, strict=False)
+            return _plan(obj, strict=False, place=place)
         except OverflowError:
-            # An int beyond 64 bits in a list of plain values: walk again to name it.
-            return _plan(obj, strict=True)
+            # An int beyond 64 bits in a list of plain values: walk again to name it (the
+            # walk raises there, so nothing more is placed than the caller will release).
+            return _plan(obj, strict=True, place=place)
     except _PathError as exc:
         raise PayloadEncodeError(f"payload{''.join(reversed(exc.segments))}{exc.tail}") from None
     except RecursionError:
@@ -373,8 +408,8 @@ def plan_encode(obj: Any) -> EncodePlan:
         raise PayloadEncodeError(f"payload: {exc}") from exc
 
 
-def _plan(obj: Any, *, strict: bool) -> EncodePlan:
-    planner = _Planner(strict)
+def _plan(obj: Any, *, strict: bool, place: Placer | None = None) -> EncodePlan:
+    planner = _Planner(strict) if place is None else _DevicePlanner(strict, place)
     tree = planner.lower(obj)
     header = _ENCODER.encode((planner.regions, tree))
     if len(header) > 0xFFFFFFFF:

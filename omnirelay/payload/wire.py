@@ -7,7 +7,10 @@ Layout (version 1, little endian)::
                  regions: [[kind, dtype, shape, offset, nbytes], ...]
                    kind "torch" (dtype = torch name, e.g. "bfloat16"), "numpy" (dtype = numpy
                    dtype.str, e.g. "<f4") or "bytes" (dtype "uint8"); offset is relative to
-                   data_start, a multiple of 64, increasing; nbytes = prod(shape) * itemsize
+                   data_start, a multiple of 64, increasing; nbytes = prod(shape) * itemsize.
+                   kind "device": a tensor of that torch dtype and shape left on a GPU of
+                   the host (a GPU-direct edge, docs/protocol.md §3.9); the region holds
+                   its device reference (at most MAX_DEVICE_REF bytes), not its data
                  tree: the object, in msgpack, with msgpack extension values for what
                    msgpack cannot say:
                    ext 1 = region reference (u32 index into regions),
@@ -39,6 +42,7 @@ __all__ = [
     "EXT_TUPLE",
     "HEADER_DECODER",
     "MAGIC",
+    "MAX_DEVICE_REF",
     "MAX_DIMS",
     "PREFIX",
     "PREFIX_SIZE",
@@ -62,6 +66,9 @@ EXT_REGION: Final = 1
 EXT_TUPLE: Final = 2
 EXT_STRUCT: Final = 3
 
+#: The largest device reference a "device" region may hold (a CUDA one is ~300 bytes).
+MAX_DEVICE_REF: Final = 2048
+
 #: numpy 1.x supports 32 dimensions; more would encode but not decode everywhere.
 MAX_DIMS: Final = 32
 
@@ -74,7 +81,7 @@ class Region(msgspec.Struct, array_like=True, frozen=True):
     """One entry of the header's region table (the encoder writes the same fields as a
     plain tuple: msgpack cannot tell them apart)."""
 
-    kind: Literal["torch", "numpy", "bytes"]
+    kind: Literal["torch", "numpy", "bytes", "device"]
     dtype: str
     shape: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_DIMS)]
     offset: Annotated[int, msgspec.Meta(ge=0)]

@@ -13,6 +13,10 @@ generated position (or the request finished): that is the least the Talker can s
 from, and chunked prefill accumulates through the same cache. Every later chunk carries
 ``embed.decode``: the layer-0 rows of that step.
 
+Tensors stay where the Thinker put them: on its device when its edge to the Talker is
+GPU-direct (docs/protocol.md §3.9; the connector then moves them device to device, or
+straight from the device into its slot), on the host otherwise.
+
 Beyond the reference (docs/protocol.md §10.10): a decode step of several rows (speculative or
 multi-token decode) is sent as several rows instead of being dropped, and every tensor's
 shape is checked with an error that names it. A step output without the captured layers
@@ -219,7 +223,7 @@ class ThinkerToTalkerProcessor:
             raise PayloadEncodeError(
                 f"{_PROCESSOR}: {what} has width {rows.shape[1]}, earlier steps had {expected}"
             )
-        return rows.cpu()
+        return rows  # where the Thinker put them: on its device when the edge is GPU-direct
 
     @staticmethod
     def _tts_embed(name: str, value: object, state: ThinkerStreamState) -> torch.Tensor:
@@ -234,7 +238,7 @@ class ThinkerToTalkerProcessor:
                 f"{_PROCESSOR}: {name} must be one embedding row [1, {width if width is not None else 'H'}], "
                 f"got shape {tuple(value.shape)}"
             )
-        return t.cpu()
+        return t
 
 
 def _as_id_list(ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:

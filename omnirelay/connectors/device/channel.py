@@ -31,15 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
+from omnirelay.connectors.device.paths import MIN_BYTES
 from omnirelay.connectors.device.pool import STAMP_BYTES, DevicePool
 from omnirelay.connectors.device.refs import ArenaHandle, DeviceRef, check_ref
 from omnirelay.payload.dtypes import TORCH_BY_DTYPE, TORCH_BY_NAME
-
-#: Below this size a tensor takes the host path: on one H200, a 4 KB hidden step and a
-#: 6.4 KB codec chunk crossed processes faster through the host (196 / 261 µs) than
-#: GPU-direct (566 / 480 µs; its stamp checks and synchronizations are fixed costs),
-#: a 4 MB prefill 3.3x faster GPU-direct (`omnirelay bench transfer --gpu cuda:0`).
-MIN_BYTES = 256 << 10
 
 __all__ = [
     "MIN_BYTES",

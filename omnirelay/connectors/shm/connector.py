@@ -22,6 +22,10 @@ The facade over the two sides (docs/design.md §7):
 * ``reclaim.py`` — **crash safety**: names carry the owner's pid and start time; ``sweep``
   (at startup and by ``omnirelay doctor --reclaim``) removes objects of dead owners only.
   A slot left CLAIMED by a dead consumer returns to its producer's pool on the next reap.
+* GPU-direct edges (``gpu_direct_to`` / ``gpu_direct_in``, set from the pipeline where
+  both stages are on CUDA devices of the host; docs/protocol.md §3.9): device tensors of a
+  put stay in this stage's device pool and the slot carries their references; a get
+  copies them onto ``device`` inside its claim (``omnirelay.connectors.device.edge``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirelay.connectors.base import (
     Arrivals,
@@ -44,6 +48,9 @@ from omnirelay.connectors.shm.mappings import MappingCache
 from omnirelay.connectors.shm.producer import Allocator, Producer, default_allocator
 from omnirelay.connectors.shm.reader import Reader
 from omnirelay.errors import ConnectorError
+
+if TYPE_CHECKING:
+    from omnirelay.connectors.device.edge import DeviceBackend, DeviceReceiver, DeviceSender
 
 __all__ = ["ShmConnector", "ShmOptions", "default_allocator", "notice_address"]
 
@@ -64,6 +71,15 @@ class ShmOptions:
     listen: bool = True  # bind this stage's notice socket at construction
     sweep_on_start: bool = True
     shm_dir: str = names.SHM_DIR
+    #: GPU-direct edges (docs/protocol.md §3.9): the stages this one sends device tensors
+    #: to through its device pool, whether it receives them, its own torch device (where
+    #: received tensors go, and the pool lives), the pool's size, and the smallest tensor
+    #: placed (None: the measured default; smaller ones cross faster through the host).
+    gpu_direct_to: tuple[int, ...] = ()
+    gpu_direct_in: bool = False
+    device: str | None = None
+    device_pool_bytes: int = 256 << 20
+    device_min_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pool_max_bytes", "pool_max_slots", "map_cache_bytes", "map_cache_entries"):
@@ -73,16 +89,33 @@ class ShmOptions:
         scan = self.dead_owner_scan_s
         if isinstance(scan, bool) or not isinstance(scan, int | float) or not math.isfinite(scan) or scan < 0:
             raise ConnectorError(f"shm option dead_owner_scan_s must be seconds >= 0, got {scan!r}")
-        for name in ("listen", "sweep_on_start"):
+        for name in ("listen", "sweep_on_start", "gpu_direct_in"):
             if not isinstance(getattr(self, name), bool):
                 raise ConnectorError(f"shm option {name} must be true or false, got {getattr(self, name)!r}")
+        to = self.gpu_direct_to
+        if not isinstance(to, tuple | list | frozenset | set) or not all(
+            type(i) is int and i >= 0 for i in to
+        ):
+            raise ConnectorError(f"shm option gpu_direct_to must be stage ids, got {to!r}")
+        self.gpu_direct_to = tuple(to)
+        if self.device is not None and not isinstance(self.device, str):
+            raise ConnectorError(
+                f"shm option device must be a device name such as cuda:0, got {self.device!r}"
+            )
+        for name in ("device_pool_bytes", "device_min_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "device_min_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConnectorError(f"shm option {name} must be a non-negative int, got {value!r}")
 
 
 class ShmConnector(Connector):
     """See the module docstring. ``options`` are :class:`ShmOptions`' fields. Injected
     backends: ``allocator`` creates and maps slot files; ``atomic_ops`` is the
     implementation of the atomic word operations (default :data:`atomics.DEFAULT`: the C
-    extension where it is built, else libatomic)."""
+    extension where it is built, else libatomic); ``device_backend`` is that of the GPU-direct
+    edges (default CUDA; only made when the options name such an edge)."""
 
     backend = "shm"
 
@@ -93,6 +126,7 @@ class ShmConnector(Connector):
         *,
         allocator: Allocator = default_allocator,
         atomic_ops: atomics.Backend | None = None,
+        device_backend: DeviceBackend | None = None,
         **options: Any,
     ) -> None:
         self._closed = True  # until constructed: __del__ must not touch half-built state
@@ -110,6 +144,7 @@ class ShmConnector(Connector):
         self._last_error: str | None = None
         self._outbox = notices.Outbox(self.namespace)
         self._inbox = notices.Inbox(self.namespace)
+        self._device_sender, self._device_receiver = self._device_ends(device_backend)
         self._producer = Producer(
             namespace=self.namespace,
             shm_dir=shm_dir,
@@ -119,6 +154,8 @@ class ShmConnector(Connector):
             pool_max_slots=self.options.pool_max_slots,
             pool_max_bytes=self.options.pool_max_bytes,
             on_error=self._note_error,
+            device=self._device_sender,
+            device_to=frozenset(self.options.gpu_direct_to),
         )
         self._maps = MappingCache(
             shm_dir,
@@ -135,6 +172,7 @@ class ShmConnector(Connector):
             outbox=self._outbox,
             on_consumed=self._producer.take_back,
             on_error=self._note_error,
+            device=self._device_receiver.take if self._device_receiver is not None else None,
         )
         self._next_dead_scan = 0.0
         self.num_dead_mappings_dropped = 0
@@ -148,6 +186,28 @@ class ShmConnector(Connector):
                 self._inbox.listen(stage_id)
             except ConnectorError:
                 pass  # another connector of this namespace listens for the stage
+
+    def _device_ends(
+        self, backend: DeviceBackend | None
+    ) -> tuple[DeviceSender | None, DeviceReceiver | None]:
+        """The sender and receiver of the GPU-direct edges the options name (torch and the
+        device modules are imported only then: a host-only connector never loads them)."""
+        opts = self.options
+        if not opts.gpu_direct_to and not opts.gpu_direct_in:
+            return None, None
+        from omnirelay.connectors.device.channel import MIN_BYTES
+        from omnirelay.connectors.device.edge import CudaBackend, DeviceReceiver, DeviceSender
+
+        backend = backend if backend is not None else CudaBackend()
+        sender = receiver = None
+        if opts.gpu_direct_to:
+            min_bytes = opts.device_min_bytes if opts.device_min_bytes is not None else MIN_BYTES
+            sender = DeviceSender(
+                backend, device=opts.device, capacity=opts.device_pool_bytes, min_bytes=min_bytes
+            )
+        if opts.gpu_direct_in:
+            receiver = DeviceReceiver(backend, device=opts.device)
+        return sender, receiver
 
     def _note_error(self, reason: str) -> None:
         self._last_error = reason
@@ -179,6 +239,8 @@ class ShmConnector(Connector):
         if now >= self._next_dead_scan:
             self._next_dead_scan = now + self.options.dead_owner_scan_s
             self.num_dead_mappings_dropped += self._maps.drop_dead_owners(names.owner_alive)
+            if self._device_receiver is not None:
+                self._device_receiver.forget_dead()  # arenas of dead producers
         return self._producer.reap()
 
     def pending_keys(self) -> list[str]:
@@ -191,6 +253,8 @@ class ShmConnector(Connector):
         self._reader.is_closed = True
         self._producer.close()
         self._maps.clear()  # each mapping goes with its last reference
+        if self._device_receiver is not None:
+            self._device_receiver.close()
         self._inbox.close()
         self._outbox.close()
 
@@ -213,5 +277,9 @@ class ShmConnector(Connector):
             num_notices_sent=self._outbox.num_sent,
             num_notices_lost=self._outbox.num_lost,
             last_error=self._last_error,
+            num_device_gets=self._device_receiver.num_gets if self._device_receiver is not None else 0,
+            last_device_fallback=self._device_sender.last_fallback
+            if self._device_sender is not None
+            else None,
             **books,
         )

@@ -18,6 +18,11 @@ retracts the object), so a name always points at the slot its producer linked. A
 left CLAIMED by a reader that died returns to the pool on a later reap.
 
 Slots are pooled (best fit, bounded in count and bytes), pre-faulted, and stay mapped.
+
+On a GPU-direct edge (``device``, docs/protocol.md §3.9) the codec offers each device
+tensor to the connector's device pool; the keys of the blocks a put took stay with its
+slot, and whatever returns the slot to the pool or retires it releases them — so a block
+lives exactly as long as the object that refers to it.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirelay.connectors.base import REAP_BATCH, SMALL_OBJECT_BYTES, PutResult, is_prefix_match
 from omnirelay.connectors.shm import atomics, names, notices, slot
 from omnirelay.errors import ConnectorError, OmniRelayError
 from omnirelay.payload import codec
+
+if TYPE_CHECKING:
+    from omnirelay.connectors.device.edge import DeviceSender
 
 __all__ = ["Allocator", "Producer", "default_allocator"]
 
@@ -95,6 +103,7 @@ class _Slot:
     view: memoryview | None = None  # of the whole mapping, for writes
     unrecorded_since: float | None = None  # CLAIMED without a record of this claim, since
     pooled: bool = False  # in the free pool (a second release would hand it out twice)
+    device_keys: list[str] | None = None  # device blocks its object refers to (GPU-direct)
 
     def mm_view(self) -> memoryview:
         if self.view is None:
@@ -106,7 +115,8 @@ class Producer:
     """Puts of one connector (any thread) and the books of what they published.
 
     ``pool_max_slots`` / ``pool_max_bytes`` bound the free slots kept for reuse;
-    ``on_error(reason)`` is told of every failed put.
+    ``on_error(reason)`` is told of every failed put. ``device``: the device pool of the
+    GPU-direct edges, to the stages in ``device_to``.
     """
 
     def __init__(
@@ -120,8 +130,12 @@ class Producer:
         pool_max_slots: int,
         pool_max_bytes: int,
         on_error: Callable[[str], None],
+        device: DeviceSender | None = None,
+        device_to: frozenset[int] = frozenset(),
     ) -> None:
         self._namespace = namespace
+        self._device = device
+        self._device_to = device_to if device is not None else frozenset()
         self._dir = shm_dir
         self._kprefix = os.path.join(shm_dir, f"{names.PREFIX}{namespace}-k-")
         self._owner = names.self_owner()
@@ -159,11 +173,18 @@ class Producer:
             return refused
         off = slot.payload_offset(len(key_bytes))
         taken = self._announce_early(to_stage, off, key_bytes)
+        placed: list[str] | None = None
         try:
-            plan = codec.plan_encode(obj)
+            if self._device_to and to_stage in self._device_to:
+                assert self._device is not None
+                placed = []
+                plan = codec.plan_encode(obj, self._device.placer(placed))
+            else:
+                plan = codec.plan_encode(obj)
         except OmniRelayError as exc:
             if taken is not None:
                 self._withdraw(*taken)
+            self._drop_blocks(placed)
             return self._failed(str(exc))
         need = off + plan.nbytes
         self._edge_need[to_stage] = plan.nbytes
@@ -176,9 +197,12 @@ class Producer:
         if taken is None:
             got = self._take_slot(need)
             if isinstance(got, str):
+                self._drop_blocks(placed)
                 return self._failed(got)
             taken = got
         sl, seq = taken
+        if placed:
+            sl.device_keys = placed  # released with the slot, whichever way it goes
         try:
             slot.write_publish_header(
                 sl.mm,
@@ -373,8 +397,15 @@ class Producer:
         self._unlink_name(sl)
         self._release(sl)
 
+    def _drop_blocks(self, keys: list[str] | None) -> None:
+        if keys and self._device is not None:
+            self._device.release(keys)
+
     def _release(self, sl: _Slot) -> None:
         """Return a slot to the free pool, or retire it if the pool is full or closed."""
+        if sl.device_keys is not None:
+            keys, sl.device_keys = sl.device_keys, None
+            self._drop_blocks(keys)
         sl.khash = None
         sl.payload_len = 0
         with self._lock:
@@ -393,6 +424,9 @@ class Producer:
             self._retire(sl)
 
     def _retire(self, sl: _Slot, *, mark: bool = True) -> None:
+        if sl.device_keys is not None:
+            keys, sl.device_keys = sl.device_keys, None
+            self._drop_blocks(keys)
         if mark:
             try:
                 sl.word.store(slot.stamp(slot.RETIRED, sl.seq))
@@ -498,6 +532,7 @@ class Producer:
                 "live_bytes": sum(s.payload_len for s in self._pending.values()),
                 "pool_slots": len(slots),
                 "pool_bytes": sum(s.size for s in slots),
+                **(self._device.stats() if self._device is not None else {}),
             }
 
     def close(self) -> None:
@@ -510,6 +545,8 @@ class Producer:
             pending = list(self._pending.values())
             self._pending.clear()
             free, self._free = self._free, []
+        if self._device is not None:
+            self._device.close()  # first: a reader copying a block it claimed keeps it
         for sl in pending:
             if sl.khash is not None:
                 _unlink_quiet(self._kprefix + sl.khash)

@@ -28,6 +28,12 @@ A get that follows a *small* notice (``Arrivals.small``) stays bounded: it copie
 ``SMALL_OBJECT_BYTES``. A larger object met by name is left where it is and announced
 again, not small, so the receiver fetches it like any large object.
 
+On a GPU-direct edge (docs/protocol.md §3.9) the object's device tensors are copied out of
+their producer's device pool by ``device`` (a ``DeviceReceiver``'s take) during the
+decode, inside the claim: the slot is set FREE only after the copy, so the producer
+releases a block only once its reader is done with it, and a reference it cannot serve
+(stale, forged) is a FAILED get like any corrupt payload.
+
 A key's name that leads to something that is not a valid object of that key is a FAILED
 get, and the name is removed — claimed with a rename first, and given back if it turns
 out to name another inode by then, so a reader never removes a name it did not judge.
@@ -73,8 +79,10 @@ class Reader:
         outbox: notices.Outbox,
         on_consumed: Callable[[str], None],
         on_error: Callable[[str], None],
+        device: codec.DeviceTaker | None = None,
     ) -> None:
         self._namespace = namespace
+        self._device = device
         self._dir = shm_dir
         self._kprefix = os.path.join(shm_dir, f"{names.PREFIX}{namespace}-k-")
         self._owner = names.self_owner()
@@ -222,7 +230,7 @@ class Reader:
             return None
         off, nbytes = span
         try:
-            obj = codec.decode(mp.view[off : off + nbytes], copy=True, stock=stock)
+            obj = codec.decode(mp.view[off : off + nbytes], copy=True, stock=stock, device=self._device)
             if stock is not None and stock.can_refill and len(self._to_restock) < _MAX_STOCKS:
                 self._to_restock[stock] = None
         except OmniRelayError as exc:

@@ -96,6 +96,9 @@ class ThinkerRunner:
         config = text_model.config
         self.buckets = buckets
         self.capture_layers = capture_layers
+        #: Hand the captured rows on the device (copies of the launch's reused buffers) for
+        #: a GPU-direct edge to the Talker, instead of copying them to the host.
+        self.keep_hidden_on_device = False
         self.num_text_ids = num_text_ids
         self.slots = SlotTable(buckets.max_num_seqs, buckets.max_model_len)
         self.kv = SlotKV(
@@ -214,7 +217,10 @@ class ThinkerRunner:
     ) -> None:
         n = len(launch.pieces)
         greedy = out["greedy"][:n].tolist()
-        hidden = {layer: out[f"h{layer}"][:n].to("cpu") for layer in self.capture_layers}
+        if self.keep_hidden_on_device:
+            hidden = {layer: out[f"h{layer}"][:n].clone() for layer in self.capture_layers}
+        else:
+            hidden = {layer: out[f"h{layer}"][:n].to("cpu") for layer in self.capture_layers}
         sampled = [
             i
             for i, p in enumerate(launch.pieces)
