@@ -436,13 +436,7 @@ def _check_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo
         raise PayloadDecodeError(
             f"region {i}: {r.nbytes} bytes do not match shape {r.shape} of {r.dtype} ({itemsize} bytes each)"
         )
-    if r.offset % ALIGNMENT:
-        raise PayloadDecodeError(f"region {i}: offset {r.offset} is not a multiple of {ALIGNMENT}")
-    start = data_start + r.offset
-    if start + r.nbytes > total:
-        raise PayloadDecodeError(
-            f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
-        )
+    start = _region_start(i, r, data_start, total)
     torch_view: torch.dtype | None = None
     if torch_dtype is not None:
         if torch_dtype.np_dtype is not None:
@@ -453,6 +447,19 @@ def _check_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo
     else:
         read_dtype = np_dtype if np_dtype is not None else _U8
     return _RegionInfo(r.kind, start, r.nbytes, r.shape, torch_dtype, np_dtype, read_dtype, torch_view)
+
+
+def _region_start(i: int, r: Region, data_start: int, total: int) -> int:
+    """Where region ``i``'s bytes start in the payload, once its offset is aligned and its
+    bytes end within the payload."""
+    if r.offset % ALIGNMENT:
+        raise PayloadDecodeError(f"region {i}: offset {r.offset} is not a multiple of {ALIGNMENT}")
+    start = data_start + r.offset
+    if start + r.nbytes > total:
+        raise PayloadDecodeError(
+            f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
+        )
+    return start
 
 
 def _check_device_region(i: int, r: Region, data_start: int, total: int) -> _RegionInfo:
@@ -466,13 +473,7 @@ def _check_device_region(i: int, r: Region, data_start: int, total: int) -> _Reg
         raise PayloadDecodeError(
             f"region {i}: a device reference of {r.nbytes} bytes (1 to {MAX_DEVICE_REF} travel)"
         )
-    if r.offset % ALIGNMENT:
-        raise PayloadDecodeError(f"region {i}: offset {r.offset} is not a multiple of {ALIGNMENT}")
-    start = data_start + r.offset
-    if start + r.nbytes > total:
-        raise PayloadDecodeError(
-            f"region {i}: bytes [{start}, {start + r.nbytes}) lie past the payload end {total}"
-        )
+    start = _region_start(i, r, data_start, total)
     return _RegionInfo("device", start, r.nbytes, r.shape, torch_dtype, None, _U8, None)
 
 
