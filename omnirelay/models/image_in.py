@@ -155,7 +155,8 @@ def layout_of_checkpoint(config: Any, path: Path | None) -> VisionLayout | None:
 
 def image_inputs(images: Sequence[Any]) -> list[torch.Tensor]:
     """The ``"images"`` entry of an entry stage's ``inputs`` (RGB uint8 ``[H, W, 3]``)."""
-    return [torch.as_tensor(np.ascontiguousarray(img, dtype=np.uint8)) for img in images]
+    # torch shares a numpy array's memory and needs it writable (Pillow's arrays are not)
+    return [torch.from_numpy(np.require(img, dtype=np.uint8, requirements=["C", "W"])) for img in images]
 
 
 def read_image_inputs(inputs: Any, who: str) -> list[torch.Tensor]:
