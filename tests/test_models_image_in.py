@@ -182,3 +182,21 @@ def test_bad_image_requests_fail_cleanly(thinker: ThinkerExecutor) -> None:
     with pytest.raises(ModelError, match="image positions but its 2 image"):
         thinker.step([item("two@s0.0", input_ids=ids, inputs={"images": images * 2})])
     assert thinker.num_live_requests() == 0
+
+
+def test_the_static_runner_refuses_images_up_front_and_in_the_thinker() -> None:
+    from omnirelay.serving.text import thinker_vision
+
+    args = {"model_dir": str(tiny_dir())}
+    layout, refusal = thinker_vision({**args, "runner": "static"})
+    assert layout is None and refusal is not None and "static (CUDA graph) runner" in refusal
+    assert thinker_vision({**args, "runner": "dynamic"}) == (thinker_vision(args)[0], None)
+    static = ThinkerExecutor.from_checkpoint(
+        Checkpoint.open(tiny_dir()),
+        ModelArgs(runner="static", cuda_graphs=False, max_num_seqs=2, max_model_len=256),
+    )
+    assert static.vision is not None
+    images = [_image(11, 16, 16, static.vision)]
+    with pytest.raises(ModelError, match="the static runner takes no image input"):
+        static.step([item("s@s0.0", input_ids=_prompt(static, images), inputs={"images": images})])
+    assert static.num_live_requests() == 0

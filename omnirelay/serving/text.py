@@ -42,6 +42,7 @@ __all__ = [
     "TextCodec",
     "codec_for_pipeline",
     "format_chat",
+    "thinker_vision",
 ]
 
 #: The system turn of a speech request on a chat pipeline (Thinker first).
@@ -227,13 +228,14 @@ def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
         args = dict(stage0.executor_args)
         is_thinker = stage0.executor == "qwen3_omni.thinker"
         window = thinker_audio_window(**args) if is_thinker else None
-        vision, refusal = _thinker_vision(args) if is_thinker else (None, None)
+        vision, refusal = thinker_vision(args) if is_thinker else (None, None)
         return ChatMLCodec(load_tokenizer(**args), audio_window=window, vision=vision, image_refusal=refusal)
     return ByteCodec()
 
 
-def _thinker_vision(args: dict[str, Any]) -> tuple[VisionLayout | None, str | None]:
-    """The Thinker's image layout, or why it takes no images (the static runner)."""
+def thinker_vision(args: dict[str, Any]) -> tuple[VisionLayout | None, str | None]:
+    """The image layout of the Thinker a stage's ``executor_args`` name, or why it takes no
+    images although it has a vision tower (the static runner)."""
     from omnirelay.models.image_in import vision_layout
     from omnirelay.models.loader import ModelArgs
 
