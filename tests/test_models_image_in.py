@@ -119,6 +119,33 @@ def test_prefill_and_decode_equal_the_reference_forward(thinker: ThinkerExecutor
     assert thinker.num_live_requests() == 0
 
 
+def test_a_prefill_cut_inside_the_image_equals_the_whole_one(thinker: ThinkerExecutor) -> None:
+    """A chunked prefill whose cut falls among the image tokens: each piece gets its own
+    rows, deepstack features and 3-D positions, and the result is the one-piece prefill's."""
+    layout = thinker.vision
+    assert layout is not None
+    images = [_image(12, 40, 40, layout)]
+    ids = _prompt(thinker, images)
+    cut = [j for j, t in enumerate(ids) if t == thinker.image_token_id][10]
+    inputs = {"images": images}
+    try:
+        whole = thinker.step([item("w@s0.0", input_ids=ids, inputs=inputs)])[0]
+        first = thinker.step([item("c@s0.0", input_ids=ids[:cut], all_ids=ids, inputs=inputs)])[0]
+        rest = thinker.step([item("c@s0.0", input_ids=ids[cut:], all_ids=ids, computed=cut, inputs=inputs)])[
+            0
+        ]
+    finally:
+        thinker.release("w@s0.0")
+        thinker.release("c@s0.0")
+    assert first.token_ids == [] and rest.token_ids == whole.token_ids
+    for layer, rows in whole.next_stage_output["hidden_layers"].items():
+        pieces = [
+            first.next_stage_output["hidden_layers"][layer],
+            rest.next_stage_output["hidden_layers"][layer],
+        ]
+        torch.testing.assert_close(torch.cat(pieces), rows, rtol=1e-5, atol=1e-6)
+
+
 def test_different_images_give_different_tokens(thinker: ThinkerExecutor) -> None:
     layout = thinker.vision
     assert layout is not None

@@ -23,7 +23,7 @@ from PIL import Image
 from omnirelay.models.image_in import VisionLayout
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.text import ChatMLCodec
-from tests.serving_support import Served, serve
+from tests.serving_support import Served, chat_stream_audio, serve
 
 MODEL = "qwen3-omni-tiny"
 LIMITS = ServerConfig(max_image_input_bytes=60_000, max_image_input_pixels=200 * 200)
@@ -101,6 +101,20 @@ def test_a_large_image_is_scaled_to_the_processors_range(srv: Served) -> None:
     rgba = np.dstack([_noise(4, 24, 24), np.full((24, 24), 128, np.uint8)])
     two = _ask(srv, _part(_encoded(rgba, "WEBP"), "image/webp"), _part(_encoded(_noise(5, 24, 24))))
     assert two.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 * (layout.num_tokens(24, 24) + 2)
+
+
+def test_streamed_chat_with_an_image_in_and_audio_out(srv: Served) -> None:
+    stream = srv.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [QUESTION, _part(_encoded(_noise(11, 32, 32)))]}],
+        modalities=["text", "audio"],
+        audio={"voice": "chelsie", "format": "pcm16"},
+        stream=True,
+        max_tokens=4,
+    )
+    text, audio, chunks = chat_stream_audio(stream)
+    assert text and audio and len(audio) % 2 == 0
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 HUGE = _encoded(np.zeros((201, 200, 3), dtype=np.uint8))  # small file, past 40,000 pixels
