@@ -111,8 +111,8 @@ TOO_BIG = _wav(np.zeros(120_000, dtype=np.float32), 24_000)  # 240 kB
             r"content\[1\]\.input_audio\.data: the request's input audio is 4\.0 s; the limit is 3 s for all parts",
         ),
         (
-            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
-            r"content\[0\] has type 'image_url'; image input is not supported",
+            [{"type": "input_file", "file": {"file_data": "AAAA"}}],
+            r"content\[0\] has type 'input_file'; this part is not supported",
         ),
         ([{"type": "input_audio"}], r"content\[0\]\.input_audio is required"),
         (

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 import websockets
@@ -284,6 +285,16 @@ def test_text_chat_skips_the_recognizer(srv: Served) -> None:
     )
     assert "Paris" in (text.choices[0].message.content or "")
     assert _recognized(srv) == before  # the request never reached the recognizer
+
+
+def test_an_image_part_is_refused_by_the_text_only_thinker(srv: Served) -> None:
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    content = [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": png}}]
+    with pytest.raises(
+        openai.BadRequestError, match=r"content\[1\] has type 'image_url'; this model takes no image"
+    ):
+        srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": content}])
+    assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_a_killed_voice_fails_its_request_at_once_and_comes_back(srv: Served, prompt_ids: list[int]) -> None:

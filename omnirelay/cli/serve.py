@@ -77,6 +77,22 @@ def register(sub: Any) -> None:
         "together (default 2 MiB; the 4 MiB body limit holds about 3 MiB of base64 audio)",
     )
     p.add_argument(
+        "--max-image-input-bytes",
+        type=int,
+        default=2 * 1024 * 1024,
+        metavar="N",
+        help="chat image_url: the most encoded image bytes a request may carry, all parts together "
+        "(default 2 MiB); images come inline as data: URLs only (remote URLs are refused)",
+    )
+    p.add_argument(
+        "--max-image-input-pixels",
+        type=int,
+        default=4096 * 4096,
+        metavar="N",
+        help="chat image_url: the most pixels (width x height) of one image; larger is a 400 naming "
+        "the limit, smaller ones are scaled to the model's own pixel range (default 16777216)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=None,
@@ -241,6 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_live_bytes=args.max_live_bytes,
         max_audio_input_s=args.max_audio_input_s,
         max_audio_input_bytes=args.max_audio_input_bytes,
+        max_image_input_bytes=args.max_image_input_bytes,
+        max_image_input_pixels=args.max_image_input_pixels,
         ui=args.ui,
         **security_limits(args, os.environ),
     )

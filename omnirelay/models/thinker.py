@@ -33,8 +33,19 @@ the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in 
 the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
 ``<|audio_end|>``). Audio tokens take one text position each, as Qwen3-Omni's rope index
 gives them. On the static runner a prefill launch that holds audio tokens runs eagerly
-(its embeddings come from outside the captured graph). Image and video inputs are not
-wired.
+(its embeddings come from outside the captured graph).
+
+Image input (docs/protocol.md §1.9, :mod:`omnirelay.models.image_in`), on the dynamic
+runner: a request whose ``inputs`` carry images has them encoded once, on its first
+prefill, by the Thinker's own vision tower (:class:`~omnirelay.models.image_in.QwenImageEncoder`).
+As in ``transformers``' Qwen3-Omni Thinker, the merged vision rows replace the embeddings
+of the ``<|image_pad|>`` positions in order, the tower's deepstack features are added to
+those positions' hidden states after the first text layers, and the prompt takes 3-D
+rotary positions (:func:`~omnirelay.models.image_in.mrope_positions`): every later
+position — the rest of a chunked prefill, each decode step — is its index plus the
+request's rope delta. The static runner takes no image input (its captured decoder has
+one position per token and no deepstack inputs): such a request fails with a message
+that says so, and the server refuses it up front. Video input is not wired.
 """
 
 from __future__ import annotations
@@ -47,6 +58,14 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.audio_in import QwenAudioEncoder, read_audio_inputs
+from omnirelay.models.image_in import (
+    ImageEmbeds,
+    QwenImageEncoder,
+    VisionLayout,
+    layout_of_checkpoint,
+    mrope_positions,
+    read_image_inputs,
+)
 from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
@@ -62,6 +81,12 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     #: the request's audio-token embeddings, in prompt order (None: no audio input)
     audio: torch.Tensor | None = None
+    #: the request's image tokens through the vision tower (None: no image input)
+    images: ImageEmbeds | None = None
+    #: the prompt's 3-D rotary positions ``[3, L]`` (None: one position per token)
+    mrope: torch.Tensor | None = None
+    #: what positions past ``mrope`` add to their index
+    rope_delta: int = 0
 
 
 class ThinkerExecutor:
@@ -80,6 +105,7 @@ class ThinkerExecutor:
         eos_token_ids: frozenset[int],
         static: Buckets | None = None,
         cuda_graphs: bool = True,
+        vision: VisionLayout | None = None,
     ) -> None:
         self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.tokenizer = tokenizer
@@ -113,6 +139,11 @@ class ThinkerExecutor:
         self._audio_encoder: QwenAudioEncoder | None = None
         #: audio clips encoded so far (observable in tests and health)
         self.num_audio_clips = 0
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
+        self.vision = vision
+        self._image_encoder: QwenImageEncoder | None = None
+        #: images encoded so far (observable in tests and health)
+        self.num_images = 0
         #: the static runner (None: the dynamic KVPool path)
         self.runner: ThinkerRunner | None = None
         if static is not None:
@@ -151,6 +182,7 @@ class ThinkerExecutor:
             eos_token_ids=frozenset(eos),
             static=_static_buckets(args),
             cuda_graphs=args.cuda_graphs if args is not None else False,
+            vision=layout_of_checkpoint(config, checkpoint.path),
         )
 
     # ----------------------------------------------------------------- Executor
@@ -234,9 +266,44 @@ class ThinkerExecutor:
                 generator=make_generator(item.sampling.seed),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
                 audio=self._encode_audio(item),
+                images=self._encode_images(item),
             )
+            if seq.images is not None and self.image_token_id is not None and self.vision is not None:
+                seq.mrope, seq.rope_delta = mrope_positions(
+                    item.all_token_ids, self.image_token_id, seq.images.grids, self.vision.merge_size
+                )
             self._seqs[rid] = seq
         return seq
+
+    def _encode_images(self, item: BatchItem) -> ImageEmbeds | None:
+        """The vision tower's rows of the request's images; None without images. The
+        prompt must reserve exactly one ``<|image_pad|>`` per row."""
+        who = f"request {item.external_id!r}"
+        images = read_image_inputs(item.inputs, who)
+        token = self.image_token_id
+        num_pads = 0 if token is None else item.all_token_ids.count(token)
+        if not images:
+            if num_pads:
+                raise ModelError(f"{who}: the prompt has {num_pads} image positions but no image input")
+            return None
+        if token is None or self.vision is None:
+            raise ModelError(f"{who}: this Thinker has no vision tower; it cannot take image input")
+        if self.runner is not None:
+            raise ModelError(
+                f"{who}: the static runner takes no image input (its captured decoder has no 3-D "
+                "positions or deepstack inputs); run the Thinker with executor_args.runner: dynamic"
+            )
+        if self._image_encoder is None:
+            visual = getattr(self.model.model, "visual", None) or self.model.visual
+            self._image_encoder = QwenImageEncoder(visual, self.vision)
+        embeds = self._image_encoder.embed(images)
+        if embeds.rows.shape[0] != num_pads:
+            raise ModelError(
+                f"{who}: the prompt has {num_pads} image positions but its {len(images)} image(s) make "
+                f"{embeds.rows.shape[0]} image tokens"
+            )
+        self.num_images += len(images)
+        return embeds
 
     def _encode_audio(self, item: BatchItem) -> torch.Tensor | None:
         """The audio-token rows of the request's clips; None without audio. The prompt must
@@ -275,19 +342,42 @@ class ThinkerExecutor:
         first = item.all_token_ids[: item.num_computed_tokens].count(audio_id)
         return positions, seq.audio[first : first + len(positions)]
 
-    def _prompt_embeds(self, seq: _Sequence, item: BatchItem, ids: torch.Tensor) -> torch.Tensor | None:
-        """The embeddings of this prefill piece with its audio positions filled in (None
-        when the request has no audio: the model embeds the ids itself)."""
-        audio_id = self.audio_token_id
-        if seq.audio is None or audio_id is None:
-            return None
+    def _prompt_embeds(self, seq: _Sequence, item: BatchItem, ids: torch.Tensor) -> dict[str, Any]:
+        """The text model's inputs of this prefill piece: ``input_ids``, or
+        ``inputs_embeds`` with its audio and image positions filled in, plus the deepstack
+        inputs (``visual_pos_masks``, ``deepstack_visual_embeds``) when it holds image tokens."""
+        if seq.audio is None and seq.images is None:
+            return {"input_ids": ids}
         embeds = self._text.embed_tokens(ids)
-        mask = torch.eq(ids[0], audio_id)
-        count = int(mask.sum())
-        if count:
-            first = item.all_token_ids[: item.num_computed_tokens].count(audio_id)
-            embeds[0, mask] = seq.audio[first : first + count].to(embeds.device, embeds.dtype)
-        return embeds
+        kwargs: dict[str, Any] = {"inputs_embeds": embeds}
+        done = item.all_token_ids[: item.num_computed_tokens]
+        for token, rows in ((self.audio_token_id, seq.audio), (self.image_token_id, seq.images)):
+            if rows is None or token is None:
+                continue
+            mask = torch.eq(ids[0], token)
+            count = int(mask.sum())
+            if not count:
+                continue
+            first = done.count(token)
+            if isinstance(rows, ImageEmbeds):
+                piece = slice(first, first + count)
+                embeds[0, mask] = rows.rows[piece].to(embeds.device, embeds.dtype)
+                kwargs["visual_pos_masks"] = mask.view(1, -1)
+                kwargs["deepstack_visual_embeds"] = [feat[piece] for feat in rows.deepstack]
+            else:
+                embeds[0, mask] = rows[first : first + count].to(embeds.device, embeds.dtype)
+        return kwargs
+
+    def _positions(self, seq: _Sequence, past: int, n: int) -> torch.Tensor:
+        """``[4, 1, n]`` position ids of positions ``past .. past + n``: the text row (the
+        causal mask's), then the temporal, height and width rows of the rotary embedding."""
+        text = torch.arange(past, past + n, device=self.device)
+        if seq.mrope is None:
+            return text.view(1, 1, n).expand(4, 1, n)
+        rope = (text + seq.rope_delta).view(1, n).repeat(3, 1)
+        known = max(0, min(n, seq.mrope.shape[1] - past))
+        rope[:, :known] = seq.mrope[:, past : past + known].to(self.device)
+        return torch.cat([text.view(1, n), rope]).view(4, 1, n)
 
     def _prefill(self, item: BatchItem) -> ItemResult:
         """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
@@ -296,13 +386,10 @@ class ThinkerExecutor:
         seq = self._sequence(item)
         ids = torch.tensor([item.input_token_ids], dtype=torch.long, device=self.device)
         n = ids.shape[1]
-        positions = torch.arange(past, past + n, device=self.device).view(1, 1, n).expand(4, 1, n)
         cache = self._kv.prefill_cache(rid)
-        embeds = self._prompt_embeds(seq, item, ids)
         out = self._text(
-            input_ids=ids if embeds is None else None,
-            inputs_embeds=embeds,
-            position_ids=positions,
+            **self._prompt_embeds(seq, item, ids),
+            position_ids=self._positions(seq, past, n),
             **{self._cache_kw: cache},
             use_cache=True,
             output_hidden_states=self._layers,
@@ -380,10 +467,14 @@ class ThinkerExecutor:
         )
         cache, mask, positions = self._kv.decode_batch(ids)
         b = len(items)
+        # After an image the rotary positions run ahead of (or behind) the text position
+        # by the request's rope delta; the text row stays the causal mask's.
+        deltas = torch.tensor([self._seqs[i].rope_delta for i in ids], device=positions.device).view(b, 1)
+        rope = (positions + deltas).view(1, b, 1).expand(3, b, 1)
         out = self._text(
             input_ids=tokens,
             attention_mask=mask,
-            position_ids=positions.view(1, b, 1).expand(4, b, 1),
+            position_ids=torch.cat([positions.view(1, b, 1), rope]),
             **{self._cache_kw: cache},
             use_cache=True,
             output_hidden_states=self._layers,

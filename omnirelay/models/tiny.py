@@ -38,6 +38,7 @@ from omnirelay.errors import ModelError
 
 __all__ = [
     "CACHE_ENV",
+    "TINY_IMAGE_PIXELS",
     "TINY_RECIPE_VERSION",
     "TINY_SPECIAL_TOKENS",
     "build_tiny",
@@ -48,6 +49,7 @@ __all__ = [
     "quiet_transformers",
     "scale_audio_tower",
     "scale_code2wav",
+    "scale_vision_tower",
     "tiny_config",
 ]
 
@@ -100,6 +102,11 @@ _CODEC: dict[str, Any] = {
 _TINY_AUDIO_STD = 0.1
 #: Gain of the tiny audio encoder's last projection (its tokens near the text embeddings' scale).
 _TINY_AUDIO_TOKEN_SCALE = 0.05
+#: Gain of the tiny vision tower's last projections (its tokens near the text embeddings' scale).
+_TINY_IMAGE_TOKEN_SCALE = 0.05
+#: The tiny image processor's pixel range (``preprocessor_config.json``): one image token is
+#: 8 × 8 pixels (patch 4, merge 2), so an image takes 4 to 64 tokens.
+TINY_IMAGE_PIXELS = (16 * 16, 64 * 64)
 #: Weight scale of the vocoder's residual-unit convs relative to variance-preserving.
 _RESIDUAL_GAIN = 0.3
 
@@ -395,6 +402,26 @@ def scale_audio_tower(tower: Any) -> None:
         tower.proj2.weight.mul_(_TINY_AUDIO_TOKEN_SCALE)
 
 
+def scale_vision_tower(visual: Any) -> None:
+    """Make the random vision encoder see its input.
+
+    Variance-preserving patch embedding and projections keep the pixels' differences alive
+    through the blocks (the default init, std 0.02, leaves the learned position table the
+    larger part of each patch); the last projection of the merger and of each deepstack
+    merger brings the output to about the scale of the text embeddings, so different images
+    give clearly different tokens and a test can tell that the image reached the Thinker.
+    """
+    with torch.no_grad():
+        for layer in visual.modules():
+            if isinstance(layer, torch.nn.Conv3d | torch.nn.Linear):
+                w = layer.weight
+                w.normal_(0.0, 1.0 / math.sqrt(w[0].numel()))
+                if layer.bias is not None:
+                    layer.bias.zero_()
+        for merger in (visual.merger, *visual.merger_list):
+            merger.mlp[-1].weight.mul_(_TINY_IMAGE_TOKEN_SCALE)
+
+
 def _init_experts(model: torch.nn.Module, std: float) -> None:
     """Initialize every MoE experts block from the seeded RNG.
 
@@ -437,6 +464,8 @@ def _recipe_key(seed: int) -> str:
         "seed": seed,
         # the audio tower's recipe (the real window, scaled weights: scale_audio_tower)
         "audio_tower": 1,
+        # the vision tower's recipe (scaled weights: scale_vision_tower; the processor file)
+        "vision_tower": 1,
         # The saved layout follows the library's conversions; rebuild when they change.
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
@@ -461,6 +490,7 @@ def make_tiny_model(seed: int = 0) -> tuple[Any, Any]:
         _readable_thinker_head(model.thinker, tokenizer)
         thinker = model.thinker
         scale_audio_tower(getattr(thinker.model, "audio_tower", None) or thinker.audio_tower)
+        scale_vision_tower(getattr(thinker.model, "visual", None) or thinker.visual)
     return model, tokenizer
 
 
@@ -469,6 +499,20 @@ def _write_tiny(target: Path, seed: int) -> None:
     with quiet_transformers():
         model.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    # The image processor's numbers, as a real checkpoint ships them (the vision tower's
+    # patch sizes are in config.json; the pixel range and normalization are here).
+    vision = model.config.thinker_config.vision_config
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "min_pixels": TINY_IMAGE_PIXELS[0],
+        "max_pixels": TINY_IMAGE_PIXELS[1],
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    (target / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     (target / "omnirelay_tiny.json").write_text(
         json.dumps({"recipe_version": TINY_RECIPE_VERSION, "seed": seed}, indent=2) + "\n"
     )

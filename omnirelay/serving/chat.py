@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.audio import AudioEmitter, AudioStreamError
-from omnirelay.serving.chat_input import decode_turns, hears_audio, submit_turns
+from omnirelay.serving.chat_input import decode_turns, hears_audio, sees_images, submit_turns
 from omnirelay.serving.encoding import AudioEncoder
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
@@ -196,7 +196,11 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     modalities = fe.chat_modalities(req.modalities)
     audio = _audio_params(fe, req, modalities)
     takes_audio = hears_audio(fe)
-    turns = [(m.role, m.parts(i, takes_audio=takes_audio)) for i, m in enumerate(req.messages)]
+    takes_images, image_refusal = sees_images(fe)
+    turns = [
+        (m.role, m.parts(i, takes_audio=takes_audio, takes_images=takes_images, image_refusal=image_refusal))
+        for i, m in enumerate(req.messages)
+    ]
     fe.check_text("".join(p for _, ps in turns for p in ps if isinstance(p, str)), "messages")
     stops = _stops(req.stop)
     rid = check_request_id(request.headers.get("x-request-id"), "chatcmpl")

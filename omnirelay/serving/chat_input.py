@@ -1,21 +1,26 @@
-"""A user turn that carries audio, into the pipeline (docs/protocol.md §1.9, §7.1).
+"""A user turn that carries audio or images, into the pipeline (docs/protocol.md §1.9, §7.1).
 
 * :func:`decode_turns` — the ``input_audio`` parts of chat turns decoded
   (:mod:`omnirelay.serving.audio_input`) at :data:`~omnirelay.models.audio_in.AUDIO_INPUT_RATE`,
-  with the server's limits over all parts together; 400s name the part.
-* :func:`submit_turns` — decoded turns (text, and waveforms at that rate) submitted the
-  way the pipeline hears audio:
+  and the ``image_url`` parts (:mod:`omnirelay.serving.image_input`) resized to the
+  Thinker's image grid (:meth:`~omnirelay.models.image_in.VisionLayout.fit`), with the
+  server's limits over all parts together; 400s name the part.
+* :func:`submit_turns` — decoded turns (text, waveforms at that rate, images) submitted
+  the way the pipeline hears audio and sees images:
 
   - a pipeline with an ``entry_input: audio`` stage (``voice-cpu``): the request enters at
     the recognizer with the clips as its input; the turns travel in ``extras`` with each
     clip's place marked, and the recognizer's transcript takes it (``asr_to_thinker``);
   - a Qwen3-Omni Thinker: the prompt lays each clip out as audio placeholders
     (``<|audio_start|>``, one ``<|audio_pad|>`` per audio token, ``<|audio_end|>``) and the
-    clips go with it, for the Thinker's own audio encoder;
+    clips go with it, for the Thinker's own audio encoder; each image likewise as
+    ``<|vision_start|>``, one ``<|image_pad|>`` per image token, ``<|vision_end|>``, for its
+    vision tower (``inputs["images"]``, :mod:`omnirelay.models.image_in`);
   - turns without audio: the plain chat prompt, at the prompt stage (nothing is paid for
     the recognizer: the request skips it).
 
-  Anything else (audio for a pipeline that cannot hear) is a 400.
+  Anything else (audio for a pipeline that cannot hear, images for one that cannot see)
+  is a 400.
 """
 
 from __future__ import annotations
@@ -28,16 +33,28 @@ import numpy as np
 
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.audio_in import AUDIO_INPUT_RATE, audio_inputs, num_audio_tokens
+from omnirelay.models.image_in import VisionLayout, image_inputs
 from omnirelay.serving.audio_input import AudioInputError, AudioLimits, decode_base64_audio
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend, RequestStream
-from omnirelay.serving.protocol import AudioPart, Turn
-from omnirelay.serving.text import ChatMLCodec
+from omnirelay.serving.image_input import ImageInputError, ImageLimits, decode_image_url
+from omnirelay.serving.protocol import AudioPart, ImagePart, Turn
+from omnirelay.serving.text import ChatMLCodec, MediaSlot
 
-__all__ = ["DecodedTurn", "decode_turns", "hears_audio", "submit_turns"]
+__all__ = ["DecodedImage", "DecodedTurn", "decode_turns", "hears_audio", "sees_images", "submit_turns"]
 
-#: One message with its audio decoded: role, then text and waveforms (float32, 16 kHz).
-DecodedTurn = tuple[str, list[str | np.ndarray]]
+
+class DecodedImage:
+    """An image part decoded and resized to the Thinker's grid: RGB uint8 ``[H, W, 3]``."""
+
+    __slots__ = ("pixels",)
+
+    def __init__(self, pixels: np.ndarray) -> None:
+        self.pixels = pixels
+
+
+#: One message with its media decoded: role, then text, waveforms (float32, 16 kHz) and images.
+DecodedTurn = tuple[str, list[str | np.ndarray | DecodedImage]]
 
 
 def hears_audio(fe: Frontend) -> bool:
@@ -48,18 +65,75 @@ def hears_audio(fe: Frontend) -> bool:
     return isinstance(fe.codec, ChatMLCodec) and fe.codec.audio_window is not None
 
 
+def sees_images(fe: Frontend) -> tuple[bool, str | None]:
+    """Whether the pipeline takes image input (a Thinker with a vision tower on a runner
+    that feeds it), and why not when it has a tower it cannot use."""
+    codec = fe.codec
+    if not isinstance(codec, ChatMLCodec):
+        return False, None
+    return codec.vision is not None, codec.image_refusal
+
+
 async def decode_turns(fe: Frontend, turns: Sequence[Turn]) -> list[DecodedTurn]:
-    """Every ``input_audio`` part decoded (in a worker thread: FFmpeg's decoding is not
-    the event loop's work); a 400 for the first part that breaks a limit or cannot be read."""
-    limits = AudioLimits(
-        max_bytes=fe.config.max_audio_input_bytes, max_duration_s=fe.config.max_audio_input_s
-    )
-    parts = [p for _, ps in turns for p in ps if isinstance(p, AudioPart)]
-    if not parts:
+    """Every ``input_audio`` and ``image_url`` part decoded (in a worker thread: FFmpeg's
+    and Pillow's decoding is not the event loop's work); a 400 for the first part that
+    breaks a limit or cannot be read."""
+    media = [p for _, ps in turns for p in ps if not isinstance(p, str)]
+    if not media:
         return [(role, [p for p in ps if isinstance(p, str)]) for role, ps in turns]
-    decoded = await asyncio.to_thread(_decode_all, parts, limits)
+    decoded = await asyncio.to_thread(_decode_media, fe, media)
     it = iter(decoded)
-    return [(role, [next(it) if isinstance(p, AudioPart) else p for p in ps]) for role, ps in turns]
+    return [(role, [p if isinstance(p, str) else next(it) for p in ps]) for role, ps in turns]
+
+
+def _decode_media(fe: Frontend, media: list[AudioPart | ImagePart]) -> list[np.ndarray | DecodedImage]:
+    audio = [p for p in media if isinstance(p, AudioPart)]
+    images = [p for p in media if isinstance(p, ImagePart)]
+    clips = iter(_decode_all(audio, _audio_limits(fe)) if audio else [])
+    pictures = iter(_decode_images(images, fe) if images else [])
+    return [next(clips) if isinstance(p, AudioPart) else next(pictures) for p in media]
+
+
+def _audio_limits(fe: Frontend) -> AudioLimits:
+    return AudioLimits(max_bytes=fe.config.max_audio_input_bytes, max_duration_s=fe.config.max_audio_input_s)
+
+
+def _decode_images(parts: list[ImagePart], fe: Frontend) -> list[DecodedImage]:
+    """Each image decoded within the limits and resized (bicubic, as Qwen's processor) to
+    the size the Thinker's processor takes it at."""
+    from PIL import Image
+
+    codec = fe.codec
+    layout: VisionLayout | None = codec.vision if isinstance(codec, ChatMLCodec) else None
+    if layout is None:  # parts() refused them already
+        raise ApiError(400, f"model {fe.model_name!r} takes no image input; send text parts only")
+    limits = ImageLimits(
+        max_bytes=fe.config.max_image_input_bytes, max_pixels=fe.config.max_image_input_pixels
+    )
+    out = []
+    total_bytes = 0
+    for part in parts:
+        total_bytes += len(part.url) * 3 // 4
+        try:
+            pixels = decode_image_url(part.url, limits=limits, param=part.param)
+            if total_bytes > limits.max_bytes:
+                raise ImageInputError(
+                    f"{part.param}.url: the request's images are about {total_bytes} bytes; the limit is "
+                    f"{limits.max_bytes} bytes for all parts together (max_image_input_bytes)",
+                    param=f"{part.param}.url",
+                )
+            height, width = pixels.shape[:2]
+            try:
+                size = layout.fit(height, width)
+            except ValueError as exc:
+                raise ImageInputError(f"{part.param}.url: {exc}", param=f"{part.param}.url") from exc
+        except ImageInputError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        if size != (height, width):
+            img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BICUBIC)
+            pixels = np.asarray(img, dtype=np.uint8)
+        out.append(DecodedImage(pixels))
+    return out
 
 
 def _decode_all(parts: list[AudioPart], limits: AudioLimits) -> list[np.ndarray]:
@@ -106,6 +180,11 @@ def submit_turns(
     and the prompt the front made (empty when the prompt is made after recognition)."""
     extras = dict(extras or {})
     clips = [p for _, ps in turns for p in ps if isinstance(p, np.ndarray)]
+    images = [p.pixels for _, ps in turns for p in ps if isinstance(p, DecodedImage)]
+    if images:
+        return _submit_media(
+            fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=images
+        )
     if not clips:
         prompt = fe.codec.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
         stream = fe.submit(
@@ -142,18 +221,38 @@ def submit_turns(
             entry_stage_id=config.audio_entry_stage_id,
         )
         return stream, []
+    return _submit_media(
+        fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=[]
+    )
+
+
+def _submit_media(
+    fe: Frontend,
+    endpoint: str,
+    turns: Sequence[DecodedTurn],
+    modalities: Sequence[str],
+    request_id: str,
+    sampling: SamplingParams | None,
+    extras: dict[str, Any],
+    *,
+    clips: list[np.ndarray],
+    images: list[np.ndarray],
+) -> tuple[RequestStream, list[int]]:
+    """A Qwen3-Omni Thinker's request with clips and images laid out in its prompt."""
     codec = fe.codec
-    if not isinstance(codec, ChatMLCodec) or codec.audio_window is None:
+    if not isinstance(codec, ChatMLCodec) or (clips and codec.audio_window is None):
         raise ApiError(400, f"model {fe.model_name!r} takes no audio input; send text parts only")
-    window = codec.audio_window
-    laid_out = [
-        (role, [num_audio_tokens(p.size, window) if isinstance(p, np.ndarray) else p for p in ps])
-        for role, ps in turns
-    ]
+    layout = codec.vision
+    if images and layout is None:
+        raise ApiError(400, f"model {fe.model_name!r} takes no image input; send text parts only")
+    laid_out = [(role, [_slot(p, codec.audio_window, layout) for p in ps]) for role, ps in turns]
     try:
-        prompt = codec.encode_chat_audio(laid_out)
+        prompt = codec.encode_chat_media(laid_out)
     except ValueError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from exc
+    inputs: dict[str, Any] = audio_inputs(clips) if clips else {}
+    if images:
+        inputs["images"] = image_inputs(images)
     stream = fe.submit(
         endpoint=endpoint,
         prompt_token_ids=prompt,
@@ -161,6 +260,19 @@ def submit_turns(
         request_id=request_id,
         sampling=sampling,
         extras=extras,
-        inputs=audio_inputs(clips),
+        inputs=inputs,
     )
     return stream, prompt
+
+
+def _slot(
+    part: str | np.ndarray | DecodedImage, window: int | None, layout: VisionLayout | None
+) -> str | MediaSlot:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, DecodedImage):
+        assert layout is not None
+        height, width = part.pixels.shape[:2]
+        return MediaSlot("image", layout.num_tokens(height, width))
+    assert window is not None
+    return MediaSlot("audio", num_audio_tokens(part.size, window))

@@ -48,6 +48,11 @@ class ServerConfig:
     max_audio_input_bytes: int = 2 * 1024 * 1024
     #: chat ``input_audio``: the longest decoded audio, in seconds (all parts together)
     max_audio_input_s: float = 60.0
+    #: chat ``image_url``: the most encoded image bytes (all parts of a request together)
+    max_image_input_bytes: int = 2 * 1024 * 1024
+    #: chat ``image_url``: the most pixels of one decoded image (the model's processor
+    #: then scales it down to its own maximum)
+    max_image_input_pixels: int = 4096 * 4096
     #: the largest ``max_tokens`` a client may ask for
     max_tokens_limit: int = 8192
     #: voices a client may name (case-insensitive)

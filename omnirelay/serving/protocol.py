@@ -35,6 +35,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "ContentPart",
+    "ImagePart",
     "InputAudio",
     "SpeechRequest",
     "StreamOptions",
@@ -61,11 +62,17 @@ class InputAudio(_Model):
     format: str
 
 
+class ImageUrl(_Model):
+    url: str
+    #: OpenAI's resolution hint; the model's processor decides the resolution here
+    detail: str | None = None
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
     input_audio: InputAudio | None = None
-    image_url: Any = None
+    image_url: ImageUrl | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +85,17 @@ class AudioPart:
     param: str
 
 
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    """An ``image_url`` part as the client sent it (decoded later, with the limits);
+    ``param`` names it in errors (``messages[0].content[1].image_url``)."""
+
+    url: str
+    param: str
+
+
 #: One message as the pipeline takes it: its role and its parts in order.
-Turn = tuple[str, list[str | AudioPart]]
+Turn = tuple[str, list[str | AudioPart | ImagePart]]
 
 
 class ChatMessage(_Model):
@@ -96,11 +112,14 @@ class ChatMessage(_Model):
         pieces = self.parts(index, takes_audio=False)
         return "".join(p for p in pieces if isinstance(p, str))
 
-    def parts(self, index: int, *, takes_audio: bool) -> list[str | AudioPart]:
-        """The message's text and ``input_audio`` parts, in order (docs/protocol.md §7.1).
-        A 400 for a tool call, a missing content on anything but an assistant turn, audio
-        outside a user turn or on a model that takes none (``takes_audio``), and every
-        other part type (images are not taken)."""
+    def parts(
+        self, index: int, *, takes_audio: bool, takes_images: bool = False, image_refusal: str | None = None
+    ) -> list[str | AudioPart | ImagePart]:
+        """The message's text, ``input_audio`` and ``image_url`` parts, in order
+        (docs/protocol.md §7.1). A 400 for a tool call, a missing content on anything but
+        an assistant turn, audio or an image outside a user turn or on a model that takes
+        none (``takes_audio``, ``takes_images``; ``image_refusal`` says why it takes none),
+        and every other part type."""
         where = f"messages[{index}]"
         for key in ("tool_calls", "function_call"):
             if getattr(self, key) is not None:
@@ -117,29 +136,42 @@ class ChatMessage(_Model):
             )
         if isinstance(self.content, str):
             return [self.content]
-        pieces: list[str | AudioPart] = []
-        takes = "only text parts ({'type': 'text', 'text': ...})"
+        pieces: list[str | AudioPart | ImagePart] = []
+        takes = "text parts ({'type': 'text', 'text': ...})"
         if takes_audio:
-            takes += " and input_audio parts ({'type': 'input_audio', 'input_audio': {'data', 'format'}})"
+            takes += ", input_audio parts ({'type': 'input_audio', 'input_audio': {'data', 'format'}})"
+        if takes_images:
+            takes += (
+                ", image_url parts ({'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,...'}})"
+            )
+        if not (takes_audio or takes_images):
+            takes = "only " + takes
         for j, part in enumerate(self.content):
             here = f"{where}.content[{j}]"
             if part.type == "text" and part.text is not None:
                 pieces.append(part.text)
-            elif part.type == "input_audio" and takes_audio and self.role == "user":
+            elif (
+                part.type in ("input_audio", "image_url")
+                and self.role != "user"
+                and (takes_audio if part.type == "input_audio" else takes_images)
+            ):
+                kind = "audio" if part.type == "input_audio" else "image"
+                raise ApiError(
+                    400, f"{here}: {kind} input is taken in user messages only, not {self.role}", param=here
+                )
+            elif part.type == "input_audio" and takes_audio:
                 if part.input_audio is None:
                     raise ApiError(400, f"{here}.input_audio is required", param=f"{here}.input_audio")
                 audio = part.input_audio
                 pieces.append(AudioPart(audio.data, audio.format, f"{here}.input_audio"))
-            elif part.type == "input_audio" and takes_audio:
-                raise ApiError(
-                    400, f"{here}: audio input is taken in user messages only, not {self.role}", param=here
-                )
+            elif part.type == "image_url" and takes_images:
+                if part.image_url is None:
+                    raise ApiError(400, f"{here}.image_url is required", param=f"{here}.image_url")
+                pieces.append(ImagePart(part.image_url.url, f"{here}.image_url"))
             else:
-                kind = (
-                    "image input is not supported"
-                    if part.type == "image_url"
-                    else "this part is not supported"
-                )
+                kind = "this part is not supported"
+                if part.type == "image_url":
+                    kind = image_refusal or "this model takes no image input"
                 raise ApiError(
                     400,
                     f"{here} has type {part.type!r}; {kind}: this model takes {takes}",

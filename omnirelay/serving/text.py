@@ -19,24 +19,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from omnirelay.models.tokenizer import IncrementalDetokenizer
 from omnirelay.pipeline import PipelineConfig
+
+if TYPE_CHECKING:
+    from omnirelay.models.image_in import VisionLayout
 
 __all__ = [
     "AUDIO_END",
     "AUDIO_PAD",
     "AUDIO_START",
+    "IMAGE_PAD",
     "SPEAK_INSTRUCTION",
     "ByteCodec",
     "ChatMLCodec",
     "Detokenizer",
+    "MediaSlot",
     "SmolChatCodec",
     "SpeechPrompt",
     "TextCodec",
     "codec_for_pipeline",
     "format_chat",
+    "thinker_vision",
 ]
 
 #: The system turn of a speech request on a chat pipeline (Thinker first).
@@ -89,36 +95,60 @@ def format_chat(messages: Sequence[tuple[str, str]]) -> str:
 
 #: Qwen3-Omni's audio placeholders: one clip is start, n pads (one per audio token), end.
 AUDIO_START, AUDIO_PAD, AUDIO_END = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"
+#: Qwen3-Omni's image placeholders: one image is start, n pads (one per image token), end.
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+_RESERVED = (AUDIO_START, AUDIO_PAD, AUDIO_END, VISION_START, IMAGE_PAD, VISION_END, "<|video_pad|>")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSlot:
+    """Where a clip or an image sits in a turn: its kind and its token count."""
+
+    kind: Literal["audio", "image"]
+    tokens: int
 
 
 class ChatMLCodec:
     """A ``transformers`` tokenizer with the Qwen chat template. ``audio_window``: the
-    Thinker's audio encoder window (``n_window``) when it takes audio input, else None."""
+    Thinker's audio encoder window (``n_window``) when it takes audio input, else None.
+    ``vision``: the Thinker's image layout when it takes image input, else None;
+    ``image_refusal``: why it takes none although it has a vision tower (a 400 says it)."""
 
-    def __init__(self, tokenizer: Any, *, audio_window: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        audio_window: int | None = None,
+        vision: VisionLayout | None = None,
+        image_refusal: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.audio_window = audio_window
+        self.vision = vision
+        self.image_refusal = image_refusal
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         ids = self.tokenizer.encode(format_chat(messages), add_special_tokens=False)
         return [int(t) for t in ids]
 
-    def encode_chat_audio(self, messages: Sequence[tuple[str, Sequence[str | int]]]) -> list[int]:
-        """Turns whose parts are text or a clip's audio-token count, each clip laid out as
+    def encode_chat_media(self, messages: Sequence[tuple[str, Sequence[str | MediaSlot]]]) -> list[int]:
+        """Turns whose parts are text or a clip's / an image's slot, each laid out as
         Qwen3-Omni's processor does (start, one pad per token, end). Raises ValueError when
-        the text itself holds an audio placeholder (the count would no longer match)."""
+        the text itself holds an audio or vision placeholder (the counts would no longer
+        match)."""
         flat = []
         for role, parts in messages:
             content = []
             for part in parts:
                 if isinstance(part, str):
-                    if any(tok in part for tok in (AUDIO_START, AUDIO_PAD, AUDIO_END)):
-                        raise ValueError(
-                            f"the text holds {AUDIO_PAD!r} or its start/end tokens, reserved for audio"
-                        )
+                    held = [tok for tok in _RESERVED if tok in part]
+                    if held:
+                        raise ValueError(f"the text holds {held[0]!r}, reserved for audio and image input")
                     content.append(part)
+                elif part.kind == "audio":
+                    content.append(AUDIO_START + AUDIO_PAD * part.tokens + AUDIO_END)
                 else:
-                    content.append(AUDIO_START + AUDIO_PAD * part + AUDIO_END)
+                    content.append(VISION_START + IMAGE_PAD * part.tokens + VISION_END)
             flat.append((role, "".join(content)))
         return self.encode_chat(flat)
 
@@ -196,6 +226,23 @@ def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
         from omnirelay.models.tokenizer import thinker_audio_window
 
         args = dict(stage0.executor_args)
-        window = thinker_audio_window(**args) if stage0.executor == "qwen3_omni.thinker" else None
-        return ChatMLCodec(load_tokenizer(**args), audio_window=window)
+        is_thinker = stage0.executor == "qwen3_omni.thinker"
+        window = thinker_audio_window(**args) if is_thinker else None
+        vision, refusal = thinker_vision(args) if is_thinker else (None, None)
+        return ChatMLCodec(load_tokenizer(**args), audio_window=window, vision=vision, image_refusal=refusal)
     return ByteCodec()
+
+
+def thinker_vision(args: dict[str, Any]) -> tuple[VisionLayout | None, str | None]:
+    """The image layout of the Thinker a stage's ``executor_args`` name, or why it takes no
+    images although it has a vision tower (the static runner)."""
+    from omnirelay.models.image_in import vision_layout
+    from omnirelay.models.loader import ModelArgs
+
+    layout = vision_layout(**args)
+    if layout is not None and ModelArgs.from_executor_args(args).uses_static_runner():
+        return None, (
+            "image input is not supported on the Thinker's static (CUDA graph) runner; serve a "
+            "pipeline whose Thinker has executor_args.runner: dynamic"
+        )
+    return layout, None
