@@ -9,6 +9,7 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -25,14 +26,17 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 
 def chromium_path() -> str:
-    """The browser, or a test failure that says how to install it (never a silent skip)."""
+    """The browser. Without one the test is skipped with how to install it (``-ra`` prints
+    the reason), as the CUDA tests are without a GPU — or fails, when
+    ``OMNIRELAY_REQUIRE_CHROMIUM=1`` says this machine must run it."""
     for name in BROWSERS:
         found = shutil.which(name)
         if found:
             return found
-    pytest.fail(
-        "no Chromium found (looked for chromium, chromium-browser, google-chrome): apt-get install -y chromium"
-    )
+    reason = "no Chromium found (looked for chromium, chromium-browser, google-chrome): apt-get install -y chromium"
+    if os.environ.get("OMNIRELAY_REQUIRE_CHROMIUM") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 class Page:
