@@ -44,7 +44,7 @@ __all__ = [
 # imports validate, never the other way round.
 
 #: Connector backends a pipeline file may name (network backends later).
-CONNECTOR_BACKENDS = ("shm", "inproc")
+CONNECTOR_BACKENDS = ("shm", "nixl", "inproc")
 #: Name of the connector a stage uses when it names none; an ``shm`` connector without
 #: extras unless the file defines a connector of this name.
 DEFAULT_CONNECTOR_NAME = "default"
