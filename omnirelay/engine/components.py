@@ -104,7 +104,7 @@ def create_stage_engine(
     ``namespace`` defaults to the pipeline's; it is required when the stage has a chunk edge.
     ``tracer``: the engine's step tracer (:mod:`omnirelay.engine.tracing`; default none).
     """
-    from omnirelay.connectors import create_connector
+    from omnirelay.engine.edge_connectors import build_stage_connector
     from omnirelay.engine.engine import StageEngine
 
     s = pipeline.stage(stage)
@@ -117,8 +117,7 @@ def create_stage_engine(
             raise ConfigError(
                 f"{s.label} sends or receives chunks: give the pipeline (or this call) a namespace"
             )
-        backend = pipeline.connector_spec(roles.connector_name).backend
-        connector = create_connector(backend, namespace=ns, stage_id=s.id)
+        connector = build_stage_connector(pipeline, s, roles, ns)
     try:
         return StageEngine(
             s,

@@ -34,6 +34,7 @@ from omnirelay.pipeline.config import (
     StageConfig,
 )
 from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
+from omnirelay.pipeline.placement import parse_placement, parse_resources
 from omnirelay.pipeline.registry import ComponentRegistry
 from omnirelay.pipeline.restart import RESTART_KEYS, RestartPolicy, restart_policy_problem
 from omnirelay.pipeline.validate import ENV_NAME_PATTERN
@@ -123,6 +124,8 @@ def parse_pipeline(
         kwargs["openai_voices"] = _parse_openai_voices(ctx, data["openai_voices"])
     if "restart" in data:
         kwargs["restart"] = _parse_restart(ctx, data["restart"])
+    if "placement" in data:
+        kwargs["placement"] = parse_placement(source, data["placement"])
     stages_raw = data.get("stages")
     if "stages" not in data:
         ctx.fail("stages", "the key is missing", "list the stages under 'stages:'")
@@ -235,6 +238,7 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "env": ctx.env_mapping,
         "gpu_share": lambda m, k: ctx.integer(m, k, optional=True),
         "gpu_priority": lambda m, k: ctx.choice(m, k, GpuPriority, optional=True),
+        "resources": lambda m, k: parse_resources(source, ctx.where or "", m[k]),
     }
     for key, read in readers.items():
         if key in raw:
@@ -274,6 +278,7 @@ PIPELINE_KEYS = (
     "default_connector",
     "connectors",
     "openai_voices",
+    "placement",
     "restart",
     "stages",
     "default_modalities",
