@@ -53,6 +53,14 @@ class SplitConnector(Connector):
     def pending_keys(self) -> list[str]:
         return self.output_side.pending_keys() + self.input_side.pending_keys()
 
+    def leak_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for side in (self.input_side, self.output_side):
+            books = getattr(side, "leak_state", None)
+            if callable(books):
+                out.update(books())
+        return out
+
     def close(self) -> None:
         try:
             self.output_side.close()

@@ -197,6 +197,11 @@ class NixlConnector(Connector):
         """Notices received and not yet got (a reader's request state)."""
         return self._reader.num_notices()
 
+    def leak_state(self) -> dict[str, int]:
+        """Objects still holding a registered buffer and notices never got; ``{}`` when none."""
+        out = {"nixl_objects": self.num_objects(), "nixl_notices": self.num_notices()}
+        return {k: v for k, v in out.items() if v}
+
     def close(self) -> None:
         if self._closed:
             return

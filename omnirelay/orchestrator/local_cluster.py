@@ -1,0 +1,48 @@
+"""A Ray cluster of simulated hosts on this machine: ``omnirelay run --local-cluster``.
+
+:func:`local_cluster` starts a head node and further nodes with Ray's
+``ray.cluster_utils.Cluster``, one per custom resource (default ``hostA`` and ``hostB``),
+on this machine's address, with no dashboard and one CPU each (stage workers ask for no
+CPUs: Ray places them, it does not ration them). UCX is forced onto TCP (``UCX_TLS=tcp``,
+inherited by every node's processes) so that an edge between the simulated hosts takes
+the path real hosts take: NIXL's READ over the network stack, not shared memory. The
+cluster is shut down on exit, every raylet and GCS process with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from omnirelay.orchestrator.ray_placement import load_ray
+
+__all__ = ["local_cluster"]
+
+#: units of each host's resource: a stage asks for one (``resources: {hostA: 1}``) and
+#: several stages share a host
+_UNITS = 16
+
+
+@contextmanager
+def local_cluster(hosts: tuple[str, ...] = ("hostA", "hostB"), *, num_cpus: int = 1) -> Iterator[str]:
+    """Start the cluster; yields its address (for ``placement.address``)."""
+    ray = load_ray()
+    from ray.cluster_utils import Cluster
+
+    os.environ["UCX_TLS"] = "tcp"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": num_cpus, "resources": {hosts[0]: _UNITS}, "include_dashboard": False},
+    )
+    try:
+        for host in hosts[1:]:
+            cluster.add_node(num_cpus=num_cpus, resources={host: _UNITS})
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        cluster.wait_for_nodes()
+        yield str(cluster.address)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
