@@ -87,7 +87,9 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     nixl_reason = nixl_problem()
     # Optional: only pipelines whose edges cross hosts need it (not a failure of doctor).
-    print("nixl connector: ready" if nixl_reason is None else f"nixl connector: not installed ({nixl_reason})")
+    print(
+        "nixl connector: ready" if nixl_reason is None else f"nixl connector: not installed ({nixl_reason})"
+    )
     interp = interpreter_info()
     print(f"python: {interp.describe()}")
     if interp.is_likely_slow:
