@@ -83,11 +83,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     toy = args.pipeline == TOY
     rng = random.Random(args.seed)
+    chat: list[int] = []
+    if not toy:
+        from omnirelay.models import encode_chat_prompt, load_tokenizer
+
+        chat = encode_chat_prompt(load_tokenizer(tiny=True, seed=0), "Hello, who are you?")
     plan = []
     for i in range(args.requests):
         n = rng.randint(8, 48) if toy else 0
         abort_after = rng.randint(1, 2 * n if toy else 6) if rng.random() < args.abort_share else None
-        prompt = [rng.randint(0, 999)] if toy else [385, 398, 198, 297, 78, 11]
+        prompt = [rng.randint(0, 999)] if toy else chat
         plan.append((f"r{i}", prompt, n, abort_after))
     summary: dict[str, Any] = {
         "pipeline": args.pipeline,

@@ -381,6 +381,8 @@ class Orchestrator:
             if fut is not None and not fut.done():
                 fut.set_result(message)
         elif isinstance(message, Hello):
+            if st.pid is None:  # a worker on a Ray node: its pid comes with its hello
+                st.pid = message.pid
             self._supervisor.on_hello(st)
         elif isinstance(message, StartupFailed):
             st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"

@@ -120,14 +120,17 @@ class RayWorkerProcess:
         self._watch: threading.Thread | None = None
 
     def start(self) -> None:
-        self.pid = self._ray.get(self._actor.start.remote(self._spec), timeout=_PLACE_TIMEOUT_S)
+        """Ask the actor to spawn the worker and return at once (the front's event loop
+        must not wait for an actor to start); ``pid`` is known once the worker said hello."""
+        start = self._actor.start.remote(self._spec)
         self._watch = threading.Thread(
-            target=self._wait, name=f"ray-watch-s{self._spec.stage_id}", daemon=True
+            target=self._wait, args=(start,), name=f"ray-watch-s{self._spec.stage_id}", daemon=True
         )
         self._watch.start()
 
-    def _wait(self) -> None:
+    def _wait(self, start: Any) -> None:
         try:
+            self.pid = self._ray.get(start, timeout=_PLACE_TIMEOUT_S)
             self.exitcode = self._ray.get(self._actor.wait.remote())
         except Exception as exc:  # RayActorError: the actor's process or its node is gone
             self.lost = f"its Ray actor or node was lost ({type(exc).__name__})"
@@ -143,6 +146,9 @@ class RayWorkerProcess:
 
     def _signal(self, signum: int) -> None:
         if self._done.is_set():
+            return
+        if self.pid is None and signum == signal.SIGKILL:  # not spawned yet: take the actor
+            self._ray.kill(self._actor, no_restart=True)
             return
         try:
             self._actor.signal.remote(signum)

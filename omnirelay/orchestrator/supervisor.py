@@ -221,6 +221,8 @@ class StageSupervisor:
         where = (
             f" on node {proc.node['node_ip']} ({proc.node['node_id'][:12]})" if hasattr(proc, "node") else ""
         )
+        if st.pid is None:  # a Ray-placed worker that died before its hello
+            st.pid = proc.pid
         lost = getattr(proc, "lost", None)
         if lost:
             st.last_exit = lost
