@@ -22,10 +22,13 @@ _SIZES = [16, 50_000, 4 << 20 // 4]  # float32 elements: 64 B, 200 KB, 4 MB
 
 
 def _producer(namespace: str, reader_at: str, n: int, ready: Any, release: Any) -> None:
-    os.environ["UCX_TLS"] = "tcp"
-    prod = create_connector(
-        "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: reader_at}
-    )
+    if reader_at.startswith("tcp://"):
+        os.environ["UCX_TLS"] = "tcp"  # a spawned process of its own
+        prod = create_connector(
+            "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: reader_at}
+        )
+    else:  # one host: abstract-socket notices, UCX's own choice of transport
+        prod = create_connector("nixl", namespace=namespace, stage_id=1)
     for i in range(n):
         obj = {"i": i, "t": torch.full((_SIZES[i % len(_SIZES)],), float(i))}
         assert prod.put(1, 2, f"S_1_{i}", obj).ok
@@ -40,8 +43,11 @@ def _producer(namespace: str, reader_at: str, n: int, ready: Any, release: Any) 
     assert prod.num_registered() == 0  # type: ignore[attr-defined]
 
 
-def _reader(tcp: bool, namespace: str) -> Any:
-    os.environ["UCX_TLS"] = "tcp"
+def _reader(tcp: bool, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    if not tcp:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+        return create_connector("nixl", namespace=namespace, stage_id=2, claim_timeout_s=0.5)
+    monkeypatch.setenv("UCX_TLS", "tcp")
     return create_connector(
         "nixl", namespace=namespace, stage_id=2, endpoints={2: "tcp://127.0.0.1:0"}, claim_timeout_s=0.5
     )
@@ -59,10 +65,11 @@ def _collect(cons: Any, keys: set[str]) -> dict[str, Any]:
     return got
 
 
-def test_a_stream_crosses_processes_over_tcp_exactly_once(
-    namespace: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("tcp", [True, False], ids=["tcp", "one-host"])
+def test_a_stream_crosses_processes_exactly_once(
+    namespace: str, tcp: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cons = _reader(True, namespace)
+    cons = _reader(tcp, namespace, monkeypatch)
     ready, release = _CTX.Event(), _CTX.Event()
     n = 9
     proc = _CTX.Process(target=_producer, args=(namespace, cons.listening_at, n, ready, release))
@@ -92,8 +99,10 @@ def _put_and_hang(namespace: str, reader_at: str, ready: Any) -> None:
     time.sleep(60)
 
 
-def test_a_dead_producers_object_fails_fast_and_names_it(namespace: str) -> None:
-    cons = _reader(True, namespace)
+def test_a_dead_producers_object_fails_fast_and_names_it(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cons = _reader(True, namespace, monkeypatch)
     ready = _CTX.Event()
     proc = _CTX.Process(target=_put_and_hang, args=(namespace, cons.listening_at, ready))
     proc.start()

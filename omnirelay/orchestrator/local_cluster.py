@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from omnirelay.orchestrator.ray_placement import load_ray
 
@@ -30,9 +31,23 @@ def local_cluster(hosts: tuple[str, ...] = ("hostA", "hostB"), *, num_cpus: int 
     ray = load_ray()
     from ray.cluster_utils import Cluster
 
+    saved = {name: os.environ.get(name) for name in ("UCX_TLS", "RAY_USAGE_STATS_ENABLED")}
     os.environ["UCX_TLS"] = "tcp"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(
+    try:
+        with _cluster(ray, Cluster, hosts, num_cpus) as address:
+            yield address
+    finally:  # the caller's environment as it was
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def _cluster(ray: Any, cluster_cls: Any, hosts: tuple[str, ...], num_cpus: int) -> Iterator[str]:
+    cluster = cluster_cls(
         initialize_head=True,
         head_node_args={"num_cpus": num_cpus, "resources": {hosts[0]: _UNITS}, "include_dashboard": False},
     )
