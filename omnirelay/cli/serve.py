@@ -68,6 +68,12 @@ def register(sub: Any) -> None:
         "exponential backoff; then /health reports it failed (default: the pipeline file's "
         "'restart:' mapping, else 5 in 300 s; 0: never restart)",
     )
+    p.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="for a pipeline placed on Ray: serve it on a two-node Ray cluster started on this machine "
+        "(hostA, hostB; UCX over TCP), as omnirelay run --local-cluster does",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_security_flags(p)
     p.set_defaults(func=run_serve)
@@ -166,6 +172,19 @@ def with_max_restarts(pipeline: PipelineConfig, max_restarts: int) -> PipelineCo
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if not getattr(args, "local_cluster", False):
+        return _serve(args)
+    from omnirelay.orchestrator.local_cluster import local_cluster
+
+    print(
+        "omnirelay serve: starting a local two-node Ray cluster (hostA, hostB)", file=sys.stderr, flush=True
+    )
+    with local_cluster() as address:
+        os.environ["RAY_ADDRESS"] = address
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
     from omnirelay.cli.session import Progress
     from omnirelay.models import prepare_stage_models
