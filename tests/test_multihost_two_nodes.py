@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -37,7 +38,7 @@ TALKER, CODE2WAV = 1, 2
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def cluster() -> Iterator[Any]:
     from omnirelay.orchestrator.local_cluster import local_cluster
 
     tiny_dir()
@@ -55,14 +56,14 @@ def cluster() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def pipe(cluster: str) -> Iterator[Pipeline]:
+def pipe(cluster: Any) -> Iterator[Pipeline]:
     p = Pipeline.start("qwen3-omni-tiny-2host", startup_timeout_s=300)
     yield p
     audit_stopped(p)
 
 
 @pytest.fixture(scope="module")
-def prompt(cluster: str) -> list[int]:
+def prompt(cluster: Any) -> list[int]:
     return encode_chat_prompt(load_tokenizer(tiny=True, seed=0), "Hello, who are you?")
 
 
@@ -114,3 +115,20 @@ def test_a_killed_remote_stage_fails_its_requests_fast_and_is_refused_until_back
     assert _audio(pipe, prompt, "cut").numel() > 0  # the failed id is free again
     assert stage_state(pipe) == {}
     assert not_free_slots(pipe.namespace) == []
+
+
+def test_a_lost_host_fails_its_stages_requests_at_once_and_refuses_new_ones(
+    cluster: Any, pipe: Pipeline, prompt: list[int]
+) -> None:
+    """Last in the module: hostB goes down as a crash would (its raylet and every process)."""
+    talker = msgspec.structs.replace(stage_sampling_defaults(pipe.config.stage(TALKER)), max_tokens=400)
+    handle = pipe.submit(prompt, modalities=["text", "audio"], sampling={TALKER: talker})
+    next(o for o in handle if o.modality == "audio" and o.audio is not None and o.audio.numel())
+    t0 = time.monotonic()
+    cluster.remove_host("hostB")
+    with pytest.raises(StageUnavailableError, match=r"stage 2 \(code2wav\).*on node .*lost") as err:
+        handle.result(timeout=5.0)
+    assert time.monotonic() - t0 < 5.0, err.value
+    with pytest.raises(StageUnavailableError, match="stage 2 \\(code2wav\\)"):
+        pipe.submit(prompt, modalities=["text", "audio"]).result(5)
+    assert stage_state(pipe) == {}  # the surviving host holds nothing of the failed request

@@ -18,16 +18,30 @@ from typing import Any
 
 from omnirelay.orchestrator.ray_placement import load_ray
 
-__all__ = ["local_cluster"]
+__all__ = ["LocalCluster", "local_cluster"]
 
 #: units of each host's resource: a stage asks for one (``resources: {hostA: 1}``) and
 #: several stages share a host
 _UNITS = 16
 
 
+class LocalCluster(str):
+    """The cluster's address (for ``placement.address``; a ``str``), and its simulated hosts."""
+
+    hosts: dict[str, Any]
+
+    def remove_host(self, host: str) -> None:
+        """Take a simulated host down as a crash would (its raylet and every process on it)."""
+        self._cluster.remove_node(self.hosts.pop(host))
+
+    _cluster: Any
+
+
 @contextmanager
-def local_cluster(hosts: tuple[str, ...] = ("hostA", "hostB"), *, num_cpus: int = 1) -> Iterator[str]:
-    """Start the cluster; yields its address (for ``placement.address``)."""
+def local_cluster(
+    hosts: tuple[str, ...] = ("hostA", "hostB"), *, num_cpus: int = 1
+) -> Iterator[LocalCluster]:
+    """Start the cluster; yields its address (a :class:`LocalCluster`)."""
     ray = load_ray()
     from ray.cluster_utils import Cluster
 
@@ -46,17 +60,20 @@ def local_cluster(hosts: tuple[str, ...] = ("hostA", "hostB"), *, num_cpus: int 
 
 
 @contextmanager
-def _cluster(ray: Any, cluster_cls: Any, hosts: tuple[str, ...], num_cpus: int) -> Iterator[str]:
+def _cluster(ray: Any, cluster_cls: Any, hosts: tuple[str, ...], num_cpus: int) -> Iterator[LocalCluster]:
     cluster = cluster_cls(
         initialize_head=True,
         head_node_args={"num_cpus": num_cpus, "resources": {hosts[0]: _UNITS}, "include_dashboard": False},
     )
     try:
+        nodes = {hosts[0]: cluster.head_node}
         for host in hosts[1:]:
-            cluster.add_node(num_cpus=num_cpus, resources={host: _UNITS})
+            nodes[host] = cluster.add_node(num_cpus=num_cpus, resources={host: _UNITS})
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
         cluster.wait_for_nodes()
-        yield str(cluster.address)
+        handle = LocalCluster(cluster.address)
+        handle.hosts, handle._cluster = nodes, cluster
+        yield handle
     finally:
         if ray.is_initialized():
             ray.shutdown()
