@@ -95,6 +95,7 @@ def _put_and_hang(namespace: str, reader_at: str, ready: Any) -> None:
         "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: reader_at}
     )
     assert prod.put(1, 2, "D_1_0", {"x": 1}).ok
+    assert prod.put(1, 2, "D_1_1", {"x": 2}).ok
     ready.set()
     time.sleep(60)
 
@@ -109,7 +110,9 @@ def test_a_dead_producers_object_fails_fast_and_names_it(
     try:
         assert ready.wait(30)
         deadline = time.monotonic() + 10
-        while "D_1_0" not in cons.wait_arrivals(2, timeout=1):
+        seen: set[str] = set()
+        while seen != {"D_1_0", "D_1_1"}:
+            seen.update(cons.wait_arrivals(2, timeout=1))
             assert time.monotonic() < deadline
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
@@ -119,6 +122,10 @@ def test_a_dead_producers_object_fails_fast_and_names_it(
         assert time.monotonic() - t0 < 2.0
         assert "did not answer" in (res.error or "") and "omnirelay-" in (res.error or "")
         assert cons.get(1, 2, "D_1_0").status is GetStatus.NOT_YET  # the notice is spent
+        t0 = time.monotonic()  # the producer's other object: no second wait on a silent producer
+        res = cons.get(1, 2, "D_1_1")
+        assert res.status is GetStatus.FAILED and "stopped answering" in (res.error or "")
+        assert time.monotonic() - t0 < 0.2
     finally:
         if proc.is_alive():
             proc.kill()

@@ -68,6 +68,10 @@ class Reader:
         self._unannounced: deque[str] = deque()
         #: objects withdrawn after their notice was taken (a claim in flight checks it)
         self._retracted: deque[int] = deque(maxlen=4096)
+        #: claim endpoint -> when a claim to it went unanswered / when a notice last came
+        #: from it: a producer silent since gets no second wait (its other objects fail at once)
+        self._silent: dict[str, float] = {}
+        self._heard: dict[str, float] = {}
         self._peers: dict[str, _Peer] = {}
         self._quarantine: list[Buffer] = []
         self.closed = False
@@ -106,6 +110,7 @@ class Reader:
             with self._lock:
                 if isinstance(msg, wire.Notice):
                     self._table[key] = msg
+                    self._heard[msg.claim_at] = time.monotonic()
                     keys.append(key)
                 elif (held := self._table.get(key)) is not None and held.obj_id == msg.obj_id:
                     del self._table[key]
@@ -170,7 +175,12 @@ class Reader:
 
     def _claim(self, notice: wire.Notice) -> wire.Grant | wire.Gone | str:
         """The producer's answer, or why there is none."""
-        peer = self._peer(notice.claim_at)
+        at = notice.claim_at
+        with self._lock:
+            silent_since = self._silent.get(at)
+            if silent_since is not None and self._heard.get(at, 0.0) < silent_since:
+                return f"producer {notice.agent} at {at} stopped answering claims (it died, or its host is unreachable)"
+        peer = self._peer(at)
         req = next(_REQ_IDS)
         claim = wire.Claim(req, notice.obj_id, notice.key, self.agent.name)
         deadline = time.monotonic() + self.claim_timeout_s
@@ -186,7 +196,11 @@ class Reader:
                     continue
                 reply = wire.decode_claim_reply(peer.sock.recv())
                 if reply is not None and reply.req == req:
+                    with self._lock:
+                        self._silent.pop(at, None)
                     return reply  # replies to claims that timed out before are skipped
+        with self._lock:
+            self._silent[at] = time.monotonic()
         self.agent.forget(notice.agent)
         return (
             f"producer {notice.agent} at {notice.claim_at} did not answer a claim within "
