@@ -68,6 +68,16 @@ def _register_benches(bsub: Any) -> None:
     )
     t.add_argument("--no-baseline", action="store_true", help="skip the pickle baseline")
     t.add_argument(
+        "--backend",
+        choices=("shm", "nixl"),
+        default="shm",
+        help=(
+            "shm (default): the one-host rows above. nixl: the cross-host connector over TCP "
+            "(UCX_TLS=tcp, loopback) beside shm and a pickle-over-ZeroMQ-TCP baseline, in one run "
+            "(codec chunk, 4 MB, 64 MB unless --payloads says otherwise)"
+        ),
+    )
+    t.add_argument(
         "--no-pin",
         action="store_true",
         help="do not pin producer and consumer to two CPUs (default: pinned, like transfer_anchor.py --pin)",
@@ -288,6 +298,13 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         raise SystemExit("omnirelay bench transfer: --scale must be > 0")
     if args.gpu:
         return _run_gpu_transfer(args, payloads)
+    if args.backend == "nixl":
+        from benchmarks.transfer_hosts import render_hosts_table, run_hosts_bench
+
+        hosts = run_hosts_bench(payloads, scale=args.scale, pin=not args.no_pin)
+        print(render_hosts_table(hosts))
+        _write_json(args.json, hosts)
+        return 1 if hosts["leaks"] else 0
     results = run_transfer_bench(
         payloads, scale=args.scale, baseline=not args.no_baseline, pin=not args.no_pin
     )

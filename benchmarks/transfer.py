@@ -42,6 +42,7 @@ __all__ = [
     "PAYLOADS",
     "BenchRow",
     "make_payload",
+    "measure",
     "pin_cpus",
     "pin_to",
     "run_transfer_bench",
@@ -83,7 +84,7 @@ def _nbytes(obj: Any) -> int:
 
 # ---------------------------------------------------------------------- transports
 class _Ours:
-    def __init__(self, role: str, namespace: str) -> None:
+    def __init__(self, role: str, namespace: str, address: str | None = None) -> None:
         from omnirelay.connectors import create_connector
 
         self.conn = create_connector("shm", namespace=namespace, stage_id=1 if role == "producer" else 2)
@@ -111,7 +112,7 @@ class _Ours:
 class _PickleShm:
     """Baseline: pickle.dumps -> new SharedMemory per key -> consumer polls by name."""
 
-    def __init__(self, role: str, namespace: str) -> None:
+    def __init__(self, role: str, namespace: str, address: str | None = None) -> None:
         from multiprocessing import resource_tracker, shared_memory
 
         self.shm_mod = shared_memory
@@ -160,7 +161,18 @@ class _PickleShm:
         pass
 
 
-_TRANSPORTS: dict[str, Callable[[str, str], Any]] = {"ours": _Ours, "baseline": _PickleShm}
+_TRANSPORTS: dict[str, Callable[[str, str, str | None], Any]] = {"ours": _Ours, "baseline": _PickleShm}
+
+
+def _transport(kind: str) -> Callable[[str, str, str | None], Any]:
+    """``kind``'s transport class; the cross-host ones (``nixl``, ``zmq_tcp``) live in
+    benchmarks/transfer_hosts.py. A consumer's ``address`` (where it listens) reaches the
+    producer's constructor."""
+    if kind not in _TRANSPORTS:
+        from benchmarks.transfer_hosts import HOST_TRANSPORTS
+
+        _TRANSPORTS.update(HOST_TRANSPORTS)
+    return _TRANSPORTS[kind]
 
 
 # ---------------------------------------------------------------------- processes
@@ -202,8 +214,8 @@ def _consumer_main(
 ) -> None:
     pin_to(cpu)
     torch.set_num_threads(1)
-    tr = _TRANSPORTS[kind]("consumer", namespace)
-    peer.send("ready")
+    tr = _transport(kind)("consumer", namespace, None)
+    peer.send(("ready", getattr(tr, "address", None)))
     try:
         got: list[int] = []
         for i in range(n_lat):
@@ -231,10 +243,10 @@ def _producer_main(
 ) -> None:
     pin_to(cpu)
     torch.set_num_threads(1)
-    tr = _TRANSPORTS[kind]("producer", namespace)
+    _, address = peer.recv()  # consumer ready (and where it listens)
+    tr = _transport(kind)("producer", namespace, address)
     obj = make_payload(payload)
     rng = random.Random(1)
-    peer.recv()  # consumer ready
     try:
         sent: list[int] = []
         for i in range(n_lat):
@@ -275,7 +287,7 @@ class BenchRow:
         return d
 
 
-def _measure(
+def measure(
     kind: str, payload: str, n_lat: int, n_tp: int, *, pin: bool = True, run_tag: str = "bench"
 ) -> BenchRow:
     ctx = mp.get_context("spawn")
@@ -447,7 +459,7 @@ def run_transfer_bench(
         kinds = ["ours", "baseline"] if baseline else ["ours"]
         for kind in kinds:
             log(f"[bench transfer] {name}: {kind} ({n_lat} one-way trials, {n_tp} streamed)")
-            row = _measure(kind, name, n_lat, n_tp, pin=pin, run_tag=run_tag)
+            row = measure(kind, name, n_lat, n_tp, pin=pin, run_tag=run_tag)
             entry[kind] = row.to_dict()
         results["payloads"][name] = entry
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"omnirelay-{run_tag}")]

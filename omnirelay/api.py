@@ -413,6 +413,16 @@ class Pipeline:
         result: dict[int, dict[str, Any]] = self._call(self._orch.leak_state(timeout_s, settle_s))
         return result
 
+    def placement(self) -> dict[str, Any]:
+        """Where each stage runs (``stages``: id -> node id, address, host name) and each
+        edge's connector backend (``edges``: ``"src -> dst"`` -> backend)."""
+        config = self._orch.config
+        return {
+            "backend": config.placement.backend,
+            "stages": {sid: dict(node) for sid, node in self._orch.placement_report().items()},
+            "edges": {e.label: e.backend for e in config.edges()},
+        }
+
     def leaks(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> list[str]:
         """Where any stage still holds per-request state or transfer objects, as
         ``"stage N: path=value"`` lines of :meth:`leak_state`; ``[]`` when every request

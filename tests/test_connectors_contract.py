@@ -1,8 +1,16 @@
-"""The connector contract (docs/protocol.md §3.1, docs/protocol.md §3.1), run against every backend."""
+"""The connector contract (docs/protocol.md §3.1), run against every backend.
+
+``nixl`` runs twice: on one host (abstract UNIX notice sockets, UCX's choice of transport)
+and over TCP (``UCX_TLS=tcp``, notice and claim endpoints on the loopback). A key becomes
+gettable when its arrival notice has come (at once on ``shm`` and ``inproc``, after the
+notice's trip on ``nixl``): tests that get right after a put first wait for the
+announcement, as every receiver does (:func:`announced`).
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,18 +20,56 @@ import torch
 from omnirelay.connectors import Connector, GetStatus, create_connector
 from tests.conftest import shm_entries
 
-BACKENDS = ["shm", "inproc"]
+BACKENDS = ["shm", "inproc", "nixl", "nixl-tcp"]
+
+
+def make_pair(backend: str, namespace: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Connector, Connector]:
+    """A producer connector of stage 1 and a consumer connector of stage 2."""
+    if backend != "nixl-tcp":
+        return (
+            create_connector(backend, namespace=namespace, stage_id=1),
+            create_connector(backend, namespace=namespace, stage_id=2),
+        )
+    pytest.importorskip("nixl_cu12")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    # The consumer binds a port the system picks; the producer is told where it is.
+    cons = create_connector("nixl", namespace=namespace, stage_id=2, endpoints={2: "tcp://127.0.0.1:0"})
+    at = cons.listening_at  # type: ignore[attr-defined]
+    prod = create_connector(
+        "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: at}
+    )
+    return prod, cons
 
 
 @pytest.fixture(params=BACKENDS)
-def pair(request: pytest.FixtureRequest, namespace: str) -> Iterator[tuple[Connector, Connector]]:
-    """A producer connector of stage 1 and a consumer connector of stage 2."""
-    prod = create_connector(request.param, namespace=namespace, stage_id=1)
-    cons = create_connector(request.param, namespace=namespace, stage_id=2)
+def pair(
+    request: pytest.FixtureRequest, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Connector, Connector]]:
+    prod, cons = make_pair(request.param, namespace, monkeypatch)
     yield prod, cons
     prod.close()
     cons.close()
     assert prod.pending_keys() == []
+    if prod.backend == "nixl":
+        for c in (prod, cons):
+            assert c.num_registered() == 0 and c.num_notices() == 0  # type: ignore[attr-defined]
+
+
+def announced(cons: Connector, *keys: str, to_stage: int = 2) -> None:
+    """Wait until every key in ``keys`` has been announced to ``to_stage`` (once each), or
+    the backend says notices overflowed (a receiver then polls every key it waits for)."""
+    if cons.backend in ("shm", "inproc"):
+        return  # a put is gettable by name at once
+    want = list(keys)
+    deadline = time.monotonic() + 10
+    while want and time.monotonic() < deadline:
+        arrivals = cons.wait_arrivals(to_stage, timeout=1)
+        if getattr(arrivals, "overflowed", False):
+            return
+        for key in arrivals:
+            if key in want:
+                want.remove(key)
+    assert not want, f"never announced: {want}"
 
 
 def test_put_get_round_trip_consumes(pair: tuple[Connector, Connector]) -> None:
@@ -31,6 +77,7 @@ def test_put_get_round_trip_consumes(pair: tuple[Connector, Connector]) -> None:
     obj = {"codes": torch.arange(16 * 50).reshape(16, 50), "meta": {"finished": True}, "t": (1, "a")}
     res = prod.put(1, 2, "R_1_0", obj)
     assert res.ok and res.nbytes > 0 and res.error is None
+    announced(cons, "R_1_0")
     got = cons.get(1, 2, "R_1_0")
     assert got.status is GetStatus.READY and got.nbytes == res.nbytes
     assert torch.equal(got.obj["codes"], obj["codes"]) and got.obj["t"] == (1, "a")
@@ -84,6 +131,7 @@ def test_cleanup_exact_and_idempotent(pair: tuple[Connector, Connector]) -> None
     assert prod.cleanup("R_1_0") is True
     assert prod.cleanup("R_1_0") is False
     assert prod.cleanup("R_1") is False  # never a prefix
+    announced(cons, "R_1_1")
     assert cons.get(1, 2, "R_1_0").status is GetStatus.NOT_YET
     assert cons.get(1, 2, "R_1_1").obj == {"a": 2}
     assert prod.cleanup("R_1_1") is False  # consumed already
@@ -96,6 +144,7 @@ def test_cleanup_prefix_never_touches_a_sibling(pair: tuple[Connector, Connector
     for k in ("task_1_0", "task_1_1", "task_1_1_0", "task_1_1_1", "task_10_0"):
         assert prod.put(1, 2, k, {"k": k}).ok
     assert prod.cleanup_prefix("task_1_") == 2  # task_1_0, task_1_1 (ids "task")
+    announced(cons, "task_1_1_0", "task_10_0")
     assert cons.get(1, 2, "task_1_1_0").obj == {"k": "task_1_1_0"}  # sibling id "task_1" intact
     assert prod.cleanup_prefix("task_1_1_") == 1  # id "task_1": only its remaining key
     assert cons.get(1, 2, "task_10_0").obj == {"k": "task_10_0"}
@@ -110,6 +159,7 @@ def test_reap_rotation_drops_consumed_behind_unread(pair: tuple[Connector, Conne
     consumed = [f"C{i}_1_0" for i in range(50)]
     for k in unread + consumed:
         assert prod.put(1, 2, k, i := {"v": 1}).ok, i
+    announced(cons, *consumed)
     for k in consumed:
         assert cons.get(1, 2, k).is_ready
     passes = 0
@@ -144,6 +194,7 @@ def test_health_counts(pair: tuple[Connector, Connector]) -> None:
     h = prod.health()
     assert h.num_puts == 2 and h.num_pending_keys == 2 and h.num_live_objects == 2
     assert h.live_bytes >= 2 * 1024 and h.bytes_put == h.live_bytes and h.status == "healthy"
+    announced(cons, "H_1_0")
     assert cons.get(1, 2, "H_1_0").is_ready
     assert cons.health().num_gets == 1 and cons.health().bytes_got > 1024
     prod.reap_consumed()
@@ -159,8 +210,10 @@ def test_same_key_is_not_clobbered_while_unread(pair: tuple[Connector, Connector
     assert prod.put(1, 2, "D_1_0", {"gen": 1}).ok
     second = prod.put(1, 2, "D_1_0", {"gen": 2})
     assert not second.ok and "already published" in (second.error or "")
+    announced(cons, "D_1_0")
     assert cons.get(1, 2, "D_1_0").obj == {"gen": 1}
     assert prod.put(1, 2, "D_1_0", {"gen": 3}).ok  # consumed: the key may be reused
+    announced(cons, "D_1_0")
     assert cons.get(1, 2, "D_1_0").obj == {"gen": 3}
 
 
@@ -182,6 +235,7 @@ def test_untrusted_keys_are_safe(pair: tuple[Connector, Connector], namespace: s
     assert res.ok, res.error
     for name in shm_entries(namespace):
         assert name.startswith(f"omnirelay-{namespace}-") and "/" not in name and len(name) < 255
+    announced(cons, key)
     got = cons.get(1, 2, key)
     assert got.is_ready and got.obj == {"k": key}
 
@@ -211,6 +265,7 @@ def test_concurrent_readers_exactly_one_wins(pair: tuple[Connector, Connector]) 
     n_keys, n_threads = 50, 4
     for i in range(n_keys):
         assert prod.put(1, 2, f"K{i}_1_0", i).ok
+    announced(cons, *(f"K{i}_1_0" for i in range(n_keys)))
     barrier = threading.Barrier(n_threads)
     wins: list[list[int]] = [[] for _ in range(n_threads)]
 

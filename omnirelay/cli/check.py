@@ -97,6 +97,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
                 "process_env": s.process_env(),
                 "entry": _entry_text(cfg, s.id),
+                "resources": dict(s.resources),
             }
         )
     edges = [
@@ -132,6 +133,11 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "openai_voices": dict(cfg.openai_voices),
         "restart": msgspec.structs.asdict(cfg.restart),
         "restart_text": cfg.restart.describe(),
+        "placement": {
+            "backend": cfg.placement.backend,
+            "address": cfg.placement.address,
+            "edges": dict(cfg.placement.edges),
+        },
         "stages": stages,
         "edges": edges,
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
@@ -173,6 +179,13 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         pairs = ", ".join(f"{k} -> {v}" for k, v in report["openai_voices"].items())
         w(f"  OpenAI voice names: {pairs}\n")
     w(f"  restart (serve): {report['restart_text']}\n")
+    placement = report["placement"]
+    if placement["backend"] == "ray":
+        w(
+            f"  placement: Ray cluster at {placement['address'] or 'auto'}; edge backends from where stages run\n"
+        )
+    else:
+        w("  placement: local (every stage a process of this machine)\n")
 
     w("\nstages\n")
     for s in report["stages"]:
@@ -188,6 +201,9 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             w(f"      input builder (forwarded input): {s['input_builder']}\n")
         final = s["final_output_type"] if s["final_output"] else "no (intermediate)"
         w(f"      final output: {final}\n")
+        if s["resources"]:
+            res = ", ".join(f"{k}: {v:g}" for k, v in s["resources"].items())
+            w(f"      placed on a Ray node offering {res}\n")
         if s["process_env"]:
             env = " ".join(f"{k}={v}" for k, v in s["process_env"].items())
             w(f"      process environment: {env}\n")

@@ -83,6 +83,13 @@ def run_doctor(args: argparse.Namespace) -> int:
         )
     else:
         print(f"shm connector: UNAVAILABLE: {atomics.unavailable_reason()}")
+    from omnirelay.connectors.nixl import unavailable_reason as nixl_problem
+
+    nixl_reason = nixl_problem()
+    # Optional: only pipelines whose edges cross hosts need it (not a failure of doctor).
+    print(
+        "nixl connector: ready" if nixl_reason is None else f"nixl connector: not installed ({nixl_reason})"
+    )
     interp = interpreter_info()
     print(f"python: {interp.describe()}")
     if interp.is_likely_slow:
@@ -95,5 +102,6 @@ def run_doctor(args: argparse.Namespace) -> int:
         out["shm_atomics"] = atomics.backend()
         out["shm_notices"] = notices.backend()
         out["python"] = interp.to_dict()
+        out["nixl_connector_problem"] = nixl_reason
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if atomics.available() else 1

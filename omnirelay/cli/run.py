@@ -101,7 +101,8 @@ def register(sub: Any) -> None:
             '  omnirelay run --prompt "Hello, who are you?" --out answer.wav\n'
             '  omnirelay run --prompt "Hi" --modalities text --max-tokens 16\n'
             '  omnirelay run --model /models/Qwen3-Omni-30B-A3B-Instruct --prompt "Hi" --out hi.wav\n'
-            '  omnirelay run --pipeline qwen3-omni --load-format dummy --device cuda:0 --prompt "Hi"'
+            '  omnirelay run --pipeline qwen3-omni --load-format dummy --device cuda:0 --prompt "Hi"\n'
+            '  omnirelay run --pipeline qwen3-omni-tiny-2host --local-cluster --prompt "Hi" --json out.json'
         ),
     )
     p.add_argument("--prompt", required=True, help="the user message (sent as one chat turn)")
@@ -133,6 +134,15 @@ def register(sub: Any) -> None:
         help="sampling seed of every sampling stage (default: the pipeline's)",
     )
     p.add_argument("--system", default=None, help="an optional system message before the prompt")
+    p.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help=(
+            "for a pipeline placed on Ray: start a two-node Ray cluster on this machine (custom "
+            "resources hostA, hostB) and force NIXL's UCX onto TCP, so edges between "
+            "the simulated hosts take the network path (e.g. --pipeline qwen3-omni-tiny-2host)"
+        ),
+    )
     p.set_defaults(func=run_run)
 
 
@@ -205,6 +215,17 @@ def _modalities(value: str) -> list[str]:
 
 
 def run_run(args: argparse.Namespace) -> int:
+    if not getattr(args, "local_cluster", False):
+        return _run(args)
+    from omnirelay.orchestrator.local_cluster import local_cluster
+
+    print("starting a local two-node Ray cluster (hostA, hostB; UCX over TCP)", file=sys.stderr, flush=True)
+    with local_cluster() as address:
+        os.environ["RAY_ADDRESS"] = address
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     modalities = _modalities(args.modalities)
     if args.out is not None and "audio" not in modalities:
         raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
@@ -239,6 +260,7 @@ def run_run(args: argparse.Namespace) -> int:
         timeline = drive_request(
             pipe, trace, prompt_ids, modalities=modalities, sampling=sampling, on_output=on_output
         )
+        placement = pipe.placement()
         out.write("\n")
         wrote = writer.commit() if writer is not None else False
     except BaseException:
@@ -275,6 +297,7 @@ def run_run(args: argparse.Namespace) -> int:
             **timeline.to_dict(),
             "last_text_s": last_text_s(timeline),
             "stages": [s.name for s in config.stages],
+            "placement": placement,
             "shutdown": {"num_killed": report.num_killed, "num_objects_left": report.num_objects_left},
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,12 @@ def register(sub: Any) -> None:
         help="serve a browser page at / that records the microphone, talks to WS /v1/realtime and plays "
         "the answer (browsers give the microphone to localhost or HTTPS pages only; default: off)",
     )
+    p.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="for a pipeline placed on Ray: serve it on a two-node Ray cluster started on this machine "
+        "(hostA, hostB; UCX over TCP), as omnirelay run --local-cluster does",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_security_flags(p)
     p.set_defaults(func=run_serve)
@@ -235,6 +241,19 @@ def with_max_restarts(pipeline: PipelineConfig, max_restarts: int) -> PipelineCo
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if not getattr(args, "local_cluster", False):
+        return _serve(args)
+    from omnirelay.orchestrator.local_cluster import local_cluster
+
+    print(
+        "omnirelay serve: starting a local two-node Ray cluster (hostA, hostB)", file=sys.stderr, flush=True
+    )
+    with local_cluster() as address:
+        os.environ["RAY_ADDRESS"] = address
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
     from omnirelay.cli.session import Progress
     from omnirelay.models import prepare_stage_models

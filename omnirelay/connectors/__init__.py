@@ -1,6 +1,6 @@
 """Connectors: move one keyed object between stage processes (docs/protocol.md §3.1).
 
-``create_connector("shm" | "inproc", namespace=..., stage_id=..., **options)``.
+``create_connector("shm" | "nixl" | "inproc", namespace=..., stage_id=..., **options)``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [
     "validate_namespace",
 ]
 
-BACKENDS = ("shm", "inproc")
+BACKENDS = ("shm", "nixl", "inproc")
 
 
 def create_connector(
@@ -45,6 +45,10 @@ def create_connector(
         from omnirelay.connectors.shm.connector import ShmConnector
 
         return ShmConnector(namespace, stage_id, **options)
+    if backend == "nixl":
+        from omnirelay.connectors.nixl.connector import NixlConnector
+
+        return NixlConnector(namespace, stage_id, **options)
     if backend == "inproc":
         from omnirelay.connectors.inproc import InprocConnector
 

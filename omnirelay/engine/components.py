@@ -104,7 +104,7 @@ def create_stage_engine(
     ``namespace`` defaults to the pipeline's; it is required when the stage has a chunk edge.
     ``tracer``: the engine's step tracer (:mod:`omnirelay.engine.tracing`; default none).
     """
-    from omnirelay.connectors import create_connector
+    from omnirelay.engine.edge_connectors import build_stage_connector
     from omnirelay.engine.engine import StageEngine
 
     s = pipeline.stage(stage)
@@ -117,14 +117,11 @@ def create_stage_engine(
             raise ConfigError(
                 f"{s.label} sends or receives chunks: give the pipeline (or this call) a namespace"
             )
+        connector = build_stage_connector(pipeline, s, roles, ns)
         from omnirelay.connectors.device.paths import gpu_direct_options
 
-        backend = pipeline.connector_spec(roles.connector_name).backend
-        # Where both stages of an edge are on CUDA devices, its tensors go device to device.
-        options = gpu_direct_options(pipeline, s) if backend == "shm" else {}
-        connector = create_connector(backend, namespace=ns, stage_id=s.id, **options)
         keep_on_device = getattr(parts.executor, "keep_outputs_on_device", None)
-        if options.get("gpu_direct_to") and callable(keep_on_device):
+        if gpu_direct_options(pipeline, s).get("gpu_direct_to") and callable(keep_on_device):
             keep_on_device(True)  # its outputs cross device to device: no copy to the host first
     try:
         return StageEngine(

@@ -64,6 +64,9 @@ class FrontControl:
         try:
             cmd.bind(paths.cmd_addr(stage_id))
             evt.bind(paths.evt_addr(stage_id))
+            paths.record(
+                stage_id, cmd.getsockopt_string(zmq.LAST_ENDPOINT), evt.getsockopt_string(zmq.LAST_ENDPOINT)
+            )
         except BaseException:
             cmd.close(linger=0)
             evt.close(linger=0)
@@ -77,7 +80,7 @@ class FrontControl:
         caller removes the returned directory once the new worker said hello."""
         if self._is_closed:
             raise PipelineError("the control plane is closed")
-        paths = ControlPaths.create(self.paths.num_stages)
+        paths = ControlPaths.create(self.paths.num_stages, self.paths.tcp_host)
         try:
             cmd, evt = self._bind_pair(paths, stage_id)
         except BaseException:

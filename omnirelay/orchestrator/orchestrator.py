@@ -27,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -70,6 +71,10 @@ from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec
 from omnirelay.worker.control import ControlPaths
+
+if TYPE_CHECKING:
+    from omnirelay.orchestrator.ray_placement import RayPlacement
+
 from omnirelay.worker.messages import (
     Abort,
     Goodbye,
@@ -122,6 +127,7 @@ class Orchestrator:
         self._wait_slice_s = wait_slice_s
         self._handles: dict[str, RequestHandle] = {}
         self._stages = [StageProcess(s.id, s.label, s.name) for s in self.config.stages]
+        self._ray: RayPlacement | None = None
         self._supervisor = StageSupervisor(
             namespace=namespace,
             stages=self._stages,
@@ -171,9 +177,31 @@ class Orchestrator:
             raise
 
     async def _start(self) -> None:
+        if self.config.placement.is_ray:
+            await self._place_on_ray()
         await self._supervisor.start()
         for st in self._stages:
             st.state = StageState.HEALTHY
+
+    async def _place_on_ray(self) -> None:
+        """Connect to the Ray cluster and place the stages (blocking calls: off the loop)."""
+        from omnirelay.orchestrator.ray_placement import RayPlacement
+
+        placement = self._ray = RayPlacement(self.config)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, placement.connect)
+        self.config = await loop.run_in_executor(None, placement.place)
+        self._supervisor.use_placement(placement.process, placement.front_ip)
+
+    def placement_report(self) -> dict[int, dict[str, Any]]:
+        """Where each stage's worker runs (node id, address, host name); this host for a
+        local pipeline."""
+        if self._ray is not None:
+            return self._ray.describe()
+        host = socket.gethostname()
+        return {
+            s.id: {"node_id": "local", "node_ip": "127.0.0.1", "hostname": host} for s in self.config.stages
+        }
 
     @property
     def _control(self) -> FrontControl | None:
@@ -353,6 +381,8 @@ class Orchestrator:
             if fut is not None and not fut.done():
                 fut.set_result(message)
         elif isinstance(message, Hello):
+            if st.pid is None:  # a worker on a Ray node: its pid comes with its hello
+                st.pid = message.pid
             self._supervisor.on_hello(st)
         elif isinstance(message, StartupFailed):
             st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"
@@ -527,6 +557,8 @@ class Orchestrator:
             del self._parked[rid]
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
         num_killed = await self._supervisor.stop(timeout_s)
+        if self._ray is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._ray.close)
         for fut in self._queries.values():
             fut.cancel()
         self._queries.clear()

@@ -14,8 +14,7 @@ import asyncio
 import enum
 import signal
 from dataclasses import dataclass, field
-from multiprocessing.context import SpawnProcess
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -102,6 +101,23 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+class WorkerProcess(Protocol):
+    """What the front holds of a worker: a spawned process, or a worker on a Ray node
+    (:class:`omnirelay.orchestrator.ray_placement.RayWorkerProcess`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def start(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def close(self) -> None: ...
+
+
 @dataclass
 class StageProcess:
     """One stage's worker process as the front tracks it (the orchestrator's thread only)."""
@@ -109,7 +125,7 @@ class StageProcess:
     stage_id: int
     label: str
     name: str
-    process: SpawnProcess | None = None
+    process: WorkerProcess | None = None
     pid: int | None = None
     exitcode: int | None = None
     is_ready: bool = False
@@ -134,7 +150,7 @@ class StageProcess:
     #: what the current process reported before it went down (StageFatal, StartupFailed)
     cause: str | None = None
 
-    def new_process(self, process: SpawnProcess) -> None:
+    def new_process(self, process: WorkerProcess) -> None:
         """Books for a freshly spawned worker of this stage (first or restarted)."""
         self.process, self.pid = process, process.pid
         self.exitcode = None

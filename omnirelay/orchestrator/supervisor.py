@@ -102,6 +102,8 @@ class StageSupervisor:
         policy: RestartPolicy,
         startup_timeout_s: float,
         hooks: SupervisorHooks,
+        spawn: Callable[[int, WorkerSpec], Any] | None = None,
+        tcp_host: str | None = None,
     ) -> None:
         self.namespace = namespace
         self.stages = stages
@@ -112,9 +114,17 @@ class StageSupervisor:
         self.control: FrontControl | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx = multiprocessing.get_context("spawn")
+        #: builds a stage's worker process (placement on Ray); None: a spawned local process
+        self._spawn_process = spawn
+        #: the front's address when workers run on other hosts (control plane over TCP)
+        self._tcp_host = tcp_host
         self._tasks: set[asyncio.Future[Any]] = set()
         self.is_started = False
         self.is_closing = False
+
+    def use_placement(self, spawn: Callable[[int, WorkerSpec], Any], tcp_host: str | None) -> None:
+        """Start workers through ``spawn`` (placed on Ray nodes), control plane over TCP."""
+        self._spawn_process, self._tcp_host = spawn, tcp_host
 
     @property
     def policy(self) -> RestartPolicy:
@@ -127,7 +137,7 @@ class StageSupervisor:
         loop = self._loop = asyncio.get_running_loop()
         # Objects of dead owners in this namespace (an earlier crashed deployment).
         await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
-        paths = ControlPaths.create(len(self.stages))
+        paths = ControlPaths.create(len(self.stages), self._tcp_host)
         try:
             self.control = FrontControl(paths)
         except BaseException:
@@ -155,12 +165,16 @@ class StageSupervisor:
         loop, control = self._loop, self.control
         assert loop is not None and control is not None
         st.hello = loop.create_future()
-        proc = self._ctx.Process(
-            target=worker_main,
-            args=(self._make_spec(st.stage_id, paths),),
-            name=f"omnirelay-{self.namespace}-s{st.stage_id}",
-            daemon=True,
-        )
+        spec = self._make_spec(st.stage_id, paths)
+        if self._spawn_process is not None:
+            proc = self._spawn_process(st.stage_id, spec)
+        else:
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(spec,),
+                name=f"omnirelay-{self.namespace}-s{st.stage_id}",
+                daemon=True,
+            )
         proc.start()
         st.new_process(proc)
         st.startup_began = time.monotonic()
@@ -204,7 +218,15 @@ class StageSupervisor:
                 self._hooks.route(stage_id, message)
         if self.is_closing and st.said_goodbye:
             return
-        reason = f"{st.label} worker process (pid {st.pid}) died ({st.last_exit})"
+        where = (
+            f" on node {proc.node['node_ip']} ({proc.node['node_id'][:12]})" if hasattr(proc, "node") else ""
+        )
+        if st.pid is None:  # a Ray-placed worker that died before its hello
+            st.pid = proc.pid
+        lost = getattr(proc, "lost", None)
+        if lost:
+            st.last_exit = lost
+        reason = f"{st.label} worker process (pid {st.pid}{where}) died ({st.last_exit})"
         if st.cause is not None:  # it said why before it exited
             reason = f"{st.cause}; its worker process (pid {st.pid}) exited ({st.last_exit})"
         self.fail_hello(st, reason)

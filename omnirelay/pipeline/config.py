@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from omnirelay.errors import ConfigError
+from omnirelay.pipeline.placement import PlacementConfig, edge_backend
 from omnirelay.pipeline.resolve import explain_stage_async_chunk, resolve_stage_async_chunk
 from omnirelay.pipeline.restart import RestartPolicy
 from omnirelay.pipeline.validate import (
@@ -191,6 +192,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     gpu_share: int | None = None
     gpu_priority: GpuPriority | None = None
     entry_input: EntryInput | None = None
+    #: Ray resources the stage's worker needs (a placement of ``backend: ray`` only);
+    #: custom ones (``hostB: 1``) pin it to the nodes that offer them
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -255,6 +259,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     openai_voices: dict[str, str] = msgspec.field(default_factory=dict)
     #: When and how often a dead stage worker is started again (``restart:``).
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    #: Where the stage workers run (``placement:``; local processes by default).
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 
@@ -385,7 +391,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                         dst=d.id,
                         contract=contract,
                         connector=name,
-                        backend=spec.backend,
+                        backend=edge_backend(self, src, d.id, spec.backend),
                         extra=dict(spec.extra),
                         processor=self.next_stage_processor(src),
                         input_builder=(
@@ -419,6 +425,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if type(value) is not bool:
             raise ConfigError(f"async_chunk override must be True or False, got {value!r}")
         return msgspec.structs.replace(self, async_chunk=value, async_chunk_origin=FlagOrigin.OVERRIDE)
+
+    def with_placement(self, placement: PlacementConfig) -> PipelineConfig:
+        """A validated copy placed otherwise (a started cluster's address, resolved endpoints)."""
+        return msgspec.structs.replace(self, placement=placement)
 
     def with_restart(self, policy: RestartPolicy) -> PipelineConfig:
         """A copy with another restart policy (``serve --max-restarts``, ``run``'s fail-fast)."""

@@ -35,6 +35,7 @@ from omnirelay.pipeline.config import (
     StageConfig,
 )
 from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
+from omnirelay.pipeline.placement import parse_placement, parse_resources
 from omnirelay.pipeline.registry import ComponentRegistry
 from omnirelay.pipeline.restart import RESTART_KEYS, RestartPolicy, restart_policy_problem
 from omnirelay.pipeline.validate import ENV_NAME_PATTERN
@@ -124,6 +125,8 @@ def parse_pipeline(
         kwargs["openai_voices"] = _parse_openai_voices(ctx, data["openai_voices"])
     if "restart" in data:
         kwargs["restart"] = _parse_restart(ctx, data["restart"])
+    if "placement" in data:
+        kwargs["placement"] = parse_placement(source, data["placement"])
     stages_raw = data.get("stages")
     if "stages" not in data:
         ctx.fail("stages", "the key is missing", "list the stages under 'stages:'")
@@ -237,6 +240,7 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "gpu_share": lambda m, k: ctx.integer(m, k, optional=True),
         "gpu_priority": lambda m, k: ctx.choice(m, k, GpuPriority, optional=True),
         "entry_input": lambda m, k: ctx.choice(m, k, EntryInput, optional=True),
+        "resources": lambda m, k: parse_resources(source, ctx.where or "", m[k]),
     }
     for key, read in readers.items():
         if key in raw:
@@ -276,6 +280,7 @@ PIPELINE_KEYS = (
     "default_connector",
     "connectors",
     "openai_voices",
+    "placement",
     "restart",
     "stages",
     "default_modalities",

@@ -25,6 +25,7 @@ import re
 from typing import TYPE_CHECKING
 
 from omnirelay.pipeline.diagnostics import config_error
+from omnirelay.pipeline.placement import check_placement
 
 if TYPE_CHECKING:
     from omnirelay.pipeline.config import PipelineConfig, StageConfig
@@ -44,7 +45,7 @@ __all__ = [
 # imports validate, never the other way round.
 
 #: Connector backends a pipeline file may name (network backends later).
-CONNECTOR_BACKENDS = ("shm", "inproc")
+CONNECTOR_BACKENDS = ("shm", "nixl", "inproc")
 #: Name of the connector a stage uses when it names none; an ``shm`` connector without
 #: extras unless the file defines a connector of this name.
 DEFAULT_CONNECTOR_NAME = "default"
@@ -72,6 +73,7 @@ def validate_pipeline(cfg: PipelineConfig) -> None:
     _check_default_modalities(cfg)
     _check_connectors(cfg)
     _check_chunk_contracts(cfg)
+    check_placement(cfg)
 
 
 def _check_pipeline_values(cfg: PipelineConfig) -> None:

@@ -407,6 +407,10 @@ class TransferAdapter:
                 untracked &= set(self._connector.pending_keys())
             if untracked:
                 out["connector_untracked_keys"] = sorted(untracked)[:16]
+            # A backend's own per-object books (nixl: objects awaiting an ack, notices not got).
+            books = getattr(self._connector, "leak_state", None)
+            if callable(books) and (held := books()):
+                out["connector"] = held
         return out
 
     # ----------------------------------------------------------------- shutdown

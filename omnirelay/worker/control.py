@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -45,25 +45,41 @@ _MAX_IPC_DIR = 80
 
 @dataclass(frozen=True, slots=True)
 class ControlPaths:
-    """Where a deployment's control sockets live."""
+    """Where a deployment's control sockets live.
+
+    With ``tcp_host`` (stages on other hosts), ``tcp://<tcp_host>:<port>`` instead, the
+    ports chosen by the system when the front binds and recorded in ``bound`` (before the
+    paths are sent to the workers)."""
 
     directory: str
     num_stages: int
+    tcp_host: str | None = None
+    bound: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, num_stages: int) -> ControlPaths:
+    def create(cls, num_stages: int, tcp_host: str | None = None) -> ControlPaths:
         """Make a fresh private directory (short enough for ``ipc://`` paths)."""
         base = tempfile.gettempdir()
         if len(base) > _MAX_IPC_DIR - 30:
             base = "/tmp"
         directory = tempfile.mkdtemp(prefix="omnirelay-ctl-", dir=base)
-        return cls(directory=directory, num_stages=num_stages)
+        return cls(directory=directory, num_stages=num_stages, tcp_host=tcp_host)
+
+    def _addr(self, name: str) -> str:
+        if self.tcp_host is None:
+            return f"ipc://{self.directory}/{name}"
+        return self.bound.get(name, f"tcp://{self.tcp_host}:0")
 
     def cmd_addr(self, stage_id: int) -> str:
-        return f"ipc://{self.directory}/s{stage_id}.cmd"
+        return self._addr(f"s{stage_id}.cmd")
 
     def evt_addr(self, stage_id: int) -> str:
-        return f"ipc://{self.directory}/s{stage_id}.evt"
+        return self._addr(f"s{stage_id}.evt")
+
+    def record(self, stage_id: int, cmd: str, evt: str) -> None:
+        """The addresses the front bound (a ``:0`` port resolved)."""
+        if self.tcp_host is not None:
+            self.bound[f"s{stage_id}.cmd"], self.bound[f"s{stage_id}.evt"] = cmd, evt
 
     def remove(self) -> None:
         """Remove the directory and the socket files in it (idempotent)."""

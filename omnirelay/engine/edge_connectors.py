@@ -1,0 +1,80 @@
+"""The connector a stage's engine uses, built from the backends of its edges.
+
+A stage has at most one chunk edge in (``receive_from_stage``) and one out
+(``send_to_stage``). Each edge's backend is resolved from placement
+(:func:`omnirelay.pipeline.placement.edge_backend`: ``shm`` on one host, ``nixl`` between
+hosts). One backend: one connector, as before placement existed. Two: a
+:class:`~omnirelay.connectors.split.SplitConnector` over one of each.
+
+A ``nixl`` connector is told the pipeline's notice endpoints (filled by the placement at
+start) and binds its claim server on the stage's node address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnirelay.connectors import Connector, create_connector
+from omnirelay.engine.stage_roles import StageRoles
+from omnirelay.pipeline.config import PipelineConfig, StageConfig
+from omnirelay.pipeline.placement import edge_backend
+
+__all__ = ["build_stage_connector", "stage_edge_backends"]
+
+
+def stage_edge_backends(
+    pipeline: PipelineConfig, stage: StageConfig, roles: StageRoles
+) -> tuple[str | None, str | None]:
+    """(backend of the chunk edge in, backend of the chunk edge out); None where none."""
+
+    def backend(src: int, dst: int) -> str:
+        spec = pipeline.connector_spec(pipeline.input_connector(dst))
+        return edge_backend(pipeline, src, dst, spec.backend)
+
+    into = None if roles.receive_from_stage is None else backend(roles.receive_from_stage, stage.id)
+    out = None if roles.send_to_stage is None else backend(stage.id, roles.send_to_stage)
+    return into, out
+
+
+def _options(pipeline: PipelineConfig, stage: StageConfig, backend: str, *, listens: bool) -> dict[str, Any]:
+    if backend == "shm":
+        from omnirelay.connectors.device.paths import gpu_direct_options
+
+        # Where both stages of an shm edge are on CUDA devices, its tensors go device to device.
+        return gpu_direct_options(pipeline, stage)
+    if backend != "nixl":
+        return {}
+    placement = pipeline.placement
+    options: dict[str, Any] = {"endpoints": dict(placement.endpoints), "listen": listens}
+    host = placement.node_ips.get(stage.id)
+    if host:
+        options["claim_host"] = host
+    return options
+
+
+def build_stage_connector(
+    pipeline: PipelineConfig, stage: StageConfig, roles: StageRoles, namespace: str
+) -> Connector:
+    into, out = stage_edge_backends(pipeline, stage, roles)
+    if into is None or out is None or into == out:
+        backend = into or out
+        assert backend is not None
+        return create_connector(
+            backend,
+            namespace=namespace,
+            stage_id=stage.id,
+            **_options(pipeline, stage, backend, listens=into is not None),
+        )
+    input_side = create_connector(
+        into, namespace=namespace, stage_id=stage.id, **_options(pipeline, stage, into, listens=True)
+    )
+    try:
+        output_side = create_connector(
+            out, namespace=namespace, stage_id=stage.id, **_options(pipeline, stage, out, listens=False)
+        )
+    except BaseException:
+        input_side.close()
+        raise
+    from omnirelay.connectors.split import SplitConnector
+
+    return SplitConnector(input_side, output_side)
