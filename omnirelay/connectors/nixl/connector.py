@@ -232,5 +232,6 @@ class NixlConnector(Connector):
             num_get_failures=self._reader.num_get_failures,
             bytes_got=self._reader.bytes_got,
             last_error=self._last_error,
+            last_device_fallback=None,
             **books,
         )
