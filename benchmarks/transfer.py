@@ -41,6 +41,7 @@ import torch
 __all__ = [
     "PAYLOADS",
     "BenchRow",
+    "ConnectorTransport",
     "make_payload",
     "measure",
     "pin_cpus",
@@ -83,12 +84,11 @@ def _nbytes(obj: Any) -> int:
 
 
 # ---------------------------------------------------------------------- transports
-class _Ours:
-    def __init__(self, role: str, namespace: str, address: str | None = None) -> None:
-        from omnirelay.connectors import create_connector
+class ConnectorTransport:
+    """A connector as a transport: the producer puts as stage 1, the consumer gets as
+    stage 2, waiting on arrival notices. Subclasses set ``self.conn``."""
 
-        self.conn = create_connector("shm", namespace=namespace, stage_id=1 if role == "producer" else 2)
-        self.role = role
+    conn: Any
 
     def put(self, key: str, obj: Any) -> None:
         res = self.conn.put(1, 2, key, obj)
@@ -107,6 +107,14 @@ class _Ours:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class _Ours(ConnectorTransport):
+    def __init__(self, role: str, namespace: str, address: str | None = None) -> None:
+        from omnirelay.connectors import create_connector
+
+        self.conn = create_connector("shm", namespace=namespace, stage_id=1 if role == "producer" else 2)
+        self.role = role
 
 
 class _PickleShm:

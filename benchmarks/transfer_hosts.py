@@ -20,7 +20,7 @@ import pickle
 import uuid
 from typing import Any
 
-from benchmarks.transfer import PAYLOADS, measure
+from benchmarks.transfer import PAYLOADS, ConnectorTransport, measure
 
 __all__ = ["HOST_PAYLOADS", "HOST_TRANSPORTS", "render_hosts_table", "run_hosts_bench"]
 
@@ -28,7 +28,7 @@ HOST_PAYLOADS = ["codec_chunk", "prefill_4mb", "tensor_64mb"]
 _KINDS = ["nixl", "shm", "zmq_tcp"]
 
 
-class _Nixl:
+class _Nixl(ConnectorTransport):
     def __init__(self, role: str, namespace: str, address: str | None = None) -> None:
         os.environ["UCX_TLS"] = "tcp"
         from omnirelay.connectors import create_connector
@@ -37,30 +37,12 @@ class _Nixl:
             self.conn = create_connector(
                 "nixl", namespace=namespace, stage_id=2, endpoints={2: "tcp://127.0.0.1:0"}
             )
-            self.address = self.conn.listening_at  # type: ignore[attr-defined]
+            self.address = self.conn.listening_at
         else:
             assert address is not None
             self.conn = create_connector(
                 "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: address}
             )
-
-    def put(self, key: str, obj: Any) -> None:
-        res = self.conn.put(1, 2, key, obj)
-        if not res.ok:
-            raise RuntimeError(res.error)
-        self.conn.reap_consumed()
-
-    def get(self, key: str) -> Any:
-        while True:
-            got = self.conn.get(1, 2, key)
-            if got.is_ready:
-                return got.obj
-            if got.error:
-                raise RuntimeError(got.error)
-            self.conn.wait_arrivals(2, timeout=1.0)
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 class _ZmqTcp:
