@@ -90,6 +90,20 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
     assert "codec_chunk" in table and "leak audit: 0" in table
 
 
+def test_bench_transfer_across_hosts_smoke() -> None:
+    """``bench transfer --backend nixl``, reduced: every transport moves the codec chunk,
+    the table has its ratios, and nothing of the run is left in /dev/shm."""
+    from benchmarks.transfer_hosts import render_hosts_table, run_hosts_bench
+
+    res = run_hosts_bench(["codec_chunk"], scale=0.01, pin=False)
+    entry = res["payloads"]["codec_chunk"]
+    for kind in ("nixl", "shm", "zmq_tcp"):
+        assert entry[kind]["n_latency"] > 0 and entry[kind]["p50_us"] > 0, kind
+    assert res["leaks"] == []
+    table = render_hosts_table(res)
+    assert "codec_chunk" in table and "nixl/TCP" in table and "leak audit: 0" in table
+
+
 def test_cli_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--help"], ["doctor", "--help"], ["bench", "transfer", "--help"]):
         with pytest.raises(SystemExit) as exc:
