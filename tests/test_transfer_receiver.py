@@ -147,6 +147,10 @@ def test_cleanup_racing_commit_never_publishes_after_it_returns() -> None:
         for i in range(500):
             iid, ext = f"i{i}", f"E{i}"
             send(p, f"s{i}", ext, {"i": i}, finished=True)
+            # The put is asynchronous: let it land, so the race below is the receiver's
+            # commit against cleanup, and the prefix cleanup at the end finds every object
+            # (a put still queued then would write its object after the cleanup).
+            assert p.sender.flush()
             barrier = threading.Barrier(2)
 
             def register(iid: str = iid, ext: str = ext, barrier: threading.Barrier = barrier) -> None:
