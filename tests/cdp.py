@@ -108,7 +108,10 @@ async def chromium(fake_capture: Path, url: str) -> AsyncIterator[Page]:
         "--window-size=900,700",
         "about:blank",
     ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Chromium makes scratch directories under TMPDIR and leaves them behind on exit: keep
+    # them inside the profile, which goes below.
+    env = {**os.environ, "TMPDIR": profile}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         port = await _devtools_port(Path(profile), proc)
         targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
