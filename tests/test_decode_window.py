@@ -67,7 +67,9 @@ def random_frames(num_frames: int, seed: int) -> torch.Tensor:
 
 def stream_payloads(frames: torch.Tensor, initial: int) -> list[OmniPayload]:
     """The Talker → Code2Wav payloads of one request, one frame per Talker step."""
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=initial))
+    processor = TalkerToCode2WavProcessor(
+        TalkerToCode2WavConfig(initial_codec_chunk_frames=initial, codec_chunk_adaptive=False)
+    )
     state = processor.new_state()
     payloads: list[OmniPayload] = []
     for i in range(frames.shape[0]):

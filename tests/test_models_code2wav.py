@@ -28,7 +28,7 @@ U = 1920
 EOS = 2150
 TOL = 1e-5
 DEPLOY = TalkerToCode2WavConfig(
-    initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25
+    initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25, codec_chunk_adaptive=False
 )
 
 
@@ -47,15 +47,21 @@ def random_frames(num_frames: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (num_frames, Q), generator=torch.Generator().manual_seed(seed))
 
 
-def chunk_payloads(frames: torch.Tensor, config: TalkerToCode2WavConfig) -> list[OmniPayload]:
+def chunk_payloads(
+    frames: torch.Tensor, config: TalkerToCode2WavConfig, frame_times: list[float] | None = None
+) -> list[OmniPayload]:
     """What the Talker → Code2Wav processor sends for these frames, one frame per Talker
-    step, and a last step that samples codec EOS (finished; its frame is no audio)."""
-    processor = TalkerToCode2WavProcessor(config)
+    step (made at ``frame_times`` on a virtual clock, when given), and a last step that
+    samples codec EOS (finished; its frame is no audio)."""
+    now = [0.0]
+    processor = TalkerToCode2WavProcessor(config, clock=lambda: now[0])
     state = processor.new_state()
     steps = [(frames[t : t + 1], False) for t in range(frames.shape[0])]
     steps.append((torch.tensor([[EOS] + [0] * (Q - 1)]), True))
+    times = frame_times if frame_times is not None else [0.01 * t for t in range(len(steps))]
     out: list[OmniPayload] = []
-    for frame, finished in steps:
+    for (frame, finished), at in zip(steps, times + [times[-1]] * len(steps)):
+        now[0] = at
         payload = processor.step(state, frame, chunk_id=len(out), finished=finished)
         if payload is not None:
             out.append(payload)
@@ -70,9 +76,12 @@ def chunk_item(rid: str, payload: OmniPayload) -> Any:
 
 
 def stream(
-    executor: Code2WavExecutor, frames: torch.Tensor, config: TalkerToCode2WavConfig
+    executor: Code2WavExecutor,
+    frames: torch.Tensor,
+    config: TalkerToCode2WavConfig,
+    frame_times: list[float] | None = None,
 ) -> tuple[list[Any], Any]:
-    payloads = chunk_payloads(frames, config)
+    payloads = chunk_payloads(frames, config, frame_times)
     schedule = [
         (p.codes.audio.numel() // Q if p.codes is not None else 0, p.meta.left_context_size) for p in payloads
     ]
@@ -109,10 +118,25 @@ def test_streaming_4_29_50_50_matches_the_whole_utterance(code2wav: Code2WavExec
     assert float((streamed - reference).abs().max()) < TOL  # nothing duplicated, nothing lost
 
 
+@pytest.mark.parametrize("interval_s", [0.01, 0.03, 0.07])
+def test_the_adaptive_schedule_matches_the_whole_utterance(code2wav: Code2WavExecutor, interval_s: float) -> None:
+    frames = random_frames(130, seed=3)
+    times = [0.1 + interval_s * t for t in range(131)]
+    schedule, streamed = stream(code2wav, frames, TalkerToCode2WavConfig(), times)
+    assert len(schedule) > 3 and len({new - left for new, left in schedule}) > 2  # sizes vary
+    sent = 0
+    for total, left in schedule:  # every chunk re-sends min(sent so far, Lc) frames of context
+        assert left == min(sent, 25)
+        sent += total - left
+    reference = whole(code2wav, frames)
+    assert streamed.shape == reference.shape
+    assert float((streamed - reference).abs().max()) < TOL
+
+
 def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Code2WavExecutor) -> None:
     frames = random_frames(60, seed=2)
     short = TalkerToCode2WavConfig(
-        initial_codec_chunk_frames=1, codec_chunk_frames=25, codec_left_context_frames=1
+        initial_codec_chunk_frames=1, codec_chunk_frames=25, codec_left_context_frames=1, codec_chunk_adaptive=False
     )
     schedule, streamed = stream(code2wav, frames, short)
     assert [left for _, left in schedule] == [0, 1, 1, 1]

@@ -27,6 +27,11 @@ from omnirelay.processors import (
 Q = 16
 
 
+def fixed(**kwargs: Any) -> TalkerToCode2WavConfig:
+    """The fixed schedule of docs/protocol.md §5.2 (the adaptive one is the default)."""
+    return TalkerToCode2WavConfig(codec_chunk_adaptive=False, **kwargs)
+
+
 def frame(index: int) -> torch.Tensor:
     """A distinct, valid codec frame [1, Q] for global frame ``index`` (codebook 0 never a stop id)."""
     return (torch.arange(Q) * 100 + index % 97 + 1).reshape(1, Q)
@@ -101,7 +106,7 @@ def test_unflatten_rejects_a_length_that_is_not_a_multiple_of_q() -> None:
 
 
 def test_deploy_schedule_4_29_50_50_with_left_context_0_4_25_25() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     stream = run_frames(processor, 4 + 25 * 3)
     assert summary(stream.payloads, stream.finished) == [
         (4, 0, False),
@@ -112,7 +117,7 @@ def test_deploy_schedule_4_29_50_50_with_left_context_0_4_25_25() -> None:
 
 
 def test_payload_frames_are_the_last_frames_codebook_major() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     all_frames = torch.cat([frame(i) for i in range(4 + 25 * 3 + 7)])
     stream = run_frames(processor, all_frames.shape[0])
     cumulative_new = 0
@@ -127,12 +132,12 @@ def test_payload_frames_are_the_last_frames_codebook_major() -> None:
 
 
 def test_schedule_without_initial_chunk_is_25_50_50() -> None:
-    stream = run_frames(TalkerToCode2WavProcessor(), 75)
+    stream = run_frames(TalkerToCode2WavProcessor(fixed()), 75)
     assert summary(stream.payloads, stream.finished) == [(25, 0, False), (50, 25, False), (50, 25, True)]
 
 
 def test_tail_of_r_frames_is_flushed_on_finish() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     stream = run_frames(processor, 4 + 25 + 25 + 7)
     assert summary(stream.payloads, stream.finished) == [
         (4, 0, False),
@@ -143,7 +148,7 @@ def test_tail_of_r_frames_is_flushed_on_finish() -> None:
 
 
 def test_stream_ending_on_a_boundary_gets_a_terminal_only_payload() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     stream = Stream(processor)
     for i in range(4 + 25):
         stream.step(frame(i))
@@ -158,21 +163,21 @@ def test_stream_ending_on_a_boundary_gets_a_terminal_only_payload() -> None:
 
 
 def test_missing_audio_update_still_delivers_the_terminal() -> None:
-    stream = Stream(TalkerToCode2WavProcessor())
+    stream = Stream(TalkerToCode2WavProcessor(fixed()))
     assert stream.step(None, finished=False) is None
     terminal = stream.step(None, finished=True)
     assert terminal is not None and stream.finished == [True] and terminal.codes is None
 
 
 def test_step_after_finish_is_an_error() -> None:
-    stream = Stream(TalkerToCode2WavProcessor())
+    stream = Stream(TalkerToCode2WavProcessor(fixed()))
     stream.step(frame(0), finished=True)
     with pytest.raises(PayloadEncodeError, match="after the stream finished"):
         stream.step(frame(1), finished=True)
 
 
 def test_chunk_id_must_count_the_payloads_built() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     state = processor.new_state()
     for i in range(4):
         processor.step(state, frame(i), chunk_id=0, finished=False)
@@ -183,7 +188,7 @@ def test_chunk_id_must_count_the_payloads_built() -> None:
 
 
 def test_multi_frame_steps_count_frames_not_steps() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     all_frames = torch.cat([frame(i) for i in range(60)])
     stream = Stream(processor)
     # Steps of 2 and 3 frames: boundaries are crossed, never skipped.
@@ -203,7 +208,7 @@ def test_multi_frame_steps_count_frames_not_steps() -> None:
 
 
 def test_long_stream_keeps_bounded_history() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=4))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=4))
     stream = Stream(processor)
     for i in range(1000):
         stream.step(frame(i))
@@ -213,7 +218,7 @@ def test_long_stream_keeps_bounded_history() -> None:
 
 
 def test_first_audio_is_copied_on_chunk_0_only() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=1))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=1))
     stream = Stream(processor)
     first = stream.step(frame(0), first_audio=False)
     assert first is not None and first.meta is not None and first.meta.first_audio is False
@@ -230,7 +235,7 @@ def test_first_audio_is_copied_on_chunk_0_only() -> None:
 
 
 def test_placeholder_rows_and_post_eos_rows_are_not_audio() -> None:
-    stream = Stream(TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=2)))
+    stream = Stream(TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=2)))
     assert stream.step(torch.zeros(1, Q, dtype=torch.long)) is None  # prefill placeholder
     assert stream.step(frame(0)) is None
     assert stream.state.num_frames == 1
@@ -245,7 +250,7 @@ def test_placeholder_rows_and_post_eos_rows_are_not_audio() -> None:
 
 
 def test_request_stop_ids_join_the_configured_ones() -> None:
-    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=1))
+    processor = TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=1))
     state = processor.new_state(stop_token_ids=[7])
     assert state.stop_token_ids == {2150, 7}
     stop_row = torch.full((1, Q), 7)
@@ -254,7 +259,7 @@ def test_request_stop_ids_join_the_configured_ones() -> None:
 
 
 def test_codec_frame_valid_decides_when_present() -> None:
-    stream = Stream(TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=3)))
+    stream = Stream(TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=3)))
     # A flag overrides the all-zero and stop-token heuristics.
     stream.step(torch.zeros(1, Q, dtype=torch.long), codec_frame_valid=torch.tensor([True]))
     stream.step(frame(1), codec_frame_valid=False)
@@ -278,13 +283,13 @@ def test_codec_frame_valid_decides_when_present() -> None:
     ],
 )
 def test_bad_codec_steps_raise_clear_errors(codes: Any, match: str) -> None:
-    stream = Stream(TalkerToCode2WavProcessor())
+    stream = Stream(TalkerToCode2WavProcessor(fixed()))
     with pytest.raises(PayloadEncodeError, match=match):
         stream.step(codes)
 
 
 def test_a_one_dimensional_frame_is_one_row() -> None:
-    stream = Stream(TalkerToCode2WavProcessor(TalkerToCode2WavConfig(initial_codec_chunk_frames=1)))
+    stream = Stream(TalkerToCode2WavProcessor(fixed(initial_codec_chunk_frames=1)))
     out = stream.step(frame(0).reshape(-1))
     assert out is not None and summary([out]) == [(1, 0, False)]
 
@@ -297,6 +302,8 @@ def test_config_defaults() -> None:
     assert cfg.codec_chunk_frames == 25 and cfg.codec_left_context_frames == 25
     assert cfg.initial_codec_chunk_frames == 0
     assert cfg.codec_chunk_ramp is None and cfg.num_codebooks == 16
+    assert cfg.codec_chunk_adaptive is True  # continuous audio by default
+    assert TalkerToCode2WavConfig(codec_chunk_ramp=(4, 25)).codec_chunk_adaptive is False
     assert 2150 in cfg.stop_token_ids
 
 
@@ -310,6 +317,12 @@ def test_config_defaults() -> None:
         ({"initial_codec_chunk_frames": 30}, "must not exceed codec_chunk_frames"),
         ({"num_codebooks": 0}, "num_codebooks"),
         ({"stop_token_ids": "2150"}, "stop_token_ids must be a collection"),
+        ({"codec_chunk_adaptive": "yes"}, "codec_chunk_adaptive must be true or false"),
+        ({"codec_chunk_margin_ms": -1}, "margin_s must be >= 0"),
+        ({"codec_chunk_margin_ms": "100"}, "codec_chunk_margin_ms must be a number"),
+        ({"codec_frame_ms": 0}, "frame_s must be > 0"),
+        ({"codec_holdback_ms": 90}, "must be shorter than one frame"),
+        ({"codec_holdback_ms": float("nan")}, "codec_holdback_ms must be a number"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any], match: str) -> None:
@@ -356,8 +369,10 @@ def test_from_extra_reads_codec_options_and_rejects_codec_typos() -> None:
     assert cfg.initial_codec_chunk_frames == 4 and cfg.codec_chunk_ramp == (2, 4, 25)
     with pytest.raises(ConfigError, match="unknown option 'codec_chunk_frame'"):
         TalkerToCode2WavConfig.from_extra({"codec_chunk_frame": 25})
-    with pytest.raises(ConfigError, match="codec_chunk_adaptive is not supported"):
-        TalkerToCode2WavConfig.from_extra({"codec_chunk_adaptive": True})
+    cfg = TalkerToCode2WavConfig.from_extra({"codec_chunk_adaptive": False, "codec_chunk_margin_ms": 80})
+    assert cfg.codec_chunk_adaptive is False and cfg.codec_chunk_margin_ms == 80
+    with pytest.raises(ConfigError, match="two schedules"):
+        TalkerToCode2WavConfig.from_extra({"codec_chunk_adaptive": True, "codec_chunk_ramp": "2,25"})
 
 
 def test_ramp_schedule_replaces_initial_chunk() -> None:
@@ -383,7 +398,7 @@ def test_ramp_finish_on_a_threshold_sends_an_empty_terminal() -> None:
 
 
 def test_per_request_initial_override_is_clamped_to_c() -> None:
-    processor = TalkerToCode2WavProcessor()
+    processor = TalkerToCode2WavProcessor(fixed())
     assert processor.new_state(initial_codec_chunk_frames=99).initial_chunk_frames == 25
     assert processor.new_state(initial_codec_chunk_frames=-3).initial_chunk_frames == 0
     state = processor.new_state(initial_codec_chunk_frames=2)

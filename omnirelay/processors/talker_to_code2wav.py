@@ -5,8 +5,8 @@ carry several rows). Code2Wav decodes windows of frames: each payload carries ``
 frames never sent before plus up to ``Lc`` frames of left context already sent, so the
 causal vocoder can re-decode the boundary (docs/protocol.md §6.2 trims the result).
 
-* :class:`TalkerToCode2WavConfig` — ``C``/``Lc``/``I``/ramp/``Q``/stop ids, validated at
-  construction (``from_extra`` reads the edge's connector ``extra`` options).
+* :class:`TalkerToCode2WavConfig` — ``C``/``Lc``/``I``/ramp/adaptive pacing/``Q``/stop ids,
+  validated at construction (``from_extra`` reads the edge's connector ``extra`` options).
 * :func:`parse_codec_chunk_ramp` — a ramp given as a list or a comma string.
 * :class:`CodecStreamState` — per request: accepted frames and the sent watermark.
 * :class:`TalkerToCode2WavProcessor` — ``new_state()`` once per request, then ``step()``
@@ -16,16 +16,27 @@ causal vocoder can re-decode the boundary (docs/protocol.md §6.2 trims the resu
   ``[T, Q] → [Q, T] → flat`` and the receiver's inverse.
 
 Frames are the unit everywhere (docs/protocol.md §10.10): a multi-row step adds several frames, and
-the schedule counts frames, not steps. With one frame per step the schedule is exactly
-the reference's: for ``I=4, C=25, Lc=25`` the payloads carry 4 → 29 → 50 → 50 … frames
-with left context 0 → 4 → 25 → 25 ….
+the schedule counts frames, not steps. Two schedules (docs/protocol.md §5.3):
+
+* **adaptive** (the default): each chunk is sized from the stream's playback headroom and
+  its measured frame interval (:mod:`omnirelay.processors.pacing`) — small first, growing
+  as the stream banks audio, at most ``C`` frames — with up to ``Lc`` frames of left
+  context on every chunk after the first;
+* **fixed** (``codec_chunk_adaptive: false``, or a ``codec_chunk_ramp``): with one frame
+  per step exactly the reference's: for ``I=4, C=25, Lc=25`` the payloads carry 4 → 29 →
+  50 → 50 … frames with left context 0 → 4 → 25 → 25 ….
+
+Either way a stream decodes to the same audio sample for sample whenever ``Lc`` covers
+the decoder's receptive field: only where the windows start differs.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +45,7 @@ import torch
 from omnirelay.errors import ConfigError, PayloadEncodeError
 from omnirelay.payload.schema import Codes, Meta, OmniPayload
 from omnirelay.processors.base import check_chunk_id
+from omnirelay.processors.pacing import FrameRate, PacingConfig, StreamPacer
 
 __all__ = [
     "DEFAULT_CODEC_STOP_TOKEN_IDS",
@@ -130,15 +142,26 @@ def parse_codec_chunk_ramp(value: object) -> tuple[int, ...] | None:
 class TalkerToCode2WavConfig:
     """Chunking of the Talker → Code2Wav edge (docs/protocol.md §5.2 config, §5.3 ramp).
 
-    ``initial_codec_chunk_frames`` (I) > 0 sends a small first chunk of I frames to cut
-    time to first audio; ``codec_chunk_ramp`` replaces I by a table of chunk sizes.
-    ``codec_chunk_ramp`` may be given as a list or comma string; it is stored as a tuple.
+    ``codec_chunk_adaptive`` (default: on unless a ramp is given) paces chunks by playback
+    headroom: ``C`` is then the largest chunk, I the smallest first chunk (0 counts as 1),
+    ``codec_chunk_margin_ms`` the headroom kept in reserve, ``codec_frame_ms`` the audio
+    of one frame and ``codec_holdback_ms`` what the decoder holds back at a window's end
+    (the defaults are Qwen3-Omni's: 80 ms frames, 555 samples at 24 kHz).
+
+    Fixed schedules: ``initial_codec_chunk_frames`` (I) > 0 sends a small first chunk of I
+    frames to cut time to first audio; ``codec_chunk_ramp`` replaces I by a table of chunk
+    sizes. ``codec_chunk_ramp`` may be given as a list or comma string; it is stored as a
+    tuple.
     """
 
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     initial_codec_chunk_frames: int = 0
     codec_chunk_ramp: tuple[int, ...] | None = None
+    codec_chunk_adaptive: bool | None = None
+    codec_chunk_margin_ms: float = 150.0
+    codec_frame_ms: float = 80.0
+    codec_holdback_ms: float = 23.125
     num_codebooks: int = 16
     stop_token_ids: frozenset[int] = DEFAULT_CODEC_STOP_TOKEN_IDS
 
@@ -165,12 +188,40 @@ class TalkerToCode2WavConfig:
             raise ConfigError(f"stop_token_ids must be a collection of ints, got {self.stop_token_ids!r}")
         stops = frozenset(_check_int("stop_token_ids[]", t, 0) for t in self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", stops)
+        adaptive = self.codec_chunk_adaptive
+        if adaptive is not None and not isinstance(adaptive, bool):
+            raise ConfigError(f"codec_chunk_adaptive must be true or false, got {adaptive!r}")
+        if adaptive and ramp is not None:
+            raise ConfigError(
+                "codec_chunk_adaptive: true and a codec_chunk_ramp are two schedules; keep one "
+                "(the ramp is a fixed schedule: set codec_chunk_adaptive: false or drop it)"
+            )
+        object.__setattr__(self, "codec_chunk_adaptive", ramp is None if adaptive is None else adaptive)
+        for name in ("codec_chunk_margin_ms", "codec_frame_ms", "codec_holdback_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a number of milliseconds, got {value!r}")
+        # PacingConfig checks the ranges; build it once so a bad value fails at load.
+        self.pacing()
+
+    def pacing(self) -> PacingConfig:
+        """The adaptive pacer's settings of this edge."""
+        return PacingConfig(
+            frame_s=self.codec_frame_ms / 1000.0,
+            holdback_s=self.codec_holdback_ms / 1000.0,
+            max_frames=self.codec_chunk_frames,
+            margin_s=self.codec_chunk_margin_ms / 1000.0,
+        )
 
     _KEYS = (
         "codec_chunk_frames",
         "codec_left_context_frames",
         "initial_codec_chunk_frames",
         "codec_chunk_ramp",
+        "codec_chunk_adaptive",
+        "codec_chunk_margin_ms",
+        "codec_frame_ms",
+        "codec_holdback_ms",
     )
 
     @classmethod
@@ -189,11 +240,6 @@ class TalkerToCode2WavConfig:
         """
         known = set(cls._KEYS)
         for key in extra:
-            if key == "codec_chunk_adaptive":
-                raise ConfigError(
-                    "codec_chunk_adaptive is not supported by omnirelay; "
-                    "use codec_chunk_ramp or initial_codec_chunk_frames"
-                )
             if isinstance(key, str) and key.startswith("codec_") and key not in known:
                 raise ConfigError(f"unknown option {key!r}; known codec options: {sorted(known)}")
         kwargs: dict[str, Any] = {k: extra[k] for k in cls._KEYS if k in extra}
@@ -214,6 +260,8 @@ class CodecStreamState:
 
     stop_token_ids: frozenset[int]
     initial_chunk_frames: int
+    #: the adaptive schedule's pacer (None: a fixed schedule)
+    pacer: StreamPacer | None = None
     frames: deque[torch.Tensor] = field(default_factory=deque)
     num_frames: int = 0
     num_dropped_frames: int = 0
@@ -233,10 +281,18 @@ class CodecStreamState:
 
 
 class TalkerToCode2WavProcessor:
-    """Builds Code2Wav payloads from Talker codec steps. Stateless across requests."""
+    """Builds Code2Wav payloads from Talker codec steps. Per request, all state is in its
+    :class:`CodecStreamState`; across requests only the edge's mean frame interval is kept
+    (the adaptive schedule's estimate for a stream's first frames). ``clock`` (seconds,
+    monotonic) times the frames for the adaptive schedule."""
 
-    def __init__(self, config: TalkerToCode2WavConfig | None = None) -> None:
+    def __init__(
+        self, config: TalkerToCode2WavConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config if config is not None else TalkerToCode2WavConfig()
+        self._clock = clock
+        self._pacing = self.config.pacing()
+        self.frame_rate = FrameRate()
 
     def new_state(
         self,
@@ -252,9 +308,14 @@ class TalkerToCode2WavProcessor:
             initial = cfg.initial_codec_chunk_frames
         else:
             initial = min(max(0, int(initial_codec_chunk_frames)), cfg.codec_chunk_frames)
+        pacer = None
+        if cfg.codec_chunk_adaptive:
+            pacer = StreamPacer(self._pacing, self.frame_rate, min_first_frames=max(1, initial))
+            initial = 0  # the pacer sizes the first chunk; left context is min(sent, Lc)
         return CodecStreamState(
             stop_token_ids=cfg.stop_token_ids | frozenset(int(t) for t in stop_token_ids),
             initial_chunk_frames=initial,
+            pacer=pacer,
         )
 
     # ---- called once per Talker step, on the save thread
@@ -281,23 +342,34 @@ class TalkerToCode2WavProcessor:
         check_chunk_id(chunk_id, state.num_payloads, processor=_PROCESSOR)
 
         rows = self._accepted_rows(state, codes_step, codec_frame_valid)
+        now = self._clock() if state.pacer is not None else 0.0
         if rows.shape[0] > 0:
             state.frames.append(rows)
             state.num_frames += rows.shape[0]
+            if state.pacer is not None:
+                state.pacer.on_frames(now, rows.shape[0])
 
         num_pending = state.num_frames - state.num_sent_frames
         if num_pending == 0:
             if not finished:
                 return None
-            return self._emit(state, chunk_id, num_new=0, left=0, finished=True, first_audio=first_audio)
-        if not finished and num_pending < self._frames_needed(state, chunk_id):
+            return self._emit(
+                state, chunk_id, num_new=0, left=0, finished=True, first_audio=first_audio, now=now
+            )
+        if not finished and not self._is_due(state, chunk_id, num_pending, now):
             return None
         left = self._left_context(state, chunk_id)
         return self._emit(
-            state, chunk_id, num_new=num_pending, left=left, finished=finished, first_audio=first_audio
+            state, chunk_id, num_new=num_pending, left=left, finished=finished, first_audio=first_audio, now=now
         )
 
     # ---- the emission rule
+
+    def _is_due(self, state: CodecStreamState, chunk_id: int, num_pending: int, now: float) -> bool:
+        """Whether the ``num_pending`` unsent frames go out now (before the stream's end)."""
+        if state.pacer is not None:
+            return state.pacer.should_send(now, num_pending)
+        return num_pending >= self._frames_needed(state, chunk_id)
 
     def _ramp_threshold(self, index: int) -> int:
         """Cumulative frames at the end of ramp chunk ``index`` (past the table: +C each)."""
@@ -338,6 +410,7 @@ class TalkerToCode2WavProcessor:
         left: int,
         finished: bool,
         first_audio: bool | None,
+        now: float,
     ) -> OmniPayload:
         meta = Meta(left_context_size=left)
         if chunk_id == 0 and first_audio is not None:
@@ -347,6 +420,8 @@ class TalkerToCode2WavProcessor:
             total = left + num_new
             codes = Codes(audio=flatten_codebook_major(state.tail_frames(total)))
             state.num_sent_frames += num_new
+            if state.pacer is not None:
+                state.pacer.on_sent(now, num_new)
             if self.config.codec_chunk_ramp is not None:
                 while self._ramp_threshold(state.num_ramp_chunks) <= state.num_sent_frames:
                     state.num_ramp_chunks += 1
