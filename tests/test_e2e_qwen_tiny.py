@@ -36,7 +36,7 @@ from tests.orchestrator_audit import audit_stopped, child_pids
 from tests.test_models_support import tiny_cache, tiny_dir
 
 U = 1920  # samples per codec frame
-FIRST, EVERY = 4, 25  # the pipeline's codec chunk schedule (initial, then per chunk)
+LARGEST = 25  # the pipeline's largest codec chunk (its adaptive schedule sizes the others)
 TALKER, CODE2WAV = 1, 2
 
 
@@ -129,17 +129,15 @@ def test_text_and_audio_come_back_and_audio_length_is_exact(
     stops = set(stage_sampling_defaults(pipe.config.stage(TALKER)).stop_token_ids)
     talker_tokens = [t for e in tl.events if e.stage_id == TALKER for t in e.token_ids]
     frames = sum(1 for t in talker_tokens if t not in stops)
-    assert frames == tl.num_frames and frames > FIRST + EVERY  # several chunks
+    assert frames == tl.num_frames and frames > LARGEST  # several chunks
     # The whole stream is exactly the whole-utterance decode length: frames x 1920 minus
     # the decoder's hold-back at the very end (38 samples for the tiny decoder).
     assert tl.num_samples == frames * U - holdback
-    # Chunk by chunk: 4 frames (minus the held-back tail), then 25-frame chunks (the tail
-    # re-emitted, their own held back), then the rest.
-    rest = frames - FIRST
-    expected = (
-        [FIRST * U - holdback] + [EVERY * U] * (rest // EVERY) + ([rest % EVERY * U] if rest % EVERY else [])
-    )
-    assert [a.num_samples for a in tl.audio_chunks] == expected
+    # Chunk by chunk: whole frames (the first one less the held-back tail; each later one
+    # re-emits the previous tail and holds back its own), small first, at most 25 frames.
+    sizes = [a.num_samples for a in tl.audio_chunks]
+    assert len(sizes) > 2 and (sizes[0] + holdback) % U == 0 and all(n % U == 0 for n in sizes[1:])
+    assert (sizes[0] + holdback) // U <= 2 and max(sizes) <= LARGEST * U
 
     # The timeline and its critical paths are consistent.
     assert tl.ttft_s is not None and tl.ttfa_s is not None and 0 < tl.ttft_s <= tl.ttfa_s <= tl.total_s
@@ -247,7 +245,9 @@ def test_run_command_writes_a_wav_and_a_json_timeline(
 def test_the_requested_voice_reaches_the_talker(pipe: Pipeline, prompt: list[int]) -> None:
     """extras["voice"] travels orchestrator -> stage engine -> request snapshot -> the
     thinker->talker processor's speaker: two voices give different audio, one voice twice
-    gives the same audio (greedy Thinker, seeded Talker)."""
+    gives the same audio (greedy Thinker, seeded Talker) — the same up to float rounding:
+    the adaptive schedule cuts chunks where the stream's timing says, and every window is
+    decoded with its full left context, so only the last bits of a sample can differ."""
 
     def audio(voice: str) -> torch.Tensor:
         handle = pipe.submit(prompt, modalities=["text", "audio"], extras={"voice": voice})
@@ -255,7 +255,7 @@ def test_the_requested_voice_reaches_the_talker(pipe: Pipeline, prompt: list[int
         return torch.cat([p.reshape(-1) for p in pieces])
 
     a1, a2, b = audio("chelsie"), audio("chelsie"), audio("ethan")
-    assert torch.equal(a1, a2)
+    assert a1.shape == a2.shape and float((a1 - a2).abs().max()) < 1e-5
     assert not (a1.shape == b.shape and torch.equal(a1, b))
     assert stage_state(pipe) == {}
     assert not_free_slots(pipe.namespace) == []
