@@ -7,23 +7,28 @@ in flight on one running pipeline (real processes, shm connector; default the ti
 request is a text+audio chat turn. Per request (:func:`~omnirelay.timeline.drive_request`):
 
 * **TTFA** — submit to the client reading the first audio samples;
+* **first playable audio** — the earliest moment a player could start and never run dry,
+  and the **gaps** a player that starts at the first audio hears: the worst one, the total
+  silence, and whether the stream was **gap-free** (worst gap ≤ 50 ms;
+  :mod:`omnirelay.timeline.playback`);
 * **overhead to first audio** — wall time on the critical path to the first audio minus
   the model compute on it (:func:`~omnirelay.timeline.critical_path`), as a share of
   TTFA; the same **to completion** (the last output), as a share of the end-to-end time.
 
 * **real-time factor** of a stream — the time from its first to its last audio chunk
-  over the audio that came after the first chunk (< 1: generated faster than it plays);
-  a stream *stalls* when a chunk arrives after a player that started at the first chunk
-  would have run out of audio (with a 4-frame first chunk and 25-frame chunks after it,
-  that needs the 25 frames in 320 ms: 4x faster than real time).
+  over the audio that came after the first chunk (< 1: generated faster than it plays).
 
 The table gives p50/p99 per level, the split of the overhead by kind (mean µs per
 request: control plane, transfers, scheduling, delivery …), each stage's step times and
 the targets: overhead ≤ 10% of TTFA at concurrency 1 (judged on the median request), and
-on a GPU time to first audio p50 ≤ 150 / 350 / 632 ms at concurrency 1 / 16 / 64 with
-every stream faster than real time. Warm-up
-requests (the first ones pay lazy initialisation) are run and not counted. The run ends
-with a leak audit: no request state in any stage, no transfer object in the namespace.
+on a GPU first playable audio p50 ≤ 150 ms / 400 ms / 1.0 s at concurrency 1 / 16 / 64
+with 100 % / 99 % / 99 % of the streams gap-free. Warm-up requests (the first ones pay
+lazy initialisation) are run and not counted. The run ends with a leak audit: no request
+state in any stage, no transfer object in the namespace.
+
+``schedule`` picks the Talker → Code2Wav chunk schedule: ``adaptive`` (the pipeline
+file's own; the shipped default), ``fixed`` (the seed's: a first chunk of 4 frames, then
+25) or ``both`` (the two one after the other, on two starts of the pipeline, in one run).
 
 At higher concurrency the overhead includes waiting for other requests' steps (a stage
 runs one executor call at a time): wall time on the critical path that is not this
@@ -32,7 +37,6 @@ request's model compute — by the definition, not a runtime cost per se.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import platform
@@ -54,7 +58,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "GAP_FREE_TARGETS",
     "OVERHEAD_TARGET",
+    "PLAYABLE_TARGETS_S",
+    "SCHEDULES",
+    "audio_targets_met",
     "bench_running_pipeline",
     "is_gpu_run",
     "render_pipeline_bench",
@@ -62,14 +70,20 @@ __all__ = [
     "run_pipeline_bench",
     "stream_rtf",
     "target_met",
-    "ttfa_targets_met",
+    "with_codec_schedule",
 ]
 
 DEFAULT_CONCURRENCY = (1, 4, 16)
 #: The issue's target: runtime overhead ≤ 10% of time to first audio at concurrency 1.
 OVERHEAD_TARGET = 0.10
-#: Time-to-first-audio targets (p50, seconds) of the full-size model on one GPU, by concurrency.
-TTFA_TARGETS_S = {1: 0.150, 16: 0.350, 64: 0.632}
+#: First playable audio targets (p50, seconds) of the full-size model on one GPU, by concurrency.
+PLAYABLE_TARGETS_S = {1: 0.150, 16: 0.400, 64: 1.000}
+#: Least share of gap-free streams (worst gap <= 50 ms) on one GPU, by concurrency.
+GAP_FREE_TARGETS = {1: 1.0, 16: 0.99, 64: 0.99}
+#: Talker -> Code2Wav chunk schedules the benchmark can run.
+SCHEDULES = ("adaptive", "fixed", "both")
+#: The seed's fixed schedule: a first chunk of 4 frames, then 25 (docs/protocol.md §5.2).
+FIXED_SCHEDULE = {"codec_chunk_adaptive": False, "initial_codec_chunk_frames": 4, "codec_chunk_frames": 25}
 DEFAULT_PROMPT = "Hello, who are you?"
 #: Qwen3-Omni's Code2Wav: samples per codec frame (80 ms at 24 kHz).
 SAMPLES_PER_FRAME = 1920
@@ -133,20 +147,14 @@ def _run_level(
     return done, time.monotonic() - start
 
 
-def stream_rtf(tl: RequestTimeline) -> tuple[float, bool]:
-    """(real-time factor after the first chunk, whether playback stalled) of one stream."""
+def stream_rtf(tl: RequestTimeline) -> float:
+    """The real-time factor of one stream after its first chunk (0 with fewer than two)."""
     chunks = tl.audio_chunks
     rate = tl.sample_rate or 24000
     if len(chunks) < 2:
-        return 0.0, False
+        return 0.0
     after_first = sum(c.num_samples for c in chunks[1:]) / rate
-    rtf = (chunks[-1].at_s - chunks[0].at_s) / after_first if after_first > 0 else 0.0
-    played_until = chunks[0].at_s
-    stalled = False
-    for prev, chunk in itertools.pairwise(chunks):
-        played_until += prev.num_samples / rate
-        stalled = stalled or chunk.at_s > played_until
-    return rtf, stalled
+    return (chunks[-1].at_s - chunks[0].at_s) / after_first if after_first > 0 else 0.0
 
 
 def step_times(timelines: list[RequestTimeline]) -> dict[str, dict[str, float]]:
@@ -170,6 +178,8 @@ def _level_report(
     ends = [t.cp_done for t in timelines if t.cp_done is not None]
     segments = {name: statistics.fmean(cp.segments[name] for cp in fa) for name in SEGMENTS} if fa else {}
     rtfs = [stream_rtf(t) for t in timelines]
+    heard = [t.playback for t in timelines if t.audio_chunks]
+    gap_free = sum(1 for p in heard if p.is_gap_free)
     frames_ok = all(
         t.num_frames is not None and t.num_samples == t.num_frames * SAMPLES_PER_FRAME - holdback
         for t in timelines
@@ -190,8 +200,14 @@ def _level_report(
         "overhead_first_audio_segments_mean_s": segments,
         "audio_s": _summary([t.num_samples / (t.sample_rate or 24000) for t in timelines]),
         "is_audio_length_exact": frames_ok,
-        "rtf": _summary([r for r, _ in rtfs]),
-        "num_stalled_streams": sum(1 for _, stalled in rtfs if stalled),
+        "first_playable_s": _summary([p.first_playable_s for p in heard if p.first_playable_s is not None]),
+        "worst_gap_s": _summary([p.worst_gap_s for p in heard]),
+        "silence_s": _summary([p.silence_s for p in heard]),
+        "num_streams": len(heard),
+        "num_gap_free_streams": gap_free,
+        "gap_free_share": gap_free / len(heard) if heard else 0.0,
+        "num_stalled_streams": sum(1 for p in heard if p.num_underruns),
+        "rtf": _summary(rtfs),
         "step_s": step_times(timelines),
     }
 
@@ -209,18 +225,24 @@ def run_pipeline_bench(
     timeout_s: float = 600.0,
     stream: TextIO | None = None,
     mps: bool = False,
+    schedule: str = "adaptive",
 ) -> dict[str, Any]:
     """Start ``pipeline`` (default ``qwen3-omni-tiny``; the full-size ``qwen3-omni``
     with ``load_format="dummy"``; ``device``/``load_format``/``runner`` as in
     :func:`~omnirelay.cli.session.load_run_config`), run :func:`bench_running_pipeline` on
     it, shut it down and add the shutdown to the audit. Progress goes to ``stream``.
-    ``mps``: the whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`)."""
+    ``mps``: the whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`).
+    ``schedule``: one of :data:`SCHEDULES`; with ``both`` the report is the adaptive
+    schedule's and ``report["fixed_schedule"]`` the fixed one's, measured after it."""
     _check_options(concurrency, requests, warmup)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if mps:
         from benchmarks.mps import mps_daemon
 
         with mps_daemon():
-            report = _run_pipeline_bench(
+            report = _run_schedules(
+                schedule,
                 concurrency,
                 requests,
                 warmup,
@@ -234,14 +256,55 @@ def run_pipeline_bench(
             )
         report["mps"] = True
         return report
-    report = _run_pipeline_bench(
-        concurrency, requests, warmup, prompt, pipeline, device, load_format, runner, timeout_s, stream
+    report = _run_schedules(
+        schedule,
+        concurrency,
+        requests,
+        warmup,
+        prompt,
+        pipeline,
+        device,
+        load_format,
+        runner,
+        timeout_s,
+        stream,
     )
     report["mps"] = False
     return report
 
 
+def _run_schedules(schedule: str, *args: Any) -> dict[str, Any]:
+    first = "fixed" if schedule == "fixed" else "adaptive"
+    report = _run_pipeline_bench(first, *args)
+    if schedule == "both":
+        fixed = _run_pipeline_bench("fixed", *args)
+        report["fixed_schedule"] = fixed
+        report["ok"] = report["ok"] and fixed["ok"]
+    return report
+
+
+def with_codec_schedule(config: Any, schedule: str) -> Any:
+    """``config`` with its Talker → Code2Wav edges on ``schedule``: ``adaptive`` leaves
+    the file's own settings, ``fixed`` sets the seed's (:data:`FIXED_SCHEDULE`)."""
+    import msgspec
+
+    if schedule == "adaptive":
+        return config
+    names = {
+        config.input_connector(consumer)
+        for stage in config.stages
+        if stage.chunk_processor == "talker_to_code2wav"
+        for consumer in config.consumer_ids(stage)
+    }
+    connectors = {
+        name: msgspec.structs.replace(spec, extra={**spec.extra, **FIXED_SCHEDULE}) if name in names else spec
+        for name, spec in config.connectors.items()
+    }
+    return msgspec.structs.replace(config, connectors=connectors)
+
+
 def _run_pipeline_bench(
+    schedule: str,
     concurrency: Sequence[int],
     requests: int | None,
     warmup: int,
@@ -256,7 +319,10 @@ def _run_pipeline_bench(
     err = stream if stream is not None else sys.stderr
     if pipeline is None and load_format != "dummy":
         pipeline = "qwen3-omni-tiny"  # the protocol's test bed: codec frames on every edge
-    config = load_run_config(pipeline, device=device, load_format=load_format, runner=runner)
+    config = with_codec_schedule(
+        load_run_config(pipeline, device=device, load_format=load_format, runner=runner), schedule
+    )
+    err.write(f"chunk schedule: {schedule}\n")
     from omnirelay.models import encode_chat_prompt
 
     prompt_ids = encode_chat_prompt(open_tokenizer(config, err), prompt)
@@ -277,6 +343,12 @@ def _run_pipeline_bench(
         shutdown = pipe.shutdown()
     report.update(
         prompt=prompt,
+        schedule=schedule,
+        codec_schedule={
+            name: dict(spec.extra)
+            for name, spec in config.connectors.items()
+            if any("codec_" in k for k in spec.extra)
+        },
         startup_s=startup_s,
         stage_args={s.name: dict(s.executor_args) for s in config.stages},
         stage_env={s.name: s.process_env() for s in config.stages},
@@ -428,29 +500,60 @@ def is_gpu_run(report: dict[str, Any]) -> bool:
     )
 
 
-def ttfa_targets_met(report: dict[str, Any]) -> dict[int, bool]:
-    """Per measured level with a target (:data:`TTFA_TARGETS_S`): TTFA p50 within it and
-    every stream faster than real time (real-time factor < 1). Empty off a GPU."""
+def audio_targets_met(report: dict[str, Any]) -> dict[int, bool]:
+    """Per measured level with a target: first playable audio p50 within
+    :data:`PLAYABLE_TARGETS_S` and at least :data:`GAP_FREE_TARGETS` of the streams
+    gap-free. Empty off a GPU (the targets are the full-size model's on one H200)."""
     if not is_gpu_run(report):
         return {}
     return {
         lv["concurrency"]: bool(
-            lv["ttfa_s"]["p50"] <= TTFA_TARGETS_S[lv["concurrency"]] and lv["rtf"]["max"] < 1.0
+            lv["first_playable_s"]["p50"] <= PLAYABLE_TARGETS_S[lv["concurrency"]]
+            and lv["gap_free_share"] >= GAP_FREE_TARGETS[lv["concurrency"]]
         )
         for lv in report["levels"]
-        if lv["concurrency"] in TTFA_TARGETS_S
+        if lv["concurrency"] in PLAYABLE_TARGETS_S
     }
 
 
+def render_playback(report: dict[str, Any]) -> str:
+    """What a listener hears, per level: first audio, first playable audio, gaps."""
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:,.0f}"
+
+    lines = [
+        "what a listener hears (ms; a player that starts at the first audio):\n",
+        f"{'conc':>4} | {'first audio':^15} | {'first playable':^15} | {'worst gap':^15} | "
+        f"{'silence':^15} | {'gap-free':>14}\n",
+        f"{'':>4} | {'p50':>7} {'p99':>7} | {'p50':>7} {'p99':>7} | {'p50':>7} {'p99':>7} | "
+        f"{'p50':>7} {'p99':>7} |\n",
+    ]
+    for lv in report["levels"]:
+        row = [f"{lv['concurrency']:>4} "]
+        for key in ("ttfa_s", "first_playable_s", "worst_gap_s", "silence_s"):
+            row.append(f"| {ms(lv[key]['p50']):>7} {ms(lv[key]['p99']):>7} ")
+        share = f"{lv['num_gap_free_streams']}/{lv['num_streams']} {lv['gap_free_share']:.0%}"
+        lines.append("".join(row) + f"| {share:>14}\n")
+    for conc, ok in audio_targets_met(report).items():
+        lv = next(x for x in report["levels"] if x["concurrency"] == conc)
+        lines.append(
+            f"target at concurrency {conc}: first playable p50 <= {PLAYABLE_TARGETS_S[conc] * 1000:,.0f} ms, "
+            f">= {GAP_FREE_TARGETS[conc]:.0%} gap-free: {ms(lv['first_playable_s']['p50'])} ms, "
+            f"{lv['gap_free_share']:.1%} — {'met' if ok else 'MISSED'}\n"
+        )
+    return "".join(lines)
+
+
 def render_streams(report: dict[str, Any]) -> str:
-    """Real-time factor, stalls, each stage's step times, and the TTFA targets."""
+    """Real-time factor, streams with gaps, and each stage's step times."""
     names = list(report.get("stage_args") or {})
     stages = sorted({sid for lv in report["levels"] for sid in lv["step_s"]}, key=int)
     label = {sid: names[int(sid)] if int(sid) < len(names) else f"stage {sid}" for sid in stages}
     head = "".join(f"{label[sid] + ' p50/p99':>22}" for sid in stages)
     lines = [
         "streams and steps (ms):\n",
-        f"{'conc':>4} {'RTF p50':>8} {'RTF max':>8} {'stalled':>8}{head}\n",
+        f"{'conc':>4} {'RTF p50':>8} {'RTF max':>8} {'gaps':>8}{head}\n",
     ]
     for lv in report["levels"]:
         steps = "".join(
@@ -463,19 +566,18 @@ def render_streams(report: dict[str, Any]) -> str:
             f"{lv['concurrency']:>4} {lv['rtf']['p50']:>8.3f} {lv['rtf']['max']:>8.3f} "
             f"{lv['num_stalled_streams']:>8}{steps}\n"
         )
-    for conc, ok in ttfa_targets_met(report).items():
-        lv = next(x for x in report["levels"] if x["concurrency"] == conc)
-        lines.append(
-            f"target: TTFA p50 <= {TTFA_TARGETS_S[conc] * 1000:.0f} ms at concurrency {conc}, every stream "
-            f"faster than real time: {lv['ttfa_s']['p50'] * 1000:.1f} ms, RTF max {lv['rtf']['max']:.3f} — "
-            f"{'met' if ok else 'MISSED'}\n"
-        )
     return "".join(lines)
 
 
 def render_pipeline_bench(report: dict[str, Any]) -> str:
-    """The table ``omnirelay bench pipeline`` prints."""
+    """The tables ``omnirelay bench pipeline`` prints (both schedules' with ``both``)."""
+    text = _render_one(report)
+    if "fixed_schedule" in report:
+        text += "\n" + _render_one(report["fixed_schedule"])
+    return text
 
+
+def _render_one(report: dict[str, Any]) -> str:
     def ms(v: float) -> str:
         return f"{v * 1000:,.1f}"
 
@@ -483,6 +585,7 @@ def render_pipeline_bench(report: dict[str, Any]) -> str:
     gpus = f"; {', '.join(report['env'].get('gpus') or [])}" if report["env"].get("gpus") else ""
     lines = [
         f"omnirelay bench pipeline: {report['pipeline']}{gpus}{startup}\n",
+        f"chunk schedule: {report.get('schedule', 'adaptive')}\n",
         f"{report['num_prompt_tokens']}-token prompt, "
         f"text+audio; {report['warmup']} warm-up request(s) not counted; "
         f"{report['env']['cpus']} CPUs, load average {report['env']['loadavg_start'][0]:.2f} at start\n",
@@ -509,6 +612,8 @@ def render_pipeline_bench(report: dict[str, Any]) -> str:
         lines.append(
             f"{lv['concurrency']:>4}" + "".join(f"{seg.get(n, 0.0) * 1e6:>14,.0f}" for n in SEGMENTS) + "\n"
         )
+    lines.append("\n")
+    lines.append(render_playback(report))
     lines.append("\n")
     lines.append(render_streams(report))
     lines.append("\n")

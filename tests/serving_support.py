@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 
 from omnirelay.api import Pipeline
@@ -64,6 +65,20 @@ class Served:
         """One sample of the server's registry (0 when absent)."""
         value = self.frontend.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else float(value)
+
+
+def assert_same_pcm(got: bytes, want: bytes) -> None:
+    """Two 16-bit PCM renderings of one answer: the same samples, each exactly once.
+
+    The adaptive chunk schedule cuts a stream's decode windows where its timing says, and
+    every window is decoded with its full left context, so two requests for the same
+    answer agree to float rounding: a sample may differ by one step (1 LSB) after
+    quantization; the count and the order of samples may not."""
+    a, b = np.frombuffer(got, dtype="<i2"), np.frombuffer(want, dtype="<i2")
+    assert len(got) == len(want) and a.shape == b.shape, (len(got), len(want))
+    diff = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    assert int(diff.max(initial=0)) <= 1, f"{int((diff > 1).sum())} samples differ by more than 1 LSB"
+    assert float(np.abs(b.astype(np.int32)).mean()) > 100  # a real signal, not silence
 
 
 def serve(

@@ -28,7 +28,10 @@ U = 1920
 EOS = 2150
 TOL = 1e-5
 DEPLOY = TalkerToCode2WavConfig(
-    initial_codec_chunk_frames=4, codec_chunk_frames=25, codec_left_context_frames=25, codec_chunk_adaptive=False
+    initial_codec_chunk_frames=4,
+    codec_chunk_frames=25,
+    codec_left_context_frames=25,
+    codec_chunk_adaptive=False,
 )
 
 
@@ -119,7 +122,9 @@ def test_streaming_4_29_50_50_matches_the_whole_utterance(code2wav: Code2WavExec
 
 
 @pytest.mark.parametrize("interval_s", [0.01, 0.03, 0.07])
-def test_the_adaptive_schedule_matches_the_whole_utterance(code2wav: Code2WavExecutor, interval_s: float) -> None:
+def test_the_adaptive_schedule_matches_the_whole_utterance(
+    code2wav: Code2WavExecutor, interval_s: float
+) -> None:
     frames = random_frames(130, seed=3)
     times = [0.1 + interval_s * t for t in range(131)]
     schedule, streamed = stream(code2wav, frames, TalkerToCode2WavConfig(), times)
@@ -136,7 +141,10 @@ def test_the_adaptive_schedule_matches_the_whole_utterance(code2wav: Code2WavExe
 def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Code2WavExecutor) -> None:
     frames = random_frames(60, seed=2)
     short = TalkerToCode2WavConfig(
-        initial_codec_chunk_frames=1, codec_chunk_frames=25, codec_left_context_frames=1, codec_chunk_adaptive=False
+        initial_codec_chunk_frames=1,
+        codec_chunk_frames=25,
+        codec_left_context_frames=1,
+        codec_chunk_adaptive=False,
     )
     schedule, streamed = stream(code2wav, frames, short)
     assert [left for _, left in schedule] == [0, 1, 1, 1]

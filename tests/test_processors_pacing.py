@@ -111,7 +111,9 @@ def test_left_context_is_every_frame_sent_so_far_up_to_lc() -> None:
 
 def test_the_fixed_seed_schedule_runs_dry_where_the_adaptive_one_does_not() -> None:
     times = steady(0.1, 0.029, 64)  # one H200, one stream: ~29 ms per frame
-    seed = simulate(times, config=TalkerToCode2WavConfig(codec_chunk_adaptive=False, initial_codec_chunk_frames=4))
+    seed = simulate(
+        times, config=TalkerToCode2WavConfig(codec_chunk_adaptive=False, initial_codec_chunk_frames=4)
+    )
     adaptive = simulate(times)
     assert seed.chunks[:2] == [(4, 0), (25, 4)]
     # 4 frames play 297 ms; the next 25 take 725 ms to make: the player waits ~0.43 s.

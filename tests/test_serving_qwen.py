@@ -5,8 +5,9 @@ streaming speech socket, and clients that disconnect after their first audio.
 
 The Thinker decodes greedily and the Talker samples with its config's fixed seed, so
 one prompt gives the same text and waveform on every request: streamed audio must equal
-non-streamed audio sample for sample. Requests run one at a time where equality is
-checked (batching is not part of the claim).
+non-streamed audio sample for sample (to the rounding of the adaptive chunk schedule's
+windows: :func:`~tests.serving_support.assert_same_pcm`). Requests run one at a time
+where equality is checked (batching is not part of the claim).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import websockets
 
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.audio import parse_wav
-from tests.serving_support import Served, chat_stream_audio, disconnect_after_first_audio, serve
+from tests.serving_support import (
+    Served,
+    assert_same_pcm,
+    chat_stream_audio,
+    disconnect_after_first_audio,
+    serve,
+)
 
 MODEL = "qwen3-omni-tiny"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -88,7 +95,7 @@ def test_chat_streamed_audio_equals_non_streamed(srv: Served, reference: dict[st
     )
     text, audio, seen = chat_stream_audio(chunks)
     assert text == reference["chat"].choices[0].message.content
-    assert audio == reference["pcm"]
+    assert_same_pcm(audio, reference["pcm"])
     assert (
         sum(1 for c in seen if c.choices and c.choices[0].delta.audio and c.choices[0].delta.audio.data) >= 2
     )
@@ -106,24 +113,26 @@ def test_chat_streamed_wav_starts_with_its_header(srv: Served, reference: dict[s
     assert text == ""  # audio only: the Thinker's text is not a requested output
     assert audio[:4] == b"RIFF"
     pcm, rate = parse_wav(audio)
-    assert rate == 24000 and pcm.tobytes() == reference["pcm"]
+    assert rate == 24000
+    assert_same_pcm(pcm.tobytes(), reference["pcm"])
 
 
 def test_speech_wav_pcm_and_streaming(srv: Served, reference: dict[str, Any]) -> None:
     client = srv.client()
     pcm = client.audio.speech.create(model=MODEL, voice="ethan", input="Good morning.", response_format="pcm")
-    assert pcm.content == reference["speech_pcm"] and reference["speech_rate"] == 24000
+    assert_same_pcm(pcm.content, reference["speech_pcm"])
+    assert reference["speech_rate"] == 24000
     assert pcm.response.headers["x-sample-rate"] == "24000"
     with client.audio.speech.with_streaming_response.create(
         model=MODEL, voice="ethan", input="Good morning.", response_format="pcm", extra_body={"stream": True}
     ) as resp:
         pieces = list(resp.iter_bytes())
-    assert b"".join(pieces) == reference["speech_pcm"]
+    assert_same_pcm(b"".join(pieces), reference["speech_pcm"])
     with client.audio.speech.with_streaming_response.create(
         model=MODEL, voice="ethan", input="Good morning.", response_format="wav", stream_format="audio"
     ) as resp:
         wav = resp.read()
-    assert parse_wav(wav)[0].tobytes() == reference["speech_pcm"]
+    assert_same_pcm(parse_wav(wav)[0].tobytes(), reference["speech_pcm"])
 
 
 async def _ws_speech(url: str, config: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], bytes]:
@@ -145,7 +154,7 @@ async def _ws_speech(url: str, config: dict[str, Any], text: str) -> tuple[list[
 def test_websocket_streams_the_same_audio(srv: Served, reference: dict[str, Any]) -> None:
     cfg = {"voice": "ethan", "response_format": "pcm", "stream_audio": True}
     events, audio = asyncio.run(_ws_speech(srv.ws_url, cfg, "Good morning."))
-    assert audio == reference["speech_pcm"]
+    assert_same_pcm(audio, reference["speech_pcm"])
     kinds = [e["type"] for e in events]
     assert kinds == ["audio.start", "audio.done", "session.done"]
     assert events[0]["sample_rate"] == 24000 and events[0]["sentence_text"] == "Good morning."
@@ -187,6 +196,16 @@ def test_websocket_client_gone_mid_sentence_aborts(srv: Served) -> None:
 def test_metrics_saw_audio(srv: Served) -> None:
     assert srv.metric("omnirelay_time_to_first_audio_seconds_count", endpoint="chat") >= 3
     assert srv.metric("omnirelay_real_time_factor_count", endpoint="speech") >= 2
+    # What a listener heard, per stream: its first playable audio, and whether it had a gap.
+    model = srv.frontend.model_name
+    playable = srv.metric("omnirelay_first_playable_audio_seconds_count", endpoint="chat", model=model)
+    streams = sum(
+        srv.metric("omnirelay_audio_streams_total", endpoint="chat", model=model, gap_free=flag)
+        for flag in ("true", "false")
+    )
+    assert playable >= 3 and streams == playable
+    gaps = srv.metric("omnirelay_audio_gap_seconds_count", endpoint="chat", model=model)
+    assert gaps == srv.metric("omnirelay_audio_underruns_total", endpoint="chat", model=model)
     assert srv.metric("omnirelay_failures_total", endpoint="chat") == 0
 
 

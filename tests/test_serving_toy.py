@@ -388,6 +388,8 @@ def test_health_and_metrics(srv: Served) -> None:
     text = httpx.get(srv.url + "/metrics").text
     for name in (
         "omnirelay_time_to_first_audio_seconds_bucket",
+        "omnirelay_first_playable_audio_seconds_bucket",
+        "omnirelay_audio_streams_total",
         "omnirelay_real_time_factor_bucket",
         "omnirelay_aborts_total",
         "omnirelay_requests_total",

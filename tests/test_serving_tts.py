@@ -22,7 +22,7 @@ import websockets
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.audio import parse_wav
 from omnirelay.serving.text import ChatMLCodec
-from tests.serving_support import Served, serve
+from tests.serving_support import Served, assert_same_pcm, serve
 
 MODEL = "qwen3-tts-aligner-tiny"
 SPEECH = "/v1/audio/speech"
@@ -70,7 +70,7 @@ def test_speech_wav_with_word_timestamps(srv: Served, reference: bytes) -> None:
     pcm, rate = parse_wav(resp.content)
     assert rate == 24000 and len(pcm) > 0
     _check_words(json.loads(resp.headers["x-word-timestamps"]), TEXT, len(pcm) / rate * 1000)
-    assert pcm.tobytes() == reference  # the same audio as without timestamps
+    assert_same_pcm(pcm.tobytes(), reference)  # the same audio as without timestamps
 
 
 def test_speech_openai_client_streaming_pcm(srv: Served, reference: bytes) -> None:
@@ -79,7 +79,7 @@ def test_speech_openai_client_streaming_pcm(srv: Served, reference: bytes) -> No
         model=MODEL, voice="ethan", input=TEXT, response_format="pcm", extra_body={"stream": True}
     ) as resp:
         streamed = resp.read()
-    assert streamed == reference
+    assert_same_pcm(streamed, reference)
 
 
 async def _ws(url: str, text: str) -> list[Any]:
@@ -105,7 +105,7 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
     assert trailer["audio_b64"] == ""
     duration_ms = len(audio) / 2 / 24000 * 1000
     _check_words(trailer["timestamps"], TEXT, duration_ms)
-    assert audio == reference  # each sample exactly once: the HTTP endpoint's audio
+    assert_same_pcm(audio, reference)  # each sample exactly once: the HTTP endpoint's audio
     done = [e for e in events if e["type"] == "audio.done"]
     assert done[0]["total_bytes"] == len(audio) and done[0]["error"] is None
     assert events[-1]["type"] == "session.done"

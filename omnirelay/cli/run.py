@@ -3,6 +3,7 @@
 Startup progress goes to stderr; the answer's text streams to stdout as the Thinker
 produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
 sample rate: 22.05 kHz for the default voice, 24 kHz for Qwen3-Omni); then the timeline: time to first text token, time to first audio,
+first playable audio and the gaps a listener would hear (:mod:`omnirelay.timeline.playback`),
 each audio chunk's arrival and length, the total, and the critical paths to the first
 audio and to the last output with the share of their wall time spent outside model
 compute (see :mod:`omnirelay.timeline`). ``--json`` writes all of it.
@@ -88,7 +89,9 @@ def register(sub: Any) -> None:
             "Qwen3-Omni models with seeded random weights (noise: it exercises the runtime, not a voice).\n"
             f"--model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline, or\n"
             "--pipeline) in every stage.\n\n"
-            "The timeline (times from the submit): first text token, first audio, each audio chunk's\n"
+            "The timeline (times from the submit): first text token, first audio, first playable audio\n"
+            "(the earliest moment a player could start and never run dry) with the gaps a player that\n"
+            "starts at the first audio would hear, each audio chunk's\n"
             "arrival and length (samples and ms), the total, and for the first audio and for the last\n"
             "output the critical path: its wall time, the model compute on it, and the share spent\n"
             "outside model compute (control plane, transfers, scheduling, delivery), split by kind.\n"
@@ -345,6 +348,15 @@ def render_timeline(tl: RequestTimeline, stage_names: dict[int, str] | None = No
     lines.append(row("first text token", tl.ttft_s))
     lines.append(row("last text token", last_text_s(tl)))
     lines.append(row("first audio", tl.ttfa_s))
+    if tl.audio_chunks:
+        pb = tl.playback
+        heard = (
+            "no gap"
+            if pb.num_underruns == 0
+            else f"{pb.num_underruns} gap(s), worst {_ms(pb.worst_gap_s)} ms, {_ms(pb.silence_s)} ms of silence"
+        )
+        verdict = "gap-free" if pb.is_gap_free else "NOT gap-free"
+        lines.append(row("first playable audio", pb.first_playable_s, f"   {heard} ({verdict})"))
     for i, a in enumerate(tl.audio_chunks):
         dur = f"{1000.0 * a.num_samples / rate:,.1f} ms" if rate else "-"
         lines.append(row(f"audio chunk {i} at", a.at_s, f"   {a.num_samples:>9,} samples  {dur:>12}"))

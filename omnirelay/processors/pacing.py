@@ -63,7 +63,9 @@ class PacingConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 raise ConfigError(f"pacing {name} must be a finite number, got {value!r}")
             if value < low or (name == "frame_s" and value == 0):
-                raise ConfigError(f"pacing {name} must be {'> 0' if name == 'frame_s' else '>= 0'}, got {value}")
+                raise ConfigError(
+                    f"pacing {name} must be {'> 0' if name == 'frame_s' else '>= 0'}, got {value}"
+                )
         if self.holdback_s >= self.frame_s:
             raise ConfigError(
                 f"pacing holdback_s ({self.holdback_s}) must be shorter than one frame ({self.frame_s})"

@@ -360,7 +360,13 @@ class TalkerToCode2WavProcessor:
             return None
         left = self._left_context(state, chunk_id)
         return self._emit(
-            state, chunk_id, num_new=num_pending, left=left, finished=finished, first_audio=first_audio, now=now
+            state,
+            chunk_id,
+            num_new=num_pending,
+            left=left,
+            finished=finished,
+            first_audio=first_audio,
+            now=now,
         )
 
     # ---- the emission rule

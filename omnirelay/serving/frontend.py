@@ -31,6 +31,7 @@ from omnirelay.serving.config import ServerConfig, openai_voice_map
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.text import TextCodec
+from omnirelay.timeline.playback import playback_of
 
 __all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]
 
@@ -53,6 +54,8 @@ class RequestStream:
         self.t_first_audio: float | None = None
         self.num_audio_samples = 0
         self.sample_rate: int | None = None
+        #: (seconds since the submit, seconds of audio) of every audio send, for the playback figures
+        self._audio_sends: list[tuple[float, float]] = []
         self.finish_reason: str | None = None
         self.abort_reason: str | None = None
         self.error: str | None = None
@@ -86,11 +89,13 @@ class RequestStream:
         """The server sent ``num_samples`` new samples (time to first audio, RTF)."""
         if num_samples <= 0:
             return
+        now = time.perf_counter()
         if self.t_first_audio is None:
-            self.t_first_audio = time.perf_counter()
+            self.t_first_audio = now
             self.frontend.metrics.ttfa.labels(self.endpoint).observe(self.t_first_audio - self.t_submit)
         self.num_audio_samples += num_samples
         self.sample_rate = sample_rate
+        self._audio_sends.append((now - self.t_submit, num_samples / sample_rate if sample_rate > 0 else 0.0))
 
     def abort(self, reason: str) -> None:
         """Abort the request through every stage (no-op once it ended)."""
@@ -120,6 +125,8 @@ class RequestStream:
         else:
             outcome = "ok"
         m.requests.labels(self.endpoint, outcome).inc()
+        if self._audio_sends:
+            m.observe_playback(self.endpoint, self.frontend.model_name, playback_of(self._audio_sends))
         if outcome == "ok" and self.num_audio_samples and self.sample_rate:
             audio_s = self.num_audio_samples / self.sample_rate
             m.rtf.labels(self.endpoint).observe((time.perf_counter() - self.t_submit) / audio_s)

@@ -16,6 +16,13 @@ omnirelay_aborts_total{reason}              aborts: client_disconnect, stop_sequ
 omnirelay_failures_total{endpoint}          requests the pipeline failed
 omnirelay_requests_in_flight                admitted requests not yet done
 omnirelay_time_to_first_audio_seconds       submit → first audio sample sent
+omnirelay_first_playable_audio_seconds      submit → the earliest moment a player could
+                                            start and never run dry (per stream, at its end)
+omnirelay_audio_underruns_total             gaps a player starting at the first audio
+                                            would hear
+omnirelay_audio_gap_seconds                 each such gap's length
+omnirelay_audio_streams_total{gap_free}     audio streams ended, gap-free (worst gap
+                                            ≤ 50 ms) or not
 omnirelay_time_to_first_token_seconds       submit → first text token
 omnirelay_real_time_factor                  wall time / audio duration (< 1: faster
                                             than real time)
@@ -41,12 +48,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from omnirelay.orchestrator.orchestrator import PipelineHealth
+from omnirelay.timeline.playback import Playback
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0)
+#: Gap lengths (seconds): the 50 ms gap-free bound among them.
+_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _HealthCollector(Collector):
@@ -145,6 +155,32 @@ class ServerMetrics:
             buckets=buckets,
             registry=r,
         )
+        self.first_playable = Histogram(
+            "omnirelay_first_playable_audio_seconds",
+            "submit to the earliest start of a player that never runs dry",
+            ["endpoint", "model"],
+            buckets=buckets,
+            registry=r,
+        )
+        self.underruns = Counter(
+            "omnirelay_audio_underruns",
+            "gaps a player starting at the first audio would hear",
+            ["endpoint", "model"],
+            registry=r,
+        )
+        self.gaps = Histogram(
+            "omnirelay_audio_gap_seconds",
+            "length of each gap a player starting at the first audio would hear",
+            ["endpoint", "model"],
+            buckets=_GAP_BUCKETS,
+            registry=r,
+        )
+        self.audio_streams = Counter(
+            "omnirelay_audio_streams",
+            "audio streams ended, by whether their worst gap was at most 50 ms",
+            ["endpoint", "model", "gap_free"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "omnirelay_time_to_first_token_seconds",
             "submit to the first text token",
@@ -168,6 +204,17 @@ class ServerMetrics:
         )
         self._health = _HealthCollector()
         r.register(self._health)
+
+    def observe_playback(self, endpoint: str, model: str, playback: Playback) -> None:
+        """One audio stream's end: what a listener heard of it."""
+        labels = (endpoint, model)
+        if playback.first_playable_s is not None:
+            self.first_playable.labels(*labels).observe(playback.first_playable_s)
+        if playback.num_underruns:
+            self.underruns.labels(*labels).inc(playback.num_underruns)
+            for gap in playback.gaps_s:
+                self.gaps.labels(*labels).observe(gap)
+        self.audio_streams.labels(endpoint, model, "true" if playback.is_gap_free else "false").inc()
 
     def update_health(self, health: PipelineHealth) -> None:
         self._health.snapshot = health

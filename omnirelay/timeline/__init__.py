@@ -5,6 +5,8 @@
   it waited for, and the wall time split into model compute and the rest).
 * ``request.py`` — :func:`drive_request`: one request end to end, its
   :class:`RequestTimeline`.
+* ``playback.py`` — :func:`playback_of`: what a listener hears of an audio stream (first
+  playable audio, gaps, silence, gap-free), the one definition every measurement uses.
 * ``recorder.py`` — :class:`StepRecorder`, the stages' half: the step tracer a pipeline
   started with ``trace_steps=True`` runs in every stage, writing each step's times into
   its outputs' metrics; :func:`step_of` reads them back.
@@ -19,14 +21,17 @@ from omnirelay.timeline.critical_path import (
     steps_by_stage,
     upstream_map,
 )
+from omnirelay.timeline.playback import GAP_FREE_MAX_S, Playback, playback_of
 from omnirelay.timeline.recorder import STEP_METRICS, Step, StepRecorder, step_of
 from omnirelay.timeline.request import ClientArrival, RequestTimeline, drive_request
 
 __all__ = [
+    "GAP_FREE_MAX_S",
     "SEGMENTS",
     "STEP_METRICS",
     "ClientArrival",
     "CriticalPath",
+    "Playback",
     "RequestTimeline",
     "StageEvent",
     "StageTrace",
@@ -34,6 +39,7 @@ __all__ = [
     "StepRecorder",
     "critical_path",
     "drive_request",
+    "playback_of",
     "step_of",
     "steps_by_stage",
     "upstream_map",

@@ -2,7 +2,9 @@
 
 * :func:`drive_request` — submit one request, read its outputs (timing each arrival),
   and return its :class:`RequestTimeline`: time to first text token and first audio,
-  audio chunks, codec frames, and the critical paths to the first audio and to the end
+  what a listener hears of the audio (first playable audio, gaps:
+  :func:`~omnirelay.timeline.playback.playback_of`), audio chunks, codec frames, and the
+  critical paths to the first audio and to the end
   (:func:`~omnirelay.timeline.critical_path.critical_path`).
 
 Times are ``time.monotonic()``, the clock the stages' step times use too.
@@ -26,6 +28,7 @@ from omnirelay.timeline.critical_path import (
     critical_path,
     upstream_map,
 )
+from omnirelay.timeline.playback import Playback, playback_of
 from omnirelay.timeline.recorder import Step, step_of
 
 if TYPE_CHECKING:
@@ -91,6 +94,12 @@ class RequestTimeline:
         return [a for a in self.arrivals if a.modality == "audio" and a.num_samples]
 
     @property
+    def playback(self) -> Playback:
+        """The stream as a listener hears it (first playable audio, gaps, silence)."""
+        rate = self.sample_rate or 0
+        return playback_of((a.at_s, a.num_samples / rate if rate else 0.0) for a in self.audio_chunks)
+
+    @property
     def num_samples(self) -> int:
         return sum(a.num_samples for a in self.arrivals if a.modality == "audio")
 
@@ -115,6 +124,7 @@ class RequestTimeline:
             "num_text_tokens": self.num_text_tokens,
             "ttft_s": self.ttft_s,
             "ttfa_s": self.ttfa_s,
+            "playback": self.playback.to_dict(),
             "total_s": self.total_s,
             "sample_rate": self.sample_rate,
             "num_samples": self.num_samples,
