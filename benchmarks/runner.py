@@ -8,7 +8,9 @@ the forward pass, the device→host copy of the results), median of ``reps`` run
 * Thinker — prefill of one 30-token prompt and of 16 and 64 prompts in one launch;
   decode steps of 1, 16 and 64 rows;
 * Talker — prefill + first frame of 1 and 16 requests (40 conditioning rows each); a
-  whole frame (Talker step + 15 code-predictor steps) of 1, 16 and 64 rows;
+  whole frame (Talker step + 15 code-predictor steps) of 1, 16 and 64 rows; then the same
+  frames with the code-predictor tail compiled (``torch.compile``, inductor) and captured
+  in the graphs, its compile time, and how many greedy codes the two tails agree on;
 * Code2Wav — windows of 4, 29 and 50 frames (one stream), 50 frames x 16 streams.
 
 Each figure is taken with the graphs bypassed (the same code run eagerly) and replayed.
@@ -109,12 +111,9 @@ def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, 
     return out
 
 
-def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
-    from omnirelay.engine.interfaces import SamplingParams
-    from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
+def _talker_runner(model: Any, config: Any, compile: str | None) -> tuple[Any, float]:
+    from omnirelay.models.runner import Buckets, TalkerRunner
 
-    model = checkpoint.load_talker()
-    config = checkpoint.config.talker_config
     buckets = Buckets(max_num_seqs=64, max_model_len=1024, batch_sizes=(1, 16, 64), prefill_tokens=(64,))
     runner = TalkerRunner(
         model,
@@ -123,12 +122,23 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
         num_code_groups=int(config.num_code_groups),
         buckets=buckets,
         cuda_graphs=True,
+        compile=compile,
     )
     start = time.monotonic()
     runner.capture_graphs()
+    return runner, time.monotonic() - start
+
+
+def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import TalkerRow
+
+    model = checkpoint.load_talker()
+    config = checkpoint.config.talker_config
+    runner, capture_s = _talker_runner(model, config, None)
     out: dict[str, Any] = {
         "build_s": model.omnirelay_build.seconds,
-        "capture_s": time.monotonic() - start,
+        "capture_s": capture_s,
         "num_graphs": len(runner.graphs),
     }
     hidden = int(config.text_config.hidden_size)
@@ -170,6 +180,53 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
             codes[bypass] = runner.decode(greedy)
         runner.graphs.bypass = False
         out["greedy_codes_equal"] = bool(torch.equal(codes[True], codes[False]))
+        out["compiled"] = _compiled_frames(
+            runner, model, config, rows, text, reps, sync, previous, codes[False]
+        )
+    return out
+
+
+def _compiled_frames(
+    plain: Any,
+    model: Any,
+    config: Any,
+    rows: list[Any],
+    text: list[torch.Tensor],
+    reps: int,
+    sync: Callable[[], None],
+    previous: torch.Tensor,
+    plain_codes: torch.Tensor,
+) -> dict[str, Any]:
+    """The frames of ``plain`` (graphs, eager tail) against a runner whose tail is
+    compiled: median ms of each, the compile + capture time, greedy-code agreement."""
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import TalkerRow
+
+    compiled, capture_s = _talker_runner(model, config, "inductor")
+    out: dict[str, Any] = {"capture_s": capture_s, "num_graphs": len(compiled.graphs)}
+    for r in rows:
+        compiled.slots.acquire(r.rid)
+    compiled.prefill(rows)
+    for n in (1, 16, 64):
+
+        def frame(runner: Any, n: int = n) -> torch.Tensor:
+            for r in rows[:n]:
+                runner.slots.set_length(r.rid, TALKER_ROWS)
+            return runner.decode(
+                [TalkerRow(r.rid, t, r.sampling, r.generator) for r, t in zip(rows[:n], text)]
+            )
+
+        out[f"frame_{n}"] = {
+            "plain_ms": _median_ms(functools.partial(frame, plain), reps, sync),
+            "compiled_ms": _median_ms(functools.partial(frame, compiled), reps, sync),
+        }
+    greedy = [TalkerRow(r.rid, t, SamplingParams(), r.generator) for r, t in zip(rows[:16], text)]
+    compiled._codec_embed.copy_(previous)  # the input plain_codes were made from
+    for r in rows[:16]:
+        compiled.slots.set_length(r.rid, TALKER_ROWS)
+    codes = compiled.decode(greedy)
+    out["greedy_codes_agreement"] = float((codes == plain_codes).float().mean())
+    out["first_codebook_agreement"] = float((codes[:, 0] == plain_codes[:, 0]).float().mean())
     return out
 
 
@@ -222,7 +279,7 @@ def render_runner_bench(report: dict[str, Any]) -> str:
     for stage in ("thinker", "talker", "code2wav"):
         figures = report[stage]
         for key, value in figures.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and "eager_ms" in value:
                 lines.append(
                     f"{stage:<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x\n"
                 )
@@ -232,4 +289,17 @@ def render_runner_bench(report: dict[str, Any]) -> str:
             if not isinstance(v, dict)
         )
         lines.append(f"{stage:<10}{extra}\n")
+    compiled = report["talker"].get("compiled")
+    if compiled:
+        lines.append("talker frame, graphs: eager tail vs compiled tail (ms)\n")
+        for key, value in compiled.items():
+            if isinstance(value, dict):
+                speedup = value["plain_ms"] / value["compiled_ms"] if value["compiled_ms"] > 0 else 0.0
+                lines.append(
+                    f"{'talker':<10}{key:<18}{value['plain_ms']:>10.2f}{value['compiled_ms']:>10.2f}{speedup:>8.1f}x\n"
+                )
+        lines.append(
+            f"{'talker':<10}compile + capture {compiled['capture_s']:.1f} s, greedy codes agree "
+            f"{compiled['greedy_codes_agreement']:.1%} (first codebook {compiled['first_codebook_agreement']:.1%})\n"
+        )
     return "".join(lines)

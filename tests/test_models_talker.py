@@ -14,7 +14,8 @@ from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models import Checkpoint, encode_chat_prompt
 from omnirelay.models.loader import ModelArgs
-from omnirelay.models.talker import TalkerExecutor
+from omnirelay.models.runner import Buckets
+from omnirelay.models.talker import TalkerExecutor, TalkerSpec
 from omnirelay.models.thinker import ThinkerExecutor
 from omnirelay.payload import OmniPayload
 from omnirelay.processors import TalkerToCode2WavProcessor
@@ -237,3 +238,32 @@ def test_static_runner_speaks_the_frames_of_the_dynamic_one(
     for rid in payloads:
         assert torch.equal(frames(static[rid]), frames(dynamic[rid])), rid
     assert static_talker.runner is not None and static_talker.runner.slots.num_free == 8
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_the_compiled_frame_tail_traces_whole_and_speaks_the_same_frames(
+    checkpoint: Checkpoint, payloads: dict[str, Any], sampling: SamplingParams
+) -> None:
+    """The code-predictor tail as ``torch.compile`` sees it: each of its two bodies is one
+    graph per batch size (``fullgraph``: no break), whatever the position or codebook,
+    and it samples the frames of the eager tail. (A light backend here: the GPU tests
+    compile with inductor.)"""
+    from torch import _dynamo
+    from torch._dynamo.utils import counters
+
+    _dynamo.reset()
+    counters.clear()
+    spec = TalkerSpec.from_config(checkpoint.config)
+    buckets = Buckets(max_num_seqs=8, max_model_len=256)
+    compiled = TalkerExecutor(
+        checkpoint.load_talker(), spec, static=buckets, cuda_graphs=False, compile="aot_eager"
+    )
+    assert compiled.runner is not None and compiled.runner.predictor.compile_backend == "aot_eager"
+    got = talk(compiled, payloads, 14, sampling)
+    want = talk(make_talker(checkpoint, "static"), payloads, 14, sampling)
+    for rid in payloads:
+        assert torch.equal(frames(got[rid]), frames(want[rid])), rid
+    # Rows ran in batches of 1, 2 and 4 (buckets 1, 2, 4): two bodies, one graph each per size.
+    assert 2 <= counters["stats"]["unique_graphs"] <= 2 * 3
+    assert not counters["graph_break"]
+    _dynamo.reset()

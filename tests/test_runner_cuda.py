@@ -84,6 +84,39 @@ def test_tiny_talker_graph_frames_equal_eager_frames(sampling: SamplingParams) -
         assert torch.equal(frames(results[True][rid]), frames(results[False][rid])), rid
 
 
+def test_tiny_talker_compiled_tail_speaks_the_eager_frames() -> None:
+    """The code-predictor tail compiled with inductor and captured in the frame graphs:
+    the frames of the eager path, up to the rare tie that fused float math breaks the
+    other way (then every later codebook of that frame may differ too)."""
+    from tests.test_models_talker import frames, talk
+
+    thinker = ThinkerExecutor.from_checkpoint(_tiny())
+    payloads = {}
+    for rid, text in (("a", "Hello there!"), ("b", "Tell me a story.")):
+        prompt = encode_chat_prompt(thinker.tokenizer, text)
+        stream = run_thinker(thinker, {rid: prompt}, 6, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
+        payloads[rid] = stream.payloads
+    results = {}
+    for compiled in (True, False):
+        args = ModelArgs(
+            device="cuda:0",
+            runner="static",
+            cuda_graphs=compiled,
+            compile=compiled,
+            max_num_seqs=8,
+            max_model_len=256,
+        )
+        talker = TalkerExecutor.from_checkpoint(_tiny(), args=args)
+        assert talker.runner is not None
+        assert talker.runner.predictor.compile_backend == ("inductor" if compiled else None)
+        results[compiled] = talk(talker, payloads, 14, SamplingParams())
+    for rid in payloads:
+        got, want = frames(results[True][rid]), frames(results[False][rid])
+        assert got.shape == want.shape
+        assert torch.equal(got[0], want[0]), rid
+        assert float((got == want).float().mean()) >= 0.95, rid
+
+
 def _window_check(model: Any, shapes: list[tuple[int, int]]) -> None:
     """Graph windows (padded to a bucket) against eager decodes of the real windows:
     relative error within TF32 convolution noise (other shapes, other algorithms)."""

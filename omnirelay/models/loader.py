@@ -80,7 +80,10 @@ class ModelArgs:
 
     The static runner (``runner``: see :data:`RUNNERS`) holds KV for ``max_num_seqs``
     requests of up to ``max_model_len`` tokens each, allocated at startup; with
-    ``cuda_graphs`` its steps are captured as CUDA graphs at startup.
+    ``cuda_graphs`` its steps are captured as CUDA graphs at startup. ``compile``
+    compiles the Talker frame's code-predictor tail with ``torch.compile`` before its
+    graphs are captured (None, the default: on for the static runner on CUDA with CUDA
+    graphs; the compiled kernels are cached on disk, so a restart compiles faster).
     """
 
     tiny: bool = False
@@ -95,6 +98,7 @@ class ModelArgs:
     text_input: bool = False
     runner: str = "auto"
     cuda_graphs: bool = True
+    compile: bool | None = None
     max_num_seqs: int = 64
     max_model_len: int = 2048
 
@@ -140,6 +144,8 @@ class ModelArgs:
             raise ConfigError(f"executor_args.runner must be one of {RUNNERS}, got {self.runner!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"executor_args.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ConfigError(f"executor_args.compile must be true, false or null, got {self.compile!r}")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 16)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -179,6 +185,12 @@ class ModelArgs:
         if self.runner == "auto":
             return torch.device(self.device).type == "cuda"
         return self.runner == "static"
+
+    def compiles(self) -> bool:
+        """Whether the static runner compiles the Talker frame's tail (see ``compile``)."""
+        if self.compile is not None:
+            return self.compile and self.uses_static_runner()
+        return self.uses_static_runner() and self.cuda_graphs and torch.device(self.device).type == "cuda"
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         return resolve_dtype(self.dtype, checkpoint_dtype)

@@ -48,7 +48,9 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models.kv import KVPool, cache_keyword
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.prepared import cache_root
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
+from omnirelay.models.runner.predictor import use_compile_cache
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.talker_input import ThinkerChunk, assistant_start, parse_payload, user_positions
 from omnirelay.models.talker_text import TextConditioner
@@ -138,6 +140,7 @@ class TalkerExecutor:
         text_input: TextConditioner | None = None,
         static: Buckets | None = None,
         cuda_graphs: bool = True,
+        compile: str | None = None,
     ) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self.spec = spec
@@ -168,6 +171,7 @@ class TalkerExecutor:
                 num_code_groups=spec.num_code_groups,
                 buckets=static,
                 cuda_graphs=cuda_graphs,
+                compile=compile,
             )
             self.runner.capture_graphs()
 
@@ -178,14 +182,19 @@ class TalkerExecutor:
         spec = TalkerSpec.from_config(checkpoint.config)
         conditioner = TextConditioner.from_checkpoint(checkpoint, spec) if text_input else None
         static = None
+        compile = None
         if args is not None and args.uses_static_runner():
             static = Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+            if args.compiles():
+                use_compile_cache(cache_root())
+                compile = "inductor"
         return cls(
             checkpoint.load_talker(),
             spec,
             text_input=conditioner,
             static=static,
             cuda_graphs=args.cuda_graphs if args is not None else False,
+            compile=compile,
         )
 
     @property

@@ -4,7 +4,9 @@ One Talker frame is the Talker decoder's step (first codebook from ``codec_head`
 then ``Q − 1`` code-predictor steps, each a small transformer pass over a per-frame cache,
 sampling the next codebook — ~6,700 kernel launches eagerly. :class:`TalkerRunner`
 captures all of it, sampling included (:func:`~omnirelay.models.runner.sampler.sample`),
-as one graph per batch bucket and attention length:
+as one graph per batch bucket and attention length; the tail after the decoder step is
+:class:`~omnirelay.models.runner.predictor.CodePredictor`, compiled into fused kernels
+with ``compile="inductor"``:
 
 * **frame** (a decode) — input: each row's slot, position and the text row of this
   step; the codec part of the input (the summed embeddings of the row's previous frame)
@@ -30,23 +32,13 @@ import torch
 
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
-from omnirelay.models.runner.decoder import (
-    KVStep,
-    SlotKV,
-    StaticDecoder,
-    decoder_layer,
-    experts_implementation,
-)
+from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step
-from omnirelay.models.runner.sampler import sample
+from omnirelay.models.runner.predictor import CodePredictor
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
 
 __all__ = ["TalkerRow", "TalkerRunner"]
-
-#: The code predictor's sampling when the request samples (the reference's values).
-PREDICTOR_TOP_K = 50
-PREDICTOR_TOP_P = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +64,7 @@ class TalkerRunner:
         num_code_groups: int,
         buckets: Buckets,
         cuda_graphs: bool,
+        compile: str | None = None,
     ) -> None:
         self.talker = talker
         decoder = talker.model
@@ -111,11 +104,9 @@ class TalkerRunner:
         self._uniform = torch.zeros((mb, self.q), device=dev)
         #: the summed codec embeddings of each slot's last frame (the next frame's input)
         self._codec_embed = torch.zeros((buckets.max_num_seqs + 1, self.hidden), dtype=self.dtype, device=dev)
-        predictor = talker.code_predictor.model
-        pconfig = predictor.config
-        shape = (mb, int(pconfig.num_key_value_heads), self.q + 1, int(pconfig.head_dim))
-        self._pred_keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in predictor.layers]
-        self._pred_values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in predictor.layers]
+        self.predictor = CodePredictor(
+            talker, max_batch=mb, num_code_groups=self.q, codec_bias=bias, compile=compile
+        )
 
     # ----------------------------------------------------------------- startup
 
@@ -138,46 +129,11 @@ class TalkerRunner:
     def _tail(self, last: torch.Tensor, b: int) -> torch.Tensor:
         """Codec head, first codebook, then the code predictor's ``Q − 1`` codebooks;
         writes each row's summed frame embedding to its slot. Returns ``[B, Q]``."""
-        talker = self.talker
-        predictor = talker.code_predictor
-        temperature, uniform = self._temperature[:b], self._uniform[:b]
-        logits = talker.codec_head(last).float() + self._codec_bias
-        first = sample(logits, temperature, self._top_k[:b], self._top_p[:b], uniform[:, 0])
-        first_embed = talker.model.codec_embedding(first)
-        total = first_embed
-        codes = [first]
-        pred_temperature = torch.where(temperature > 0, 1.0, 0.0)
-        pred_top_k = torch.full_like(self._top_k[:b], PREDICTOR_TOP_K)
-        pred_top_p = torch.full_like(self._top_p[:b], PREDICTOR_TOP_P)
-        x = torch.stack([last, first_embed], dim=1)
-        pos = 0
-        for group in range(self.q - 1):
-            t = x.shape[1]
-            position_ids = torch.arange(pos, pos + t, device=self.device).unsqueeze(0)
-            cos, sin = predictor.model.rotary_emb(x, position_ids)
-            h = x
-            for li, layer in enumerate(predictor.model.layers):
-                h = decoder_layer(layer, h, cos, sin, self._frame_kv(b, pos, t), li)
-            h = predictor.model.norm(h)
-            step_logits = predictor.lm_head[group](h[:, -1]).float()
-            token = sample(step_logits, pred_temperature, pred_top_k, pred_top_p, uniform[:, group + 1])
-            codes.append(token)
-            x = predictor.model.codec_embedding[group](token).unsqueeze(1)
-            total = total + x[:, 0]
-            pos += t
+        codes, total = self.predictor(
+            last, self._temperature[:b], self._top_k[:b], self._top_p[:b], self._uniform[:b]
+        )
         self._codec_embed.index_copy_(0, self._slot_ids[:b], total)
-        return torch.stack(codes, dim=1)
-
-    def _frame_kv(self, b: int, pos: int, t: int) -> KVStep:
-        def kv_step(
-            li: int, k: torch.Tensor, v: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-            keys, values = self._pred_keys[li][:b], self._pred_values[li][:b]
-            keys[:, :, pos : pos + t] = k
-            values[:, :, pos : pos + t] = v
-            return keys[:, :, : pos + t], values[:, :, : pos + t], None, t > 1
-
-        return kv_step
+        return codes
 
     def _prefill_step(self, b: int, t: int, attn_len: int | None) -> Step:
         def step() -> dict[str, torch.Tensor]:

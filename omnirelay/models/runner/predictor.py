@@ -1,0 +1,217 @@
+"""The tail of a Talker frame: codec head, first codebook, then the code predictor's ``Q − 1``.
+
+After the Talker's decoder step, a frame needs ``Q`` more codebooks: the codec head
+samples the first, then the code predictor (a small transformer over a per-frame cache)
+samples one codebook per pass. Eagerly that is ~6,000 small kernels a frame. This module
+lays the tail out so it compiles into few, fused kernels:
+
+* **one pass per position**, always one token: the Talker's hidden state at position 0,
+  then each sampled codebook's embedding at the next position — ``Q`` passes of the same
+  shape over a fixed ``Q``-position cache, attention masked to the positions filled so
+  far. Every pass is one call of the same function (:meth:`CodePredictor._pass`), and
+  every sampling step one call of another (:meth:`CodePredictor._head`): position,
+  mask and weights are tensor arguments, not Python values, so ``torch.compile`` makes
+  one graph of each per batch size instead of one per position and layer;
+* **functional inside, one write outside**: a pass reads the cache and returns the new
+  keys and values of all layers in one tensor; one copy stores them at the pass's
+  position.
+
+With ``compile="inductor"`` both functions go through ``torch.compile`` (static shapes;
+a test uses a lighter backend to check that they trace whole); compilation happens on the first call per batch size — at startup, when the
+runner warms its graphs up — and the compiled kernels are then captured inside the CUDA
+graphs like any others. Inductor keeps its compiled kernels in an on-disk cache
+(``TORCHINDUCTOR_CACHE_DIR``; omnirelay points it under its own cache directory), so a
+restarted stage compiles much faster. Fused kernels round differently in bf16, so a
+compiled tail samples the same codes as the eager one only up to ties: equivalence is
+judged on logits within tolerance.
+
+Sampling is :func:`~omnirelay.models.runner.sampler.sample` with the request's
+parameters for the first codebook and the reference's (top-k 50, top-p 0.8) for the
+others, each with the uniform number drawn for it on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from omnirelay.models.runner.decoder import grouped_attention
+from omnirelay.models.runner.sampler import sample
+
+__all__ = ["PREDICTOR_TOP_K", "PREDICTOR_TOP_P", "CodePredictor", "use_compile_cache"]
+
+#: The code predictor's sampling when the request samples (the reference's values).
+PREDICTOR_TOP_K = 50
+PREDICTOR_TOP_P = 0.8
+#: Compiled graphs kept per function: one per batch bucket, with room to spare.
+_RECOMPILE_LIMIT = 64
+
+
+def use_compile_cache(root: Path) -> Path:
+    """Point inductor's on-disk cache at ``root / "inductor"`` unless the environment
+    already chose one; returns the directory in use."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    path = root / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def _rotary() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = modeling.apply_rotary_pos_emb
+    return fn
+
+
+class CodePredictor:
+    """``__call__(last, b) -> codes [b, Q]`` for the first ``b`` rows of the runner's
+    sampling buffers; see the module docstring."""
+
+    def __init__(
+        self,
+        talker: Any,
+        *,
+        max_batch: int,
+        num_code_groups: int,
+        codec_bias: torch.Tensor,
+        compile: str | None = None,
+    ) -> None:
+        predictor = talker.code_predictor
+        self.model = predictor.model
+        self.layers = list(self.model.layers)
+        weight = talker.model.codec_embedding.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.q = num_code_groups
+        config = self.model.config
+        kv_heads, head_dim = int(config.num_key_value_heads), int(config.head_dim)
+        #: keys and values of every layer for the frame's Q positions
+        self._cache = torch.zeros(
+            (len(self.layers), 2, max_batch, kv_heads, self.q, head_dim), dtype=self.dtype, device=self.device
+        )
+        positions = torch.arange(self.q, device=self.device)
+        probe = torch.zeros((1, self.q, int(config.hidden_size)), dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            cos, sin = self.model.rotary_emb(probe, positions.unsqueeze(0))
+        # One tensor of each per position (own storage: a compiled call sees the same layout).
+        self._cos = [cos[:, p : p + 1].clone() for p in range(self.q)]
+        self._sin = [sin[:, p : p + 1].clone() for p in range(self.q)]
+        self._mask = [(positions <= p).view(1, 1, 1, self.q).clone() for p in range(self.q)]
+        self._slot = [(positions == p).view(1, 1, self.q, 1).clone() for p in range(self.q)]
+        self._first = (talker.codec_head.weight, codec_bias, weight)
+        vocab = int(config.vocab_size)
+        no_bias = torch.zeros(vocab, device=self.device)
+        heads = [m.weight for m in predictor.lm_head]
+        embeds = [e.weight for e in self.model.codec_embedding]
+        self._groups = [(heads[g], no_bias, embeds[g]) for g in range(self.q - 1)]
+        #: the ``torch.compile`` backend of both bodies (None: eager)
+        self.compile_backend = compile
+        self.pass_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._pass
+        self.head_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._head
+        if compile is not None:
+            from torch import _dynamo
+
+            dynamo_config: Any = _dynamo.config
+            dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
+            self.pass_fn = torch.compile(self._pass, backend=compile, dynamic=False, fullgraph=True)
+            self.head_fn = torch.compile(self._head, backend=compile, dynamic=False, fullgraph=True)
+
+    # ----------------------------------------------------------------- the two bodies
+
+    def _pass(
+        self,
+        x: torch.Tensor,
+        cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        slot: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row (``x [b, 1, H]``) through every layer, attending to the
+        cache's positions up to this one (``mask``), this position's keys and values
+        taken from the pass itself (``slot``). Returns the normed hidden state ``[b, H]``
+        and the new keys and values ``[layers, 2, b, kv_heads, 1, head_dim]``."""
+        b = x.shape[0]
+        rotate = _rotary()
+        h = x
+        new = []
+        allowed = mask.expand(b, 1, 1, mask.shape[-1])
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            d = attn.head_dim
+            y = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(y).view(b, 1, -1, d)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(y).view(b, 1, -1, d)).transpose(1, 2)
+            v = attn.v_proj(y).view(b, 1, -1, d).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
+            keys = torch.where(slot, k, cache[li, 0])
+            values = torch.where(slot, v, cache[li, 1])
+            out = grouped_attention(q, keys, values, allowed, attn.scaling)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            new.append(torch.stack([k, v]))
+        return self.model.norm(h)[:, -1], torch.stack(new)
+
+    @staticmethod
+    def _head(
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        embedding: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+        total: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits of one codebook, a sampled id per row, its embedding ``[b, 1, H]`` and
+        the running sum of the frame's codec embeddings."""
+        logits = F.linear(h, weight).float() + bias
+        token = sample(logits, temperature, top_k, top_p, uniform)
+        embed = F.embedding(token, embedding)
+        return token, embed.unsqueeze(1), total + embed
+
+    # ----------------------------------------------------------------- one frame's tail
+
+    def __call__(
+        self,
+        last: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frame's ``Q`` codes ``[b, Q]`` and the sum of their embeddings ``[b, H]``
+        (the next frame's codec input), from the Talker's last hidden states ``[b, H]``
+        and ``[b]`` sampling tensors (``uniform [b, Q]``)."""
+        b = last.shape[0]
+        cache = self._cache[:, :, :b]
+        total = torch.zeros_like(last)
+        weight, bias, embedding = self._first
+        first, x, total = self.head_fn(
+            last, weight, bias, embedding, temperature, top_k, top_p, uniform[:, 0], total
+        )
+        codes = [first]
+        pred_temperature = torch.where(temperature > 0, 1.0, 0.0)
+        pred_top_k = torch.full_like(top_k, PREDICTOR_TOP_K)
+        pred_top_p = torch.full_like(top_p, PREDICTOR_TOP_P)
+        inputs = last.unsqueeze(1)
+        for p in range(self.q):
+            h, new = self.pass_fn(inputs, cache, self._cos[p], self._sin[p], self._mask[p], self._slot[p])
+            cache[..., p : p + 1, :].copy_(new)
+            if p == 0:
+                inputs = x  # the first codebook's embedding comes next
+                continue
+            weight, bias, embedding = self._groups[p - 1]
+            token, inputs, total = self.head_fn(
+                h, weight, bias, embedding, pred_temperature, pred_top_k, pred_top_p, uniform[:, p], total
+            )
+            codes.append(token)
+        return torch.stack(codes, dim=1), total
