@@ -263,7 +263,8 @@ def test_the_compiled_frame_tail_traces_whole_and_speaks_the_same_frames(
     want = talk(make_talker(checkpoint, "static"), payloads, 14, sampling)
     for rid in payloads:
         assert torch.equal(frames(got[rid]), frames(want[rid])), rid
-    # Rows ran in batches of 1, 2 and 4 (buckets 1, 2, 4): two bodies, one graph each per size.
-    assert 2 <= counters["stats"]["unique_graphs"] <= 2 * 3
+    # Rows ran in batches of 1, 2 and 4 (buckets 1, 2, 4): each body compiled for the first
+    # size, then once more with the batch (and the head's vocabulary) symbolic.
+    assert 2 <= counters["stats"]["unique_graphs"] <= 5
     assert not counters["graph_break"]
     _dynamo.reset()

@@ -87,6 +87,8 @@ class CodePredictor:
         predictor = talker.code_predictor
         self.model = predictor.model
         self.layers = list(self.model.layers)
+        # Resolved here: a compiled body cannot import (transformers' modules load lazily).
+        self._rotate = _rotary()
         weight = talker.model.codec_embedding.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.q = num_code_groups
@@ -120,8 +122,11 @@ class CodePredictor:
 
             dynamo_config: Any = _dynamo.config
             dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
-            self.pass_fn = torch.compile(self._pass, backend=compile, dynamic=False, fullgraph=True)
-            self.head_fn = torch.compile(self._head, backend=compile, dynamic=False, fullgraph=True)
+            # dynamic=None: the first batch size compiles static, the next one turns the batch
+            # dimension symbolic, and every later size reuses that graph (about five
+            # compiles for a whole set of buckets instead of three per bucket).
+            self.pass_fn = torch.compile(self._pass, backend=compile, fullgraph=True)
+            self.head_fn = torch.compile(self._head, backend=compile, fullgraph=True)
 
     # ----------------------------------------------------------------- the two bodies
 
@@ -139,7 +144,7 @@ class CodePredictor:
         taken from the pass itself (``slot``). Returns the normed hidden state ``[b, H]``
         and the new keys and values ``[layers, 2, b, kv_heads, 1, head_dim]``."""
         b = x.shape[0]
-        rotate = _rotary()
+        rotate = self._rotate
         h = x
         new = []
         allowed = mask.expand(b, 1, 1, mask.shape[-1])
