@@ -82,8 +82,14 @@ PLAYABLE_TARGETS_S = {1: 0.150, 16: 0.400, 64: 1.000}
 GAP_FREE_TARGETS = {1: 1.0, 16: 0.99, 64: 0.99}
 #: Talker -> Code2Wav chunk schedules the benchmark can run.
 SCHEDULES = ("adaptive", "fixed", "both")
-#: The seed's fixed schedule: a first chunk of 4 frames, then 25 (docs/protocol.md §5.2).
-FIXED_SCHEDULE = {"codec_chunk_adaptive": False, "initial_codec_chunk_frames": 4, "codec_chunk_frames": 25}
+#: The seed's fixed schedule: a first chunk of 4 frames, then 25 with 25 frames of left
+#: context (docs/protocol.md §5.2), each chunk decoded as a window (no decoder state).
+FIXED_SCHEDULE = {
+    "codec_chunk_adaptive": False,
+    "initial_codec_chunk_frames": 4,
+    "codec_chunk_frames": 25,
+    "codec_left_context_frames": 25,
+}
 DEFAULT_PROMPT = "Hello, who are you?"
 #: Qwen3-Omni's Code2Wav: samples per codec frame (80 ms at 24 kHz).
 SAMPLES_PER_FRAME = 1920
@@ -285,22 +291,30 @@ def _run_schedules(schedule: str, *args: Any) -> dict[str, Any]:
 
 def with_codec_schedule(config: Any, schedule: str) -> Any:
     """``config`` with its Talker → Code2Wav edges on ``schedule``: ``adaptive`` leaves
-    the file's own settings, ``fixed`` sets the seed's (:data:`FIXED_SCHEDULE`)."""
+    the file's own settings, ``fixed`` sets the seed's (:data:`FIXED_SCHEDULE`, and the
+    Code2Wav stages decode window by window: ``executor_args.stateful: false``)."""
     import msgspec
 
     if schedule == "adaptive":
         return config
-    names = {
-        config.input_connector(consumer)
+    consumers = {
+        consumer
         for stage in config.stages
         if stage.chunk_processor == "talker_to_code2wav"
         for consumer in config.consumer_ids(stage)
     }
+    names = {config.input_connector(consumer) for consumer in consumers}
     connectors = {
         name: msgspec.structs.replace(spec, extra={**spec.extra, **FIXED_SCHEDULE}) if name in names else spec
         for name, spec in config.connectors.items()
     }
-    return msgspec.structs.replace(config, connectors=connectors)
+    stages = tuple(
+        msgspec.structs.replace(s, executor_args={**s.executor_args, "stateful": False})
+        if s.id in consumers
+        else s
+        for s in config.stages
+    )
+    return msgspec.structs.replace(config, connectors=connectors, stages=stages)
 
 
 def _run_pipeline_bench(

@@ -49,7 +49,7 @@ def test_shipped_pipeline_report(capsys: pytest.CaptureFixture[str]) -> None:
         "receives chunks: yes",
         "0 -> 1  thinker -> talker: chunks",
         "1 -> 2  talker -> code2wav: chunks",
-        "connector codec_shm (shm: codec_chunk_frames=25, codec_left_context_frames=25); "
+        "connector codec_shm (shm: codec_chunk_frames=25, codec_left_context_frames=0); "
         "processor talker_to_code2wav",
         "  text: stage 0",
         "  audio: stage 2",

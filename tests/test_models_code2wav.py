@@ -1,9 +1,11 @@
-"""Code2Wav executor: streaming decode over the 4/29/50/50 schedule has exactly the
-whole-utterance samples and matches the whole decode when the left context covers the
-decoder's receptive field; complete inputs use the chunked decode; bad codes fail."""
+"""Code2Wav executor: a streamed request decodes to exactly the whole-utterance samples —
+with its decoder state (the default: any chunk sizes, no left context needed), or window
+by window when the left context covers the decoder's receptive field; complete inputs
+use the chunked decode; bad codes fail."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +44,24 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def code2wav() -> Code2WavExecutor:
+    """The default executor: streams keep their decoder state between chunks."""
     return Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+
+
+@pytest.fixture(scope="module")
+def windowed(code2wav: Code2WavExecutor) -> Code2WavExecutor:
+    """Streams decoded window by window, each with its left context (``stateful: false``)."""
+    return Code2WavExecutor(code2wav.model, stateful=False)
+
+
+@pytest.fixture(params=["stateful", "windowed"])
+def either(
+    request: pytest.FixtureRequest, code2wav: Code2WavExecutor, windowed: Code2WavExecutor
+) -> Code2WavExecutor:
+    return code2wav if request.param == "stateful" else windowed
+
+
+_STREAM_IDS = itertools.count()
 
 
 def random_frames(num_frames: int, seed: int) -> torch.Tensor:
@@ -88,7 +107,10 @@ def stream(
     schedule = [
         (p.codes.audio.numel() // Q if p.codes is not None else 0, p.meta.left_context_size) for p in payloads
     ]
-    pieces = [executor.step([chunk_item("r", p)])[0].audio for p in payloads]
+    rid = f"r{next(_STREAM_IDS)}"
+    pieces = [executor.step([chunk_item(rid, p)])[0].audio for p in payloads]
+    executor.release(rid)  # as the engine does when the request ends
+    assert executor.num_live_requests() == 0 and executor.leak_state() == {}
     return schedule, torch.cat(pieces)
 
 
@@ -110,12 +132,12 @@ def test_tiny_decoder_receptive_field_is_covered_by_the_first_chunk(code2wav: Co
     assert frames_of_context_needed(lookback, holdback, U) == 2
 
 
-def test_streaming_4_29_50_50_matches_the_whole_utterance(code2wav: Code2WavExecutor) -> None:
+def test_streaming_4_29_50_50_matches_the_whole_utterance(either: Code2WavExecutor) -> None:
     frames = random_frames(130, seed=1)
-    schedule, streamed = stream(code2wav, frames, DEPLOY)
+    schedule, streamed = stream(either, frames, DEPLOY)
     assert schedule == [(4, 0), (29, 4), (50, 25), (50, 25), (50, 25), (50, 25), (26, 25)]
-    reference = whole(code2wav, frames)
-    assert reference.shape[0] == 130 * U - measure_receptive_field(code2wav.model)[1]
+    reference = whole(either, frames)
+    assert reference.shape[0] == 130 * U - measure_receptive_field(either.model)[1]
     assert streamed.shape == reference.shape  # exactly the whole-utterance sample count
     assert float(reference.std()) > 0.05  # a real signal, not silence
     assert float((streamed - reference).abs().max()) < TOL  # nothing duplicated, nothing lost
@@ -123,22 +145,34 @@ def test_streaming_4_29_50_50_matches_the_whole_utterance(code2wav: Code2WavExec
 
 @pytest.mark.parametrize("interval_s", [0.01, 0.03, 0.07])
 def test_the_adaptive_schedule_matches_the_whole_utterance(
-    code2wav: Code2WavExecutor, interval_s: float
+    either: Code2WavExecutor, interval_s: float
 ) -> None:
     frames = random_frames(130, seed=3)
     times = [0.1 + interval_s * t for t in range(131)]
-    schedule, streamed = stream(code2wav, frames, TalkerToCode2WavConfig(), times)
+    schedule, streamed = stream(either, frames, TalkerToCode2WavConfig(), times)
     assert len(schedule) > 3 and len({new - left for new, left in schedule}) > 2  # sizes vary
     sent = 0
     for total, left in schedule:  # every chunk re-sends min(sent so far, Lc) frames of context
         assert left == min(sent, 25)
         sent += total - left
-    reference = whole(code2wav, frames)
+    reference = whole(either, frames)
     assert streamed.shape == reference.shape
     assert float((streamed - reference).abs().max()) < TOL
 
 
-def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Code2WavExecutor) -> None:
+def test_a_stateful_stream_needs_no_left_context(code2wav: Code2WavExecutor) -> None:
+    """Chunks without context (codec_left_context_frames: 0), in sizes 1 to 25: the
+    decoder state carries everything a window's context would have re-decoded."""
+    frames = random_frames(90, seed=6)
+    times = [0.1 + 0.03 * t for t in range(91)]
+    config = TalkerToCode2WavConfig(codec_left_context_frames=0)
+    schedule, streamed = stream(code2wav, frames, config, times)
+    assert all(left == 0 for _, left in schedule) and schedule[0][0] <= 2
+    assert float((streamed - whole(code2wav, frames)).abs().max()) < TOL
+
+
+def test_too_little_context_is_approximate_but_never_shifts_samples(windowed: Code2WavExecutor) -> None:
+    code2wav = windowed
     frames = random_frames(60, seed=2)
     short = TalkerToCode2WavConfig(
         initial_codec_chunk_frames=1,
@@ -160,22 +194,24 @@ def test_too_little_context_is_approximate_but_never_shifts_samples(code2wav: Co
     assert float(error[~near].max()) < TOL
 
 
-def test_stream_ending_on_a_boundary_gets_a_terminal_with_no_frames(code2wav: Code2WavExecutor) -> None:
+def test_stream_ending_on_a_boundary_gets_a_terminal_with_no_frames(either: Code2WavExecutor) -> None:
     frames = random_frames(29, seed=3)
     payloads = chunk_payloads(frames, DEPLOY)
     assert payloads[-1].codes is None  # the terminal: every frame went out before it
-    (res,) = code2wav.step([chunk_item("r", payloads[-1])])
+    (res,) = either.step([chunk_item("t", payloads[-1])])
     assert res.audio.shape == (0,) and res.sample_rate == SAMPLE_RATE
-    _, streamed = stream(code2wav, frames, DEPLOY)
-    assert float((streamed - whole(code2wav, frames)).abs().max()) < TOL
+    assert either.num_live_requests() == 0  # a terminal without frames takes no state
+    _, streamed = stream(either, frames, DEPLOY)
+    assert float((streamed - whole(either, frames)).abs().max()) < TOL
 
 
-def test_windows_of_several_streams_decode_in_one_batch(code2wav: Code2WavExecutor) -> None:
+def test_windows_of_several_streams_decode_in_one_batch(windowed: Code2WavExecutor) -> None:
+    code2wav = windowed
     windows = [
         chunk_payloads(random_frames(n, seed=n), DEPLOY)[k] for n, k in ((60, 2), (30, 1), (3, 0), (54, 2))
     ]
     items = [chunk_item(f"r{i}", p) for i, p in enumerate(windows)]
-    batched = Code2WavExecutor(code2wav.model, max_decode_batch=4).step(items)
+    batched = Code2WavExecutor(code2wav.model, max_decode_batch=4, stateful=False).step(items)
     for it, res in zip(items, batched):
         (alone,) = code2wav.step([it])
         assert res.internal_id == it.internal_id

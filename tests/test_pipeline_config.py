@@ -799,7 +799,7 @@ def test_qwen3_omni_deploy_defaults() -> None:
     assert code2wav.max_num_batched_tokens == 65536 and code2wav.async_scheduling is False
     e01, e12 = cfg.edges()
     assert e01.connector == e12.connector and e12.backend == "shm"
-    assert e12.extra == {"codec_chunk_frames": 25, "codec_left_context_frames": 25}
+    assert e12.extra == {"codec_chunk_frames": 25, "codec_left_context_frames": 0}
     assert (e01.contract, e12.contract) == (EdgeContract.CHUNKS, EdgeContract.CHUNKS)
     assert (e01.processor, e12.processor) == ("thinker_to_talker", "talker_to_code2wav")
     assert cfg.final_output_stage_ids(["text"]) == (0,)

@@ -94,3 +94,6 @@ def test_the_fixed_schedule_is_the_seeds_on_the_codec_edge_only() -> None:
     assert {k: extra[k] for k in FIXED_SCHEDULE} == FIXED_SCHEDULE
     cfg = TalkerToCode2WavConfig.from_extra(extra)
     assert not cfg.codec_chunk_adaptive and cfg.initial_codec_chunk_frames == 4
+    assert cfg.codec_left_context_frames == 25
+    # ... decoded window by window, as the seed's Code2Wav does; the other stages untouched
+    assert [s.executor_args.get("stateful") for s in fixed.stages] == [None, None, False]

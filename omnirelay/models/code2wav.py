@@ -2,8 +2,9 @@
 
 * :class:`Code2WavExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
   Code2Wav stage (``execution_type = "generation"``): every step decodes each item's
-  codes in one shot and returns its samples in ``ItemResult.audio`` (1-D float32, CPU)
-  with ``sample_rate = 24000``. It keeps no per-request state.
+  codes and returns its samples in ``ItemResult.audio`` (1-D float32, CPU) with
+  ``sample_rate = 24000``. A streamed request holds its decoder state between chunks
+  (the stateful mode, the default) until it is released.
 * :func:`create_code2wav` — the registry factory: ``create_code2wav(**executor_args)``.
 
 A committed Talker → Code2Wav chunk (an :class:`~omnirelay.payload.OmniPayload`) is read
@@ -22,8 +23,13 @@ Input of one item (first match wins):
 
 Two modes, per item:
 
-* **streaming** (the runtime info carries ``meta.left_context_size``: the edge is
-  chunked) — the windows of all streaming items are stacked into one ``[B, Q, max T]``
+* **streaming, stateful** (the default; the runtime info carries
+  ``meta.left_context_size``: the edge is chunked) — each chunk's new frames are decoded
+  with the stream's state (:class:`~omnirelay.models.runner.vocoder.StreamingVocoder`):
+  the concatenated chunks are the whole-utterance decode, whatever the chunk sizes; left
+  context frames a chunk carries were decoded already and are skipped.
+* **streaming, by windows** (``stateful: false``) — the windows of all streaming items
+  are stacked into one ``[B, Q, max T]``
   batch (:func:`~omnirelay.processors.codes_batch_from_flat`), decoded once, and each row
   is cut with the exact trim of docs/protocol.md §6.2 (:func:`~omnirelay.processors.split_stream_output`):
   the concatenated chunks of a stream have exactly the whole-utterance sample count, and
@@ -49,6 +55,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner.code2wav import GraphedCode2Wav
+from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
 from omnirelay.payload.schema import OmniPayload
 from omnirelay.processors.codec_input import read_codec_chunk
 from omnirelay.processors.decode_window import (
@@ -95,12 +102,19 @@ class Code2WavExecutor:
         chunk_left_context: int = DEFAULT_DECODE_LEFT_CONTEXT_FRAMES,
         max_decode_batch: int | None = None,
         cuda_graphs: bool = False,
+        stateful: bool = True,
+        max_streams: int = 64,
     ) -> None:
         self.model = model  # Qwen3OmniMoeCode2Wav
         self.device = next(model.parameters()).device
         #: the model, or its window decodes replayed from CUDA graphs (captured here)
         self._decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs)
         self._decoder.capture_graphs()
+        #: streamed requests' decoder state (None: streams are decoded by windows)
+        self.vocoder: StreamingVocoder | None = None
+        if stateful:
+            self.vocoder = StreamingVocoder(model, max_streams=max_streams, cuda_graphs=cuda_graphs)
+            self.vocoder.capture_graphs()
         if max_decode_batch is None:
             # The vocoder's convs are compute-bound on a CPU: stacking more than two windows
             # costs more than decoding them apart (measured: 8 windows take 1.7x as long).
@@ -117,9 +131,16 @@ class Code2WavExecutor:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code2WavExecutor:
-        """``args``: CUDA graphs unless ``cuda_graphs: false`` or ``runner: dynamic``."""
+        """``args``: CUDA graphs unless ``cuda_graphs: false`` or ``runner: dynamic``;
+        streams keep their decoder state unless ``stateful: false`` (up to
+        ``max_num_seqs`` streams at once)."""
         graphs = args is not None and args.cuda_graphs and args.runner != "dynamic"
-        return cls(checkpoint.load_code2wav(), cuda_graphs=graphs and checkpoint.device.type == "cuda")
+        return cls(
+            checkpoint.load_code2wav(),
+            cuda_graphs=graphs and checkpoint.device.type == "cuda",
+            stateful=args.stateful if args is not None else True,
+            max_streams=args.max_num_seqs if args is not None else 64,
+        )
 
     # ----------------------------------------------------------------- Executor
 
@@ -128,7 +149,14 @@ class Code2WavExecutor:
         inputs = [self._read(item) for item in batch]
         audio: dict[int, torch.Tensor] = {}
         with torch.inference_mode():
-            for group in self._groups(inputs):
+            if self.vocoder is not None:
+                streams = [(i, x) for i, x in enumerate(inputs) if x.left_context is not None]
+                inputs_left = [x if x.left_context is None else None for x in inputs]
+                for i, piece in self._decode_stateful(streams):
+                    audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
+            else:
+                inputs_left = list(inputs)
+            for group in self._groups(inputs_left):
                 is_stream = group[0][1].left_context is not None
                 pieces = self._decode_stream(group) if is_stream else self._decode_complete(group)
                 for (i, _), piece in zip(group, pieces):
@@ -143,10 +171,16 @@ class Code2WavExecutor:
         ]
 
     def release(self, internal_id: str) -> None:
-        """Nothing to free: Code2Wav keeps no per-request state."""
+        """Free the stream's decoder state (idempotent; nothing when decoding by windows)."""
+        if self.vocoder is not None:
+            self.vocoder.release(internal_id)
 
     def num_live_requests(self) -> int:
-        return 0
+        return 0 if self.vocoder is None else len(self.vocoder.slots)
+
+    def leak_state(self) -> dict[str, Any]:
+        held = [] if self.vocoder is None else self.vocoder.slots.holders()
+        return {"code2wav_streams": held} if held else {}
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """One-shot decode of ``[B, Q, T]`` codes → ``[B, 1, samples]`` (no trimming)."""
@@ -155,12 +189,27 @@ class Code2WavExecutor:
 
     # ----------------------------------------------------------------- decoding
 
-    def _groups(self, inputs: list[_Input]) -> list[list[tuple[int, _Input]]]:
+    def _decode_stateful(self, streams: list[tuple[int, _Input]]) -> list[tuple[int, torch.Tensor]]:
+        """Each streamed item's new frames (past its left context, decoded already)
+        with its stream's state, all in one step; items with no new frame decode nothing."""
+        assert self.vocoder is not None
+        todo = [(i, x) for i, x in streams if x.codes.shape[1] > (x.left_context or 0)]
+        rows = [StreamRow(x.item.internal_id, x.codes[:, x.left_context or 0 :]) for _, x in todo]
+        if not rows:
+            return []
+        return list(zip((i for i, _ in todo), self.vocoder.decode(rows)))
+
+    def _groups(self, inputs: list[_Input | None]) -> list[list[tuple[int, _Input]]]:
         """Decode batches: streaming and complete items apart, similar lengths together
-        (padding is wasted work), at most ``max_decode_batch`` items each."""
+        (padding is wasted work), at most ``max_decode_batch`` items each (``None``:
+        decoded elsewhere)."""
         groups = []
         for is_stream in (True, False):
-            todo = [(i, x) for i, x in enumerate(inputs) if (x.left_context is not None) == is_stream]
+            todo = [
+                (i, x)
+                for i, x in enumerate(inputs)
+                if x is not None and (x.left_context is not None) == is_stream
+            ]
             todo = sorted((p for p in todo if p[1].codes.shape[1] > 0), key=lambda p: p[1].codes.shape[1])
             groups += [
                 todo[k : k + self.max_decode_batch] for k in range(0, len(todo), self.max_decode_batch)

@@ -84,6 +84,9 @@ class ModelArgs:
     compiles the Talker frame's code-predictor tail with ``torch.compile`` before its
     graphs are captured (None, the default: on for the static runner on CUDA with CUDA
     graphs; the compiled kernels are cached on disk, so a restart compiles faster).
+    ``stateful`` (Code2Wav only): a streamed request keeps its decoder state between
+    chunks, so each chunk decodes only its new frames (false: every chunk is decoded as a
+    window with its left context).
     """
 
     tiny: bool = False
@@ -99,6 +102,7 @@ class ModelArgs:
     runner: str = "auto"
     cuda_graphs: bool = True
     compile: bool | None = None
+    stateful: bool = True
     max_num_seqs: int = 64
     max_model_len: int = 2048
 
@@ -144,6 +148,8 @@ class ModelArgs:
             raise ConfigError(f"executor_args.runner must be one of {RUNNERS}, got {self.runner!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"executor_args.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.stateful, bool):
+            raise ConfigError(f"executor_args.stateful must be true or false, got {self.stateful!r}")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ConfigError(f"executor_args.compile must be true, false or null, got {self.compile!r}")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 16)):

@@ -128,6 +128,14 @@ class CodePredictor:
             self.pass_fn = torch.compile(self._pass, backend=compile, fullgraph=True)
             self.head_fn = torch.compile(self._head, backend=compile, fullgraph=True)
 
+    def finish_compiling(self) -> None:
+        """Every graph is compiled (and captured): stop inductor's pool of compile worker
+        processes, which would otherwise idle beside the stage for its whole life."""
+        if self.compile_backend == "inductor":
+            from torch._inductor import async_compile
+
+            async_compile.shutdown_compile_workers()
+
     # ----------------------------------------------------------------- the two bodies
 
     def _pass(

@@ -43,6 +43,10 @@ class SlotTable:
     def num_free(self) -> int:
         return len(self._free)
 
+    def holders(self) -> list[str]:
+        """The requests holding a slot, sorted (for leak audits)."""
+        return sorted(self._slot)
+
     def acquire(self, rid: str) -> int:
         """The request's slot, taking a free one on first use (length 0)."""
         slot = self._slot.get(rid)

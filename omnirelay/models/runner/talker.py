@@ -122,7 +122,11 @@ class TalkerRunner:
             for b, length in self.buckets.decode_shapes():
                 self.graphs.capture(("frame", b, length), self._frame_step(b, length))
         self.graphs.report.seconds = time.monotonic() - start
-        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+        how = ""
+        if self.predictor.compile_backend is not None:
+            self.predictor.finish_compiling()
+            how = f" (code-predictor tail compiled with {self.predictor.compile_backend})"
+        print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
 
     # ----------------------------------------------------------------- graph bodies
 

@@ -1,0 +1,383 @@
+"""Qwen3-Omni's Code2Wav as a stateful streaming decoder: each chunk decodes only its new frames.
+
+The decoder is causal except for one sample of look-ahead in each up-sampling transposed
+convolution (kernel ``2r``, stride ``r``: an output block needs its input sample and the
+next one) — which is where the 555 samples a window holds back at its end come from.
+Everything it needs from the past fits in small per-stream state:
+
+* the transformer (sliding window ``W``): the keys and values of the stream's last
+  ``W − 1`` frames per layer, and how many frames it has seen (absolute positions);
+* each causal convolution: its last ``(kernel − 1) · dilation`` input samples (zeros
+  at the start of a stream: the whole-utterance decode's left zero padding);
+* each look-ahead transposed convolution: its last input sample.
+
+So a stream decoded chunk by chunk with its state is **the whole-utterance decode**,
+sample for sample up to float rounding, whatever the chunk sizes — no left context is
+re-sent or re-decoded, and a one-frame chunk costs one frame of compute. A chunk of
+``n`` new frames yields ``n · U`` samples (the stream's first one ``n · U − holdback``:
+the look-ahead's samples come with the next chunk), as the window decode's trim does
+(docs/protocol.md §6.2).
+
+Batches mix streams at any point: each row carries its own slot, frame count and
+position, right-padded to the batch's frame bucket; the first chunk of a stream has an
+invalid prefix after each look-ahead layer (the block that would need a sample before
+the stream began), which is zeroed before every later state-bearing layer so it reads
+as the zero history it stands for. All of it — state gathers and writes by slot, masks
+from positions — runs on the device without host synchronization, so a step is captured
+as one CUDA graph per (batch, frames) bucket, like the window decodes of
+:class:`~omnirelay.models.runner.code2wav.GraphedCode2Wav`.
+
+:class:`StreamingVocoder` holds the state in slots (:class:`SlotTable`, one per stream,
+released with the request); ``decode(rows)`` runs one step and returns each row's new
+samples.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from omnirelay.errors import ModelError
+from omnirelay.models.runner.buckets import bucket
+from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.slots import SlotTable
+
+__all__ = ["DEFAULT_STREAM_FRAMES", "StreamRow", "StreamingVocoder"]
+
+DEFAULT_STREAM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+#: Frame buckets of a streaming step (chunks carry at most ``codec_chunk_frames``, 25).
+DEFAULT_STREAM_FRAMES = (1, 2, 4, 8, 16, 32)
+#: A stream's position is unbounded for the slots' purpose (rotary positions grow with it).
+_MAX_FRAMES = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRow:
+    """One stream's chunk: ``codes [Q, n]`` of ``n`` new frames (context already removed)."""
+
+    rid: str
+    codes: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Conv:
+    """A state-bearing causal convolution: its module, state width, and layer index."""
+
+    module: Any
+    width: int
+    index: int
+
+
+def _rotary_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = modeling.apply_rotary_pos_emb
+    return fn
+
+
+class StreamingVocoder:
+    """Stateful streaming decodes of one Code2Wav model; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_streams: int,
+        cuda_graphs: bool,
+        batch_sizes: tuple[int, ...] = DEFAULT_STREAM_BATCHES,
+        frames: tuple[int, ...] = DEFAULT_STREAM_FRAMES,
+    ) -> None:
+        self.model = model
+        weight = model.code_embedding.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        config = model.config
+        self.q = int(config.num_quantizers)
+        self.upsample = int(model.total_upsample)
+        self.slots = SlotTable(max_streams, _MAX_FRAMES)
+        self.batch_sizes = tuple(b for b in batch_sizes if b <= max_streams) or (1,)
+        self.frames = frames
+        self._rotate = _rotary_fn()
+        transformer = model.pre_transformer
+        self.window = int(config.sliding_window)
+        layer0 = transformer.layers[0].self_attn
+        heads = int(layer0.config.num_key_value_heads)
+        head_dim = int(layer0.head_dim)
+        rows = max_streams + 1  # + the scratch row padding writes to
+        cache = (len(transformer.layers), rows, heads, self.window - 1, head_dim)
+        self._keys = torch.zeros(cache, dtype=self.dtype, device=self.device)
+        self._values = torch.zeros(cache, dtype=self.dtype, device=self.device)
+        self._convs: dict[int, _Conv] = {}
+        self._states: list[torch.Tensor] = []
+        self._lookahead: list[int] = []  # the up-sampling factor of each look-ahead layer
+        self._plan = self._walk(rows)
+        self.holdback = self._holdback()
+        mb, mt = self.batch_sizes[-1], frames[-1]
+        self._codes = torch.zeros((mb, self.q, mt), dtype=torch.long, device=self.device)
+        self._slot_ids = torch.full((mb,), self.slots.scratch, dtype=torch.long, device=self.device)
+        self._counts = torch.zeros(mb, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(mb, dtype=torch.long, device=self.device)
+        self.graphs = GraphSet("code2wav-stream", self.device, enabled=cuda_graphs)
+
+    # ----------------------------------------------------------------- layout
+
+    def _state(self, rows: int, channels: int, width: int) -> int:
+        self._states.append(torch.zeros((rows, channels, width), dtype=self.dtype, device=self.device))
+        return len(self._states) - 1
+
+    def _conv(self, module: Any, rows: int) -> _Conv:
+        name = type(module).__name__
+        if not name.endswith("CausalConvNet") or module.stride != 1:
+            raise ModelError(f"streaming Code2Wav: expected a stride-1 causal convolution, got {name}")
+        width = int(module.padding)
+        index = self._state(rows, int(module.conv.in_channels), width) if width else -1
+        return _Conv(module, width, index)
+
+    def _walk(self, rows: int) -> list[tuple[str, Any, Any]]:
+        """The decoder after the transformer as a list of (kind, module, state)."""
+        model = self.model
+        plan: list[tuple[str, Any, Any]] = []
+        for up, convnext in model.upsample:
+            if up.conv.kernel_size[0] != up.conv.stride[0]:
+                raise ModelError("streaming Code2Wav: the first up-sampling layers must not overlap")
+            plan.append(("upsample", up, int(up.conv.stride[0])))
+            plan.append(("convnext", convnext, self._conv(convnext.dwconv, rows)))
+        blocks = list(model.decoder)
+        plan.append(("conv", blocks[0], self._conv(blocks[0], rows)))
+        for block in blocks[1:-2]:
+            snake, trans, *units = block.block
+            r = int(trans.conv.stride[0])
+            if trans.conv.kernel_size[0] != 2 * r or trans.left_pad != r or trans.right_pad != r:
+                raise ModelError("streaming Code2Wav: a decoder block's transposed convolution is not 2r/r")
+            plan.append(("act", snake, None))
+            index = self._state(rows, int(trans.conv.in_channels), 1)
+            self._lookahead.append(r)
+            plan.append(("lookahead", trans, (r, len(self._lookahead) - 1, index)))
+            for unit in units:
+                plan.append(("unit", unit, (self._conv(unit.conv1, rows), self._conv(unit.conv2, rows))))
+        plan.append(("act", blocks[-2], None))
+        plan.append(("conv", blocks[-1], self._conv(blocks[-1], rows)))
+        return plan
+
+    def _holdback(self) -> int:
+        """Samples a stream's first chunk is short of ``n · U`` (the look-ahead's)."""
+        total, after = 0, 1
+        for r in reversed(self._lookahead):
+            after *= r
+            total += after
+        return total
+
+    # ----------------------------------------------------------------- the step
+
+    def _step(self, b: int, t: int) -> Step:
+        def step() -> dict[str, torch.Tensor]:
+            return {
+                "wav": self._forward(
+                    self._codes[:b, :, :t], self._slot_ids[:b], self._counts[:b], self._positions[:b]
+                )
+            }
+
+        return step
+
+    def _forward(
+        self, codes: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``codes [B, Q, T]`` (right-padded), each row's slot, new-frame count and frames
+        decoded before → ``[B, 1, T · U]``; row ``i``'s new samples are
+        ``[holdback if positions[i] == 0 else 0, counts[i] · U)``."""
+        model = self.model
+        is_start = positions == 0
+        hidden = model.code_embedding(codes + model.code_offset).mean(1)
+        hidden = self._transformer(hidden, slots, counts, positions)
+        x = hidden.permute(0, 2, 1)
+        factor, prefix = 1, 0  # samples per frame so far; a first chunk's invalid prefix length
+        for kind, module, state in self._plan:
+            if kind == "upsample":
+                x = module(x)
+                factor *= state
+                prefix *= state
+            elif kind == "act":
+                x = module(x)
+            elif kind == "convnext":
+                y = self._causal(state, x, slots, counts * factor, is_start, prefix)
+                y = y.permute(0, 2, 1)
+                y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
+                x = x + (module.gamma * y).permute(0, 2, 1)
+            elif kind == "conv":
+                x = self._causal(state, x, slots, counts * factor, is_start, prefix)
+            elif kind == "unit":
+                conv1, conv2 = state
+                y = self._causal(conv1, module.act1(x), slots, counts * factor, is_start, prefix)
+                y = self._causal(conv2, module.act2(y), slots, counts * factor, is_start, prefix)
+                x = x + y
+            else:  # lookahead
+                r, _, index = state
+                x = self._transposed(module, index, x, slots, counts * factor, is_start, prefix)
+                factor *= r
+                prefix = (prefix + 1) * r
+        return x.clamp(min=-1, max=1)
+
+    def _masked(self, x: torch.Tensor, is_start: torch.Tensor, prefix: int) -> torch.Tensor:
+        """A first chunk's invalid prefix zeroed (it stands for the zero history)."""
+        if prefix == 0:
+            return x
+        invalid = (torch.arange(x.shape[-1], device=x.device) < prefix).unsqueeze(0) & is_start.unsqueeze(1)
+        return x.masked_fill(invalid.unsqueeze(1), 0)
+
+    def _carry(self, index: int, xin: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store each row's last ``width`` samples ending at its real end (``ends``, in
+        ``xin``'s coordinates, whose first ``width`` samples are the old state)."""
+        state = self._states[index]
+        b, c, width = xin.shape[0], xin.shape[1], state.shape[-1]
+        idx = (ends.view(b, 1, 1) + torch.arange(width, device=xin.device).view(1, 1, width)).expand(
+            b, c, width
+        )
+        state.index_copy_(0, slots, xin.gather(2, idx))
+
+    def _history(self, index: int, slots: torch.Tensor, is_start: torch.Tensor) -> torch.Tensor:
+        state = self._states[index].index_select(0, slots)
+        return state.masked_fill(is_start.view(-1, 1, 1), 0)
+
+    def _causal(
+        self,
+        conv: _Conv,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        ends: torch.Tensor,
+        is_start: torch.Tensor,
+        prefix: int,
+    ) -> torch.Tensor:
+        x = self._masked(x, is_start, prefix)
+        if conv.width == 0:
+            out: torch.Tensor = conv.module.conv(x)
+            return out
+        xin = torch.cat([self._history(conv.index, slots, is_start), x], dim=-1)
+        self._carry(conv.index, xin, ends, slots)
+        out = conv.module.conv(xin)
+        return out
+
+    def _transposed(
+        self,
+        module: Any,
+        index: int,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        ends: torch.Tensor,
+        is_start: torch.Tensor,
+        prefix: int,
+    ) -> torch.Tensor:
+        """``[last input, x]`` through the layer: block ``j`` pairs input ``j − 1`` (the
+        state for ``j = 0``) with input ``j``, so ``T`` inputs give ``T · r`` outputs."""
+        x = self._masked(x, is_start, prefix)
+        xin = torch.cat([self._history(index, slots, is_start), x], dim=-1)
+        self._carry(index, xin, ends, slots)
+        out: torch.Tensor = module(xin)
+        return out
+
+    def _transformer(
+        self, hidden: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The sliding-window transformer over the new frames, with the cached keys and
+        values of each stream's last ``W − 1`` frames (right-aligned)."""
+        transformer = self.model.pre_transformer
+        b, t, _ = hidden.shape
+        device = hidden.device
+        past = self.window - 1
+        steps = torch.arange(t, device=device)
+        cos, sin = transformer.rotary_emb(hidden, positions.view(b, 1) + steps.view(1, t))
+        query = steps.view(1, t, 1)
+        key = torch.arange(past + t, device=device).view(1, 1, past + t)
+        in_cache = key < past
+        seen = key >= past - positions.view(b, 1, 1)  # cache rows before the stream began are empty
+        new = key - past
+        mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < self.window))
+        mask = mask.unsqueeze(1)  # [B, 1, T, past + T]
+        ends = (counts.view(b, 1) + torch.arange(past, device=device).view(1, past)).view(b, 1, past, 1)
+        h = hidden
+        for li, layer in enumerate(transformer.layers):
+            attn = layer.self_attn
+            d = attn.head_dim
+            y = layer.input_layernorm(h)
+            q = attn.q_proj(y).view(b, t, -1, d).transpose(1, 2)
+            k = attn.k_proj(y).view(b, t, -1, d).transpose(1, 2)
+            v = attn.v_proj(y).view(b, t, -1, d).transpose(1, 2)
+            q, k = self._rotate(q, k, cos, sin)
+            keys = torch.cat([self._keys[li].index_select(0, slots), k], dim=2)
+            values = torch.cat([self._values[li].index_select(0, slots), v], dim=2)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True
+            )
+            h = h + layer.self_attn_layer_scale(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
+            idx = ends.expand(b, keys.shape[1], past, d)
+            self._keys[li].index_copy_(0, slots, keys.gather(2, idx))
+            self._values[li].index_copy_(0, slots, values.gather(2, idx))
+        out_h: torch.Tensor = transformer.norm(h)
+        return out_h
+
+    # ----------------------------------------------------------------- startup and use
+
+    def capture_graphs(self) -> None:
+        if not self.graphs.enabled:
+            return
+        start = time.monotonic()
+        with torch.inference_mode():
+            for t in self.frames:
+                for b in self.batch_sizes:
+                    self.graphs.capture((b, t), self._step(b, t))
+        self.graphs.report.seconds = time.monotonic() - start
+        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+
+    def release(self, rid: str) -> None:
+        """Forget the stream's state (idempotent); its slot is free for another."""
+        self.slots.release(rid)
+
+    def decode(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
+        """One step: each row's new frames decoded with its stream's state → its new
+        samples (1-D, on the device). A row's stream takes a slot on its first chunk."""
+        if len({r.rid for r in rows}) != len(rows):
+            raise ModelError("a streaming Code2Wav step lists one stream twice")
+        out: list[torch.Tensor] = []
+        step = self.batch_sizes[-1]
+        for first in range(0, len(rows), step):
+            out += self._decode_group(rows[first : first + step])
+        return out
+
+    def _decode_group(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
+        n = len(rows)
+        counts = [int(r.codes.shape[-1]) for r in rows]
+        positions = [self.slots.length(r.rid) for r in rows]
+        slots = [self.slots.acquire(r.rid) for r in rows]
+        longest = max(counts)
+        b, t = bucket(n, self.batch_sizes), bucket(longest, self.frames)
+        graphed = b is not None and t is not None and (b, t) in self.graphs
+        if not graphed:
+            b, t = n, longest
+        assert b is not None and t is not None
+        block = torch.zeros((b, self.q, t), dtype=torch.long)
+        for i, row in enumerate(rows):
+            block[i, :, : counts[i]] = row.codes
+        pad = b - n
+        slot_ids = torch.tensor(slots + [self.slots.scratch] * pad, dtype=torch.long)
+        frame_counts = torch.tensor(counts + [0] * pad, dtype=torch.long)
+        starts = torch.tensor(positions + [1] * pad, dtype=torch.long)
+        if graphed:
+            self._codes[:b, :, :t].copy_(block)
+            self._slot_ids[:b].copy_(slot_ids)
+            self._counts[:b].copy_(frame_counts)
+            self._positions[:b].copy_(starts)
+            wav = self.graphs.run((b, t), self._step(b, t))["wav"]
+        else:  # no bucket: the same computation, eagerly, on tensors of its own
+            dev = self.device
+            wav = self._forward(block.to(dev), slot_ids.to(dev), frame_counts.to(dev), starts.to(dev))
+        pieces = []
+        for i, row in enumerate(rows):
+            start = self.holdback if positions[i] == 0 else 0
+            pieces.append(wav[i, 0, start : counts[i] * self.upsample])
+            self.slots.set_length(row.rid, positions[i] + counts[i])
+        return pieces
