@@ -11,7 +11,10 @@ the forward pass, the device→host copy of the results), median of ``reps`` run
   whole frame (Talker step + 15 code-predictor steps) of 1, 16 and 64 rows; then the same
   frames with the code-predictor tail compiled (``torch.compile``, inductor) and captured
   in the graphs, its compile time, and how many greedy codes the two tails agree on;
-* Code2Wav — windows of 4, 29 and 50 frames (one stream), 50 frames x 16 streams.
+* Code2Wav — windows of 4, 29 and 50 frames (one stream), 50 frames x 16 streams; then
+  steps of the stateful streaming decoder (each stream's new frames only, with its
+  state): 1 frame x 1 / 16 / 64 streams, 4 x 64, 25 x 16, and a 120-frame stream decoded
+  chunk by chunk against its whole-utterance decode (relative error).
 
 Each figure is taken with the graphs bypassed (the same code run eagerly) and replayed.
 The graphs' capture time is reported per stage, and the eager/graph agreement: the
@@ -244,11 +247,47 @@ def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str,
         for b, t in ((1, 4), (1, 29), (1, 50), (16, 50)):
             codes = torch.randint(0, size, (b, q, t), generator=gen)
             out[f"window_{b}x{t}"] = _pair(graphed.graphs, functools.partial(graphed, codes), reps, sync)
+    out["stateful"] = _stateful_code2wav(model, reps, sync)
     return out
 
 
-def run_runner_bench(*, device: str = "cuda:0", reps: int = 20, stream: Any = None) -> dict[str, Any]:
-    """Time every stage (see the module docstring) on ``device``; the figures as a dict."""
+def _stateful_code2wav(model: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
+
+    voc = StreamingVocoder(model, max_streams=64, cuda_graphs=True)
+    start = time.monotonic()
+    voc.capture_graphs()
+    out: dict[str, Any] = {"capture_s": time.monotonic() - start, "num_graphs": len(voc.graphs)}
+    gen = torch.Generator().manual_seed(1)
+    q, size = int(model.config.num_quantizers), int(model.config.codebook_size)
+    with torch.inference_mode():
+        for b, t in ((1, 1), (16, 1), (64, 1), (64, 4), (16, 25)):
+            rows = [StreamRow(f"s{i}", torch.randint(0, size, (q, t), generator=gen)) for i in range(b)]
+            out[f"step_{b}x{t}"] = _pair(voc.graphs, functools.partial(voc.decode, rows), reps, sync)
+            for row in rows:
+                voc.release(row.rid)
+        codes = torch.randint(0, size, (q, 120), generator=gen)
+        pieces: list[torch.Tensor] = []
+        sent, sizes = 0, (1, 2, 4, 8, 25)
+        while sent < 120:
+            k = min(sizes[len(pieces) % len(sizes)], 120 - sent)
+            (piece,) = voc.decode([StreamRow("exact", codes[:, sent : sent + k])])
+            pieces.append(piece)
+            sent += k
+        voc.release("exact")
+        want = model(codes.unsqueeze(0).to(voc.device))[0, 0].float()
+        got = torch.cat(pieces).float()
+        out["stream_relative_error"] = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    return out
+
+
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def run_runner_bench(
+    *, device: str = "cuda:0", reps: int = 20, stream: Any = None, stages: tuple[str, ...] = STAGES
+) -> dict[str, Any]:
+    """Time ``stages`` (see the module docstring) on ``device``; the figures as a dict."""
     from omnirelay.models.loader import ModelArgs, open_checkpoint
 
     err = stream if stream is not None else sys.stderr
@@ -264,7 +303,12 @@ def run_runner_bench(*, device: str = "cuda:0", reps: int = 20, stream: Any = No
         "torch": torch.__version__,
         "reps": reps,
     }
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     for name, fn in (("thinker", _thinker), ("talker", _talker), ("code2wav", _code2wav)):
+        if name not in stages:
+            continue
         err.write(f"bench runner: {name}\n")
         err.flush()
         report[name] = fn(checkpoint, reps, sync)
@@ -276,7 +320,7 @@ def render_runner_bench(report: dict[str, Any]) -> str:
         f"omnirelay bench runner: {report['device']}, torch {report['torch']}, median of {report['reps']}\n"
     ]
     lines.append(f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}\n")
-    for stage in ("thinker", "talker", "code2wav"):
+    for stage in (s for s in STAGES if s in report):
         figures = report[stage]
         for key, value in figures.items():
             if isinstance(value, dict) and "eager_ms" in value:
@@ -289,7 +333,19 @@ def render_runner_bench(report: dict[str, Any]) -> str:
             if not isinstance(v, dict)
         )
         lines.append(f"{stage:<10}{extra}\n")
-    compiled = report["talker"].get("compiled")
+    stateful = report.get("code2wav", {}).get("stateful")
+    if stateful:
+        lines.append("code2wav, stateful streaming steps (new frames only)\n")
+        for key, value in stateful.items():
+            if isinstance(value, dict):
+                lines.append(
+                    f"{'code2wav':<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x\n"
+                )
+        lines.append(
+            f"{'code2wav':<10}capture {stateful['capture_s']:.1f} s, {stateful['num_graphs']} graphs; a 120-frame "
+            f"stream chunk by chunk vs whole: relative error {stateful['stream_relative_error']:.2e}\n"
+        )
+    compiled = report.get("talker", {}).get("compiled")
     if compiled:
         lines.append("talker frame, graphs: eager tail vs compiled tail (ms)\n")
         for key, value in compiled.items():

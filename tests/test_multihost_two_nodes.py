@@ -92,7 +92,8 @@ def test_stages_on_two_nodes_cross_over_nixl_and_sound_like_one_host(
         reference = _audio(single, prompt, "one-host")
     finally:
         audit_stopped(single)
-    assert torch.equal(audio, reference)
+    # The same audio up to float rounding: chunks are cut where each run's timing says.
+    assert audio.shape == reference.shape and float((audio - reference).abs().max()) < 1e-5
 
 
 def test_a_killed_remote_stage_fails_its_requests_fast_and_is_refused_until_back(

@@ -199,3 +199,23 @@ def test_pacing_config_is_validated() -> None:
         PacingConfig(max_frames=0)
     with pytest.raises(ConfigError, match="alpha"):
         PacingConfig(alpha=0.0)
+
+
+def test_a_fresh_stream_on_a_spiky_edge_starts_with_enough_audio_for_a_spike() -> None:
+    """Frames come every 35 ms but every eighth step is a 110 ms one (another request's
+    prefill): a one-frame first chunk (57 ms of audio) would run dry in such a step."""
+
+    def spiky(start: float, num_frames: int) -> list[float]:
+        times, t = [], start
+        for i in range(num_frames):
+            times.append(t)
+            t += 0.110 if i % 8 == 1 else 0.035
+        return times
+
+    clock = Clock()
+    processor = TalkerToCode2WavProcessor(TalkerToCode2WavConfig(), clock=clock)
+    simulate(spiky(0.0, 40), processor=processor, clock=clock)  # the edge learns its spikes
+    assert processor.frame_rate.peak_s is not None and processor.frame_rate.peak_s > 0.08
+    later = simulate(spiky(10.0, 40), processor=processor, clock=clock)
+    assert later.chunks[0][0] == 2
+    assert later.playback.num_underruns == 0

@@ -149,6 +149,49 @@ def _window_check(model: Any, shapes: list[tuple[int, int]]) -> None:
     assert graphed.graphs.num_replays == replays + len(shapes)
 
 
+def _stream_check(model: Any, lengths: list[int], chunk_sizes: list[int], tolerance: float) -> None:
+    """Streams decoded chunk by chunk with their state, in graph replays, against the
+    whole-utterance decode: relative error within ``tolerance``."""
+    from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
+
+    voc = StreamingVocoder(model, max_streams=len(lengths), cuda_graphs=True)
+    voc.capture_graphs()
+    assert len(voc.graphs) > 0
+    gen = torch.Generator().manual_seed(2)
+    q, size = int(model.config.num_quantizers), int(model.config.codebook_size)
+    codes = [torch.randint(0, size, (q, n), generator=gen) for n in lengths]
+    sent = [0] * len(lengths)
+    pieces: list[list[torch.Tensor]] = [[] for _ in lengths]
+    step = 0
+    with torch.inference_mode():
+        while any(s < n for s, n in zip(sent, lengths)):
+            rows, owners = [], []
+            for i, n in enumerate(lengths):
+                if sent[i] < n:
+                    k = min(chunk_sizes[(step + i) % len(chunk_sizes)], n - sent[i])
+                    rows.append(StreamRow(f"s{i}", codes[i][:, sent[i] : sent[i] + k]))
+                    owners.append(i)
+                    sent[i] += k
+            for i, piece in zip(owners, voc.decode(rows)):
+                pieces[i].append(piece)
+            step += 1
+        for i, c in enumerate(codes):
+            want = model(c.unsqueeze(0).to(voc.device))[0, 0]
+            got = torch.cat(pieces[i])
+            assert got.shape == want.shape
+            error = _relative(got, want)
+            print(
+                f"code2wav stream of {lengths[i]} frames in chunks {chunk_sizes}: relative error {error:.2e}"
+            )
+            assert error < tolerance, (i, error)
+    assert voc.graphs.num_replays > 0
+
+
+def test_tiny_code2wav_streams_with_state_equal_the_whole_utterance() -> None:
+    executor = Code2WavExecutor.from_checkpoint(_tiny(), ModelArgs(device="cuda:0"))
+    _stream_check(executor.model, [40, 23, 1], [1, 2, 5, 8, 3], 1e-4)
+
+
 def test_tiny_code2wav_graph_windows_equal_eager_decodes() -> None:
     executor = Code2WavExecutor.from_checkpoint(_tiny(), ModelArgs(device="cuda:0"))
     _window_check(executor.model, [(1, 4), (2, 29), (3, 50), (16, 64), (5, 17)])
@@ -257,3 +300,7 @@ def test_full_size_talker_graph_frames_equal_eager_frames(full: Checkpoint) -> N
 
 def test_full_size_code2wav_graph_windows_equal_eager_decodes(full: Checkpoint) -> None:
     _window_check(full.load_code2wav(), [(1, 4), (1, 29), (4, 50), (16, 50)])
+
+
+def test_full_size_code2wav_streams_with_state_equal_the_whole_utterance(full: Checkpoint) -> None:
+    _stream_check(full.load_code2wav(), [120, 75], [1, 2, 4, 8, 25], 2e-2)

@@ -7,12 +7,15 @@ that has less audio in hand than the next chunk takes to make runs dry. The pace
 each chunk from the stream's **playback headroom** — the audio already sent that has not
 played yet — and its **measured frame interval**:
 
-* the first chunk goes out as soon as its frames would play for longer than one more
-  frame takes to make (plus a little slack), at least ``min_first_frames`` of them: one
-  frame when frames come fast, two or more when the GPU is busy;
-* after it, frames are held while the headroom stays above ``margin_s`` plus two frame
-  intervals (one to make the next frame, one of slack), and sent as soon as waiting for
-  one more frame would leave less; a chunk never exceeds ``max_frames``.
+* the first chunk goes out as soon as its frames would play for longer than the next
+  frame may take to make — the recent peak interval, not the mean: a busy step (another
+  request's prefill) is what runs a fresh stream dry — plus a little slack, at least
+  ``min_first_frames`` of them: one frame when frames come fast and steadily, two or more
+  when the GPU is busy;
+* after it, frames are held while the headroom stays above ``margin_s`` plus the mean
+  and the peak frame interval (to make the next frame, and to survive a slow one), and
+  sent as soon as waiting for one more frame would leave less; a chunk never exceeds
+  ``max_frames``.
 
 So chunks start small and grow as the stream banks headroom (a ramp that follows the
 machine's load), and a stream whose frames slow down is sent smaller chunks sooner.
@@ -24,8 +27,9 @@ holds the last ``holdback_s`` of each window back until the next chunk (docs/pro
 §6.2), so the first chunk plays that much less than its frames.
 
 The frame interval is an exponentially weighted mean of the gaps between a stream's
-frames; a stream's first frames use the edge's mean over its other streams
-(:class:`FrameRate`, shared by every stream of one edge and safe across threads).
+frames, and its peak a maximum that decays by :data:`PEAK_DECAY` per frame; a stream's
+first frames use the edge's figures over its other streams (:class:`FrameRate`, shared
+by every stream of one edge and safe across threads).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ __all__ = ["FrameRate", "PacingConfig", "StreamPacer"]
 DEFAULT_ALPHA = 0.3
 #: Slack the first chunk keeps over one frame interval, seconds.
 FIRST_CHUNK_SLACK_S = 0.020
+#: How much of a peak frame interval is left after one more frame (half-life ~14 frames).
+PEAK_DECAY = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +82,27 @@ class PacingConfig:
             raise ConfigError(f"pacing max_frames must be an int >= 1, got {self.max_frames!r}")
 
 
+def _mean_and_peak(mean: float | None, peak: float | None, gap: float, alpha: float) -> tuple[float, float]:
+    if mean is None or peak is None:
+        return gap, gap
+    return mean + alpha * (gap - mean), max(gap, peak * PEAK_DECAY)
+
+
 @dataclass(slots=True)
 class FrameRate:
-    """The edge's mean frame interval over all its streams (seconds; None until measured)."""
+    """The edge's mean and peak frame interval over all its streams (seconds; None until
+    measured)."""
 
     alpha: float = DEFAULT_ALPHA
     interval_s: float | None = None
+    peak_s: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, interval_s: float) -> None:
         with self._lock:
-            prev = self.interval_s
-            self.interval_s = interval_s if prev is None else prev + self.alpha * (interval_s - prev)
+            self.interval_s, self.peak_s = _mean_and_peak(
+                self.interval_s, self.peak_s, interval_s, self.alpha
+            )
 
 
 @dataclass(slots=True)
@@ -101,6 +116,7 @@ class StreamPacer:
     #: the first chunk's least size (clamped to ``[1, max_frames]``)
     min_first_frames: int = 1
     interval_s: float | None = None
+    peak_s: float | None = None
     last_frame_s: float | None = None
     first_sent_s: float | None = None
     audio_sent_s: float = 0.0
@@ -112,14 +128,20 @@ class StreamPacer:
             return
         if self.last_frame_s is not None:
             gap = max(0.0, now - self.last_frame_s) / num_frames
-            prev = self.interval_s
-            self.interval_s = gap if prev is None else prev + self.config.alpha * (gap - prev)
+            self.interval_s, self.peak_s = _mean_and_peak(
+                self.interval_s, self.peak_s, gap, self.config.alpha
+            )
             self.edge.observe(gap)
         self.last_frame_s = now
 
     def frame_interval(self) -> float | None:
         """The expected time to the next frame: this stream's mean, else the edge's."""
         return self.interval_s if self.interval_s is not None else self.edge.interval_s
+
+    def peak_interval(self) -> float | None:
+        """The longest recent time to a frame, of this stream or of the edge."""
+        peaks = [p for p in (self.peak_s, self.edge.peak_s) if p is not None]
+        return max(peaks) if peaks else None
 
     def headroom(self, now: float) -> float:
         """Audio sent and not yet played at ``now`` (0 before the first chunk; negative:
@@ -129,14 +151,15 @@ class StreamPacer:
         return self.audio_sent_s - (now - self.first_sent_s)
 
     def first_chunk_frames(self) -> int:
-        """Frames of the first chunk: the fewest that play longer than one more frame
-        takes to make (plus slack), at least ``min_first_frames``, at most ``max_frames``."""
+        """Frames of the first chunk: the fewest that play longer than the next frame may
+        take to make (the peak interval, plus slack), at least ``min_first_frames``, at
+        most ``max_frames``."""
         cfg = self.config
         least = min(max(1, self.min_first_frames), cfg.max_frames)
-        interval = self.frame_interval()
-        if interval is None:
-            interval = cfg.frame_s  # nothing measured yet: assume frames come in real time
-        need = interval + FIRST_CHUNK_SLACK_S + cfg.holdback_s
+        peak = self.peak_interval()
+        if peak is None:
+            peak = cfg.frame_s  # nothing measured yet: assume frames come in real time
+        need = peak + FIRST_CHUNK_SLACK_S + cfg.holdback_s
         return min(max(least, math.ceil(need / cfg.frame_s - 1e-9)), cfg.max_frames)
 
     def should_send(self, now: float, num_pending: int) -> bool:
@@ -149,9 +172,10 @@ class StreamPacer:
         if self.first_sent_s is None:
             return num_pending >= self.first_chunk_frames()
         interval = self.frame_interval()
-        if interval is None:
-            interval = cfg.frame_s
-        return self.headroom(now) < cfg.margin_s + 2.0 * interval
+        peak = self.peak_interval()
+        if interval is None or peak is None:
+            interval = peak = cfg.frame_s
+        return self.headroom(now) < cfg.margin_s + interval + peak
 
     def on_sent(self, now: float, num_frames: int) -> None:
         """A chunk of ``num_frames`` new frames went out at ``now``."""
