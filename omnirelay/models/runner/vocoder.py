@@ -378,6 +378,7 @@ class StreamingVocoder:
         pieces = []
         for i, row in enumerate(rows):
             start = self.holdback if positions[i] == 0 else 0
-            pieces.append(wav[i, 0, start : counts[i] * self.upsample])
+            # A copy: the graph's output memory is the next replay's.
+            pieces.append(wav[i, 0, start : counts[i] * self.upsample].clone())
             self.slots.set_length(row.rid, positions[i] + counts[i])
         return pieces
