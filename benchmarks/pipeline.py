@@ -176,6 +176,29 @@ def step_times(timelines: list[RequestTimeline]) -> dict[str, dict[str, float]]:
     }
 
 
+def _worst_streams(timelines: list[RequestTimeline], limit: int = 4) -> list[dict[str, Any]]:
+    """The streams with the longest gaps: where the gap fell and their first chunks
+    (arrival ms, audio ms), to tell a slow first chunk from a stall mid-stream."""
+    gapped = sorted((t for t in timelines if t.playback.num_underruns), key=lambda t: -t.playback.worst_gap_s)
+    rate = 24000
+    out = []
+    for t in gapped[:limit]:
+        pb = t.playback
+        chunks = t.audio_chunks[:16]
+        out.append(
+            {
+                "worst_gap_ms": round(pb.worst_gap_s * 1000, 1),
+                "worst_gap_at": pb.worst_gap_at,
+                "num_gaps": pb.num_underruns,
+                "first_chunks_ms": [
+                    [round(c.at_s * 1000, 1), round(1000 * c.num_samples / (t.sample_rate or rate), 1)]
+                    for c in chunks
+                ],
+            }
+        )
+    return out
+
+
 def _level_report(
     concurrency: int, timelines: list[RequestTimeline], wall_s: float, holdback: int
 ) -> dict[str, Any]:
@@ -213,6 +236,7 @@ def _level_report(
         "num_gap_free_streams": gap_free,
         "gap_free_share": gap_free / len(heard) if heard else 0.0,
         "num_stalled_streams": sum(1 for p in heard if p.num_underruns),
+        "worst_streams": _worst_streams(timelines),
         "rtf": _summary(rtfs),
         "step_s": step_times(timelines),
     }

@@ -42,6 +42,8 @@ class Playback:
     num_underruns: int
     #: every gap heard, in order (``num_underruns`` of them)
     gaps_s: tuple[float, ...] = ()
+    #: the index (among the chunks with audio) of the chunk that came after the worst gap
+    worst_gap_at: int | None = None
 
     @property
     def is_gap_free(self) -> bool:
@@ -56,6 +58,7 @@ class Playback:
             "worst_gap_s": self.worst_gap_s,
             "silence_s": self.silence_s,
             "num_underruns": self.num_underruns,
+            "worst_gap_at": self.worst_gap_at,
             "is_gap_free": self.is_gap_free,
         }
 
@@ -69,6 +72,7 @@ def playback_of(chunks: Iterable[tuple[float, float]]) -> Playback:
     delivered = 0.0  # audio delivered before the chunk at hand
     played_until = 0.0  # when the player runs dry, with the pauses it already took
     gaps: list[float] = []
+    worst_at: int | None = None
     num_chunks = 0
     for arrival, duration in chunks:
         if duration <= 0:
@@ -81,7 +85,10 @@ def playback_of(chunks: Iterable[tuple[float, float]]) -> Playback:
             played_until = arrival
         first_playable = max(first_playable, arrival - delivered)
         if arrival > played_until:
-            gaps.append(arrival - played_until)
+            gap = arrival - played_until
+            if not gaps or gap > max(gaps):
+                worst_at = num_chunks - 1
+            gaps.append(gap)
             played_until = arrival
         played_until += duration
         delivered += duration
@@ -94,4 +101,5 @@ def playback_of(chunks: Iterable[tuple[float, float]]) -> Playback:
         silence_s=sum(gaps),
         num_underruns=len(gaps),
         gaps_s=tuple(gaps),
+        worst_gap_at=worst_at,
     )

@@ -339,14 +339,25 @@ class StreamingVocoder:
 
     def decode(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
         """One step: each row's new frames decoded with its stream's state → its new
-        samples (1-D, on the device). A row's stream takes a slot on its first chunk."""
+        samples (1-D, on the device), in ``rows``' order. A row's stream takes a slot on
+        its first chunk. Rows are launched in groups of one frame bucket each, so a
+        stream's long chunk does not pad every other stream's one-frame chunk to its
+        length."""
         if len({r.rid for r in rows}) != len(rows):
             raise ModelError("a streaming Code2Wav step lists one stream twice")
-        out: list[torch.Tensor] = []
+        by_bucket: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            t = int(row.codes.shape[-1])
+            by_bucket.setdefault(bucket(t, self.frames) or t, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(rows)
         step = self.batch_sizes[-1]
-        for first in range(0, len(rows), step):
-            out += self._decode_group(rows[first : first + step])
-        return out
+        for _, members in sorted(by_bucket.items()):
+            for first in range(0, len(members), step):
+                group = members[first : first + step]
+                for i, piece in zip(group, self._decode_group([rows[i] for i in group])):
+                    out[i] = piece
+        assert all(piece is not None for piece in out)
+        return [piece for piece in out if piece is not None]
 
     def _decode_group(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
         n = len(rows)
