@@ -1,0 +1,196 @@
+"""Admission by real-time capacity: how many audio streams a pipeline takes at once.
+
+Past the machine's real-time capacity every stream degrades: each one's frames come
+slower than it plays, and every listener hears gaps. :class:`StreamGate` keeps a new
+audio stream out instead — it waits (the Python API) or is refused with 429 and
+``Retry-After`` (``serve``) — while either
+
+* ``max_streams`` audio streams are admitted already (the pipeline file's
+  ``max_audio_streams``, or ``serve --max-audio-streams``; None: no fixed limit), or
+* an admitted stream is running dry: by its own clock (audio delivered against the time
+  since its first audio) a player would have less than ``min_headroom_s`` of audio in
+  hand (default 0: it has run out). The machine is already behind; another stream would
+  push it, and the others, further. The gate opens again once every admitted stream is
+  ahead again, or has ended. (A fresh stream is not "low" for starting with one small
+  chunk: the threshold defaults to an empty buffer, not to a comfortable one.)
+
+The books are pure (every call takes ``now``); :meth:`StreamGate.acquire` blocks on a
+condition for callers on threads. A request that asks for no audio never touches the gate.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omnirelay.errors import ConfigError
+
+__all__ = ["DEFAULT_MIN_HEADROOM_S", "StreamGate", "StreamGateHealth"]
+
+#: An admitted stream with less audio in hand than this holds new streams back.
+DEFAULT_MIN_HEADROOM_S = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamGateHealth:
+    """The gate's books as ``/health`` shows them."""
+
+    max_streams: int | None
+    num_streams: int
+    num_waiting: int
+    num_running_low: int
+    num_refused: int
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {
+            "max_audio_streams": self.max_streams,
+            "num_audio_streams": self.num_streams,
+            "num_waiting": self.num_waiting,
+            "num_running_low": self.num_running_low,
+            "num_refused": self.num_refused,
+        }
+
+
+@dataclass(slots=True)
+class _Stream:
+    first_audio_s: float | None = None
+    audio_s: float = 0.0
+
+    def headroom(self, now: float) -> float | None:
+        """Audio in hand at ``now`` (None before its first audio: nothing plays yet)."""
+        if self.first_audio_s is None:
+            return None
+        return self.audio_s - (now - self.first_audio_s)
+
+
+class StreamGate:
+    """The audio streams admitted and waiting; see the module docstring. Thread-safe."""
+
+    def __init__(
+        self,
+        max_streams: int | None = None,
+        *,
+        min_headroom_s: float = DEFAULT_MIN_HEADROOM_S,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if max_streams is not None and (
+            isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1
+        ):
+            raise ConfigError(f"max_audio_streams must be an int >= 1 or null, got {max_streams!r}")
+        if (
+            not isinstance(min_headroom_s, int | float)
+            or not math.isfinite(min_headroom_s)
+            or min_headroom_s < 0
+        ):
+            raise ConfigError(f"min_headroom_s must be seconds >= 0, got {min_headroom_s!r}")
+        self.max_streams = max_streams
+        self.min_headroom_s = float(min_headroom_s)
+        self._clock = clock if clock is not None else time.monotonic
+        self._cond = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._num_waiting = 0
+        self.num_refused = 0
+
+    # ----------------------------------------------------------------- the books
+
+    def why_not(self, now: float) -> str | None:
+        """Why a new stream cannot start at ``now`` (None: it can)."""
+        with self._cond:
+            return self._why_not(now)
+
+    def _why_not(self, now: float) -> str | None:
+        if self.max_streams is not None and len(self._streams) >= self.max_streams:
+            return f"the pipeline is at its real-time capacity of {self.max_streams} audio streams"
+        low = self._running_low(now)
+        if low:
+            return (
+                f"{low} admitted audio stream(s) are running dry (less than {self.min_headroom_s * 1000:.0f} ms "
+                "of audio in hand); another stream now would make it worse"
+            )
+        return None
+
+    def _running_low(self, now: float) -> int:
+        return sum(
+            1
+            for s in self._streams.values()
+            if (h := s.headroom(now)) is not None and h < self.min_headroom_s
+        )
+
+    def try_acquire(self, rid: str, now: float | None = None) -> str | None:
+        """Admit ``rid`` now, or say why not (None: admitted). Idempotent per id."""
+        now = self._clock() if now is None else now
+        with self._cond:
+            if rid in self._streams:
+                return None
+            reason = self._why_not(now)
+            if reason is None:
+                self._streams[rid] = _Stream()
+            else:
+                self.num_refused += 1
+            return reason
+
+    def acquire(self, rid: str, timeout_s: float | None = None) -> str | None:
+        """Wait until ``rid`` is admitted (None) or ``timeout_s`` passed (the reason).
+        Waiters are woken by every release and every audio note; a stream running low
+        is re-checked at least every 50 ms."""
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        with self._cond:
+            self._num_waiting += 1
+            try:
+                while True:
+                    now = self._clock()
+                    if rid in self._streams:
+                        return None
+                    reason = self._why_not(now)
+                    if reason is None:
+                        self._streams[rid] = _Stream()
+                        return None
+                    left = None if deadline is None else deadline - now
+                    if left is not None and left <= 0:
+                        self.num_refused += 1
+                        return reason
+                    self._cond.wait(0.05 if left is None else min(0.05, left))
+            finally:
+                self._num_waiting -= 1
+
+    def note_audio(self, rid: str, seconds: float, now: float | None = None) -> None:
+        """``seconds`` of ``rid``'s audio reached its client at ``now``."""
+        if seconds <= 0:
+            return
+        now = self._clock() if now is None else now
+        with self._cond:
+            stream = self._streams.get(rid)
+            if stream is None:
+                return
+            if stream.first_audio_s is None:
+                stream.first_audio_s = now
+            stream.audio_s += seconds
+            self._cond.notify_all()
+
+    def release(self, rid: str) -> None:
+        """``rid``'s stream ended (idempotent)."""
+        with self._cond:
+            if self._streams.pop(rid, None) is not None:
+                self._cond.notify_all()
+
+    def __contains__(self, rid: object) -> bool:
+        with self._cond:
+            return rid in self._streams
+
+    def health(self, now: float | None = None) -> StreamGateHealth:
+        now = self._clock() if now is None else now
+        with self._cond:
+            return StreamGateHealth(
+                max_streams=self.max_streams,
+                num_streams=len(self._streams),
+                num_waiting=self._num_waiting,
+                num_running_low=self._running_low(now),
+                num_refused=self.num_refused,
+            )
+
+    def leak_state(self) -> dict[str, list[str]]:
+        with self._cond:
+            return {"audio_streams": sorted(self._streams)} if self._streams else {}
