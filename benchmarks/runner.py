@@ -192,7 +192,7 @@ def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str,
 
 def run_runner_bench(*, device: str = "cuda:0", reps: int = 20, stream: Any = None) -> dict[str, Any]:
     """Time every stage (see the module docstring) on ``device``; the figures as a dict."""
-    from omnirelay.models.loader import ModelArgs, open_checkpoint
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 
     err = stream if stream is not None else sys.stderr
     if not torch.device(device).type == "cuda" or not torch.cuda.is_available():

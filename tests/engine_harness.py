@@ -44,7 +44,7 @@ from omnirelay.engine import (
     build_stage_components,
     create_stage_engine,
 )
-from omnirelay.models.toy import CountingLM, toy_pipeline_config, toy_registry
+from omnirelay.models.testing.toy import CountingLM, toy_pipeline_config, toy_registry
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import TransferConfig
 from tests.stage_loop import StageLoopThread

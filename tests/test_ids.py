@@ -13,7 +13,7 @@ from omnirelay.engine.interfaces import SamplingParams, StageRequest
 from omnirelay.engine.stage_roles import resolve_stage_roles
 from omnirelay.errors import InvalidRequestError
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
-from omnirelay.models.toy import toy_pipeline_config
+from omnirelay.models.testing.toy import toy_pipeline_config
 from omnirelay.transfer import Admission
 from tests.transfer_fakes import collect, failed_for, make_pipeline
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models.audio_in import (
+from omnirelay.models.qwen3_omni.audio import (
     AUDIO_INPUT_RATE,
     QwenAudioEncoder,
     audio_inputs,
@@ -21,7 +21,12 @@ from omnirelay.models.audio_in import (
 )
 
 FULL_SIZE = (
-    Path(__file__).resolve().parents[1] / "omnirelay" / "models" / "configs" / "qwen3-omni-30b-a3b.json"
+    Path(__file__).resolve().parents[1]
+    / "omnirelay"
+    / "models"
+    / "qwen3_omni"
+    / "configs"
+    / "qwen3-omni-30b-a3b.json"
 )
 
 

@@ -13,15 +13,15 @@ import torch
 
 from omnirelay.errors import ModelError
 from omnirelay.models import Checkpoint
-from omnirelay.models.image_in import (
+from omnirelay.models.qwen3_omni.loader import ModelArgs
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
+from omnirelay.models.qwen3_omni.vision import (
     QwenImageEncoder,
     VisionLayout,
     image_inputs,
     mrope_positions,
     read_image_inputs,
 )
-from omnirelay.models.loader import ModelArgs
-from omnirelay.models.thinker import ThinkerExecutor
 from omnirelay.serving.text import ChatMLCodec, MediaSlot
 from tests.test_models_support import item, single_thread, tiny_dir
 
@@ -185,8 +185,8 @@ def test_layout_fit_is_the_processors_resize(thinker: ThinkerExecutor) -> None:
 
 
 def test_the_real_layout_and_the_input_contract() -> None:
-    from omnirelay.models.dummy import FULL_SIZE_CONFIG
-    from omnirelay.models.image_in import layout_of_checkpoint
+    from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG
+    from omnirelay.models.qwen3_omni.vision import layout_of_checkpoint
 
     config = Checkpoint.open(FULL_SIZE_CONFIG, load_format="dummy").config
     real = layout_of_checkpoint(config, None)

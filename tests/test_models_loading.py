@@ -27,7 +27,7 @@ from omnirelay.models import (
     load_tokenizer,
     register_executors,
 )
-from omnirelay.models.tiny import (
+from omnirelay.models.qwen3_omni.tiny import (
     CACHE_ENV,
     TINY_SPECIAL_TOKENS,
     build_tiny,

@@ -21,7 +21,7 @@ from omnirelay.api import NO_RESTARTS, Pipeline
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import RequestFailedError
-from omnirelay.models.toy import (
+from omnirelay.models.testing.toy import (
     TOY_SAMPLE_RATE,
     expected_counting_tokens,
     expected_relay_tokens,

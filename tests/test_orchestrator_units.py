@@ -15,7 +15,7 @@ import omnirelay.orchestrator as orchestrator_pkg
 import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError
-from omnirelay.models.toy import toy_pipeline_config
+from omnirelay.models.testing.toy import toy_pipeline_config
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator
 from omnirelay.orchestrator.router import PipelineRequest, RequestOutput

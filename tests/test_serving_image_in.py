@@ -20,7 +20,7 @@ import openai
 import pytest
 from PIL import Image
 
-from omnirelay.models.image_in import VisionLayout
+from omnirelay.models.qwen3_omni.vision import VisionLayout
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.text import ChatMLCodec
 from tests.serving_support import Served, chat_stream_audio, serve

@@ -1,7 +1,7 @@
 """The server over ``qwen3-tts-aligner-tiny`` (Talker in text mode -> Code2Wav, chunked ->
 forced aligner on the complete waveform; real multi-process path): speech with word
 timestamps over HTTP and the WebSocket, streaming speech, the ``openai`` client, and the
-Talker's text mode (:class:`~omnirelay.models.talker.TextConditioner`) on its own.
+Talker's text mode (:class:`~omnirelay.models.qwen3_omni.talker.TextConditioner`) on its own.
 
 The Talker samples with its config's fixed seed, so one input gives the same waveform on
 every request: the WebSocket's audio must equal the HTTP endpoint's, sample for sample.
@@ -117,8 +117,8 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
 def test_text_conditioner_speaks_the_user_turn() -> None:
     from omnirelay.errors import ModelError
     from omnirelay.models import load_tokenizer
-    from omnirelay.models.loader import ModelArgs, open_checkpoint
-    from omnirelay.models.talker import TalkerSpec, TextConditioner
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+    from omnirelay.models.qwen3_omni.talker import TalkerSpec, TextConditioner
 
     checkpoint = open_checkpoint(ModelArgs(tiny=True))
     spec = TalkerSpec.from_config(checkpoint.config)

@@ -30,9 +30,9 @@ from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import StageUnavailableError
 from omnirelay.models import encode_chat_prompt, stage_tokenizer
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE, audio_inputs
-from omnirelay.models.sphinx import Recognizer, word_error_rate
-from omnirelay.models.spoken import spoken_words
+from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
+from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs
+from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving.audio import parse_wav

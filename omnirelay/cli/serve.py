@@ -210,7 +210,7 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)
     and its audio rate (the Piper voice's; otherwise Code2Wav's 24 kHz)."""
     from omnirelay.models import VOICE_EXECUTOR
-    from omnirelay.models.piper import voice_alias, voice_sample_rate
+    from omnirelay.models.voice.piper import voice_alias, voice_sample_rate
     from omnirelay.serving.config import ServerConfig, openai_voice_map
 
     config = ServerConfig(**limits)

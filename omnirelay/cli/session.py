@@ -152,7 +152,7 @@ def load_run_config(
             "--runner apply to those"
         )
     if load_format is not None:
-        from omnirelay.models.loader import LOAD_FORMATS
+        from omnirelay.models.qwen3_omni.loader import LOAD_FORMATS
 
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -164,7 +164,7 @@ def load_run_config(
 
         config = _replace_executor_args(config, stage_ids, use_format)
     if runner is not None:
-        from omnirelay.models.loader import RUNNERS
+        from omnirelay.models.qwen3_omni.loader import RUNNERS
 
         if runner not in RUNNERS:
             raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
@@ -190,8 +190,8 @@ def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
     (the tiny model, SmolLM2's converted checkpoint, the voice's graph) is made ready
     first, each step announced on ``stream`` (stderr) with its progress."""
     from omnirelay.models import EXECUTOR_NAMES, prepare_stage_models, stage_tokenizer
-    from omnirelay.models.loader import ModelArgs
-    from omnirelay.models.tiny import build_tiny, cached_tiny_dir
+    from omnirelay.models.qwen3_omni.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.tiny import build_tiny, cached_tiny_dir
 
     stage = config.stages[config.prompt_stage_id]
     if stage.executor in EXECUTOR_NAMES:

@@ -1,6 +1,6 @@
 """How registered names become an executor and a chunk processor for one stage.
 
-The convention (used by :mod:`omnirelay.models.toy`; model packages follow it):
+The convention (used by :mod:`omnirelay.models.testing.toy`; model packages follow it):
 
 * ``registry.executors[name]`` is a factory called as ``factory(**stage.executor_args)``
   that returns an :class:`~omnirelay.engine.interfaces.Executor` (the convention of

@@ -36,29 +36,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from omnirelay.models.aligner import ALIGNER_EXECUTOR, create_aligner
-from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
-from omnirelay.models.piper import VOICE_EXECUTOR
-from omnirelay.models.recognizer import RECOGNIZER_EXECUTOR
-from omnirelay.models.smollm2 import SMOLLM2_EXECUTOR
-from omnirelay.models.sphinx import SPHINX_ALIGNER_EXECUTOR
-from omnirelay.models.tiny import build_tiny
+from omnirelay.models.asr.recognizer import RECOGNIZER_EXECUTOR
+from omnirelay.models.asr.sphinx import SPHINX_ALIGNER_EXECUTOR
+from omnirelay.models.asr.vad_aligner import ALIGNER_EXECUTOR, create_aligner
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.tiny import build_tiny
 from omnirelay.models.tokenizer import (
     IncrementalDetokenizer,
     encode_chat_prompt,
     format_chat_prompt,
     load_tokenizer,
 )
+from omnirelay.models.voice.piper import VOICE_EXECUTOR
+from omnirelay.models.voice.smollm2 import SMOLLM2_EXECUTOR
 from omnirelay.pipeline.registry import Registry
 
 if TYPE_CHECKING:
-    from omnirelay.models.code2wav import Code2WavExecutor
-    from omnirelay.models.piper import PiperVoiceExecutor
-    from omnirelay.models.recognizer import SphinxRecognizerExecutor
-    from omnirelay.models.smollm2 import SmolLM2Executor
-    from omnirelay.models.sphinx import SphinxAlignerExecutor
-    from omnirelay.models.talker import TalkerExecutor
-    from omnirelay.models.thinker import ThinkerExecutor
+    from omnirelay.models.asr.recognizer import SphinxRecognizerExecutor
+    from omnirelay.models.asr.sphinx import SphinxAlignerExecutor
+    from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
+    from omnirelay.models.qwen3_omni.talker import TalkerExecutor
+    from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
+    from omnirelay.models.voice.piper import PiperVoiceExecutor
+    from omnirelay.models.voice.smollm2 import SmolLM2Executor
 
 __all__ = [
     "ALIGNER_EXECUTOR",
@@ -99,49 +99,49 @@ EXECUTOR_NAMES = (THINKER_EXECUTOR, TALKER_EXECUTOR, CODE2WAV_EXECUTOR)
 
 def create_thinker(**executor_args: Any) -> ThinkerExecutor:
     """``qwen3_omni.thinker`` from ``executor_args`` (``tiny``/``seed``/``model_dir``/``device``/``dtype``)."""
-    from omnirelay.models.thinker import create_thinker as create
+    from omnirelay.models.qwen3_omni.thinker import create_thinker as create
 
     return create(**executor_args)
 
 
 def create_talker(**executor_args: Any) -> TalkerExecutor:
     """``qwen3_omni.talker`` from ``executor_args``."""
-    from omnirelay.models.talker import create_talker as create
+    from omnirelay.models.qwen3_omni.talker import create_talker as create
 
     return create(**executor_args)
 
 
 def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
     """``qwen3_omni.code2wav`` from ``executor_args``."""
-    from omnirelay.models.code2wav import create_code2wav as create
+    from omnirelay.models.qwen3_omni.code2wav import create_code2wav as create
 
     return create(**executor_args)
 
 
 def create_smollm2(**executor_args: Any) -> SmolLM2Executor:
     """``smollm2.thinker`` from ``executor_args`` (``num_threads``, ``device``)."""
-    from omnirelay.models.smollm2 import create_smollm2 as create
+    from omnirelay.models.voice.smollm2 import create_smollm2 as create
 
     return create(**executor_args)
 
 
 def create_voice(**executor_args: Any) -> PiperVoiceExecutor:
     """``piper.voice`` from ``executor_args`` (``voice``, ``num_threads``)."""
-    from omnirelay.models.piper import create_voice as create
+    from omnirelay.models.voice.piper import create_voice as create
 
     return create(**executor_args)
 
 
 def create_sphinx_aligner(**executor_args: Any) -> SphinxAlignerExecutor:
     """``aligner.pocketsphinx``."""
-    from omnirelay.models.sphinx import create_sphinx_aligner as create
+    from omnirelay.models.asr.sphinx import create_sphinx_aligner as create
 
     return create(**executor_args)
 
 
 def create_sphinx_recognizer(**executor_args: Any) -> SphinxRecognizerExecutor:
     """``asr.pocketsphinx``: a speech-recognition stage in front of a Thinker."""
-    from omnirelay.models.recognizer import create_sphinx_recognizer as create
+    from omnirelay.models.asr.recognizer import create_sphinx_recognizer as create
 
     return create(**executor_args)
 
@@ -151,7 +151,7 @@ def stage_tokenizer(executor: str, executor_args: Mapping[str, Any]) -> Any | No
     first when needed; ``None`` for any other executor. A tokenizer with its own chat
     template has ``chat_ids(messages)`` (:func:`encode_chat_prompt` uses it)."""
     if executor == SMOLLM2_EXECUTOR:
-        from omnirelay.models.smollm2 import load_smol_tokenizer
+        from omnirelay.models.voice.smollm2 import load_smol_tokenizer
 
         return load_smol_tokenizer(**executor_args)
     if executor in EXECUTOR_NAMES:
@@ -166,7 +166,7 @@ def prepare_stage_models(stages: Sequence[Any], announce: Callable[[str], Any]) 
     whose models are ready, or need nothing, are skipped silently."""
     for stage in stages:
         if stage.executor == SMOLLM2_EXECUTOR:
-            from omnirelay.models.smollm2 import is_smollm2_prepared, prepare_smollm2
+            from omnirelay.models.voice.smollm2 import is_smollm2_prepared, prepare_smollm2
 
             if not is_smollm2_prepared():
                 with announce(
@@ -174,7 +174,7 @@ def prepare_stage_models(stages: Sequence[Any], announce: Callable[[str], Any]) 
                 ):
                     prepare_smollm2()
         elif stage.executor == VOICE_EXECUTOR:
-            from omnirelay.models.piper import is_voice_prepared, prepare_voice
+            from omnirelay.models.voice.piper import is_voice_prepared, prepare_voice
 
             voice = str(stage.executor_args.get("voice", "en_US-joe-medium"))
             if not is_voice_prepared(voice):

@@ -62,7 +62,7 @@ def encode_chat_turns(tokenizer: Any, turns: Sequence[tuple[str, str]]) -> list[
 
 def load_tokenizer(**executor_args: Any) -> Any:
     """The tokenizer of the checkpoint a stage's ``executor_args`` name (same keys)."""
-    from omnirelay.models.loader import Checkpoint, ModelArgs
+    from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs
 
     args = ModelArgs.from_executor_args(executor_args)
     return Checkpoint.open(args.resolve_dir(), load_format=args.load_format).load_tokenizer()
@@ -72,7 +72,7 @@ def thinker_audio_window(**executor_args: Any) -> int | None:
     """The audio encoder window (``n_window``) of the Thinker a stage's ``executor_args``
     name, read from its config (None when it has no audio encoder): the front lays out a
     clip's audio tokens with it."""
-    from omnirelay.models.loader import Checkpoint, ModelArgs
+    from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs
 
     args = ModelArgs.from_executor_args(executor_args)
     config = Checkpoint.open(args.resolve_dir(), load_format=args.load_format).config

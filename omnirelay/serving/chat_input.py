@@ -1,9 +1,9 @@
 """A user turn that carries audio or images, into the pipeline (docs/protocol.md §1.9, §7.1).
 
 * :func:`decode_turns` — the ``input_audio`` parts of chat turns decoded
-  (:mod:`omnirelay.serving.audio_input`) at :data:`~omnirelay.models.audio_in.AUDIO_INPUT_RATE`,
+  (:mod:`omnirelay.serving.audio_input`) at :data:`~omnirelay.models.qwen3_omni.audio.AUDIO_INPUT_RATE`,
   and the ``image_url`` parts (:mod:`omnirelay.serving.image_input`) resized to the
-  Thinker's image grid (:meth:`~omnirelay.models.image_in.VisionLayout.fit`), with the
+  Thinker's image grid (:meth:`~omnirelay.models.qwen3_omni.vision.VisionLayout.fit`), with the
   server's limits over all parts together; 400s name the part.
 * :func:`submit_turns` — decoded turns (text, waveforms at that rate, images) submitted
   the way the pipeline hears audio and sees images:
@@ -15,7 +15,7 @@
     (``<|audio_start|>``, one ``<|audio_pad|>`` per audio token, ``<|audio_end|>``) and the
     clips go with it, for the Thinker's own audio encoder; each image likewise as
     ``<|vision_start|>``, one ``<|image_pad|>`` per image token, ``<|vision_end|>``, for its
-    vision tower (``inputs["images"]``, :mod:`omnirelay.models.image_in`);
+    vision tower (``inputs["images"]``, :mod:`omnirelay.models.qwen3_omni.vision`);
   - turns without audio: the plain chat prompt, at the prompt stage (nothing is paid for
     the recognizer: the request skips it).
 
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE, audio_inputs, num_audio_tokens
-from omnirelay.models.image_in import VisionLayout, image_inputs
+from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs, num_audio_tokens
+from omnirelay.models.qwen3_omni.vision import VisionLayout, image_inputs
 from omnirelay.serving.audio_input import AudioInputError, AudioLimits, decode_base64_audio
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend, RequestStream

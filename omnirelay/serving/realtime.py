@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE
+from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE
 from omnirelay.serving import audio_input
 from omnirelay.serving.audio import wav_header
 from omnirelay.serving.chat_input import hears_audio

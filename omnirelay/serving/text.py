@@ -25,7 +25,7 @@ from omnirelay.models.tokenizer import IncrementalDetokenizer
 from omnirelay.pipeline import PipelineConfig
 
 if TYPE_CHECKING:
-    from omnirelay.models.image_in import VisionLayout
+    from omnirelay.models.qwen3_omni.vision import VisionLayout
 
 __all__ = [
     "AUDIO_END",
@@ -163,7 +163,7 @@ class ChatMLCodec:
 
 
 class SmolChatCodec:
-    """SmolLM2's tokenizer (:class:`~omnirelay.models.smollm2.SmolTokenizer`) and its own
+    """SmolLM2's tokenizer (:class:`~omnirelay.models.voice.smollm2.SmolTokenizer`) and its own
     chat template; speech is read verbatim (see the module docstring)."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -218,7 +218,7 @@ def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
     SmolLM2 (prepared first if needed), else :class:`ByteCodec`."""
     stage0 = config.stages[config.prompt_stage_id]
     if stage0.executor == "smollm2.thinker":
-        from omnirelay.models.smollm2 import load_smol_tokenizer
+        from omnirelay.models.voice.smollm2 import load_smol_tokenizer
 
         return SmolChatCodec(load_smol_tokenizer(**dict(stage0.executor_args)))
     if stage0.executor.startswith("qwen3_omni."):
@@ -236,8 +236,8 @@ def codec_for_pipeline(config: PipelineConfig) -> TextCodec:
 def thinker_vision(args: dict[str, Any]) -> tuple[VisionLayout | None, str | None]:
     """The image layout of the Thinker a stage's ``executor_args`` name, or why it takes no
     images although it has a vision tower (the static runner)."""
-    from omnirelay.models.image_in import vision_layout
-    from omnirelay.models.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.vision import vision_layout
 
     layout = vision_layout(**args)
     if layout is not None and ModelArgs.from_executor_args(args).uses_static_runner():

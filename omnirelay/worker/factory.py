@@ -28,7 +28,7 @@ __all__ = ["build_stage_engine", "default_registry", "with_stage_device"]
 def default_registry() -> ComponentRegistry:
     """Every executor and processor a shipped pipeline may name: the toys, and the model
     executors of :mod:`omnirelay.models` (their heavy imports wait for a factory call)."""
-    from omnirelay.models.toy import register_toys
+    from omnirelay.models.testing.toy import register_toys
     from omnirelay.processors.stages import register_processors
 
     registry = register_toys(ComponentRegistry())

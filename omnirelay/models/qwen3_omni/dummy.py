@@ -16,7 +16,7 @@ GPU often zeros, so every token routes to the same experts and the timing of a d
 says nothing about the real one. Every MoE router and experts block is drawn again here
 from the seeded generator (normal, ``initializer_range``). The vocoder gets variance-
 preserving convolutions so that its output is audible noise, not 1e-7 (see
-:func:`omnirelay.models.tiny.scale_code2wav`).
+:func:`omnirelay.models.qwen3_omni.tiny.scale_code2wav`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def build_part(
     """``cls`` (a ``transformers`` model class) from ``config`` with random weights,
     allocated on ``device`` in ``dtype``; eval mode, no gradients. Deterministic for a
     seed, device and library version."""
-    from omnirelay.models.tiny import quiet_transformers, scale_code2wav
+    from omnirelay.models.qwen3_omni.tiny import quiet_transformers, scale_code2wav
 
     start = time.monotonic()
     with quiet_transformers(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

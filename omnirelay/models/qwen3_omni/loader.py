@@ -12,7 +12,7 @@
   tiny model and ``--model PATH``).
 
 ``load_format: dummy`` builds each part from the config alone with random weights,
-directly on the device (:mod:`omnirelay.models.dummy`): no weights are read, and with no
+directly on the device (:mod:`omnirelay.models.qwen3_omni.dummy`): no weights are read, and with no
 ``model_dir`` (and no ``tiny``) the config is the shipped Qwen3-Omni-30B-A3B one. A
 directory without tokenizer files then gets the dummy byte-level tokenizer.
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from omnirelay.errors import ConfigError, ModelError
-from omnirelay.models.tiny import build_tiny, quiet_transformers
+from omnirelay.models.qwen3_omni.tiny import build_tiny, quiet_transformers
 
 __all__ = [
     "LOAD_FORMATS",
@@ -91,7 +91,7 @@ class ModelArgs:
     dtype: str = "auto"
     num_threads: int | None = None
     #: the Talker only: build its prefill from the prompt's text (a TTS pipeline without a
-    #: Thinker stage; :class:`omnirelay.models.talker.TextConditioner`)
+    #: Thinker stage; :class:`omnirelay.models.qwen3_omni.talker.TextConditioner`)
     text_input: bool = False
     runner: str = "auto"
     cuda_graphs: bool = True
@@ -170,7 +170,7 @@ class ModelArgs:
             return Path(self.model_dir).expanduser()
         if self.is_tiny:
             return build_tiny(None, seed=self.seed)
-        from omnirelay.models.dummy import FULL_SIZE_CONFIG
+        from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG
 
         return FULL_SIZE_CONFIG
 
@@ -313,7 +313,7 @@ class Checkpoint:
 
         has_files = any((self.path / name).is_file() for name in _TOKENIZER_FILES)
         if self.is_dummy and not has_files:
-            from omnirelay.models.dummy import dummy_tokenizer
+            from omnirelay.models.qwen3_omni.dummy import dummy_tokenizer
 
             return dummy_tokenizer(self.config)
         if not has_files:
@@ -341,7 +341,7 @@ class Checkpoint:
 
     def _load_part(self, cls: Any, prefix: str, config: Any, *, dtype: torch.dtype | None = None) -> Any:
         if self.is_dummy:
-            from omnirelay.models.dummy import build_part
+            from omnirelay.models.qwen3_omni.dummy import build_part
 
             return build_part(
                 cls, config, part=prefix, device=self.device, dtype=dtype or self.dtype, seed=self.seed

@@ -289,7 +289,7 @@ class SmolLM2Executor:
         import torch
         from transformers import LlamaForCausalLM
 
-        from omnirelay.models.tiny import quiet_transformers
+        from omnirelay.models.qwen3_omni.tiny import quiet_transformers
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)

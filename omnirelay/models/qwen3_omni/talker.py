@@ -47,11 +47,16 @@ from transformers import DynamicCache
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.errors import ModelError
 from omnirelay.models.kv import KVPool, cache_keyword
-from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.talker_input import (
+    ThinkerChunk,
+    assistant_start,
+    parse_payload,
+    user_positions,
+)
+from omnirelay.models.qwen3_omni.talker_text import TextConditioner
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.talker_input import ThinkerChunk, assistant_start, parse_payload, user_positions
-from omnirelay.models.talker_text import TextConditioner
 
 __all__ = [
     "CODE_PREDICTOR_TOP_K",

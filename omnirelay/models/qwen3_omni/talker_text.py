@@ -2,7 +2,7 @@
 
 * :class:`TextConditioner` — for a text-to-speech pipeline whose first stage is the
   Talker (no Thinker stage): chunk 0 as the Thinker would have sent it, from the prompt's
-  last user turn. :class:`~omnirelay.models.talker.TalkerExecutor` uses it with
+  last user turn. :class:`~omnirelay.models.qwen3_omni.talker.TalkerExecutor` uses it with
   ``executor_args.text_input: true``.
 """
 
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models.loader import Checkpoint
-from omnirelay.models.talker_input import ThinkerChunk, assistant_start
+from omnirelay.models.qwen3_omni.loader import Checkpoint
+from omnirelay.models.qwen3_omni.talker_input import ThinkerChunk, assistant_start
 
 if TYPE_CHECKING:
-    from omnirelay.models.talker import TalkerSpec
+    from omnirelay.models.qwen3_omni.talker import TalkerSpec
 
 __all__ = ["TextConditioner"]
 

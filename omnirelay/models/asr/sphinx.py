@@ -5,12 +5,12 @@ language model; nothing is downloaded.
 
 * :class:`ForcedAligner` — ``align(waveform, sample_rate, text)`` → ``[{"word",
   "start_ms", "end_ms"}, ...]``, one entry per written word of ``text``: the text is read
-  as the voice reads it (:func:`~omnirelay.models.spoken.spoken_tokens`: ``1889`` is
+  as the voice reads it (:func:`~omnirelay.models.voice.spoken.spoken_tokens`: ``1889`` is
   three spoken words), the spoken words are aligned against the audio (words the
   dictionary lacks get their pronunciation from the voice's phonemizer), and each written
   word spans its spoken words. Times are integer milliseconds, monotonic, never past the
   end of the audio. When the decoder cannot align (noise, a text that was not said), the
-  weight-free VAD allocation of :mod:`omnirelay.models.aligner` answers instead.
+  weight-free VAD allocation of :mod:`omnirelay.models.asr.vad_aligner` answers instead.
 * :class:`Recognizer` — free recognition with the bundled language model: what a
   listener would have heard (the intelligibility checks and the benchmarks use it).
 * :func:`word_error_rate` — the edit distance of two word lists over the reference's length.
@@ -31,9 +31,9 @@ import numpy as np
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.aligner import align_words
-from omnirelay.models.phonemizer import Phonemizer
-from omnirelay.models.spoken import spoken_tokens
+from omnirelay.models.asr.vad_aligner import align_words
+from omnirelay.models.voice.phonemizer import Phonemizer
+from omnirelay.models.voice.spoken import spoken_tokens
 
 __all__ = [
     "SPHINX_ALIGNER_EXECUTOR",

@@ -3,7 +3,7 @@
 The contract: the entry stage's full input (``inputs``) holds ``"images": [image, ...]``,
 each an RGB ``uint8`` tensor ``[height, width, 3]`` already resized to the Thinker's
 processor grid (:meth:`VisionLayout.fit`), in the order the images appear in the
-conversation (beside the ``"audio"`` clips of :mod:`omnirelay.models.audio_in`, if any).
+conversation (beside the ``"audio"`` clips of :mod:`omnirelay.models.qwen3_omni.audio`, if any).
 The prompt lays each image out as ``<|vision_start|>`` + N × ``<|image_pad|>`` +
 ``<|vision_end|>`` with N = :meth:`VisionLayout.num_tokens`.
 
@@ -131,7 +131,7 @@ class VisionLayout:
 def vision_layout(**executor_args: Any) -> VisionLayout | None:
     """The :class:`VisionLayout` of the Thinker a stage's ``executor_args`` name (None
     when it has no vision tower)."""
-    from omnirelay.models.loader import Checkpoint, ModelArgs
+    from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs
 
     args = ModelArgs.from_executor_args(executor_args)
     checkpoint = Checkpoint.open(args.resolve_dir(), load_format=args.load_format)

@@ -1,14 +1,14 @@
 """``asr.pocketsphinx``: speech recognition in front of a Thinker (docs/protocol.md §1.9).
 
 The stage declared ``entry_input: audio``: a request that carries audio enters here with
-its clips as the full input (:mod:`omnirelay.models.audio_in`: 16 kHz mono float32), and
+its clips as the full input (:mod:`omnirelay.models.qwen3_omni.audio`: 16 kHz mono float32), and
 leaves with one step — its text is the transcript of each clip, one line per clip, in
 order — which the orchestrator forwards complete to the prompt stage (the
 ``asr_to_thinker`` input builder makes the transcripts the user's words). Requests
 without audio never reach this stage.
 
 PocketSphinx's bundled US English acoustic model, dictionary and language model
-(:class:`~omnirelay.models.sphinx.Recognizer`); lower-case words, no punctuation.
+(:class:`~omnirelay.models.asr.sphinx.Recognizer`); lower-case words, no punctuation.
 Recognition runs on the engine thread, one clip at a time: a clip costs about a fifth of
 its duration on one core.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE, read_audio_inputs
-from omnirelay.models.sphinx import Recognizer
+from omnirelay.models.asr.sphinx import Recognizer
+from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, read_audio_inputs
 
 __all__ = ["RECOGNIZER_EXECUTOR", "SphinxRecognizerExecutor", "create_sphinx_recognizer"]
 

@@ -47,7 +47,7 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner.code2wav import GraphedCode2Wav
 from omnirelay.payload.schema import OmniPayload
 from omnirelay.processors.codec_input import read_codec_chunk

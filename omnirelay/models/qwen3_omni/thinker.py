@@ -27,21 +27,21 @@ decode), on the CPU. Two ways to run the model, chosen by ``executor_args.runner
   decode steps replayed from CUDA graphs captured at startup.
 
 Audio input (docs/protocol.md §1.9): a request whose ``inputs`` carry audio clips
-(:func:`~omnirelay.models.audio_in.read_audio_inputs`) has them encoded once, on its first
-prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.audio_in.QwenAudioEncoder`);
+(:func:`~omnirelay.models.qwen3_omni.audio.read_audio_inputs`) has them encoded once, on its first
+prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.qwen3_omni.audio.QwenAudioEncoder`);
 the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in order,
 the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
 ``<|audio_end|>``). Audio tokens take one text position each, as Qwen3-Omni's rope index
 gives them. On the static runner a prefill launch that holds audio tokens runs eagerly
 (its embeddings come from outside the captured graph).
 
-Image input (docs/protocol.md §1.9, :mod:`omnirelay.models.image_in`), on the dynamic
+Image input (docs/protocol.md §1.9, :mod:`omnirelay.models.qwen3_omni.vision`), on the dynamic
 runner: a request whose ``inputs`` carry images has them encoded once, on its first
-prefill, by the Thinker's own vision tower (:class:`~omnirelay.models.image_in.QwenImageEncoder`).
+prefill, by the Thinker's own vision tower (:class:`~omnirelay.models.qwen3_omni.vision.QwenImageEncoder`).
 As in ``transformers``' Qwen3-Omni Thinker, the merged vision rows replace the embeddings
 of the ``<|image_pad|>`` positions in order, the tower's deepstack features are added to
 those positions' hidden states after the first text layers, and the prompt takes 3-D
-rotary positions (:func:`~omnirelay.models.image_in.mrope_positions`): every later
+rotary positions (:func:`~omnirelay.models.qwen3_omni.vision.mrope_positions`): every later
 position — the rest of a chunked prefill, each decode step — is its index plus the
 request's rope delta. The static runner takes no image input (its captured decoder has
 one position per token and no deepstack inputs): such a request fails with a message
@@ -57,8 +57,10 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.audio_in import QwenAudioEncoder, read_audio_inputs
-from omnirelay.models.image_in import (
+from omnirelay.models.kv import KVPool, cache_keyword
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder, read_audio_inputs
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.vision import (
     ImageEmbeds,
     QwenImageEncoder,
     VisionLayout,
@@ -66,8 +68,6 @@ from omnirelay.models.image_in import (
     mrope_positions,
     read_image_inputs,
 )
-from omnirelay.models.kv import KVPool, cache_keyword
-from omnirelay.models.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.tokenizer import IncrementalDetokenizer
