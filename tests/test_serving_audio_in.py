@@ -26,8 +26,8 @@ from omnirelay.models.qwen3_omni.audio import (
     num_audio_tokens,
 )
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.audio import pcm16, wav_header
-from omnirelay.serving.audio_input import PCM16_RATE
+from omnirelay.serving.media.audio_in import PCM16_RATE
+from omnirelay.serving.media.audio_out import pcm16, wav_header
 from omnirelay.serving.text import AUDIO_PAD
 from tests.serving_support import Served, chat_stream_audio, serve
 

@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.audio import parse_wav
+from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import Served, chat_stream_audio, disconnect_after_first_audio, serve
 
 MODEL = "qwen3-omni-tiny"

@@ -35,7 +35,7 @@ from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.requests import RequestOutput
 from omnirelay.pipeline import PipelineConfig, parse_pipeline
 from omnirelay.serving import ServerConfig, ServerThread, create_app
-from omnirelay.serving.encoding import FORMATS
+from omnirelay.serving.media.encoding import FORMATS
 from tests.serving_support import Served, serve, sse_events
 
 SPEECH = "/v1/audio/speech"

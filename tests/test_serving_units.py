@@ -13,12 +13,12 @@ import torch
 from omnirelay.errors import ConfigError
 from omnirelay.models import format_chat_prompt
 from omnirelay.serving import Admission, ApiError, AudioEmitter, OutputKind, ServerConfig
-from omnirelay.serving.audio import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
-from omnirelay.serving.chat import StopMatcher
+from omnirelay.serving.media.audio_out import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest, check_request_id, parse
-from omnirelay.serving.speech import timestamps_header
+from omnirelay.serving.routes.chat import StopMatcher
+from omnirelay.serving.routes.speech import timestamps_header
+from omnirelay.serving.routes.speech_stream import split_text
 from omnirelay.serving.text import ByteCodec, format_chat
-from omnirelay.serving.websocket import split_text
 
 # ------------------------------------------------------------------ docs/protocol.md §7.3 emission
 

@@ -35,8 +35,8 @@ from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
-from omnirelay.serving.audio import parse_wav
-from omnirelay.serving.audio_input import decode_audio
+from omnirelay.serving.media.audio_in import decode_audio
+from omnirelay.serving.media.audio_out import parse_wav
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import Served, serve
 

@@ -21,9 +21,9 @@ One file per role:
 
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.app import create_app
-from omnirelay.serving.audio import AudioEmitter, OutputKind
 from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError
+from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server import ServerThread
 

@@ -67,7 +67,7 @@ class ServerConfig:
     ws_idle_timeout_s: float = 30.0
     #: text buffered in one utterance before the server refuses more
     ws_max_utterance_chars: int = 16384
-    # -- WebSocket /v1/realtime (omnirelay.serving.realtime)
+    # -- WebSocket /v1/realtime (omnirelay.serving.realtime.session)
     #: the rate of the session's pcm16 audio, both ways: the pipeline's output rate
     sample_rate: int = 24000
     #: the largest client event (an ``input_audio_buffer.append`` carries base64 audio)

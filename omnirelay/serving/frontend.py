@@ -269,7 +269,7 @@ class Frontend:
     ) -> RequestStream:
         """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
         ``inputs``: the entry stage's full input (a speech request's, see
-        :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.chat_input`);
+        :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.media.chat_turns`);
         ``entry_stage_id``: where it enters (None: the prompt stage)."""
         with self._ids_lock:
             if request_id in self._ids:

@@ -52,7 +52,9 @@ import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
-from omnirelay.serving.audio import (
+from omnirelay.serving.errors import ApiError, request_failed
+from omnirelay.serving.frontend import Frontend, RequestStream
+from omnirelay.serving.media.audio_out import (
     DEFAULT_SAMPLE_RATE,
     AudioEmitter,
     AudioStreamError,
@@ -60,10 +62,8 @@ from omnirelay.serving.audio import (
     wav_bytes,
     wav_header,
 )
-from omnirelay.serving.errors import ApiError, request_failed
-from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.protocol import loads_object
-from omnirelay.serving.speech import parse_timestamps, speech_extras
+from omnirelay.serving.routes.speech import parse_timestamps, speech_extras
 
 __all__ = ["SessionSettings", "serve_session", "split_text"]
 

@@ -3,7 +3,7 @@
 * ``modalities`` ``["text"]``, ``["text", "audio"]`` (or ``["audio"]``); absent: text
   only, as OpenAI's (or the pipeline file's ``default_modalities``). ``audio`` {voice,
   format: ``wav``, ``mp3``, ``opus``, ``aac``, ``flac`` or ``pcm16``: OpenAI's formats, see
-  :mod:`omnirelay.serving.encoding`}.
+  :mod:`omnirelay.serving.media.encoding`}.
 * ``stream: false`` — one ``chat.completion``: ``message.content`` is the text,
   ``message.audio`` {id, data: base64 of the whole file, transcript, expires_at}.
   Stages still overlap inside the pipeline; only the answer waits for the end.
@@ -22,7 +22,7 @@
 * ``input_audio`` parts of user messages ({``data``: base64, ``format``: ``wav``, ``mp3``
   or ``pcm16``, raw 16-bit mono at 24 kHz}) are decoded within the server's limits
   (``max_audio_input_bytes``, ``max_audio_input_s``: a 400 naming the limit) and heard by
-  the pipeline (:mod:`omnirelay.serving.chat_input`).
+  the pipeline (:mod:`omnirelay.serving.media.chat_turns`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.serving.audio import AudioEmitter, AudioStreamError
-from omnirelay.serving.chat_input import decode_turns, hears_audio, sees_images, submit_turns
-from omnirelay.serving.encoding import AudioEncoder
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
+from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
+from omnirelay.serving.media.chat_turns import decode_turns, hears_audio, sees_images, submit_turns
+from omnirelay.serving.media.encoding import AudioEncoder
 from omnirelay.serving.protocol import ChatCompletionRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
 from omnirelay.serving.text import Detokenizer, TextCodec

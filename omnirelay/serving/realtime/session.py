@@ -1,8 +1,8 @@
 """``WS /v1/realtime?model=…``: OpenAI's Realtime API, its audio-in / audio-out subset.
 
 One WebSocket is one session: settings, an input audio buffer, a server voice activity
-detector (:mod:`omnirelay.serving.vad`), a bounded conversation
-(:mod:`omnirelay.serving.conversation`) and at most one response in flight, which is one
+detector (:mod:`omnirelay.serving.realtime.vad`), a bounded conversation
+(:mod:`omnirelay.serving.realtime.conversation`) and at most one response in flight, which is one
 pipeline request. Events are JSON text frames with OpenAI's names and shapes; every
 server event has an ``event_id`` and a ``type``.
 
@@ -25,7 +25,7 @@ Server events: ``session.created`` / ``session.updated``;
   ``create_response``, a response. Without it the client commits and asks itself. A
   committed turn is a user item of ``input_audio``, resampled to the pipeline's input
   rate and heard the way chat's ``input_audio`` parts are
-  (:mod:`omnirelay.serving.chat_input`: a recognizer stage, or the Thinker's audio
+  (:mod:`omnirelay.serving.media.chat_turns`: a recognizer stage, or the Thinker's audio
   encoder); a pipeline that hears no audio answers the commit with an ``error``
   (``audio_input_unsupported``). The clip stays in the conversation (its transcript is
   the pipeline's, inside the request): later responses hear it again, within
@@ -61,13 +61,13 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE
-from omnirelay.serving import audio_input
-from omnirelay.serving.audio import wav_header
-from omnirelay.serving.chat_input import hears_audio
-from omnirelay.serving.conversation import Conversation, Item
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend
-from omnirelay.serving.realtime_events import (
+from omnirelay.serving.media import audio_in as audio_input
+from omnirelay.serving.media.audio_out import wav_header
+from omnirelay.serving.media.chat_turns import hears_audio
+from omnirelay.serving.realtime.conversation import Conversation, Item
+from omnirelay.serving.realtime.events import (
     EventError,
     RealtimeSettings,
     apply_session_update,
@@ -78,8 +78,8 @@ from omnirelay.serving.realtime_events import (
     response_overrides,
     session_object,
 )
-from omnirelay.serving.realtime_response import Response, ResponseRunner
-from omnirelay.serving.vad import EnergyVad
+from omnirelay.serving.realtime.response import Response, ResponseRunner
+from omnirelay.serving.realtime.vad import EnergyVad
 
 __all__ = ["REALTIME_PATH", "serve_realtime"]
 

@@ -22,7 +22,7 @@ __all__ = ["page_response"]
 
 @cache
 def _page() -> str:
-    return (files("omnirelay.serving") / "static" / "realtime.html").read_text(encoding="utf-8")
+    return (files("omnirelay.serving.realtime") / "static" / "realtime.html").read_text(encoding="utf-8")
 
 
 def page_response() -> HTMLResponse:

@@ -25,16 +25,16 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.serving.audio import AudioEmitter, AudioStreamError, pcm16
-from omnirelay.serving.chat_input import submit_turns
-from omnirelay.serving.conversation import Item
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
-from omnirelay.serving.realtime_events import EventError, RealtimeSettings, new_id
+from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError, pcm16
+from omnirelay.serving.media.chat_turns import submit_turns
+from omnirelay.serving.realtime.conversation import Item
+from omnirelay.serving.realtime.events import EventError, RealtimeSettings, new_id
 from omnirelay.serving.text import Detokenizer
 
 if TYPE_CHECKING:
-    from omnirelay.serving.realtime import Session
+    from omnirelay.serving.realtime.session import Session
 
 __all__ = ["Response", "ResponseRunner"]
 

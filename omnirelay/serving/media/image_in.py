@@ -1,6 +1,6 @@
 """Images a client sends in: an untrusted ``data:`` URL → an RGB ``uint8`` array. Used by
 chat's ``image_url`` parts (docs/protocol.md §7.1); the same limit and error style as
-:mod:`omnirelay.serving.audio_input`.
+:mod:`omnirelay.serving.media.audio_in`.
 
 * :func:`decode_image_url` ``(url, *, limits, param)`` — OpenAI's ``image_url.url`` as a
   ``data:image/<type>;base64,<data>`` URL: checks the URL, its type and the base64 text,

@@ -38,7 +38,7 @@ from typing import Any
 import av
 import numpy as np
 
-from omnirelay.serving.audio import pcm16, wav_header
+from omnirelay.serving.media.audio_out import pcm16, wav_header
 
 __all__ = ["FORMATS", "AudioEncoder", "AudioFormat"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from omnirelay.serving.protocol import loads_object
-from omnirelay.serving.vad import VadParams
+from omnirelay.serving.realtime.vad import VadParams
 
 __all__ = [
     "CLIENT_EVENTS",

@@ -3,7 +3,7 @@
 Body: ``input`` (spoken as given; non-empty, at most ``max_input_chars``), ``voice`` (the
 pipeline's own, or an OpenAI name its file maps to one), ``response_format`` (``mp3``, the
 default as OpenAI's, ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``: see
-:mod:`omnirelay.serving.encoding`), ``speed`` (1.0 only), ``stream_format`` (``audio``, or
+:mod:`omnirelay.serving.media.encoding`), ``speed`` (1.0 only), ``stream_format`` (``audio``, or
 ``sse``: OpenAI's ``speech.audio.delta`` / ``speech.audio.done`` events), ``stream: true``
 (as ``stream_format: "audio"``), ``word_timestamps``.
 
@@ -37,10 +37,10 @@ from starlette.responses import Response
 
 from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
-from omnirelay.serving.audio import AudioEmitter, AudioStreamError
-from omnirelay.serving.encoding import FORMATS, AudioEncoder
 from omnirelay.serving.errors import ApiError, request_failed, stream_error_body
 from omnirelay.serving.frontend import Frontend, RequestStream
+from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
+from omnirelay.serving.media.encoding import FORMATS, AudioEncoder
 from omnirelay.serving.protocol import SpeechRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
 

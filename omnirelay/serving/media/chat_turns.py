@@ -1,8 +1,8 @@
 """A user turn that carries audio or images, into the pipeline (docs/protocol.md §1.9, §7.1).
 
 * :func:`decode_turns` — the ``input_audio`` parts of chat turns decoded
-  (:mod:`omnirelay.serving.audio_input`) at :data:`~omnirelay.models.qwen3_omni.audio.AUDIO_INPUT_RATE`,
-  and the ``image_url`` parts (:mod:`omnirelay.serving.image_input`) resized to the
+  (:mod:`omnirelay.serving.media.audio_in`) at :data:`~omnirelay.models.qwen3_omni.audio.AUDIO_INPUT_RATE`,
+  and the ``image_url`` parts (:mod:`omnirelay.serving.media.image_in`) resized to the
   Thinker's image grid (:meth:`~omnirelay.models.qwen3_omni.vision.VisionLayout.fit`), with the
   server's limits over all parts together; 400s name the part.
 * :func:`submit_turns` — decoded turns (text, waveforms at that rate, images) submitted
@@ -34,10 +34,10 @@ import numpy as np
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs, num_audio_tokens
 from omnirelay.models.qwen3_omni.vision import VisionLayout, image_inputs
-from omnirelay.serving.audio_input import AudioInputError, AudioLimits, decode_base64_audio
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend, RequestStream
-from omnirelay.serving.image_input import ImageInputError, ImageLimits, decode_image_url
+from omnirelay.serving.media.audio_in import AudioInputError, AudioLimits, decode_base64_audio
+from omnirelay.serving.media.image_in import ImageInputError, ImageLimits, decode_image_url
 from omnirelay.serving.protocol import AudioPart, ImagePart, Turn
 from omnirelay.serving.text import ChatMLCodec, MediaSlot
 

@@ -104,7 +104,7 @@ class Conversation:
         )
 
     def turns(self, instructions: str) -> list[tuple[str, list[Any]]]:
-        """The prompt's turns as chat input takes them (:mod:`omnirelay.serving.chat_input`):
+        """The prompt's turns as chat input takes them (:mod:`omnirelay.serving.media.chat_turns`):
         ``(role, [text | clip])``; a user's speech is its clip until it has a transcript."""
         out: list[tuple[str, list[Any]]] = [("system", [instructions])] if instructions else []
         for item in self._items.values():
