@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from omnirelay.api import validate_request_id
-from omnirelay.engine.admission import admission_problem
+from omnirelay.engine.intake import admission_problem
 from omnirelay.engine.interfaces import SamplingParams, StageRequest
 from omnirelay.engine.stage_roles import resolve_stage_roles
 from omnirelay.errors import InvalidRequestError

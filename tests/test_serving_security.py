@@ -23,10 +23,10 @@ from websockets.exceptions import InvalidStatus
 from omnirelay.cli.serve import security_limits
 from omnirelay.errors import ConfigError
 from omnirelay.serving import Admission, ServerConfig
-from omnirelay.serving.config import host_of_header
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.protocol import MAX_JSON_DEPTH
 from omnirelay.serving.security import SecurityMiddleware
+from omnirelay.serving.server_config import host_of_header
 from omnirelay.serving.text import ByteCodec
 from tests.serving_support import Served, serve
 

@@ -198,7 +198,7 @@ def test_timestamps_header_fits_or_says_why_not() -> None:
 
 
 def test_openai_voice_map_checks_targets_against_the_servers_voices() -> None:
-    from omnirelay.serving.config import openai_voice_map
+    from omnirelay.serving.server_config import openai_voice_map
 
     voices = ("chelsie", "Ethan")
     assert openai_voice_map({"Alloy": "Chelsie", "echo": "ethan"}, voices, "p.yaml") == {

@@ -18,10 +18,9 @@ import torch
 import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
 from omnirelay.errors import ConfigError, PipelineError
-from omnirelay.orchestrator.control import FrontControl
+from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.pipeline import parse_pipeline
 from omnirelay.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
-from omnirelay.worker.control import ControlPaths, Inbox, WorkerControl
 from omnirelay.worker.factory import build_stage_engine
 from omnirelay.worker.messages import (
     Abort,
@@ -47,6 +46,7 @@ from omnirelay.worker.messages import (
     wire_output,
     wire_request,
 )
+from omnirelay.worker.worker_control import ControlPaths, Inbox, WorkerControl
 
 
 def test_the_worker_process_imports_nothing_of_the_front() -> None:

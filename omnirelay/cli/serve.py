@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omnirelay.pipeline import PipelineConfig
-    from omnirelay.serving.config import ServerConfig
+    from omnirelay.serving.server_config import ServerConfig
 
 #: SmolLM2 -> Piper voice -> PocketSphinx aligner: chat with audio, speech, word timestamps.
 DEFAULT_PIPELINE = "voice-cpu"
@@ -211,7 +211,7 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     and its audio rate (the Piper voice's; otherwise Code2Wav's 24 kHz)."""
     from omnirelay.models import VOICE_EXECUTOR
     from omnirelay.models.voice.piper import voice_alias, voice_sample_rate
-    from omnirelay.serving.config import ServerConfig, openai_voice_map
+    from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 
     config = ServerConfig(**limits)
     for stage in pipeline.stages:

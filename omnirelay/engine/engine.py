@@ -58,8 +58,8 @@ from collections.abc import Callable
 from typing import Any
 
 from omnirelay.connectors.base import Connector
-from omnirelay.engine.admission import admission_problem, stage_sampling
 from omnirelay.engine.generation_scheduler import GenerationScheduler
+from omnirelay.engine.intake import admission_problem, stage_sampling
 from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler

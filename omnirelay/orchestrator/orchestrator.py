@@ -46,7 +46,7 @@ from omnirelay.errors import (
     PipelineError,
     StageDiedError,
 )
-from omnirelay.orchestrator.control import FrontControl
+from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.router import (
     Action,
@@ -59,7 +59,7 @@ from omnirelay.orchestrator.router import (
     StageRelease,
     StageSubmit,
 )
-from omnirelay.orchestrator.stages import (
+from omnirelay.orchestrator.stage_processes import (
     PipelineHealth,
     ShutdownReport,
     StageHealth,
@@ -70,7 +70,7 @@ from omnirelay.orchestrator.stages import (
 from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec
-from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.worker_control import ControlPaths
 
 if TYPE_CHECKING:
     from omnirelay.orchestrator.ray_placement import RayPlacement

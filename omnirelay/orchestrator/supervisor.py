@@ -39,12 +39,12 @@ from typing import Any
 
 from omnirelay.connectors.shm import sweep
 from omnirelay.errors import StageDiedError
-from omnirelay.orchestrator.control import FrontControl
-from omnirelay.orchestrator.stages import StageProcess, StageState, describe_exit
+from omnirelay.orchestrator.front_control import FrontControl
+from omnirelay.orchestrator.stage_processes import StageProcess, StageState, describe_exit
 from omnirelay.pipeline.restart import RestartPolicy
 from omnirelay.worker import WorkerSpec, worker_main
-from omnirelay.worker.control import ControlPaths
 from omnirelay.worker.messages import Shutdown, ToFront
+from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
 

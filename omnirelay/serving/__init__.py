@@ -21,11 +21,11 @@ One file per role:
 
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.app import create_app
-from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server import ServerThread
+from omnirelay.serving.server_config import ServerConfig
 
 __all__ = [
     "Admission",

@@ -43,7 +43,6 @@ from omnirelay.errors import OmniRelayError, StageUnavailableError
 from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving.admission import Admission
 from omnirelay.serving.audit import leak_audit
-from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError, error_body, translate
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.metrics import CONTENT_TYPE, ServerMetrics, live_bytes
@@ -53,6 +52,7 @@ from omnirelay.serving.realtime import session as realtime
 from omnirelay.serving.realtime import ui
 from omnirelay.serving.routes import chat, speech, speech_stream
 from omnirelay.serving.security import SecurityMiddleware
+from omnirelay.serving.server_config import ServerConfig
 from omnirelay.serving.text import TextCodec, codec_for_pipeline
 
 __all__ = ["create_app"]

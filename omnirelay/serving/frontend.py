@@ -27,9 +27,9 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
 from omnirelay.serving.admission import Admission, Slot
-from omnirelay.serving.config import ServerConfig, openai_voice_map
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
+from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 from omnirelay.serving.text import TextCodec
 
 __all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from omnirelay.transfer.adapter import TransferAdapter
 from omnirelay.transfer.budget import ByteBudget
-from omnirelay.transfer.config import (
-    DEFAULT_STALL_TIMEOUT_S,
-    StallTimeoutDisabledWarning,
-    TransferConfig,
-    TransferConfigWarning,
-)
 from omnirelay.transfer.envelope import ChunkEnvelope
 from omnirelay.transfer.events import Admission, ChunkInput, FailureKind, TransferEvents, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import IdMap, key_prefix, make_key
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook
+from omnirelay.transfer.transfer_config import (
+    DEFAULT_STALL_TIMEOUT_S,
+    StallTimeoutDisabledWarning,
+    TransferConfig,
+    TransferConfigWarning,
+)
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",

@@ -39,12 +39,12 @@ from typing import Any
 from omnirelay.connectors.base import Connector
 from omnirelay.errors import TransferError
 from omnirelay.transfer.budget import ByteBudget
-from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.events import Admission, EventBox, TransferEvents, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.receiver import LoadEntry, ReceiveSide
 from omnirelay.transfer.sender import Processor, ReleaseHook, SendSide
+from omnirelay.transfer.transfer_config import TransferConfig
 
 __all__ = ["TransferAdapter"]
 

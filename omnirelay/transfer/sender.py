@@ -28,12 +28,12 @@ from typing import Any, NamedTuple
 from omnirelay.connectors.base import Connector, PutResult
 from omnirelay.ids import request_id_problem
 from omnirelay.transfer.budget import ByteBudget, edge_name
-from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import make_key
 from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.transfer_config import TransferConfig
 from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["BuildRequest", "Processor", "ReleaseHook", "SendSide"]

@@ -29,7 +29,7 @@ def default_registry() -> ComponentRegistry:
     """Every executor and processor a shipped pipeline may name: the toys, and the model
     executors of :mod:`omnirelay.models` (their heavy imports wait for a factory call)."""
     from omnirelay.models.testing.toy import register_toys
-    from omnirelay.processors.stages import register_processors
+    from omnirelay.processors.streams import register_processors
 
     registry = register_toys(ComponentRegistry())
     register_processors(registry.processors)

@@ -43,7 +43,6 @@ from typing import Any
 
 from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput
 from omnirelay.errors import PipelineError
-from omnirelay.worker.control import Inbox
 from omnirelay.worker.messages import (
     Abort,
     HealthReply,
@@ -64,6 +63,7 @@ from omnirelay.worker.messages import (
     wire_output,
 )
 from omnirelay.worker.spec import WorkerSpec
+from omnirelay.worker.worker_control import Inbox
 
 __all__ = ["WorkerLoop", "leak_paths"]
 

@@ -30,10 +30,10 @@ from types import FrameType
 
 from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.errors import ConfigError, PipelineError
-from omnirelay.worker.control import Inbox, WorkerControl, parent_alive
 from omnirelay.worker.loop import WorkerLoop
 from omnirelay.worker.messages import Goodbye, Hello, StartupFailed, ToFront
 from omnirelay.worker.spec import WorkerSpec, load_engine_factory
+from omnirelay.worker.worker_control import Inbox, WorkerControl, parent_alive
 
 __all__ = ["worker_main"]
 

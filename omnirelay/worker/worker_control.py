@@ -10,7 +10,7 @@ removed at close):
 The front binds everything before it spawns the workers, so a worker only connects.
 
 * :class:`ControlPaths` — the directory and the per-stage addresses (plain data, sent to
-  the workers; the front side, :class:`omnirelay.orchestrator.control.FrontControl`,
+  the workers; the front side, :class:`omnirelay.orchestrator.front_control.FrontControl`,
   binds them).
 * :class:`WorkerControl` — worker side, plain blocking zmq: a receive thread feeds an
   :class:`Inbox` and wakes the engine; ``send(message)`` from the engine thread.

@@ -1,7 +1,7 @@
 """The control plane, front side: the orchestrator's ends of every stage's socket pair.
 
-:class:`FrontControl` binds the addresses of :class:`~omnirelay.worker.control.ControlPaths`
-(the topology is described in :mod:`omnirelay.worker.control`) before the workers are
+:class:`FrontControl` binds the addresses of :class:`~omnirelay.worker.worker_control.ControlPaths`
+(the topology is described in :mod:`omnirelay.worker.worker_control`) before the workers are
 spawned. Plain zmq sockets used from the orchestrator's event-loop thread only:
 non-blocking sends; the loop watches each event socket's descriptor
 (:meth:`FrontControl.fileno`) and takes what is queued with
@@ -22,8 +22,8 @@ from typing import cast
 import zmq
 
 from omnirelay.errors import PipelineError
-from omnirelay.worker.control import ControlPaths
 from omnirelay.worker.messages import ToFront, ToWorker, decode_to_front, encode_message
+from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["FrontControl"]
 
