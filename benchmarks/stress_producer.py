@@ -56,7 +56,7 @@ from benchmarks.stress_plan import (
 from benchmarks.tracing import TracingConnector
 from omnirelay.connectors import create_connector
 from omnirelay.connectors.shm import sweep
-from omnirelay.transfer import Admission, TransferAdapter, TransferConfig, key_prefix, make_key
+from omnirelay.transfer import SaveResult, TransferAdapter, TransferConfig, key_prefix, make_key
 
 __all__ = ["StressTimeout", "producer_main", "run_control_reader"]
 
@@ -222,7 +222,7 @@ class Producer:
             # save_async returns here.
             self.armed[armed] = threading.Event()
         admission = self.adapter.save_async(req.iid, req.plan.ext, payload, is_finished=last)
-        if admission is not Admission.ENQUEUED:
+        if admission is not SaveResult.ENQUEUED:
             if armed is not None:
                 del self.armed[armed]
             self.report.problems.append(f"{req.plan.ext} gen {req.gen} chunk {n}: save_async {admission}")

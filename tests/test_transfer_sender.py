@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.transfer import Admission, BuildRequest, ChunkEnvelope, FailureKind, key_prefix
+from omnirelay.transfer import BuildRequest, ChunkEnvelope, FailureKind, SaveResult, key_prefix
 from omnirelay.transfer.wakeup import Parker
 from tests.transfer_fakes import (
     GATE_TIMEOUT_S,
@@ -45,7 +45,7 @@ def test_abort_during_inflight_put_returns_at_once_and_reclaims() -> None:
     with make_pipeline() as p:
         gate = Gate("put R_0_0")
         p.send_conn.put_gates["R_0_0"] = gate
-        assert p.sender.save_async("r1", "R", {"data": b"x" * 100}) is Admission.ENQUEUED
+        assert p.sender.save_async("r1", "R", {"data": b"x" * 100}) is SaveResult.ENQUEUED
         gate.wait_started()
         p.sender.finish_requests(["r1"])  # the abort
         p.store.note("abort_returned")
@@ -118,7 +118,7 @@ def test_reuse_while_draining_is_rejected_with_a_reason() -> None:
         gate.wait_started()
         p.sender.finish_requests(["a1"])
         assert not p.sender.has_active_sender("R") and p.sender.is_draining("R")
-        assert p.sender.save_async("b1", "R", {"gen": "B"}) is Admission.REJECTED
+        assert p.sender.save_async("b1", "R", {"gen": "B"}) is SaveResult.REJECTED
         (failure,) = p.sender.poll_events().failed
         assert failure.internal_id == "b1" and failure.external_id == "R"
         assert failure.kind is FailureKind.REUSE_REJECTED and "still drains" in failure.reason
@@ -129,7 +129,7 @@ def test_reuse_while_draining_is_rejected_with_a_reason() -> None:
         assert not p.sender.is_draining("R")
         p.sender.finish_requests(["b1"])  # the scheduler fails the rejected request
         # Once A is released, B is admitted and reads back fine.
-        assert p.sender.save_async("b2", "R", {"gen": "B"}, is_finished=True) is Admission.ENQUEUED
+        assert p.sender.save_async("b2", "R", {"gen": "B"}, is_finished=True) is SaveResult.ENQUEUED
         (chunk,) = read_chunks(p, "rb", "R", 1)
         assert chunk.payload["gen"] == "B"
         p.receiver.finish_requests(["rb"])
@@ -146,7 +146,7 @@ def test_old_generation_cleanup_runs_before_new_generation_put() -> None:
         p.sender.finish_requests(["a1"])  # retires A: cleanup of R_0_0 queued on lane R
         cleanup_gate.wait_started()
         # A's token is gone, so B is admitted at once, but its put queues behind the cleanup.
-        assert p.sender.save_async("b1", "R", {"gen": "B"}, is_finished=True) is Admission.ENQUEUED
+        assert p.sender.save_async("b1", "R", {"gen": "B"}, is_finished=True) is SaveResult.ENQUEUED
         assert p.store.log.count("put_start:R_0_0") == 1
         cleanup_gate.release()
         # Register downstream only once B is out: a receiver registered earlier could read
@@ -225,7 +225,7 @@ def test_failed_terminal_is_cleaned_even_if_the_backend_created_it(mode: str) ->
         gen = p.sender.sender_generation("R")
         assert gen is not None and gen["has_failed"] and not gen["terminal_pending"]  # fence released
         assert p.store.live_keys() == ["R_0_0", "R_0_1"]  # the backend did create it
-        assert p.sender.save_async("r1", "R", {"late": 1}) is Admission.REJECTED
+        assert p.sender.save_async("r1", "R", {"late": 1}) is SaveResult.REJECTED
         p.sender.finish_requests(["r1"])  # the scheduler acts on the failure
         assert p.sender.flush()
         assert "cleanup:R_0_1" in p.store.log and "cleanup:R_0_0" in p.store.log
@@ -422,7 +422,7 @@ def test_send_workers_are_woken_only_once_the_sender_lock_is_released(monkeypatc
             return len(lanes._parked) == lanes.stats()["num_workers"]
 
         wait_until(all_parked, "every send worker parked")
-        assert p.sender.save_async("a", "A", {"x": 1}) is Admission.ENQUEUED
+        assert p.sender.save_async("a", "A", {"x": 1}) is SaveResult.ENQUEUED
         assert p.sender.flush()
         wait_until(all_parked, "the worker parked again")
         p.sender.finish_requests(["a"])  # retires A's generation: its cleanup task is queued
@@ -488,18 +488,18 @@ def test_admission_drops_stale_chunks_and_refuses_bad_ones() -> None:
         s = p.sender
         gate = Gate("terminal put")
         p.send_conn.put_gates["R_0_2"] = gate  # keeps the generation alive while we probe it
-        assert s.save_async("r1", "R", {"c": 0}, num_confirmed_tokens=10) is Admission.ENQUEUED
-        assert s.save_async("r1", "R", {"c": 1}, num_confirmed_tokens=5) is Admission.DROPPED  # preempted
+        assert s.save_async("r1", "R", {"c": 0}, num_confirmed_tokens=10) is SaveResult.ENQUEUED
+        assert s.save_async("r1", "R", {"c": 1}, num_confirmed_tokens=5) is SaveResult.DROPPED  # preempted
         assert (
             s.save_async("r1", "R", {"c": 1}, is_segment_finished=True, segment_generation=0)
-            is Admission.ENQUEUED
+            is SaveResult.ENQUEUED
         )
-        assert s.save_async("r1", "R", {"late": 1}, segment_generation=0) is Admission.DROPPED
-        assert s.save_async("x1", "R", {"c": 2}) is Admission.REJECTED  # in use by r1
-        assert s.save_async("r1", "R", None, is_finished=True, segment_generation=1) is Admission.ENQUEUED
+        assert s.save_async("r1", "R", {"late": 1}, segment_generation=0) is SaveResult.DROPPED
+        assert s.save_async("x1", "R", {"c": 2}) is SaveResult.REJECTED  # in use by r1
+        assert s.save_async("r1", "R", None, is_finished=True, segment_generation=1) is SaveResult.ENQUEUED
         gate.wait_started()
-        assert s.save_async("r1", "R", {"after": 1}) is Admission.REJECTED  # after the terminal
-        assert s.save_async("r2", "", {"c": 0}) is Admission.REJECTED  # not a usable id
+        assert s.save_async("r1", "R", {"after": 1}) is SaveResult.REJECTED  # after the terminal
+        assert s.save_async("r2", "", {"c": 0}) is SaveResult.REJECTED  # not a usable id
         failed = collect(s, failed_for("x1", "r1", "r2")).failed
         reasons = {f.internal_id: f.reason for f in failed}
         assert "in use by request 'r1'" in reasons["x1"]

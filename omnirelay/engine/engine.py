@@ -70,9 +70,9 @@ from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
 from omnirelay.transfer import (
-    Admission,
     Processor,
     ReleaseHook,
+    SaveResult,
     TransferAdapter,
     TransferConfig,
     TransferEvents,
@@ -481,7 +481,7 @@ class StageEngine:
         )
         if not is_terminal:
             return None  # a rejection is recorded as a failure: the next tick fails the request
-        if admission is Admission.ENQUEUED:
+        if admission is SaveResult.ENQUEUED:
             # Its retirement, reported at the earliest by the next poll, drops the entry.
             self._sending[ext] = request.internal_id
             return None

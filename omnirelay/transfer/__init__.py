@@ -19,7 +19,7 @@ from __future__ import annotations
 from omnirelay.transfer.adapter import TransferAdapter
 from omnirelay.transfer.budget import ByteBudget
 from omnirelay.transfer.envelope import ChunkEnvelope
-from omnirelay.transfer.events import Admission, ChunkInput, FailureKind, TransferEvents, TransferFailure
+from omnirelay.transfer.events import ChunkInput, FailureKind, SaveResult, TransferEvents, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import IdMap, key_prefix, make_key
 from omnirelay.transfer.lanes import LaneExecutor
@@ -33,7 +33,6 @@ from omnirelay.transfer.transfer_config import (
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
-    "Admission",
     "BuildRequest",
     "ByteBudget",
     "CancelAction",
@@ -44,6 +43,7 @@ __all__ = [
     "LaneExecutor",
     "Processor",
     "ReleaseHook",
+    "SaveResult",
     "SenderGeneration",
     "StallTimeoutDisabledWarning",
     "TransferAdapter",

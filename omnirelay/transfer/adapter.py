@@ -3,7 +3,7 @@
 Scheduler surface (all non-blocking, no I/O; docs/design.md §7 — the scheduler stays a pure state
 machine that feeds commands in and drains plain data out):
 
-* ``save_async(internal_id, external_id, output, ...) -> Admission`` — enqueue one chunk.
+* ``save_async(internal_id, external_id, output, ...) -> SaveResult`` — enqueue one chunk.
 * ``load_async(internal_id, external_id) -> bool`` (alias ``request_chunk``) — wait for the
   request's next chunk; False when it is a no-op (already waiting, chunk ready, exhausted).
 * ``poll_events() -> TransferEvents`` — ready chunks (ownership handed over), failures,
@@ -39,7 +39,7 @@ from typing import Any
 from omnirelay.connectors.base import Connector
 from omnirelay.errors import TransferError
 from omnirelay.transfer.budget import ByteBudget
-from omnirelay.transfer.events import Admission, EventBox, TransferEvents, TransferFailure
+from omnirelay.transfer.events import EventBox, SaveResult, TransferEvents, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from omnirelay.transfer.lanes import LaneExecutor
 from omnirelay.transfer.receiver import LoadEntry, ReceiveSide
@@ -141,7 +141,7 @@ class TransferAdapter:
         is_segment_finished: bool = False,
         num_confirmed_tokens: int | None = None,
         segment_generation: int | None = None,
-    ) -> Admission:
+    ) -> SaveResult:
         """Enqueue one chunk of ``external_id`` (scheduler thread; never blocks on I/O).
 
         ``is_finished`` marks the request's terminal chunk (end of stream downstream);

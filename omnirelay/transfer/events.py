@@ -6,7 +6,7 @@
 * :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,
   stall timeouts, and the external ids whose sender generation retired with its keys
   reclaimed (how a stage learns that a release by id may complete).
-* :class:`Admission` — the value ``save_async`` returns.
+* :class:`SaveResult` — the value ``save_async`` returns.
 * :class:`EventBox` — the thread-safe mailbox the background threads fill.
 
 Failures are kept twice: by internal id for the stage scheduler (drained by
@@ -33,10 +33,10 @@ from omnirelay.errors import (
     TransferError,
 )
 
-__all__ = ["Admission", "ChunkInput", "EventBox", "FailureKind", "TransferEvents", "TransferFailure"]
+__all__ = ["ChunkInput", "EventBox", "FailureKind", "SaveResult", "TransferEvents", "TransferFailure"]
 
 
-class Admission(enum.Enum):
+class SaveResult(enum.Enum):
     """What ``save_async`` did with a chunk."""
 
     ENQUEUED = "enqueued"

@@ -29,7 +29,7 @@ from omnirelay.connectors.base import Connector, PutResult
 from omnirelay.ids import request_id_problem
 from omnirelay.transfer.budget import ByteBudget, edge_name
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
-from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.events import EventBox, FailureKind, SaveResult, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import make_key
 from omnirelay.transfer.lanes import LaneExecutor
@@ -144,13 +144,13 @@ class SendSide:
         is_segment_finished: bool,
         num_confirmed_tokens: int | None,
         segment_generation: int | None,
-    ) -> Admission:
+    ) -> SaveResult:
         """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
             problem = request_id_problem(external_id, "external request id")
             if problem is not None:
                 self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, problem)
-                return Admission.REJECTED
+                return SaveResult.REJECTED
         failure: _Failure | None = None
         wakes: list[Parker] = []
         with self._lock:
@@ -176,7 +176,7 @@ class SendSide:
                     )
                 elif segment_generation is not None and segment_generation < g.segment_generation:
                     self._counts["num_dropped"] += 1
-                    return Admission.DROPPED
+                    return SaveResult.DROPPED
                 elif (
                     not is_segment_finished
                     and num_confirmed_tokens is not None
@@ -184,7 +184,7 @@ class SendSide:
                     and num_confirmed_tokens < g.watermark
                 ):
                     self._counts["num_dropped"] += 1  # preempted request recomputing sent tokens
-                    return Admission.DROPPED
+                    return SaveResult.DROPPED
             if failure is None:
                 if g is None:
                     g = self._gens[external_id] = SenderGeneration(external_id, internal_id)
@@ -205,8 +205,8 @@ class SendSide:
         wake_all(wakes)  # outside the lock, which the woken worker's task takes first
         if failure is not None:
             self._record(internal_id, external_id, *failure)
-            return Admission.REJECTED
-        return Admission.ENQUEUED
+            return SaveResult.REJECTED
+        return SaveResult.ENQUEUED
 
     def has_active_sender(self, external_id: str) -> bool:
         with self._lock:
