@@ -12,7 +12,7 @@ import torch
 
 from omnirelay.errors import ConfigError
 from omnirelay.models import format_chat_prompt
-from omnirelay.serving import Admission, ApiError, AudioEmitter, OutputKind, ServerConfig
+from omnirelay.serving import AdmissionGate, ApiError, AudioEmitter, OutputKind, ServerConfig
 from omnirelay.serving.media.audio_out import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest, check_request_id, parse
 from omnirelay.serving.routes.chat import StopMatcher
@@ -163,7 +163,7 @@ def test_request_ids_from_clients_are_checked() -> None:
 
 
 def test_admission_limits_and_releases() -> None:
-    adm = Admission(2, retry_after_s=3)
+    adm = AdmissionGate(2, retry_after_s=3)
     a, b = adm.acquire(), adm.acquire()
     err = _error(adm.acquire)
     assert err.status == 429 and err.headers == {"Retry-After": "3"} and adm.num_rejected == 1
@@ -173,7 +173,7 @@ def test_admission_limits_and_releases() -> None:
     b.release()
     c.release()
     assert adm.num_active == 0
-    budget = Admission(5, max_live_bytes=100)
+    budget = AdmissionGate(5, max_live_bytes=100)
     budget.live_bytes = 101
     assert "budget of 100" in _error(budget.acquire).message
 

@@ -19,7 +19,7 @@ One file per role:
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="-").chat.completions.create(...)
 """
 
-from omnirelay.serving.admission import Admission
+from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.app import create_app
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
@@ -28,7 +28,7 @@ from omnirelay.serving.server import ServerThread
 from omnirelay.serving.server_config import ServerConfig
 
 __all__ = [
-    "Admission",
+    "AdmissionGate",
     "ApiError",
     "AudioEmitter",
     "OutputKind",

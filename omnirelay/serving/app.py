@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from omnirelay.api import Pipeline
 from omnirelay.errors import OmniRelayError, StageUnavailableError
 from omnirelay.orchestrator import PipelineHealth
-from omnirelay.serving.admission import Admission
+from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.audit import leak_audit
 from omnirelay.serving.errors import ApiError, error_body, translate
 from omnirelay.serving.frontend import Frontend
@@ -77,7 +77,7 @@ def create_app(
     config: ServerConfig | None = None,
     *,
     codec: TextCodec | None = None,
-    admission: Admission | None = None,
+    admission: AdmissionGate | None = None,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
     """The app serving ``pipeline``. ``codec`` (default: from stage 0's executor),

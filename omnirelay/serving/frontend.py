@@ -26,7 +26,7 @@ from omnirelay.api import Pipeline
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
-from omnirelay.serving.admission import Admission, Slot
+from omnirelay.serving.admission import AdmissionGate, Slot
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server_config import ServerConfig, openai_voice_map
@@ -134,13 +134,13 @@ class Frontend:
         config: ServerConfig,
         codec: TextCodec,
         *,
-        admission: Admission | None = None,
+        admission: AdmissionGate | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
         self.codec = codec
-        self.admission = admission or Admission(
+        self.admission = admission or AdmissionGate(
             config.max_concurrency, max_live_bytes=config.max_live_bytes, retry_after_s=config.retry_after_s
         )
         self.metrics = metrics or ServerMetrics(config.latency_buckets_s)
