@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     chat: list[int] = []
     if not toy:
-        from omnirelay.models import encode_chat_prompt, load_tokenizer
+        from omnirelay.models.qwen3_omni import encode_chat_prompt, load_tokenizer
 
         chat = encode_chat_prompt(load_tokenizer(tiny=True, seed=0), "Hello, who are you?")
     plan = []

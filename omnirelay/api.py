@@ -46,6 +46,7 @@ from omnirelay.errors import (
     StageUnavailableError,
 )
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
+from omnirelay.models.family import Announce, PromptSide, quiet
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
 from omnirelay.orchestrator.router import (
@@ -64,6 +65,7 @@ __all__ = [
     "Pipeline",
     "RestartPolicy",
     "chat_tokenizer",
+    "prompt_side",
     "validate_request_id",
 ]
 
@@ -113,17 +115,28 @@ def chat_tokenizer(
     converted checkpoint) is made first and cached. Raises :class:`ConfigError` when that
     stage is not a text model.
     """
-    from omnirelay.models import encode_chat_prompt, stage_tokenizer
-
     config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
-    stage = config.stages[config.prompt_stage_id]
-    tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
-    if tokenizer is None:
+    prompts = prompt_side(config)
+    if prompts is None:
+        stage = config.stages[config.prompt_stage_id]
         raise ConfigError(
             f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni "
             "Thinker nor SmolLM2: it has no chat tokenizer; pass prompt_token_ids to submit() instead"
         )
-    return functools.partial(encode_chat_prompt, tokenizer, system=system)
+    return functools.partial(prompts.encode_prompt, system=system)
+
+
+def prompt_side(
+    pipeline: str | os.PathLike[str] | PipelineConfig, *, announce: Announce | None = None
+) -> PromptSide | None:
+    """The prompt side of ``pipeline``'s prompt stage (chat and speech prompts, media
+    placeholders, detokenizing) when it runs a text model, else None. Its tokenizer is
+    loaded now, in this process; what it needs first is made ready, each step inside
+    ``announce(label, done=...)`` (a progress report; default: silent)."""
+    from omnirelay import models
+
+    config = pipeline if isinstance(pipeline, PipelineConfig) else load_pipeline(pipeline)
+    return models.prompt_side(config, announce=announce or quiet)
 
 
 class Pipeline:
@@ -146,6 +159,9 @@ class Pipeline:
         self._thread = thread
         self._tokenizer = tokenizer
         self._precheck = Router(orchestrator.config)  # pure queries only (plan, checks)
+        self._prompt_lock = threading.Lock()
+        self._prompt_side: PromptSide | None = None
+        self._has_prompt_side = False
         self._lock = threading.Lock()
         self._active: set[str] = set()
         self._is_closed = False
@@ -205,11 +221,9 @@ class Pipeline:
             # Models that need work on first use (SmolLM2's conversion) are made ready once,
             # here, before the workers start: not by several workers racing, and not inside
             # the startup timeout, which then covers loading only.
-            from contextlib import nullcontext
+            from omnirelay.models import prepare_models
 
-            from omnirelay.models import prepare_stage_models
-
-            prepare_stage_models(config.stages, lambda label: nullcontext())
+            prepare_models(config.stages)
         if input_builders is None:
             from omnirelay.orchestrator.input_builders import build_input_builders
 
@@ -241,6 +255,15 @@ class Pipeline:
         return await asyncio.to_thread(cls.start, pipeline, **kwargs)
 
     # -- properties ----------------------------------------------------------------------------
+
+    def prompt_side(self) -> PromptSide | None:
+        """The prompt side of the prompt stage (:func:`prompt_side`), loaded on first call
+        and kept; None when that stage is not a text model."""
+        with self._prompt_lock:
+            if not self._has_prompt_side:
+                self._prompt_side = prompt_side(self.config)
+                self._has_prompt_side = True
+            return self._prompt_side
 
     @property
     def config(self) -> PipelineConfig:

@@ -12,7 +12,7 @@ import torch
 
 from omnirelay.engine.interfaces import Executor
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint
+from omnirelay.models.qwen3_omni import Checkpoint
 from omnirelay.models.qwen3_omni.code2wav import (
     SAMPLE_RATE,
     Code2WavExecutor,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt, register_executors
+from omnirelay.models import register_executors
+from omnirelay.models.qwen3_omni import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt
 from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor, measure_receptive_field
 from omnirelay.models.qwen3_omni.talker import TalkerExecutor
 from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor

@@ -12,7 +12,7 @@ import torch
 
 from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
 from omnirelay.models.qwen3_omni.loader import ModelArgs
 from omnirelay.models.qwen3_omni.talker import TalkerExecutor
 from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
 from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
 from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.talker import TalkerExecutor

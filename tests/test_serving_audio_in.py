@@ -19,16 +19,12 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import BatchItem, SamplingParams
-from omnirelay.models.qwen3_omni.audio import (
-    AUDIO_INPUT_RATE,
-    QwenAudioEncoder,
-    audio_inputs,
-    num_audio_tokens,
-)
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder, num_audio_tokens
+from omnirelay.models.qwen3_omni.prompt import AUDIO_PAD
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.media.audio_in import PCM16_RATE
 from omnirelay.serving.media.audio_out import pcm16, wav_header
-from omnirelay.serving.text import AUDIO_PAD
 from tests.serving_support import Served, chat_stream_audio, serve
 
 MODEL = "qwen3-omni-tiny"

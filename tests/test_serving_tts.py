@@ -19,9 +19,9 @@ import httpx
 import pytest
 import websockets
 
+from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.media.audio_out import parse_wav
-from omnirelay.serving.text import ChatMLCodec
 from tests.serving_support import Served, serve
 
 MODEL = "qwen3-tts-aligner-tiny"
@@ -116,7 +116,7 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
 
 def test_text_conditioner_speaks_the_user_turn() -> None:
     from omnirelay.errors import ModelError
-    from omnirelay.models import load_tokenizer
+    from omnirelay.models.qwen3_omni import load_tokenizer
     from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
     from omnirelay.models.qwen3_omni.talker import TalkerSpec, TextConditioner
 
@@ -124,7 +124,7 @@ def test_text_conditioner_speaks_the_user_turn() -> None:
     spec = TalkerSpec.from_config(checkpoint.config)
     cond = TextConditioner.from_checkpoint(checkpoint, spec)
     tok = load_tokenizer(tiny=True)
-    prompt = ChatMLCodec(tok).encode_speech("Good morning.")
+    prompt = QwenPromptSide(tok).encode_speech("Good morning.")
     spoken = cond.spoken_ids(prompt)
     assert tok.decode(spoken) == "Good morning."
     chunk = cond.chunk(prompt, "r")

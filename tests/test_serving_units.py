@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from omnirelay.errors import ConfigError
-from omnirelay.models import format_chat_prompt
+from omnirelay.models.qwen3_omni.prompt import format_chat, format_chat_prompt
 from omnirelay.serving import AdmissionGate, ApiError, AudioEmitter, OutputKind, ServerConfig
 from omnirelay.serving.media.audio_out import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest, check_request_id, parse
 from omnirelay.serving.routes.chat import StopMatcher
 from omnirelay.serving.routes.speech import timestamps_header
 from omnirelay.serving.routes.speech_stream import split_text
-from omnirelay.serving.text import ByteCodec, format_chat
+from omnirelay.serving.text import ByteCodec
 
 # ------------------------------------------------------------------ docs/protocol.md §7.3 emission
 

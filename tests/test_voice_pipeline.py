@@ -29,9 +29,9 @@ from omnirelay.api import Pipeline
 from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import StageUnavailableError
-from omnirelay.models import encode_chat_prompt, stage_tokenizer
+from omnirelay.models import prompt_side
 from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
-from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
@@ -69,9 +69,9 @@ def srv(served: Served) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[int]:
-    config = load_pipeline(DEFAULT_PIPELINE)
-    stage = config.stages[config.prompt_stage_id]
-    return encode_chat_prompt(stage_tokenizer(stage.executor, stage.executor_args), PROMPT)
+    prompts = prompt_side(load_pipeline(DEFAULT_PIPELINE))
+    assert prompts is not None
+    return prompts.encode_prompt(PROMPT)
 
 
 def _answer(pipe: Pipeline, prompt_ids: list[int]) -> list[RequestOutput]:

@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.api import Pipeline
 from omnirelay.errors import OmniRelayError, StageUnavailableError
+from omnirelay.models.family import PromptSide
 from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.audit import leak_audit
@@ -53,7 +54,7 @@ from omnirelay.serving.realtime import ui
 from omnirelay.serving.routes import chat, speech, speech_stream
 from omnirelay.serving.security import SecurityMiddleware
 from omnirelay.serving.server_config import ServerConfig
-from omnirelay.serving.text import TextCodec, codec_for_pipeline
+from omnirelay.serving.text import prompt_side_for
 
 __all__ = ["create_app"]
 
@@ -76,16 +77,14 @@ def create_app(
     pipeline: Pipeline,
     config: ServerConfig | None = None,
     *,
-    codec: TextCodec | None = None,
+    prompts: PromptSide | None = None,
     admission: AdmissionGate | None = None,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
-    """The app serving ``pipeline``. ``codec`` (default: from stage 0's executor),
+    """The app serving ``pipeline``. ``prompts`` (default: the pipeline's prompt side),
     ``admission`` and ``metrics`` are injectable (tests hold slots, read counters)."""
     cfg = config or ServerConfig()
-    fe = Frontend(
-        pipeline, cfg, codec or codec_for_pipeline(pipeline.config), admission=admission, metrics=metrics
-    )
+    fe = Frontend(pipeline, cfg, prompts or prompt_side_for(pipeline), admission=admission, metrics=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

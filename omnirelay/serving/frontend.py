@@ -25,12 +25,12 @@ import msgspec
 from omnirelay.api import Pipeline
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import OmniRelayError, RequestFailedError
+from omnirelay.models.family import PromptSide
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
 from omnirelay.serving.admission import AdmissionGate, Slot
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server_config import ServerConfig, openai_voice_map
-from omnirelay.serving.text import TextCodec
 
 __all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]
 
@@ -132,14 +132,15 @@ class Frontend:
         self,
         pipeline: Pipeline,
         config: ServerConfig,
-        codec: TextCodec,
+        prompts: PromptSide,
         *,
         admission: AdmissionGate | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
-        self.codec = codec
+        #: the prompt stage's prompt side (chat and speech prompts, media, detokenizing)
+        self.prompts = prompts
         self.admission = admission or AdmissionGate(
             config.max_concurrency, max_live_bytes=config.max_live_bytes, retry_after_s=config.retry_after_s
         )
@@ -309,9 +310,9 @@ class Frontend:
     def submit_speech(
         self, *, endpoint: str, text: str, modalities: Sequence[str], request_id: str, extras: dict[str, Any]
     ) -> RequestStream:
-        """A speech request for ``text``: the codec's prompt, full input and answer length
-        (:class:`~omnirelay.serving.text.SpeechPrompt`), then :meth:`submit`."""
-        prompt = self.codec.speech_prompt(text)
+        """A speech request for ``text``: the prompt side's prompt, full input and answer length
+        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
+        prompt = self.prompts.speech_prompt(text)
         sampling = None
         if prompt.max_tokens is not None:
             base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])

@@ -59,14 +59,17 @@ def build_stage_engine(
 def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:
     """The pipeline with stage ``stage_id``'s ``devices`` handed to its model executor.
 
-    A Qwen3-Omni executor places its model by ``executor_args.device``; a stage that names
-    ``devices`` (``cuda:1``) and no ``executor_args.device`` gets ``device: <devices>``.
-    An explicit ``executor_args.device`` wins; other executors (toys) are left alone.
+    An executor that loads from a checkpoint (Qwen3-Omni's) places its model by
+    ``executor_args.device``; a stage that names ``devices`` (``cuda:1``) and no
+    ``executor_args.device`` gets ``device: <devices>``. An explicit
+    ``executor_args.device`` wins; other executors (toys) are left alone.
     """
-    from omnirelay.models import EXECUTOR_NAMES
+    from omnirelay.models import family_of
 
     stage = pipeline.stage(stage_id)
-    if stage.devices is None or stage.executor not in EXECUTOR_NAMES or "device" in stage.executor_args:
+    family = family_of(stage.executor)
+    takes_device = family is not None and family.checkpoints is not None
+    if stage.devices is None or not takes_device or "device" in stage.executor_args:
         return pipeline
     placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
     stages = tuple(placed if s.id == stage.id else s for s in pipeline.stages)

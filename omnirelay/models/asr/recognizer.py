@@ -19,12 +19,11 @@ from typing import Any
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
+from omnirelay.models.asr import RECOGNIZER_EXECUTOR
 from omnirelay.models.asr.sphinx import Recognizer
-from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, read_audio_inputs
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, read_audio_inputs
 
 __all__ = ["RECOGNIZER_EXECUTOR", "SphinxRecognizerExecutor", "create_sphinx_recognizer"]
-
-RECOGNIZER_EXECUTOR = "asr.pocketsphinx"
 
 
 class SphinxRecognizerExecutor:

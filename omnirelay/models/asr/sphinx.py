@@ -31,6 +31,7 @@ import numpy as np
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
+from omnirelay.models.asr import SPHINX_ALIGNER_EXECUTOR
 from omnirelay.models.asr.vad_aligner import align_words
 from omnirelay.models.voice.phonemizer import Phonemizer
 from omnirelay.models.voice.spoken import spoken_tokens
@@ -46,7 +47,6 @@ __all__ = [
     "word_error_rate",
 ]
 
-SPHINX_ALIGNER_EXECUTOR = "aligner.pocketsphinx"
 #: The acoustic model's sample rate.
 SPHINX_RATE = 16_000
 _FRAME_MS = 10  # one feature frame

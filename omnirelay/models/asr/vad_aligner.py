@@ -32,10 +32,10 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
+from omnirelay.models.asr import ALIGNER_EXECUTOR
 
 __all__ = ["ALIGNER_EXECUTOR", "VadAligner", "align_words", "create_aligner", "voiced_regions"]
 
-ALIGNER_EXECUTOR = "aligner.vad"
 
 FRAME_MS = 20
 MERGE_GAP_MS = 120

@@ -1,15 +1,7 @@
-"""A request's audio input, as the stage that hears it receives it (docs/protocol.md §1.9).
+"""Qwen3-Omni's audio encoder: how many audio tokens a clip takes, and clips → embeddings.
 
-The contract of a request's audio on its way into a pipeline: the entry stage's full
-input (``inputs``) is ``{"audio": [clip, ...], "sample_rate": AUDIO_INPUT_RATE}``, each
-clip a 1-D float32 mono waveform at :data:`AUDIO_INPUT_RATE` (16 kHz, the rate of both
-Qwen3-Omni's audio encoder and PocketSphinx's acoustic model), in the order the clips
-appear in the conversation.
+A request's clips arrive as :mod:`omnirelay.models.inputs` says (16 kHz mono float32).
 
-* :func:`audio_inputs` — that mapping from waveforms (the serving layer builds it).
-* :func:`read_audio_inputs` — the clips of an entry stage's ``inputs`` (an empty list when
-  the request carries none), checked: a stage given something else fails the request
-  with a message that names the contract.
 * :func:`num_audio_tokens` — how many ``<|audio_pad|>`` positions Qwen3-Omni's audio
   encoder fills for a clip of ``num_samples`` samples (the prompt reserves exactly that
   many; :class:`QwenAudioEncoder` checks it).
@@ -20,60 +12,26 @@ appear in the conversation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from omnirelay.errors import ModelError
+from omnirelay.models.inputs import AUDIO_INPUT_RATE
 
 __all__ = [
-    "AUDIO_INPUT_RATE",
     "QwenAudioEncoder",
-    "audio_inputs",
     "num_audio_tokens",
-    "read_audio_inputs",
 ]
 
-#: The rate of every clip of a request's audio input.
-AUDIO_INPUT_RATE = 16_000
 #: Whisper-style features: a 25 ms window every 10 ms at 16 kHz.
 _HOP = 160
 _N_FFT = 400
 #: the shortest clip the features are computed on (shorter ones are zero-padded): the
 #: STFT's reflection padding needs more samples than half its window
 _MIN_FRAMES = 3
-
-
-def audio_inputs(clips: Sequence[Any]) -> dict[str, Any]:
-    """The entry stage's ``inputs`` for ``clips`` (float32 mono at :data:`AUDIO_INPUT_RATE`)."""
-    return {
-        "audio": [torch.as_tensor(np.asarray(c, dtype=np.float32)).reshape(-1) for c in clips],
-        "sample_rate": AUDIO_INPUT_RATE,
-    }
-
-
-def read_audio_inputs(inputs: Any, who: str) -> list[torch.Tensor]:
-    """The audio clips of an entry stage's ``inputs`` (see the module docstring); ``[]``
-    when it carries none. ``who`` names the stage and request in errors."""
-    if not isinstance(inputs, Mapping) or "audio" not in inputs:
-        return []
-    clips = inputs["audio"]
-    rate = inputs.get("sample_rate")
-    if rate != AUDIO_INPUT_RATE:
-        raise ModelError(f"{who}: audio input at {rate!r} Hz; the contract is {AUDIO_INPUT_RATE} Hz mono")
-    if not isinstance(clips, list | tuple):
-        raise ModelError(f"{who}: inputs['audio'] must be a list of waveforms, got {type(clips).__name__}")
-    out = []
-    for i, clip in enumerate(clips):
-        t = torch.as_tensor(clip)
-        if t.dim() != 1 or t.numel() == 0 or not t.is_floating_point():
-            raise ModelError(
-                f"{who}: audio clip {i} must be a non-empty 1-D float waveform, got shape {tuple(t.shape)}"
-            )
-        out.append(t.to(torch.float32))
-    return out
 
 
 def _conv_out(n: int) -> int:

@@ -379,7 +379,7 @@ class TalkerExecutor:
         if start is None:
             raise ModelError(
                 f"request {rid!r}: the Thinker prompt has no '<|im_start|>assistant' turn; the Talker needs the "
-                "chat layout (see omnirelay.models.tokenizer.encode_chat_prompt)"
+                "chat layout (see omnirelay.models.qwen3_omni.prompt.format_chat)"
             )
         speaker = (chunk.speaker or DEFAULT_SPEAKER).lower()
         if speaker not in spec.speaker_ids:

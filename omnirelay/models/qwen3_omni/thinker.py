@@ -27,7 +27,7 @@ decode), on the CPU. Two ways to run the model, chosen by ``executor_args.runner
   decode steps replayed from CUDA graphs captured at startup.
 
 Audio input (docs/protocol.md §1.9): a request whose ``inputs`` carry audio clips
-(:func:`~omnirelay.models.qwen3_omni.audio.read_audio_inputs`) has them encoded once, on its first
+(:func:`~omnirelay.models.inputs.read_audio_inputs`) has them encoded once, on its first
 prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.qwen3_omni.audio.QwenAudioEncoder`);
 the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in order,
 the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
@@ -57,8 +57,10 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
+from omnirelay.models.detokenizer import IncrementalDetokenizer
+from omnirelay.models.inputs import read_audio_inputs, read_image_inputs
 from omnirelay.models.kv import KVPool, cache_keyword
-from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder, read_audio_inputs
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder
 from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.vision import (
     ImageEmbeds,
@@ -66,11 +68,9 @@ from omnirelay.models.qwen3_omni.vision import (
     VisionLayout,
     layout_of_checkpoint,
     mrope_positions,
-    read_image_inputs,
 )
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.tokenizer import IncrementalDetokenizer
 
 __all__ = ["ThinkerExecutor", "create_thinker"]
 

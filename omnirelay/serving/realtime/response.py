@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.websockets import WebSocketDisconnect
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
+from omnirelay.models.family import Detokenizer
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
@@ -31,7 +32,6 @@ from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError, pc
 from omnirelay.serving.media.chat_turns import submit_turns
 from omnirelay.serving.realtime.conversation import Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, new_id
-from omnirelay.serving.text import Detokenizer
 
 if TYPE_CHECKING:
     from omnirelay.serving.realtime.session import Session
@@ -235,7 +235,7 @@ class ResponseRunner:
         if out.text is not None:
             return out.text
         if resp.detok is None:
-            resp.detok = self.session.fe.codec.detokenizer(resp.prompt)
+            resp.detok = self.session.fe.prompts.detokenizer(resp.prompt)
         piece = resp.detok.push(out.token_ids) if out.token_ids else ""
         return piece + resp.detok.flush() if out.stage_finished else piece
 

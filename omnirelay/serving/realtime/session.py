@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnirelay.models.qwen3_omni.audio import AUDIO_INPUT_RATE
+from omnirelay.models.inputs import AUDIO_INPUT_RATE
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media import audio_in as audio_input

@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omnirelay.errors import OmniRelayError, RequestFailedError
+from omnirelay.models.family import Detokenizer, PromptSide
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
@@ -47,7 +48,6 @@ from omnirelay.serving.media.chat_turns import decode_turns, hears_audio, sees_i
 from omnirelay.serving.media.encoding import AudioEncoder
 from omnirelay.serving.protocol import ChatCompletionRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
-from omnirelay.serving.text import Detokenizer, TextCodec
 
 __all__ = ["StopMatcher", "chat_completions"]
 
@@ -95,7 +95,7 @@ class _Answer:
     """What one chat request produced so far (both response kinds fill it)."""
 
     stream: RequestStream
-    codec: TextCodec
+    prompts: PromptSide
     prompt: list[int]
     stops: StopMatcher
     audio: AudioEmitter | None
@@ -116,7 +116,7 @@ class _Answer:
             raw = out.text
         else:  # a stage that reports ids only: detokenize here
             if self._detok is None:
-                self._detok = self.codec.detokenizer(self.prompt)
+                self._detok = self.prompts.detokenizer(self.prompt)
             raw = self._detok.push(out.token_ids) if out.token_ids else ""
             if out.stage_finished:
                 raw += self._detok.flush()
@@ -224,7 +224,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     fmt = audio[0] if audio else None
     answer = _Answer(
         stream=stream,
-        codec=fe.codec,
+        prompts=fe.prompts,
         prompt=prompt,
         stops=StopMatcher(stops),
         audio=AudioEmitter(require_sample_rate=fmt == "wav") if fmt else None,
