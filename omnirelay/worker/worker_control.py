@@ -13,7 +13,7 @@ The front binds everything before it spawns the workers, so a worker only connec
   the workers; the front side, :class:`omnirelay.orchestrator.front_control.FrontControl`,
   binds them).
 * :class:`WorkerControl` — worker side, plain blocking zmq: a receive thread feeds an
-  :class:`Inbox` and wakes the engine; ``send(message)`` from the engine thread.
+  :class:`CommandInbox` and wakes the engine; ``send(message)`` from the engine thread.
 * :func:`parent_alive` — a spawned worker's watch of the front process.
 
 Every socket has ``LINGER 0``: at shutdown nothing waits for an unread message (the
@@ -37,7 +37,7 @@ import zmq
 from omnirelay.errors import PipelineError
 from omnirelay.worker.messages import Shutdown, ToFront, ToWorker, decode_to_worker, encode_message
 
-__all__ = ["ControlPaths", "Inbox", "WorkerControl", "parent_alive"]
+__all__ = ["CommandInbox", "ControlPaths", "WorkerControl", "parent_alive"]
 
 #: ``sun_path`` holds 108 bytes; leave room for ``ipc://`` parsing and the file name.
 _MAX_IPC_DIR = 80
@@ -86,7 +86,7 @@ class ControlPaths:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-class Inbox:
+class CommandInbox:
     """Control messages the worker's receive thread hands to its engine thread."""
 
     def __init__(self) -> None:
@@ -116,7 +116,7 @@ class WorkerControl:
 
     Two threads, one socket each (zmq sockets are not thread-safe): the **receive
     thread** (:meth:`start_receiving`) owns the command socket, decodes what arrives into
-    an :class:`Inbox` and calls ``wake`` — so the engine thread, blocked in
+    a :class:`CommandInbox` and calls ``wake`` — so the engine thread, blocked in
     ``engine.wait_for_work``, sees a command at once; it also watches the parent process
     and posts a :class:`Shutdown` when the parent is gone. The **engine thread** owns the
     event socket (:meth:`send`) and calls :meth:`close`.
@@ -138,7 +138,7 @@ class WorkerControl:
 
     def start_receiving(
         self,
-        inbox: Inbox,
+        inbox: CommandInbox,
         *,
         wake: Callable[[], None],
         is_parent_alive: Callable[[], bool],
@@ -156,7 +156,7 @@ class WorkerControl:
 
     def _receive(
         self,
-        inbox: Inbox,
+        inbox: CommandInbox,
         wake: Callable[[], None],
         is_parent_alive: Callable[[], bool],
         parent_check_s: float,
