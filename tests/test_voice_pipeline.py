@@ -111,7 +111,7 @@ def test_streamed_audio_equals_the_complete_input_audio(
 ) -> None:
     """The same prompt and seeds with the Thinker -> voice edge not chunked: the voice gets
     the finished text at once, and speaks exactly the same samples."""
-    pipe = Pipeline.start(DEFAULT_PIPELINE, async_chunk_override=False)
+    pipe = Pipeline.start(DEFAULT_PIPELINE, async_chunk=False)
     try:
         whole = _answer(pipe, prompt_ids)
         audit_running(pipe)

@@ -36,8 +36,9 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from omnirelay.api.options import PipelineOptions, RuntimeHooks
 from omnirelay.connectors.base import validate_namespace
-from omnirelay.engine.interfaces import SamplingParams, StageOutput
+from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import (
     ConfigError,
     InvalidKeyError,
@@ -50,7 +51,6 @@ from omnirelay.models.family import Announce, PromptSide, quiet
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
 from omnirelay.orchestrator.router import (
-    InputBuilder,
     PipelineRequest,
     Router,
     requested_modalities,
@@ -177,53 +177,38 @@ class Pipeline:
     def start(
         cls,
         pipeline: str | os.PathLike[str] | PipelineConfig,
+        options: PipelineOptions | None = None,
         *,
-        namespace: str | None = None,
-        engine_factory: str = DEFAULT_ENGINE_FACTORY,
-        input_builders: Mapping[int, InputBuilder] | None = None,
-        tokenizer: Callable[[str], list[int]] | None = None,
-        async_chunk_override: bool | None = None,
-        registry: ComponentRegistry | None = None,
-        startup_timeout_s: float = 120.0,
-        idle_wait_s: float = 1.0,
-        wait_slice_s: float = 0.01,
-        on_stage_output: Callable[[StageOutput], None] | None = None,
-        trace_steps: bool = False,
-        restart: RestartPolicy | None = None,
+        runtime: RuntimeHooks | None = None,
+        **settings: Any,
     ) -> Pipeline:
         """Load the pipeline, spawn its workers, wait until every engine is built.
 
         ``pipeline``: a YAML path, a shipped name (``qwen3-omni-tiny``) or a config.
-        ``namespace``: the /dev/shm namespace (default: the file's, else a fresh one);
-        objects of dead owners in it are reclaimed first. ``engine_factory``:
-        ``"module:function"`` building a stage engine in a worker (default: the real
-        one). ``input_builders``: per stage id, the orchestrator-side builder of a
-        forwarded input (default: :func:`omnirelay.orchestrator.input_builders.build_input_builders`).
-        ``tokenizer``: turns ``submit(text=...)`` into ids. ``idle_wait_s``: an idle
-        worker's longest wait (it ticks its engine once after each, for stall timeouts);
-        ``wait_slice_s``: the wait slices of an engine without ``wake()``.
-        ``on_stage_output``: called on the front thread with every stage's outputs,
-        intermediate stages included, before they are routed (timelines, benchmarks); it
-        must be quick and must not raise or block. ``trace_steps``: every stage records
-        its steps' times into the metrics of the outputs they make
-        (:class:`~omnirelay.timeline.StepRecorder`; what a
-        :class:`~omnirelay.timeline.StageTrace` observer reads); off, no timing work is
-        done. ``restart``: the restart policy of dead stage workers (default: the
-        pipeline file's ``restart:``, else 5 restarts in 300 s; :data:`NO_RESTARTS` to fail
-        fast). With the default engine factory, models that need preparing on first use
-        are prepared first, in this process (cached; later starts skip it). Raises
-        :class:`~omnirelay.errors.StageDiedError` when a stage cannot start.
+        ``options``: the user's settings (:class:`~omnirelay.api.options.PipelineOptions`),
+        or the same as keywords (``Pipeline.start("voice-cpu", tokenizer=...)``), not both.
+        ``runtime``: the runtime's internals a test or a benchmark replaces
+        (:class:`~omnirelay.api.options.RuntimeHooks`: engine factory, input builders,
+        registry, wait slices). With the default engine factory, models that need
+        preparing on first use are prepared first, in this process (cached; later starts
+        skip it). Raises :class:`~omnirelay.errors.StageDiedError` when a stage cannot
+        start, :class:`ConfigError` for a setting that is wrong or unknown.
         """
-        config, ns = _config_and_namespace(pipeline, namespace, async_chunk_override, registry)
-        if restart is not None:
-            config = config.with_restart(restart)
-        if engine_factory == DEFAULT_ENGINE_FACTORY:
+        if options is not None and settings:
+            raise ConfigError("pass the pipeline's options or its settings as keywords, not both")
+        opts = options if options is not None else PipelineOptions.from_settings(settings)
+        hooks = runtime if runtime is not None else RuntimeHooks()
+        config, ns = _config_and_namespace(pipeline, opts.namespace, opts.async_chunk, hooks.registry)
+        if opts.restart is not None:
+            config = config.with_restart(opts.restart)
+        if hooks.engine_factory == DEFAULT_ENGINE_FACTORY:
             # Models that need work on first use (SmolLM2's conversion) are made ready once,
             # here, before the workers start: not by several workers racing, and not inside
             # the startup timeout, which then covers loading only.
             from omnirelay.models import prepare_models
 
             prepare_models(config.stages)
+        input_builders = hooks.input_builders
         if input_builders is None:
             from omnirelay.orchestrator.input_builders import build_input_builders
 
@@ -231,13 +216,13 @@ class Pipeline:
         orch = Orchestrator(
             config,
             namespace=ns,
-            engine_factory=engine_factory,
+            engine_factory=hooks.engine_factory,
             input_builders=input_builders,
-            startup_timeout_s=startup_timeout_s,
-            idle_wait_s=idle_wait_s,
-            wait_slice_s=wait_slice_s,
-            on_stage_output=on_stage_output,
-            tracer_factory=StepRecorder if trace_steps else None,
+            startup_timeout_s=opts.startup_timeout_s,
+            idle_wait_s=hooks.idle_wait_s,
+            wait_slice_s=hooks.wait_slice_s,
+            on_stage_output=opts.on_stage_output,
+            tracer_factory=StepRecorder if opts.trace_steps else None,
         )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)
@@ -247,12 +232,19 @@ class Pipeline:
         except BaseException:
             _stop_loop(loop, thread)
             raise
-        return cls(orch, loop, thread, tokenizer=tokenizer)
+        return cls(orch, loop, thread, tokenizer=opts.tokenizer)
 
     @classmethod
-    async def start_async(cls, pipeline: str | os.PathLike[str] | PipelineConfig, **kwargs: Any) -> Pipeline:
+    async def start_async(
+        cls,
+        pipeline: str | os.PathLike[str] | PipelineConfig,
+        options: PipelineOptions | None = None,
+        *,
+        runtime: RuntimeHooks | None = None,
+        **settings: Any,
+    ) -> Pipeline:
         """:meth:`start` without blocking the caller's event loop (a server's startup)."""
-        return await asyncio.to_thread(cls.start, pipeline, **kwargs)
+        return await asyncio.to_thread(cls.start, pipeline, options, runtime=runtime, **settings)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -459,7 +451,7 @@ class Pipeline:
 
     def pids(self) -> dict[int, int | None]:
         """Worker pids by stage id."""
-        return {st.stage_id: st.pid for st in self._orch._stages}
+        return self._orch.pids()
 
     # -- shutdown ------------------------------------------------------------------------------
 

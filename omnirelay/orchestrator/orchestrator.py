@@ -193,6 +193,10 @@ class Orchestrator:
         self.config = await loop.run_in_executor(None, placement.place)
         self._supervisor.use_placement(placement.process, placement.front_ip)
 
+    def pids(self) -> dict[int, int | None]:
+        """Each stage's worker pid (None: not running). A snapshot; safe from any thread."""
+        return {st.stage_id: st.pid for st in self._stages}
+
     def placement_report(self) -> dict[int, dict[str, Any]]:
         """Where each stage's worker runs (node id, address, host name); this host for a
         local pipeline."""

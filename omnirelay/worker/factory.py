@@ -8,7 +8,7 @@ and the processors.
   :data:`~omnirelay.worker.spec.DEFAULT_ENGINE_FACTORY`.
 * :func:`default_registry` — every executor and processor a shipped pipeline may name.
 
-Tests pass their own engine factory to ``Pipeline.start(engine_factory="module:function")``.
+Tests pass their own engine factory to ``Pipeline.start(..., runtime=RuntimeHooks(engine_factory="module:function"))``.
 The front side's counterpart (builders of forwarded inputs) is
 :mod:`omnirelay.orchestrator.input_builders`.
 """
