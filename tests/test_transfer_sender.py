@@ -122,7 +122,6 @@ def test_reuse_while_draining_is_rejected_with_a_reason() -> None:
         (failure,) = p.sender.poll_events().failed
         assert failure.internal_id == "b1" and failure.external_id == "R"
         assert failure.kind is FailureKind.REUSE_REJECTED and "still drains" in failure.reason
-        assert type(failure.error()).__name__ == "ReuseRejectedError"
         assert p.sender.take_external_failures() == {"R": [failure]}
         gate.release()
         assert p.sender.flush()
@@ -535,7 +534,6 @@ def test_sender_over_budget_waits_then_fails_with_backpressure() -> None:
         acc = collect(p.sender, failed_for("b1"))
         (failure,) = acc.failed
         assert failure.kind is FailureKind.BACKPRESSURE and "budget 1000" in failure.reason
-        assert type(failure.error()).__name__ == "BackpressureError"
         assert "put_start:B_0_0" not in p.store.log
         p.sender.finish_requests(["a1", "b1"])
         p.sender.take_external_failures()

@@ -1,8 +1,8 @@
 """Plain data the adapter hands to the scheduler and the orchestrator, and its mailbox.
 
 * :class:`ChunkInput` — one committed chunk of one request (docs/protocol.md §4.8), handed over once.
-* :class:`TransferFailure` — a request failed in the transfer layer; carries both ids and a
-  reason. :meth:`TransferFailure.error` gives the matching :class:`TransferError`.
+* :class:`TransferFailure` — a request failed in the transfer layer; carries both ids, a
+  :class:`FailureKind` and a reason. It is data: nothing raises it.
 * :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,
   stall timeouts, and the external ids whose sender generation retired with its keys
   reclaimed (how a stage learns that a release by id may complete).
@@ -24,15 +24,6 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.errors import (
-    BackpressureError,
-    ChunkTimeoutError,
-    ReceiveFailedError,
-    ReuseRejectedError,
-    SendFailedError,
-    TransferError,
-)
-
 __all__ = ["ChunkInput", "EventBox", "FailureKind", "SaveResult", "TransferEvents", "TransferFailure"]
 
 
@@ -47,20 +38,18 @@ class SaveResult(enum.Enum):
 
 
 class FailureKind(enum.Enum):
+    """Why a request failed in the transfer layer."""
+
+    #: a chunk could not be sent (the reason says why)
     SEND_FAILED = "send_failed"
+    #: a chunk could not be received or committed
     RECEIVE_FAILED = "receive_failed"
+    #: an external id reused while its previous sender generation still drains
     REUSE_REJECTED = "reuse_rejected"
+    #: the edge's byte budget stayed exhausted past the wait bound
     BACKPRESSURE = "backpressure"
+    #: no chunk arrived within the stall timeout
     TIMEOUT = "timeout"
-
-
-_ERRORS: dict[FailureKind, type[TransferError]] = {
-    FailureKind.SEND_FAILED: SendFailedError,
-    FailureKind.RECEIVE_FAILED: ReceiveFailedError,
-    FailureKind.REUSE_REJECTED: ReuseRejectedError,
-    FailureKind.BACKPRESSURE: BackpressureError,
-    FailureKind.TIMEOUT: ChunkTimeoutError,
-}
 
 
 class TransferFailure(msgspec.Struct, frozen=True):
@@ -71,12 +60,6 @@ class TransferFailure(msgspec.Struct, frozen=True):
     kind: FailureKind
     reason: str
     stage_id: int
-
-    def error(self) -> TransferError:
-        return _ERRORS[self.kind](
-            f"request {self.external_id!r} (internal {self.internal_id!r}) at stage {self.stage_id}: "
-            f"{self.reason}"
-        )
 
 
 class ChunkInput(msgspec.Struct, frozen=True):

@@ -76,7 +76,7 @@ class TransferConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     #: Unconsumed bytes one edge may hold before a sender waits (backpressure).
     edge_budget_bytes: int = 1 << 30
-    #: How long a sender waits for budget before the request fails with BackpressureError.
+    #: How long a sender waits for budget before the request fails (FailureKind.BACKPRESSURE).
     backpressure_wait_s: float = 30.0
     #: Send worker threads; one request's big payload occupies one of them only.
     num_send_workers: int = 4
