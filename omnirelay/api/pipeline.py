@@ -2,7 +2,7 @@
 
 ::
 
-    from omnirelay.api import Pipeline
+    from omnirelay import Pipeline
 
     with Pipeline.start("toy-3stage") as pipe:                 # one worker process per stage
         handle = pipe.submit([1, 2, 3], modalities=["text", "audio"])
