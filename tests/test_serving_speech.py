@@ -291,6 +291,9 @@ class GatedPipeline:
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
+    def prompt_side(self) -> None:
+        return None  # no text model: the server's byte codec
+
     async def _outputs(self, rid: str) -> AsyncIterator[RequestOutput]:
         try:
             if self.fail_at == "start":
