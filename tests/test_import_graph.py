@@ -6,6 +6,9 @@
 * No loop between packages: siblings never import each other both ways (a package's
   facade importing its own subpackages, and those importing their parent's base
   modules, is layering, not a loop).
+* Reclaim goes through the connector contract: outside ``omnirelay.connectors`` nothing
+  imports one backend's reclaim (``shm``'s ``sweep``), only
+  ``omnirelay.connectors.reclaim_namespace``.
 * No public class is defined in two product modules, except the backends' parts that
   play the same role (a connector's ``Producer`` and ``Reader``); no module name
   collides for the names that used to (``config``, ``control``, ``stages``,
@@ -198,3 +201,13 @@ def test_no_public_class_or_colliding_module_name_twice() -> None:
     assert twice == {}
     assert {s: stems[s] for s in ("config", "control", "stages", "admission") if stems[s] > 1} == {}
     assert "Admission" not in homes
+
+
+def test_reclaim_goes_through_the_connector_contract() -> None:
+    direct = [
+        f"{src} imports {dst} {names}"
+        for src, dst, names in import_edges()
+        if not src.startswith("omnirelay.connectors")
+        and (dst.startswith("omnirelay.connectors.shm.reclaim") or "sweep" in names)
+    ]
+    assert direct == []

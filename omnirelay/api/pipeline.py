@@ -456,7 +456,7 @@ class Pipeline:
     # -- shutdown ------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = 10.0) -> ShutdownReport:
-        """Fail what is in flight, stop every worker, close the control plane, sweep the
+        """Fail what is in flight, stop every worker, close the control plane, reclaim the
         namespace. Idempotent: later calls return the first report."""
         with self._shutdown_lock:
             if self._report is not None:

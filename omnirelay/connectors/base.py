@@ -21,6 +21,14 @@ implements :class:`Connector`:
   another process consumed (docs/protocol.md §3.5); returns how many were dropped.
 * ``close()`` — release everything still owned; idempotent, synchronous.
 * ``health() -> ConnectorHealth`` — real counters.
+
+One more operation needs no connector, because the process that owned the objects may be
+gone: each backend package's ``reclaim_namespace(namespace, *, reclaim) ->
+ReclaimReport`` (a :class:`Reclaimer`) lists the objects of a namespace that outlive
+their process (``None``: every namespace) and, with ``reclaim``, removes those whose
+owner is dead. :func:`omnirelay.connectors.reclaim_namespace` asks every backend; it is
+the only reclaim the orchestrator, the supervisor, the server's audit and ``omnirelay
+doctor`` call.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from __future__ import annotations
 import enum
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
@@ -43,7 +52,10 @@ __all__ = [
     "ConnectorHealth",
     "GetResult",
     "GetStatus",
+    "NamespaceObject",
     "PutResult",
+    "ReclaimReport",
+    "Reclaimer",
     "is_prefix_match",
     "validate_key",
     "validate_namespace",
@@ -143,6 +155,61 @@ class ConnectorHealth(msgspec.Struct):
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
+
+
+@dataclass
+class NamespaceObject:
+    """One object a backend found in a namespace, its owner, and whether it was reclaimed."""
+
+    name: str
+    namespace: str
+    #: ``slot`` (a pooled buffer: lives as long as its owner), ``object`` (a published
+    #: transfer object), ``claim`` (a read in progress) or ``unknown``
+    kind: str
+    owner_pid: int | None
+    owner_alive: bool | None
+    age_s: float
+    size: int
+    state: str | None = None
+    key: str | None = None
+    reclaimed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ReclaimReport:
+    """What one reclaim found: every object, those reclaimed among them."""
+
+    objects: list[NamespaceObject] = field(default_factory=list)
+
+    @property
+    def reclaimed(self) -> list[NamespaceObject]:
+        return [o for o in self.objects if o.reclaimed]
+
+    @property
+    def transfer_objects(self) -> list[NamespaceObject]:
+        """The objects that are not pooled buffers: what a request that ended must not
+        leave behind."""
+        return [o for o in self.objects if o.kind != "slot"]
+
+    def extend(self, other: ReclaimReport) -> None:
+        self.objects.extend(other.objects)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "objects": [o.to_dict() for o in self.objects],
+            "num_objects": len(self.objects),
+            "num_reclaimed": len(self.reclaimed),
+            "bytes_reclaimed": sum(o.size for o in self.reclaimed),
+        }
+
+
+class Reclaimer(Protocol):
+    """A backend's reclaim of a namespace (see the module docstring)."""
+
+    def __call__(self, namespace: str | None, *, reclaim: bool) -> ReclaimReport: ...
 
 
 def validate_key(key: object) -> str:

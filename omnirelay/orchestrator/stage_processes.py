@@ -81,7 +81,7 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
 
 
 class ShutdownReport(msgspec.Struct, kw_only=True):
-    """What shutdown found: exit codes, and objects the final sweep had to reclaim."""
+    """What shutdown found: exit codes, and objects the final reclaim of the namespace removed."""
 
     exitcodes: dict[int, int | None]
     num_killed: int = 0
