@@ -164,7 +164,6 @@ class ToyPipelineRun:
                     conn,
                     processor=parts.processor,
                     transfer_config=fast_transfer_config(s),
-                    release_hook=parts.release_hook,
                 )
             )
         self.outputs: queue.Queue[StageOutput] = queue.Queue()

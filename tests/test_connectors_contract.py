@@ -64,7 +64,7 @@ def announced(cons: Connector, *keys: str, to_stage: int = 2) -> None:
     deadline = time.monotonic() + 10
     while want and time.monotonic() < deadline:
         arrivals = cons.wait_arrivals(to_stage, timeout=1)
-        if getattr(arrivals, "overflowed", False):
+        if arrivals.overflowed:
             return
         for key in arrivals:
             if key in want:

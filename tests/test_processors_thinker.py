@@ -10,6 +10,7 @@ import torch
 from omnirelay.errors import ConfigError, PayloadEncodeError
 from omnirelay.payload import OmniPayload
 from omnirelay.processors import ThinkerStreamState, ThinkerToTalkerProcessor
+from omnirelay.transfer import ReleaseScope
 
 H = 8
 ACCEPT = 24
@@ -231,7 +232,7 @@ def _stage_payload(context: Any) -> Any:
     try:
         return stage.build(req)  # type: ignore[arg-type]
     finally:
-        stage.release("r1", "request")
+        stage.release("r1", ReleaseScope.REQUEST)
 
 
 @pytest.mark.parametrize(

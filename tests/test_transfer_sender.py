@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.transfer import BuildRequest, ChunkEnvelope, FailureKind, SaveResult, key_prefix
+from omnirelay.transfer import BuildRequest, ChunkEnvelope, FailureKind, ReleaseScope, SaveResult, key_prefix
 from omnirelay.transfer.wakeup import Parker
 from tests.transfer_fakes import (
     GATE_TIMEOUT_S,
     FakeClock,
     Gate,
+    RecordingProcessor,
     assert_only_retired,
     collect,
     failed_for,
@@ -74,10 +75,11 @@ def test_abort_during_inflight_put_returns_at_once_and_reclaims() -> None:
 
 def test_a_retirement_is_reported_only_once_its_keys_are_gone() -> None:
     """Release as data: a cancelled generation's retirement reaches ``poll_events`` after
-    its exact-key cleanup ran on its lane (and after the release hook dropped the
+    its exact-key cleanup ran on its lane (and after the processor was told to drop the
     processor's state of the id); a generation with nothing to clean, at retirement."""
-    hooks: list[tuple[str, str]] = []
-    with make_pipeline(release_hook=lambda ext, kind: hooks.append((ext, kind))) as p:
+    processor = RecordingProcessor()
+    hooks = processor.released
+    with make_pipeline(processor=processor) as p:
         p.sender.save_async("a1", "R", {"c": 0})
         p.sender.save_async("a1", "R", {"c": 1})
         assert p.sender.flush()
@@ -94,14 +96,14 @@ def test_a_retirement_is_reported_only_once_its_keys_are_gone() -> None:
         gate.release()
         scheduler.join()
         assert waiter == [True]  # the report wakes a waiting scheduler
-        assert p.store.live_keys() == [] and hooks == [("R", "request")]
+        assert p.store.live_keys() == [] and hooks == [("R", ReleaseScope.REQUEST)]
         assert_only_retired(p.sender, "R")
         # Nothing to clean (the terminal is downstream's): reported at retirement.
         p.sender.save_async("b1", "T", {"c": 0}, is_finished=True)
         assert p.sender.wait_events(GATE_TIMEOUT_S)
         assert p.store.live_keys() == ["T_0_0"]
         assert_only_retired(p.sender, "T")
-        assert hooks == [("R", "request"), ("T", "request")]
+        assert hooks == [("R", ReleaseScope.REQUEST), ("T", ReleaseScope.REQUEST)]
         read_chunks(p, "rt", "T", 1)
         p.receiver.finish_requests(["rt"])
         p.audit()
@@ -482,8 +484,9 @@ def test_a_processor_that_owns_its_finish_flag_returns_the_envelope_itself() -> 
 
 
 def test_admission_drops_stale_chunks_and_refuses_bad_ones() -> None:
-    released: list[tuple[str, str]] = []
-    with make_pipeline(release_hook=lambda ext, scope: released.append((ext, scope))) as p:
+    processor = RecordingProcessor()
+    released = processor.released
+    with make_pipeline(processor=processor) as p:
         s = p.sender
         gate = Gate("terminal put")
         p.send_conn.put_gates["R_0_2"] = gate  # keeps the generation alive while we probe it
@@ -508,7 +511,7 @@ def test_admission_drops_stale_chunks_and_refuses_bad_ones() -> None:
         chunks = read_chunks(p, "rr", "R", 3)
         assert [c.is_segment_finished for c in chunks] == [False, True, False]
         assert chunks[2].is_finished
-        assert ("R", "segment") in released and ("R", "request") in released
+        assert ("R", ReleaseScope.SEGMENT) in released and ("R", ReleaseScope.REQUEST) in released
         s.finish_requests(["x1", "r2"])
         s.take_external_failures()
         p.receiver.finish_requests(["rr"])

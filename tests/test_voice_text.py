@@ -16,7 +16,7 @@ from omnirelay.models.voice.spoken import number_words, ordinal_words, spoken_to
 from omnirelay.payload.codec import decode, encode
 from omnirelay.pipeline import load_pipeline
 from omnirelay.processors.thinker_to_voice import TextChunk, ThinkerToVoiceStage, split_ready, split_sentences
-from omnirelay.transfer import BuildRequest
+from omnirelay.transfer import BuildRequest, ReleaseScope
 
 # --------------------------------------------------------------------------- spoken words
 
@@ -145,8 +145,8 @@ def test_the_processor_sends_one_chunk_per_completed_sentence() -> None:
     with pytest.raises(PayloadEncodeError, match="text delta"):
         proc.build(_req("q", 7, chunk_id=0))  # type: ignore[arg-type]
     assert proc.leak_state()
-    proc.release("r", "request")
-    proc.release("q", "request")
+    proc.release("r", ReleaseScope.REQUEST)
+    proc.release("q", ReleaseScope.REQUEST)
     assert proc.leak_state() == {}
 
 

@@ -12,9 +12,9 @@ implements :class:`Connector`:
   published under the key yet, try again on the next arrival), ``FAILED`` (the object
   existed but is unusable — corrupt, wrong schema — it has been consumed and its
   resources removed; retrying will not help).
-* ``wait_arrivals(to_stage, timeout) -> list[str]`` — block up to ``timeout`` seconds
+* ``wait_arrivals(to_stage, timeout) -> Arrivals`` — block up to ``timeout`` seconds
   for arrival notices addressed to ``to_stage`` and return the announced keys (may be
-  empty). A notice is a hint: the receiver still calls ``get``.
+  empty) and what the backend knows about them (:class:`Arrivals`). A notice is a hint: the receiver still calls ``get``.
 * ``cleanup(key)`` — remove the exact key if still published (idempotent).
 * ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (docs/protocol.md §2.8).
 * ``reap_consumed() -> int`` — one bounded, rotating pass dropping bookkeeping of keys
@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -75,7 +76,8 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
 
 
 class Arrivals(list[str]):
-    """Keys announced to a stage (a plain list), plus:
+    """Keys announced to a stage: a list of keys (in arrival order, a key possibly more
+    than once), with two declared facts about them:
 
     * ``overflowed``: True when some notices could not be delivered (the receiver's queue
       was full) — the receiver should then poll every key it waits for, not only the
@@ -87,8 +89,18 @@ class Arrivals(list[str]):
       Empty when the backend cannot tell.
     """
 
-    overflowed: bool = False
-    small: frozenset[str] | set[str] = frozenset()
+    __slots__ = ("overflowed", "small")
+
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        *,
+        overflowed: bool = False,
+        small: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        super().__init__(keys)
+        self.overflowed = overflowed
+        self.small = small
 
 
 class GetStatus(enum.Enum):
@@ -268,8 +280,8 @@ class Connector(ABC):
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult: ...
 
     @abstractmethod
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
-        """Keys announced for ``to_stage`` (an :class:`Arrivals`), waiting up to ``timeout``."""
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
+        """Keys announced for ``to_stage``, waiting up to ``timeout``."""
 
     @abstractmethod
     def cleanup(self, key: str) -> bool:

@@ -70,8 +70,7 @@ from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
 from omnirelay.transfer import (
-    Processor,
-    ReleaseHook,
+    ChunkProcessor,
     SaveResult,
     TransferAdapter,
     TransferConfig,
@@ -131,10 +130,9 @@ class StageEngine:
         executor: Executor,
         connector: Connector | None,
         *,
-        processor: Processor | None = None,
+        processor: ChunkProcessor | None = None,
         transfer_config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        release_hook: ReleaseHook | None = None,
         tracer: StepTracer | None = None,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
@@ -174,7 +172,6 @@ class StageEngine:
                 connector,
                 config,
                 processor=processor,
-                release_hook=release_hook,
                 clock=clock,
                 on_chunk_ready=None if tracer is None else tracer.chunk_ready,
             )

@@ -1,9 +1,10 @@
 """The chunk processors of the Qwen3-Omni stages, as the transfer adapter calls them.
 
-The adapter calls a processor once per stage step on a send worker with a
-:class:`~omnirelay.transfer.BuildRequest` (the step's output, a snapshot of the request,
-the chunk id) and a release hook when a request's sender state must go. These classes
-keep the per-request stream state (keyed by external id) around the pure processors of
+Each is a :class:`~omnirelay.transfer.ChunkProcessor`: the adapter calls ``build`` once
+per stage step on a send worker with a :class:`~omnirelay.transfer.BuildRequest` (the
+step's output, a snapshot of the request, the chunk id), and ``release`` when a
+request's sender state must go (any :class:`~omnirelay.transfer.ReleaseScope`: a stream's
+state is the request's). These classes keep the per-request stream state (keyed by external id) around the pure processors of
 :mod:`thinker_to_talker` and :mod:`talker_to_code2wav`.
 
 Registered by name with :func:`register_processors` (the names the shipped pipelines use):
@@ -28,7 +29,7 @@ from omnirelay.processors.talker_to_code2wav import (
 )
 from omnirelay.processors.thinker_to_talker import ThinkerStreamState, ThinkerToTalkerProcessor
 from omnirelay.processors.thinker_to_voice import register_voice_processors
-from omnirelay.transfer import BuildRequest
+from omnirelay.transfer import BuildRequest, ReleaseScope
 
 __all__ = ["TalkerToCode2WavStage", "ThinkerToTalkerStage", "register_processors", "request_voice"]
 
@@ -82,7 +83,7 @@ class ThinkerToTalkerStage:
                 self._states[req.external_id] = state
         return self._proc.step(state, chunk_id=req.chunk_id, finished=req.is_finished, **out)
 
-    def release(self, external_id: str, kind: str) -> None:
+    def release(self, external_id: str, scope: ReleaseScope) -> None:
         with self._lock:
             self._states.pop(external_id, None)
 
@@ -117,7 +118,7 @@ class TalkerToCode2WavStage:
                 state = self._states[req.external_id] = self._proc.new_state(stop_token_ids=stops)
         return self._proc.step(state, req.output, chunk_id=req.chunk_id, finished=req.is_finished)
 
-    def release(self, external_id: str, kind: str) -> None:
+    def release(self, external_id: str, scope: ReleaseScope) -> None:
         with self._lock:
             self._states.pop(external_id, None)
 
