@@ -57,6 +57,7 @@ from omnirelay.models.qwen3_omni.talker_input import (
 from omnirelay.models.qwen3_omni.talker_text import TextConditioner
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
+from omnirelay.models.stepping import guarded_step
 
 __all__ = [
     "CODE_PREDICTOR_TOP_K",
@@ -201,16 +202,7 @@ class TalkerExecutor:
 
     def step(self, batch: list[BatchItem]) -> list[ItemResult]:
         """One codec frame per item (engine thread)."""
-        if len({item.internal_id for item in batch}) != len(batch):
-            raise ModelError("a batch lists the same request twice")
-        try:
-            with torch.inference_mode():
-                return self._step(batch)
-        except BaseException:
-            # A failed step fails its requests: leave none of them half-updated.
-            for item in batch:
-                self.release(item.internal_id)
-            raise
+        return guarded_step(batch, self._step, self.release)
 
     def release(self, internal_id: str) -> None:
         """Free the request's KV cache and queued Thinker rows (idempotent)."""

@@ -71,6 +71,7 @@ from omnirelay.models.qwen3_omni.vision import (
 )
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
+from omnirelay.models.stepping import guarded_step
 
 __all__ = ["ThinkerExecutor", "create_thinker"]
 
@@ -189,16 +190,7 @@ class ThinkerExecutor:
 
     def step(self, batch: list[BatchItem]) -> list[ItemResult]:
         """One step for every item (engine thread): prefills one by one, decodes batched."""
-        if len({item.internal_id for item in batch}) != len(batch):
-            raise ModelError("a batch lists the same request twice")
-        try:
-            with torch.inference_mode():
-                return self._step(batch)
-        except BaseException:
-            # A failed step fails its requests: leave none of them half-updated.
-            for item in batch:
-                self.release(item.internal_id)
-            raise
+        return guarded_step(batch, self._step, self.release)
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         results: dict[str, ItemResult] = {}

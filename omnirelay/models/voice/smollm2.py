@@ -38,6 +38,7 @@ import numpy as np
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
+from omnirelay.models.stepping import guarded_step
 from omnirelay.models.voice import SMOLLM2_EXECUTOR
 
 __all__ = [
@@ -304,15 +305,7 @@ class SmolLM2Executor:
 
     def step(self, batch: list[BatchItem]) -> list[ItemResult]:
         """One step for every item (engine thread): prefills one by one, decodes batched."""
-        if len({item.internal_id for item in batch}) != len(batch):
-            raise ModelError("a batch lists the same request twice")
-        try:
-            with self._torch.inference_mode():
-                return self._step(batch)
-        except BaseException:
-            for item in batch:  # a failed step fails its requests: leave none half-updated
-                self.release(item.internal_id)
-            raise
+        return guarded_step(batch, self._step, self.release)
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         results: dict[str, ItemResult] = {}
