@@ -288,6 +288,7 @@ class Pipeline:
         inputs: Any = None,
         extras: Mapping[str, Any] | None = None,
         entry_stage_id: int | None = None,
+        hold_id: bool = False,
     ) -> RequestHandle:
         """Start one request; never blocks. Returns its :class:`RequestHandle`.
 
@@ -302,6 +303,8 @@ class Pipeline:
         Raises :class:`InvalidRequestError` for a malformed request (nothing started), and
         :class:`~omnirelay.errors.StageUnavailableError` when a stage the request needs is
         down (restarting, or given up on); a request that does not need it is served.
+        ``hold_id``: the request id stays in flight until the handle is also closed
+        (:meth:`RequestHandle.close`), not only until its last output is delivered.
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
         ids = _validate_prompt(prompt_token_ids)
@@ -332,7 +335,7 @@ class Pipeline:
         if down is not None:
             _, reason, retry_after_s = down
             raise StageUnavailableError(rid, reason, retry_after_s=retry_after_s)
-        handle = RequestHandle(rid, abort=self.abort, on_done=self._forget)
+        handle = RequestHandle(rid, abort=self.abort, on_done=self._forget, is_held=hold_id)
         with self._lock:
             if self._is_closed:
                 raise PipelineError("the pipeline is shut down; start a new one")
@@ -369,6 +372,11 @@ class Pipeline:
                 raise InvalidRequestError(f"sampling[{sid}] must be a SamplingParams, got {params!r}")
             out[sid] = params
         return out
+
+    def is_in_flight(self, request_id: str) -> bool:
+        """Whether ``request_id`` is taken: submitted, and not yet free again."""
+        with self._lock:
+            return request_id in self._active
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

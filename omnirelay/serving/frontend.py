@@ -15,7 +15,6 @@ can call it from its ``finally``. :meth:`RequestStream.abort` records why.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -108,7 +107,7 @@ class RequestStream:
         if not self.is_done:
             self.abort("client_disconnect")
         self._slot.release()
-        self.frontend._forget(self.request_id)
+        self.handle.close()  # the id is free once the pipeline is done with it too
         m = self.frontend.metrics
         m.in_flight.dec()
         if self.error is not None:
@@ -155,10 +154,6 @@ class Frontend:
         )
         self._voices = {v.lower(): v for v in config.voices}
         self._openai_voices = openai_voice_map(pcfg.openai_voices, config.voices, pcfg.source)
-        # Ids whose response is still going out: a client id stays taken until then,
-        # even when the pipeline is already done with it.
-        self._ids_lock = threading.Lock()
-        self._ids: set[str] = set()
 
     # -- checks -------------------------------------------------------------------------
 
@@ -272,21 +267,17 @@ class Frontend:
         ``inputs``: the entry stage's full input (a speech request's, see
         :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.media.chat_turns`);
         ``entry_stage_id``: where it enters (None: the prompt stage)."""
-        with self._ids_lock:
-            if request_id in self._ids:
-                raise ApiError(
-                    409,
-                    f"request id {request_id!r} is already in flight; wait for its response to end "
-                    "or use another X-Request-Id",
-                    param="X-Request-Id",
-                    code="request_id_in_use",
-                )
-            self._ids.add(request_id)
-        try:
-            slot = self.admission.acquire()
-        except BaseException:
-            self._forget(request_id)
-            raise
+        # A client id stays taken until its response is sent, even when the pipeline is
+        # already done with it: the pipeline holds it until the stream closes the handle.
+        if self.pipeline.is_in_flight(request_id):  # before a slot is taken: 409, not 429
+            raise ApiError(
+                409,
+                f"request id {request_id!r} is already in flight; wait for its response to end "
+                "or use another X-Request-Id",
+                param="X-Request-Id",
+                code="request_id_in_use",
+            )
+        slot = self.admission.acquire()
         try:
             handle = self.pipeline.submit(
                 list(prompt_token_ids),
@@ -296,14 +287,13 @@ class Frontend:
                 inputs=inputs,
                 extras=extras,
                 entry_stage_id=entry_stage_id,
+                hold_id=True,
             )
         except OmniRelayError as exc:
             slot.release()
-            self._forget(request_id)
             raise translate(exc) from exc
         except BaseException:
             slot.release()
-            self._forget(request_id)
             raise
         return RequestStream(self, handle, slot, endpoint)
 
@@ -326,7 +316,3 @@ class Frontend:
             extras=extras,
             inputs=prompt.inputs,
         )
-
-    def _forget(self, request_id: str) -> None:
-        with self._ids_lock:
-            self._ids.discard(request_id)
