@@ -103,9 +103,9 @@ class EventBox:
 
     Waiters sleep on a plain condition, woken with the GIL held. Waking them the way the
     lane executor wakes its workers (a :class:`~omnirelay.transfer.wakeup.Parker`, GIL
-    released) was measured and left out: it cut enqueue → out of ``poll_events`` by about
-    10 µs but raised the head-of-line p99 of ``bench adapter`` (7 paired runs: median
-    4.1 → 4.7 ms, two runs over the 5 ms target).
+    released) was measured and left out: the scheduler saw chunks a little sooner, but
+    the head-of-line p99 of ``bench adapter`` rose past its target (docs/performance.md,
+    "Measured and dropped").
     """
 
     def __init__(self, max_external: int) -> None:

@@ -103,7 +103,7 @@ class Code2WavExecutor:
         self._decoder.capture_graphs()
         if max_decode_batch is None:
             # The vocoder's convs are compute-bound on a CPU: stacking more than two windows
-            # costs more than decoding them apart (measured: 8 windows take 1.7x as long).
+            # costs more than decoding them apart (docs/performance.md).
             max_decode_batch = 2 if self.device.type == "cpu" else 16
         if max_decode_batch < 1:
             raise ModelError(f"max_decode_batch must be >= 1, got {max_decode_batch}")

@@ -24,8 +24,8 @@ How a sentence becomes phonemes:
    unstressed vowel is the flap ``ɾ``, ``-ed``/``-es`` endings use ``ᵻ``, ``-tton`` is
    ``ʔn̩``.
 
-Without the stress marks the voice mumbles (word error rate nearly doubles, measured);
-with them it is as intelligible as through espeak.
+Without the stress marks the voice mumbles (docs/performance.md has the word error
+rates); with them it is as intelligible as through espeak.
 """
 
 from __future__ import annotations
