@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from omnirelay.pipeline.registry import Registry
 
 __all__ = [
+    "SPEAK_INSTRUCTION",
     "Announce",
     "AudioSlot",
     "CheckpointOptions",
@@ -58,6 +59,10 @@ class Announce(Protocol):
 def quiet(label: str, *, done: str = "ready") -> AbstractContextManager[Any]:
     """An :class:`Announce` that reports nothing."""
     return nullcontext()
+
+
+#: The system turn of a speech request on a chat model: read the text, verbatim.
+SPEAK_INSTRUCTION = "Read the user's text aloud exactly as written, and say nothing else."
 
 
 @dataclass(frozen=True, slots=True)

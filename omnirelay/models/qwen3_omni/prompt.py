@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnirelay.models.detokenizer import IncrementalDetokenizer
 from omnirelay.models.family import (
+    SPEAK_INSTRUCTION,
     Announce,
     AudioSlot,
     Detokenizer,
@@ -39,7 +40,6 @@ __all__ = [
     "AUDIO_PAD",
     "AUDIO_START",
     "IMAGE_PAD",
-    "SPEAK_INSTRUCTION",
     "QwenPromptSide",
     "encode_chat_prompt",
     "format_chat",
@@ -49,9 +49,6 @@ __all__ = [
     "thinker_audio_window",
     "thinker_vision",
 ]
-
-#: The system turn of a speech request on a chat pipeline (Thinker first).
-SPEAK_INSTRUCTION = "Read the user's text aloud exactly as written, and say nothing else."
 
 #: Qwen3-Omni's audio placeholders: one clip is start, n pads (one per audio token), end.
 AUDIO_START, AUDIO_PAD, AUDIO_END = "<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"

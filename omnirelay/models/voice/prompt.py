@@ -13,13 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from omnirelay.models.detokenizer import IncrementalDetokenizer
-from omnirelay.models.family import Detokenizer, PromptSide, SpeechPrompt
+from omnirelay.models.family import SPEAK_INSTRUCTION, Detokenizer, PromptSide, SpeechPrompt
 
-__all__ = ["SPEAK_INSTRUCTION", "SmolPromptSide"]
-
-#: The system turn of a speech request (the answer is the text itself; the turn keeps the
-#: prompt a well-formed chat).
-SPEAK_INSTRUCTION = "Read the user's text aloud exactly as written, and say nothing else."
+__all__ = ["SmolPromptSide"]
 
 
 class SmolPromptSide(PromptSide):
