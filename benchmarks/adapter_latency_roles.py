@@ -47,7 +47,7 @@ from benchmarks.tracing import TracingConnector
 from benchmarks.transfer import pin_to, unpin_process
 from omnirelay.connectors import GetStatus, create_connector
 from omnirelay.payload import Codes, Meta, OmniPayload
-from omnirelay.transfer import BuildRequest, TransferAdapter, TransferConfig
+from omnirelay.transfer import BuildRequest, StatelessProcessor, TransferAdapter, TransferConfig
 
 __all__ = [
     "BIG_EXT",
@@ -211,7 +211,7 @@ class _Sender:
         self.adapter = TransferAdapter(
             self.conn,
             TransferConfig(stage_id=SEND_STAGE, send_to_stage=RECV_STAGE),
-            processor=self._build,
+            processor=StatelessProcessor(self._build),
         )
         self.wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.wake_addr = wake_address(namespace)

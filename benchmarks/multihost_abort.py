@@ -65,7 +65,11 @@ def _is_expected(job: tuple[str, list[int], int, int | None], outs: list[Any], t
     pieces = [o.audio.reshape(-1) for o in outs if o.modality == "audio" and o.audio is not None]
     if not toy:
         return bool(pieces) and sum(p.numel() for p in pieces) > 0
-    from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
+    from omnirelay.models.testing.toy import (
+        expected_counting_tokens,
+        expected_relay_tokens,
+        expected_waveform,
+    )
 
     _, prompt, n, _ = job
     text = expected_counting_tokens(prompt, n)
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     chat: list[int] = []
     if not toy:
-        from omnirelay.models import encode_chat_prompt, load_tokenizer
+        from omnirelay.models.qwen3_omni import encode_chat_prompt, load_tokenizer
 
         chat = encode_chat_prompt(load_tokenizer(tiny=True, seed=0), "Hello, who are you?")
     plan = []

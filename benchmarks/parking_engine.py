@@ -4,8 +4,8 @@
   never produces anything: it holds them until abort or release (which completes at
   once). In stage 0 it keeps every downstream stage's prewarmed requests waiting for
   chunks that never come — an idle pipeline full of requests.
-* :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(...,
-  engine_factory="benchmarks.parking_engine:build_parked_stage0_engine")``; workers are
+* :func:`build_parked_stage0_engine` — an engine factory (``Pipeline.start(..., runtime=RuntimeHooks(
+  engine_factory="benchmarks.parking_engine:build_parked_stage0_engine"))``; workers are
   spawned with the parent's ``sys.path``, so this factory loads in them when the
   checkout's root is on it, as it is for the suite and ``python -m benchmarks....``):
   stage 0 parks, the other stages are the real engines of the default factory.

@@ -288,7 +288,7 @@ def run_runner_bench(
     *, device: str = "cuda:0", reps: int = 20, stream: Any = None, stages: tuple[str, ...] = STAGES
 ) -> dict[str, Any]:
     """Time ``stages`` (see the module docstring) on ``device``; the figures as a dict."""
-    from omnirelay.models.loader import ModelArgs, open_checkpoint
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 
     err = stream if stream is not None else sys.stderr
     if not torch.device(device).type == "cuda" or not torch.cuda.is_available():

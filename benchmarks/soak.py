@@ -44,7 +44,7 @@ from omnirelay.api import Pipeline, RestartPolicy
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import RequestFailedError, StageUnavailableError
-from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
+from omnirelay.models.testing.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
 from omnirelay.worker import leak_paths
 
 PIPELINE = "toy-3stage"

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from omnirelay.api import Pipeline
+from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
+from omnirelay.models.testing.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
 from omnirelay.worker import leak_paths
 
 PIPELINE = "toy-3stage"
@@ -164,7 +164,9 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_idle(args: argparse.Namespace) -> dict[str, Any]:
-    pipe = Pipeline.start(PIPELINE, engine_factory="benchmarks.parking_engine:build_parked_stage0_engine")
+    pipe = Pipeline.start(
+        PIPELINE, runtime=RuntimeHooks(engine_factory="benchmarks.parking_engine:build_parked_stage0_engine")
+    )
     try:
         handles = [
             pipe.submit([i % 1000], modalities=["text", "audio"], sampling=SamplingParams(max_tokens=8))

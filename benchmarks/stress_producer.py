@@ -56,7 +56,15 @@ from benchmarks.stress_plan import (
 from benchmarks.tracing import TracingConnector
 from omnirelay.connectors import create_connector
 from omnirelay.connectors.shm import sweep
-from omnirelay.transfer import Admission, TransferAdapter, TransferConfig, key_prefix, make_key
+from omnirelay.transfer import (
+    BuildRequest,
+    ReleaseScope,
+    SaveResult,
+    TransferAdapter,
+    TransferConfig,
+    key_prefix,
+    make_key,
+)
 
 __all__ = ["StressTimeout", "producer_main", "run_control_reader"]
 
@@ -129,7 +137,7 @@ class Producer:
         self.adapter = TransferAdapter(
             self.conn,
             TransferConfig(stage_id=STAGE, send_to_stage=NEXT_STAGE),
-            release_hook=self._on_release,
+            processor=self,  # its chunk bodies are the outputs; it watches the releases
         )
         self.open: dict[str, _Request] = {}  # by external id
         self.eligible: set[str] = set()  # external ids that may admit their next chunk now
@@ -151,8 +159,11 @@ class Producer:
         if ok:
             self.inbox.put(("put", key))
 
-    def _on_release(self, external_id: str, scope: str) -> None:
-        if scope == "request":
+    def build(self, request: BuildRequest) -> Any:
+        return request.output
+
+    def release(self, external_id: str, scope: ReleaseScope) -> None:
+        if scope is ReleaseScope.REQUEST:
             self.inbox.put(("retired", external_id))
 
     # ------------------------------------------------------------------ main loop
@@ -222,7 +233,7 @@ class Producer:
             # save_async returns here.
             self.armed[armed] = threading.Event()
         admission = self.adapter.save_async(req.iid, req.plan.ext, payload, is_finished=last)
-        if admission is not Admission.ENQUEUED:
+        if admission is not SaveResult.ENQUEUED:
             if armed is not None:
                 del self.armed[armed]
             self.report.problems.append(f"{req.plan.ext} gen {req.gen} chunk {n}: save_async {admission}")

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omnirelay.connectors.base import Connector, ConnectorHealth, GetResult, GetStatus, PutResult
+from omnirelay.connectors.base import Arrivals, Connector, ConnectorHealth, GetResult, GetStatus, PutResult
 
 __all__ = ["GetHook", "PutHook", "TracingConnector"]
 
@@ -81,7 +81,7 @@ class TracingConnector(Connector):
             self._on_get(key, result.status, t0, time.perf_counter_ns())
         return result
 
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         return self.inner.wait_arrivals(to_stage, timeout)
 
     def cleanup(self, key: str) -> bool:

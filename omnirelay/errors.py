@@ -19,14 +19,10 @@ and dropped.
     │       └── PayloadSchemaError      a field the schema does not know, or of the wrong type
     ├── ConnectorError              the connector layer (raised only where the contract allows:
     │   │                           put/get report transport trouble as values, not exceptions)
-    │   ├── InvalidKeyError         a transfer key that cannot be used (empty, too long)
-    │   └── ConnectorClosedError    an operation on a closed connector
-    ├── TransferError               the chunk transfer adapter
-    │   ├── SendFailedError         a chunk could not be sent (reason attached)
-    │   ├── ReceiveFailedError      a chunk could not be received or committed
-    │   ├── ReuseRejectedError      an external id reused while its old generation drains
-    │   ├── BackpressureError       the edge byte budget stayed exhausted past its wait bound
-    │   └── ChunkTimeoutError       no chunk arrived within the stall timeout
+    │   └── InvalidKeyError         a transfer key that cannot be used (empty, too long)
+    ├── TransferError               the chunk transfer adapter used wrongly (closed, no such edge);
+    │                               a request's transfer failure is data, not an exception: a
+    │                               TransferFailure with its FailureKind (omnirelay.transfer)
     ├── PipelineError               the runtime (engine, orchestrator, workers)
     │   ├── StageDiedError          a stage worker process exited
     │   ├── RequestFailedError      a request failed; carries the reason
@@ -38,10 +34,7 @@ and dropped.
 from __future__ import annotations
 
 __all__ = [
-    "BackpressureError",
-    "ChunkTimeoutError",
     "ConfigError",
-    "ConnectorClosedError",
     "ConnectorError",
     "InvalidKeyError",
     "InvalidRequestError",
@@ -56,10 +49,7 @@ __all__ = [
     "PayloadVersionError",
     "PipelineConfigError",
     "PipelineError",
-    "ReceiveFailedError",
     "RequestFailedError",
-    "ReuseRejectedError",
-    "SendFailedError",
     "StageDiedError",
     "StageUnavailableError",
     "TransferError",
@@ -114,32 +104,8 @@ class InvalidKeyError(ConnectorError):
     """A transfer key is empty, too long or otherwise unusable."""
 
 
-class ConnectorClosedError(ConnectorError):
-    """The connector was closed."""
-
-
 class TransferError(OmniRelayError):
     """Base of chunk transfer adapter errors."""
-
-
-class SendFailedError(TransferError):
-    """A chunk could not be sent."""
-
-
-class ReceiveFailedError(TransferError):
-    """A chunk could not be received or committed."""
-
-
-class ReuseRejectedError(TransferError):
-    """An external request id was reused while its previous sender generation still drains."""
-
-
-class BackpressureError(TransferError):
-    """The edge's byte budget of unconsumed data stayed exhausted past the wait bound."""
-
-
-class ChunkTimeoutError(TransferError):
-    """No chunk arrived within the configured stall timeout."""
 
 
 class PipelineError(OmniRelayError):

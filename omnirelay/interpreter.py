@@ -2,12 +2,9 @@
 
 The hot paths of a stage process (the transfer adapter, the shm connector's bookkeeping,
 the codec) are interpreted Python, so the interpreter's build shows in every latency
-figure. On our two-CPU development VM, the same code gave ``bench adapter``'s codec chunk
-(enqueue -> ready) in 137 µs under Debian's python3.11 (built with profile-guided and
-link-time optimization, libpython linked into the executable) and in 166 µs under a pyenv
-3.11.7 built without ``--enable-optimizations`` that loads libpython as a shared library
-(medians of 30 runs each; 142 against 166 µs over 8 interleaved pairs: README).
-``omnirelay doctor`` reports the build and warns about that combination; every benchmark
+figure: a build without profile-guided and link-time optimization that loads libpython
+as a shared library runs the same code measurably slower (docs/performance.md, "The
+Python build"). ``omnirelay doctor`` reports the build and warns about that combination; every benchmark
 records it beside its figures.
 
 Only facts that can be read are reported: the configure flags CPython records, and

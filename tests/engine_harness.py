@@ -44,7 +44,7 @@ from omnirelay.engine import (
     build_stage_components,
     create_stage_engine,
 )
-from omnirelay.models.toy import CountingLM, toy_pipeline_config, toy_registry
+from omnirelay.models.testing.toy import CountingLM, toy_pipeline_config, toy_registry
 from omnirelay.pipeline.config import PipelineConfig
 from omnirelay.transfer import TransferConfig
 from tests.stage_loop import StageLoopThread
@@ -164,7 +164,6 @@ class ToyPipelineRun:
                     conn,
                     processor=parts.processor,
                     transfer_config=fast_transfer_config(s),
-                    release_hook=parts.release_hook,
                 )
             )
         self.outputs: queue.Queue[StageOutput] = queue.Queue()

@@ -21,7 +21,7 @@ It has no ``wake()`` (optional in the protocol): the worker waits in slices for 
 while the real engine is woken by the control receive thread. Its releases complete at
 once (``take_released`` hands each out after the step that applied it).
 
-Build it in a worker with ``engine_factory="tests.orchestrator_fakes:build_scripted_engine"``.
+Build it in a worker with ``runtime=RuntimeHooks(engine_factory="tests.orchestrator_fakes:build_scripted_engine")``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import openai
 
 from omnirelay.api import Pipeline
 from omnirelay.pipeline import PipelineConfig
-from omnirelay.serving import Admission, ServerConfig, ServerThread, create_app
+from omnirelay.serving import AdmissionGate, ServerConfig, ServerThread, create_app
 from omnirelay.serving.frontend import Frontend
 from tests.orchestrator_audit import audit_running, audit_stopped
 
@@ -82,7 +82,7 @@ def assert_same_pcm(got: bytes, want: bytes) -> None:
 
 
 def serve(
-    pipeline: str | PipelineConfig, config: ServerConfig, admission: Admission | None = None
+    pipeline: str | PipelineConfig, config: ServerConfig, admission: AdmissionGate | None = None
 ) -> Iterator[Served]:
     """A module fixture's body: start the pipeline and a server; stop both; audit."""
     pipe = Pipeline.start(pipeline)

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from omnirelay.errors import InvalidRequestError
-from omnirelay.serving.audio import pcm16, wav_header
-from omnirelay.serving.audio_input import (
+from omnirelay.serving.media.audio_in import (
     PCM16_RATE,
     AudioInputError,
     AudioLimits,
     decode_audio,
     decode_base64_audio,
 )
-from omnirelay.serving.encoding import AudioEncoder
+from omnirelay.serving.media.audio_out import pcm16, wav_header
+from omnirelay.serving.media.encoding import AudioEncoder
 
 RATE = 16_000
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from benchmarks import soak, supervise
-from omnirelay.api import Pipeline, RestartPolicy
+from omnirelay.api import Pipeline, RestartPolicy, RuntimeHooks
 from omnirelay.serving import ServerConfig, ServerThread, create_app
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.supervision_fakes import STALL_TOKENS
@@ -32,7 +32,9 @@ def test_reduced_soak_with_a_kill_leaves_nothing_and_delivers_nothing_twice() ->
 def test_reduced_supervise_bench_against_a_live_server() -> None:
     policy = RestartPolicy(max_restarts=5, backoff_s=0.05, max_backoff_s=0.2)
     pipe = Pipeline.start(
-        fake_config(), engine_factory="tests.supervision_fakes:build_held_engine", restart=policy
+        fake_config(),
+        runtime=RuntimeHooks(engine_factory="tests.supervision_fakes:build_held_engine"),
+        restart=policy,
     )
     try:
         app = create_app(pipe, ServerConfig(max_tokens_limit=STALL_TOKENS))

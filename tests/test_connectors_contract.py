@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnirelay.connectors import Connector, GetStatus, create_connector
+from omnirelay.connectors import Connector, GetStatus, create_connector, reclaim_namespace
 from tests.conftest import shm_entries
 
 BACKENDS = ["shm", "inproc", "nixl", "nixl-tcp"]
@@ -64,12 +64,28 @@ def announced(cons: Connector, *keys: str, to_stage: int = 2) -> None:
     deadline = time.monotonic() + 10
     while want and time.monotonic() < deadline:
         arrivals = cons.wait_arrivals(to_stage, timeout=1)
-        if getattr(arrivals, "overflowed", False):
+        if arrivals.overflowed:
             return
         for key in arrivals:
             if key in want:
                 want.remove(key)
     assert not want, f"never announced: {want}"
+
+
+def test_reclaim_leaves_a_live_owners_objects_alone(
+    pair: tuple[Connector, Connector], namespace: str
+) -> None:
+    """The contract's one reclaim call: objects of live owners are listed, never removed."""
+    prod, _ = pair
+    assert prod.put(1, 2, "L_1_0", {"x": torch.arange(8)}).ok
+    report = reclaim_namespace(namespace)
+    assert report.reclaimed == []
+    if prod.backend == "shm":  # the only backend whose objects outlive their process
+        assert [o.key for o in report.transfer_objects] == ["L_1_0"]
+        assert all(o.owner_alive for o in report.objects)
+    else:
+        assert report.objects == []
+    assert prod.cleanup("L_1_0")
 
 
 def test_put_get_round_trip_consumes(pair: tuple[Connector, Connector]) -> None:

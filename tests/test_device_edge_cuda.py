@@ -212,9 +212,9 @@ def test_the_shm_connector_on_a_gpu_direct_edge() -> None:
 def test_the_thinker_hands_its_rows_on_its_device_for_a_gpu_direct_edge() -> None:
     """On a GPU-direct edge the Thinker's rows for the Talker stay on its device (copies:
     the step's buffers are reused), equal to the host rows it hands otherwise."""
-    from omnirelay.models import Checkpoint
-    from omnirelay.models.loader import ModelArgs
-    from omnirelay.models.thinker import ThinkerExecutor
+    from omnirelay.models.qwen3_omni import Checkpoint
+    from omnirelay.models.qwen3_omni.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
     from tests.test_models_support import run_thinker, tiny_dir
 
     args = ModelArgs(device="cuda:0", runner="static", cuda_graphs=True, max_num_seqs=8, max_model_len=256)

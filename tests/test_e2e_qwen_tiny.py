@@ -26,9 +26,9 @@ from omnirelay.api import Pipeline
 from omnirelay.cli.main import main
 from omnirelay.connectors.shm import sweep
 from omnirelay.errors import StageUnavailableError
-from omnirelay.models import Checkpoint, encode_chat_prompt, load_tokenizer
-from omnirelay.models.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
-from omnirelay.models.tiny import CACHE_ENV
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt, load_tokenizer
+from omnirelay.models.qwen3_omni.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
+from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
 from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
 from omnirelay.worker import leak_paths

@@ -9,7 +9,7 @@ import random
 import torch
 
 from omnirelay.engine import StageOutput
-from omnirelay.models.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
+from omnirelay.models.testing.toy import expected_counting_tokens, expected_relay_tokens, expected_waveform
 from tests.engine_harness import (
     CorruptingConnector,
     GatedCountingLM,

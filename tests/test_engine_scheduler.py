@@ -19,7 +19,7 @@ from omnirelay.engine import (
     StepUpdate,
 )
 from omnirelay.errors import ConfigError
-from omnirelay.models.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
+from omnirelay.models.testing.toy import CountingLM, RelayLM, SampleGenerator, expected_waveform
 from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.processors import read_codec_chunk
 from omnirelay.transfer import ChunkInput, FailureKind, TransferEvents, TransferFailure

@@ -21,7 +21,7 @@ from omnirelay.engine import (
     resolve_stage_roles,
 )
 from omnirelay.errors import ConfigError, PipelineError
-from omnirelay.models.toy import (
+from omnirelay.models.testing.toy import (
     CountingLM,
     RelayLM,
     SampleGenerator,

@@ -16,7 +16,7 @@ import torch
 from omnirelay.engine import BatchItem, ItemResult, SamplingParams, StageOutput
 from omnirelay.engine.request import Request
 from omnirelay.engine.tracing import StepTracer
-from omnirelay.models.toy import RelayLM
+from omnirelay.models.testing.toy import RelayLM
 from omnirelay.payload import Codes, OmniPayload
 from omnirelay.timeline import STEP_METRICS, Step, StepRecorder, step_of
 from omnirelay.transfer import ChunkEnvelope

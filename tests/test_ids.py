@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from omnirelay.api import validate_request_id
-from omnirelay.engine.admission import admission_problem
+from omnirelay.engine.intake import admission_problem
 from omnirelay.engine.interfaces import SamplingParams, StageRequest
 from omnirelay.engine.stage_roles import resolve_stage_roles
 from omnirelay.errors import InvalidRequestError
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
-from omnirelay.models.toy import toy_pipeline_config
-from omnirelay.transfer import Admission
+from omnirelay.models.testing.toy import toy_pipeline_config
+from omnirelay.transfer import SaveResult
 from tests.transfer_fakes import collect, failed_for, make_pipeline
 
 BAD_IDS = ["", "x" * (MAX_REQUEST_ID_LEN + 1), "a\nb", "nul\x00", "del\x7f", "c1\x85", "\ud800", 5, None]
@@ -39,7 +39,7 @@ def test_every_boundary_applies_the_one_external_id_rule() -> None:
             with pytest.raises(InvalidRequestError, match="request_id"):
                 validate_request_id(rid)
             assert admission(rid) == request_id_problem(rid, "request id")
-            assert p.sender.save_async(f"s{i}", rid, {"c": 0}) is Admission.REJECTED
+            assert p.sender.save_async(f"s{i}", rid, {"c": 0}) is SaveResult.REJECTED
             assert not p.receiver.load_async(f"r{i}", rid)
         want = request_id_problem("", "external request id")
         sent = collect(p.sender, failed_for("s0")).failed

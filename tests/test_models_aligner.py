@@ -10,7 +10,7 @@ import pytest
 
 from omnirelay.engine.interfaces import BatchItem, SamplingParams
 from omnirelay.errors import ModelError
-from omnirelay.models.aligner import align_words, create_aligner, voiced_regions
+from omnirelay.models.asr.vad_aligner import align_words, create_aligner, voiced_regions
 
 SR = 24000
 

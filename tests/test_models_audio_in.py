@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models.audio_in import (
-    AUDIO_INPUT_RATE,
-    QwenAudioEncoder,
-    audio_inputs,
-    num_audio_tokens,
-    read_audio_inputs,
-)
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs, read_audio_inputs
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder, num_audio_tokens
 
 FULL_SIZE = (
-    Path(__file__).resolve().parents[1] / "omnirelay" / "models" / "configs" / "qwen3-omni-30b-a3b.json"
+    Path(__file__).resolve().parents[1]
+    / "omnirelay"
+    / "models"
+    / "qwen3_omni"
+    / "configs"
+    / "qwen3-omni-30b-a3b.json"
 )
 
 

@@ -14,8 +14,8 @@ import torch
 
 from omnirelay.engine.interfaces import Executor
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint
-from omnirelay.models.code2wav import (
+from omnirelay.models.qwen3_omni import Checkpoint
+from omnirelay.models.qwen3_omni.code2wav import (
     SAMPLE_RATE,
     Code2WavExecutor,
     frames_of_context_needed,

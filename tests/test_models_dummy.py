@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from omnirelay.errors import ConfigError, ModelError
-from omnirelay.models import Checkpoint, encode_chat_prompt
-from omnirelay.models.dummy import FULL_SIZE_CONFIG, dummy_tokenizer, redraw_moe
-from omnirelay.models.loader import ModelArgs, open_checkpoint
-from omnirelay.models.talker_input import assistant_start, user_positions
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG, dummy_tokenizer, redraw_moe
+from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.talker_input import assistant_start, user_positions
 from tests.test_models_support import single_thread, tiny_dir
 
 

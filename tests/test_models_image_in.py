@@ -12,17 +12,13 @@ import pytest
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint
-from omnirelay.models.image_in import (
-    QwenImageEncoder,
-    VisionLayout,
-    image_inputs,
-    mrope_positions,
-    read_image_inputs,
-)
-from omnirelay.models.loader import ModelArgs
-from omnirelay.models.thinker import ThinkerExecutor
-from omnirelay.serving.text import ChatMLCodec, MediaSlot
+from omnirelay.models.family import ImageSlot
+from omnirelay.models.inputs import image_inputs, read_image_inputs
+from omnirelay.models.qwen3_omni import Checkpoint
+from omnirelay.models.qwen3_omni.loader import ModelArgs
+from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
+from omnirelay.models.qwen3_omni.vision import QwenImageEncoder, VisionLayout, mrope_positions
 from tests.test_models_support import item, single_thread, tiny_dir
 
 DECODE_STEPS = 3
@@ -48,11 +44,11 @@ def _image(seed: int, height: int, width: int, layout: VisionLayout) -> torch.Te
 def _prompt(thinker: ThinkerExecutor, images: list[torch.Tensor]) -> list[int]:
     layout = thinker.vision
     assert layout is not None
-    codec = ChatMLCodec(thinker.tokenizer, vision=layout)
-    parts: list[str | MediaSlot] = ["Look: "]
+    prompts = QwenPromptSide(thinker.tokenizer, vision=layout)
+    parts: list[str | ImageSlot] = ["Look: "]
     for img in images:
-        parts += [MediaSlot("image", layout.num_tokens(img.shape[0], img.shape[1])), " and "]
-    return codec.encode_chat_media([("system", ["Be brief."]), ("user", [*parts, "say what you see."])])
+        parts += [ImageSlot(img.shape[0], img.shape[1]), " and "]
+    return prompts.encode_chat_media([("system", ["Be brief."]), ("user", [*parts, "say what you see."])])
 
 
 def _reference(thinker: ThinkerExecutor, ids: list[int], images: list[torch.Tensor]) -> object:
@@ -185,8 +181,8 @@ def test_layout_fit_is_the_processors_resize(thinker: ThinkerExecutor) -> None:
 
 
 def test_the_real_layout_and_the_input_contract() -> None:
-    from omnirelay.models.dummy import FULL_SIZE_CONFIG
-    from omnirelay.models.image_in import layout_of_checkpoint
+    from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG
+    from omnirelay.models.qwen3_omni.vision import layout_of_checkpoint
 
     config = Checkpoint.open(FULL_SIZE_CONFIG, load_format="dummy").config
     real = layout_of_checkpoint(config, None)
@@ -212,7 +208,7 @@ def test_bad_image_requests_fail_cleanly(thinker: ThinkerExecutor) -> None:
 
 
 def test_the_static_runner_refuses_images_up_front_and_in_the_thinker() -> None:
-    from omnirelay.serving.text import thinker_vision
+    from omnirelay.models.qwen3_omni.prompt import thinker_vision
 
     args = {"model_dir": str(tiny_dir())}
     layout, refusal = thinker_vision({**args, "runner": "static"})

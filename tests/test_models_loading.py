@@ -13,27 +13,26 @@ import torch
 
 import omnirelay.models as models
 from omnirelay.errors import ConfigError, ModelError
-from omnirelay.models import (
-    ALIGNER_EXECUTOR,
+from omnirelay.models import asr as asr_family
+from omnirelay.models import qwen3_omni, register_executors
+from omnirelay.models import voice as voice_family
+from omnirelay.models.asr import ALIGNER_EXECUTOR, RECOGNIZER_EXECUTOR, SPHINX_ALIGNER_EXECUTOR
+from omnirelay.models.qwen3_omni import (
     EXECUTOR_NAMES,
-    RECOGNIZER_EXECUTOR,
-    SMOLLM2_EXECUTOR,
-    SPHINX_ALIGNER_EXECUTOR,
-    VOICE_EXECUTOR,
     Checkpoint,
     ModelArgs,
     encode_chat_prompt,
     format_chat_prompt,
     load_tokenizer,
-    register_executors,
 )
-from omnirelay.models.tiny import (
+from omnirelay.models.qwen3_omni.tiny import (
     CACHE_ENV,
     TINY_SPECIAL_TOKENS,
     build_tiny,
     default_cache_dir,
     make_tiny_model,
 )
+from omnirelay.models.voice import SMOLLM2_EXECUTOR, VOICE_EXECUTOR
 from omnirelay.pipeline import ComponentRegistry, load_pipeline
 from tests.test_models_support import single_thread, tiny_cache, tiny_dir
 
@@ -197,7 +196,7 @@ def test_bad_executor_args_are_config_errors(args: dict[str, object], match: str
 
 def test_factory_with_a_bad_model_dir_fails_with_model_error(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="does not exist"):
-        models.create_code2wav(model_dir=str(tmp_path / "missing"))
+        qwen3_omni.create_code2wav(model_dir=str(tmp_path / "missing"))
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -234,7 +233,9 @@ def test_executors_register_under_the_pipeline_names() -> None:
     register_executors(registry.executors, replace=True)
 
 
-def test_public_surface() -> None:
-    assert sorted(models.__all__) == sorted(set(models.__all__))
-    for name in models.__all__:
-        assert hasattr(models, name), name
+@pytest.mark.parametrize("package", [models, qwen3_omni, voice_family, asr_family])
+def test_public_surface(package: object) -> None:
+    names = package.__all__  # type: ignore[attr-defined]
+    assert sorted(names) == sorted(set(names))
+    for name in names:
+        assert hasattr(package, name), name

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt, register_executors
-from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field
-from omnirelay.models.talker import TalkerExecutor
-from omnirelay.models.thinker import ThinkerExecutor
+from omnirelay.models import register_executors
+from omnirelay.models.qwen3_omni import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor, measure_receptive_field
+from omnirelay.models.qwen3_omni.talker import TalkerExecutor
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.payload import OmniPayload
 from omnirelay.pipeline import ComponentRegistry
 from omnirelay.processors import TalkerToCode2WavConfig, TalkerToCode2WavProcessor
@@ -156,7 +157,7 @@ def test_registered_factories_build_the_tiny_executors(monkeypatch: pytest.Monke
 def test_executors_reproduce_the_reference_generate() -> None:
     """Stepping the three executors reproduces transformers' own end-to-end ``generate``
     (greedy): the same Thinker tokens, and the same waveform from the Talker's frames."""
-    from omnirelay.models.tiny import make_tiny_model, quiet_transformers
+    from omnirelay.models.qwen3_omni.tiny import make_tiny_model, quiet_transformers
 
     model, tok = make_tiny_model(seed=0)
     prompt = encode_chat_prompt(tok, "Hello there, how are you?")

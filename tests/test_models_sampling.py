@@ -7,9 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.models.detokenizer import IncrementalDetokenizer
 from omnirelay.models.kv import KVPool
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.tokenizer import IncrementalDetokenizer
 
 # --------------------------------------------------------------------------- sampling
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
-from omnirelay.models.tiny import CACHE_ENV, build_tiny
+from omnirelay.models.qwen3_omni.tiny import CACHE_ENV, build_tiny
 from omnirelay.payload import OmniPayload
 from omnirelay.processors import ThinkerToTalkerProcessor
 

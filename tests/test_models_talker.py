@@ -12,11 +12,11 @@ import torch
 
 from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint, encode_chat_prompt
-from omnirelay.models.loader import ModelArgs
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni.loader import ModelArgs
+from omnirelay.models.qwen3_omni.talker import TalkerExecutor, TalkerSpec
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.models.runner import Buckets
-from omnirelay.models.talker import TalkerExecutor, TalkerSpec
-from omnirelay.models.thinker import ThinkerExecutor
 from omnirelay.payload import OmniPayload
 from omnirelay.processors import TalkerToCode2WavProcessor
 from tests.test_models_support import item, run_thinker, single_thread, tiny_dir

@@ -9,10 +9,10 @@ import torch
 
 from omnirelay.engine.interfaces import Executor, SamplingParams
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint, encode_chat_prompt
-from omnirelay.models.loader import ModelArgs
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni.loader import ModelArgs
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.models.runner import Buckets
-from omnirelay.models.thinker import ThinkerExecutor
 from tests.test_models_support import Lockstep, item, run_thinker, single_thread, tiny_dir
 
 STEPS = 10

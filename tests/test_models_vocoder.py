@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models import Checkpoint
+from omnirelay.models.qwen3_omni import Checkpoint
 from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
 from tests.test_models_support import single_thread, tiny_dir
 

@@ -23,8 +23,8 @@ import torch
 
 from omnirelay.api import Pipeline
 from omnirelay.errors import StageUnavailableError
-from omnirelay.models import encode_chat_prompt, load_tokenizer
-from omnirelay.models.tiny import CACHE_ENV
+from omnirelay.models.qwen3_omni import encode_chat_prompt, load_tokenizer
+from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
 from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.worker import leak_paths
 from tests.orchestrator_audit import audit_stopped, child_pids

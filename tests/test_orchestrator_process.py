@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.api import NO_RESTARTS, Pipeline, validate_request_id
+from omnirelay.api import NO_RESTARTS, Pipeline, RuntimeHooks, validate_request_id
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError, StageDiedError
@@ -54,7 +54,7 @@ def fake_config_data() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pipe() -> Iterator[Pipeline]:
-    p = Pipeline.start(fake_config(), engine_factory=FACTORY)
+    p = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY))
     yield p
     audit_stopped(p)
 
@@ -119,7 +119,7 @@ def test_async_iteration(audited: Pipeline) -> None:
 
 def test_async_start_and_shutdown() -> None:
     async def main() -> None:
-        pipe = await Pipeline.start_async(fake_config(), engine_factory=FACTORY)
+        pipe = await Pipeline.start_async(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY))
         try:
             handle = pipe.submit([8], modalities=["text"], sampling=sampling(2))
             assert (await handle.result_async()).token_ids() == expected_text_tokens([8], 2)
@@ -229,7 +229,7 @@ def test_many_concurrent_requests_with_aborts(audited: Pipeline) -> None:
 
 
 def test_killed_worker_fails_its_requests_within_5s() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=NO_RESTARTS)
     try:
         stalled = [
             pipe.submit([i], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 2})
@@ -265,7 +265,7 @@ def test_killed_worker_fails_its_requests_within_5s() -> None:
 
 
 def test_engine_step_failure_takes_the_stage_down_cleanly() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=NO_RESTARTS)
     try:
         bystander = pipe.submit(
             [1], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 1}
@@ -298,12 +298,14 @@ def test_engine_step_failure_takes_the_stage_down_cleanly() -> None:
 def test_startup_failure_names_the_stage_and_leaves_nothing() -> None:
     num_children = len(child_pids())
     with pytest.raises(StageDiedError, match=r"stage 1 \(talker\) failed to start.*on purpose"):
-        Pipeline.start(fake_config(), engine_factory="tests.orchestrator_fakes:build_broken_engine")
+        Pipeline.start(
+            fake_config(), runtime=RuntimeHooks(engine_factory="tests.orchestrator_fakes:build_broken_engine")
+        )
     assert len(child_pids()) == num_children
 
 
 def test_shutdown_fails_in_flight_requests_and_is_idempotent() -> None:
-    with Pipeline.start(fake_config(), engine_factory=FACTORY) as pipe:
+    with Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY)) as pipe:
         h = pipe.submit([1], modalities=["text", "audio"], sampling=sampling(50), extras={"stall_after": 1})
         next(iter(h))
         first = pipe.shutdown()
@@ -323,10 +325,10 @@ def test_shutdown_fails_in_flight_requests_and_is_idempotent() -> None:
 
 FRONT_SCRIPT = """
 import json, sys, time
-from omnirelay.api import Pipeline
+from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.engine.interfaces import SamplingParams
 from tests.test_orchestrator_process import FACTORY, fake_config
-p = Pipeline.start(fake_config(), engine_factory=FACTORY)
+p = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY))
 h = p.submit([1], modalities=["text", "audio"], sampling=SamplingParams(max_tokens=50), extras={"stall_after": 2})
 next(o for o in h if o.modality == "audio")
 print(json.dumps({"namespace": p.namespace, "pids": list(p.pids().values()),
@@ -367,5 +369,5 @@ def test_workers_exit_when_the_front_dies() -> None:
 def test_tracing_steps_needs_an_engine_factory_that_takes_a_tracer() -> None:
     num_children = len(child_pids())
     with pytest.raises(StageDiedError, match=r"takes no tracer= argument.*trace_steps"):
-        Pipeline.start(fake_config(), engine_factory=FACTORY, trace_steps=True)
+        Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), trace_steps=True)
     assert len(child_pids()) == num_children

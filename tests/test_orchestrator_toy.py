@@ -17,11 +17,11 @@ import msgspec
 import pytest
 import torch
 
-from omnirelay.api import NO_RESTARTS, Pipeline
+from omnirelay.api import NO_RESTARTS, Pipeline, RuntimeHooks
 from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import RequestFailedError
-from omnirelay.models.toy import (
+from omnirelay.models.testing.toy import (
     TOY_SAMPLE_RATE,
     expected_counting_tokens,
     expected_relay_tokens,
@@ -133,7 +133,8 @@ def test_requests_parked_behind_a_silent_first_stage_are_released_on_abort() -> 
     worker): the downstream stages hold the prewarmed requests, waiting for chunks that
     never come; each stage's queue depth is its own engine's count."""
     with Pipeline.start(
-        "toy-3stage", engine_factory="benchmarks.parking_engine:build_parked_stage0_engine"
+        "toy-3stage",
+        runtime=RuntimeHooks(engine_factory="benchmarks.parking_engine:build_parked_stage0_engine"),
     ) as p:
         handles = [p.submit([i], modalities=["text", "audio"]) for i in range(3)]
         health = p.health()

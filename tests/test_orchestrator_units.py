@@ -7,6 +7,7 @@ import asyncio
 import threading
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ import omnirelay.orchestrator as orchestrator_pkg
 import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError
-from omnirelay.models.toy import toy_pipeline_config
+from omnirelay.models.testing.toy import toy_pipeline_config
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator
 from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
@@ -237,3 +238,22 @@ def test_a_handle_frees_its_id_before_the_consumer_can_see_the_end() -> None:
     handle.deliver(RequestOutput(request_id="r", stage_id=0, modality="text", finished=True))
     assert seen == [False]
     assert [o.finished for o in handle] == [False, True]
+
+
+@pytest.mark.parametrize("close_first", [False, True])
+def test_a_held_handle_frees_its_id_once_it_ended_and_was_closed(close_first: bool) -> None:
+    freed: list[str] = []
+    end = RequestOutput(request_id="r", stage_id=0, modality="text", finished=True, finish_reason="stop")
+    handle = RequestHandle("r", on_done=freed.append, is_held=True)
+    first, second = (handle.close, lambda: handle.deliver(end))
+    if not close_first:
+        first, second = second, first
+    first()
+    assert freed == []
+    second()
+    handle.close()  # idempotent
+    assert freed == ["r"]
+    plain: list[str] = []
+    unheld = RequestHandle("q", on_done=plain.append)
+    unheld.deliver(msgspec.structs.replace(end, request_id="q"))
+    assert plain == ["q"]  # not held: free at the end, close or not

@@ -10,6 +10,7 @@ import torch
 from omnirelay.errors import ConfigError, PayloadEncodeError
 from omnirelay.payload import OmniPayload
 from omnirelay.processors import ThinkerStreamState, ThinkerToTalkerProcessor
+from omnirelay.transfer import ReleaseScope
 
 H = 8
 ACCEPT = 24
@@ -223,7 +224,7 @@ def _stage_payload(context: Any) -> Any:
     """Chunk 0 of ``ThinkerToTalkerStage`` for one finishing step with ``context``."""
     from types import SimpleNamespace
 
-    from omnirelay.processors.stages import ThinkerToTalkerStage
+    from omnirelay.processors.streams import ThinkerToTalkerStage
 
     stage = ThinkerToTalkerStage(SimpleNamespace(id=0), None)  # type: ignore[arg-type]
     out = {"hidden_layers": layers(0, len(PROMPT) + 1), "token_ids": [*PROMPT, 7], **tts()}
@@ -231,7 +232,7 @@ def _stage_payload(context: Any) -> Any:
     try:
         return stage.build(req)  # type: ignore[arg-type]
     finally:
-        stage.release("r1", "request")
+        stage.release("r1", ReleaseScope.REQUEST)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +242,7 @@ def _stage_payload(context: Any) -> Any:
 def test_stage_passes_the_request_voice_as_speaker(extras: Any, speaker: str | None) -> None:
     from types import SimpleNamespace
 
-    from omnirelay.processors.stages import request_voice
+    from omnirelay.processors.streams import request_voice
 
     context = SimpleNamespace(prompt_token_ids=tuple(PROMPT), extras=extras)
     assert request_voice(context) == speaker

@@ -8,6 +8,7 @@ exists.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -29,8 +30,16 @@ def _python_blocks() -> list[str]:
 
 
 def test_the_python_api_example_runs_as_written(tmp_path: Path) -> None:
-    blocks = [b for b in _python_blocks() if "from omnirelay.api import" in b]
+    blocks = [b for b in _python_blocks() if "from omnirelay import" in b]
     assert len(blocks) == 1, "README.md must hold exactly one Python API example"
+    imported = [
+        node for node in ast.walk(ast.parse(blocks[0])) if isinstance(node, ast.Import | ast.ImportFrom)
+    ]
+    modules = {n.module for n in imported if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in imported if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in modules if m and m.startswith("omnirelay")} == {"omnirelay"}, (
+        "the example uses omnirelay's top-level names only"
+    )
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -8,9 +8,8 @@ import base64
 import numpy as np
 import pytest
 
-from omnirelay.serving.conversation import Conversation, Item
-from omnirelay.serving.realtime import InputBuffer
-from omnirelay.serving.realtime_events import (
+from omnirelay.serving.realtime.conversation import Conversation, Item
+from omnirelay.serving.realtime.events import (
     EventError,
     RealtimeSettings,
     apply_session_update,
@@ -18,7 +17,8 @@ from omnirelay.serving.realtime_events import (
     decode_frame,
     parse_text_item,
 )
-from omnirelay.serving.vad import EnergyVad, VadParams
+from omnirelay.serving.realtime.session import InputBuffer
+from omnirelay.serving.realtime.vad import EnergyVad, VadParams
 from tests.realtime_support import noise, speechlike, utterance
 
 RATE = 22050

@@ -26,7 +26,7 @@ from omnirelay.cli.run import WavWriter
 from omnirelay.cli.session import Progress, load_run_config, sampling_overrides
 from omnirelay.connectors.shm import sweep
 from omnirelay.errors import ConfigError, ModelError
-from omnirelay.models.tiny import CACHE_ENV
+from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
 from omnirelay.pipeline import load_pipeline
 from tests.orchestrator_audit import pids_alive
 from tests.test_models_support import tiny_cache, tiny_dir

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.models import Checkpoint, encode_chat_prompt
-from omnirelay.models.code2wav import Code2WavExecutor
-from omnirelay.models.loader import ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
+from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
+from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.talker import TalkerExecutor
+from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.runner.code2wav import GraphedCode2Wav
-from omnirelay.models.talker import TalkerExecutor
-from omnirelay.models.thinker import ThinkerExecutor
 from tests.test_models_support import run_thinker, tiny_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import BatchItem, SamplingParams
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE, QwenAudioEncoder, audio_inputs, num_audio_tokens
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder, num_audio_tokens
+from omnirelay.models.qwen3_omni.prompt import AUDIO_PAD
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.audio import pcm16, wav_header
-from omnirelay.serving.audio_input import PCM16_RATE
-from omnirelay.serving.text import AUDIO_PAD
+from omnirelay.serving.media.audio_in import PCM16_RATE
+from omnirelay.serving.media.audio_out import pcm16, wav_header
 from tests.serving_support import Served, chat_stream_audio, serve
 
 MODEL = "qwen3-omni-tiny"
@@ -149,7 +150,7 @@ def test_audio_rows_fill_the_placeholders_in_order(runner: str) -> None:
     """In one process, on either runner: the Thinker's embeddings (hidden state 0) at the
     prompt's audio positions are the audio encoder's rows for the clips, in order; its
     text positions are the token embeddings."""
-    from omnirelay.models.thinker import create_thinker
+    from omnirelay.models.qwen3_omni.thinker import create_thinker
 
     torch.set_flush_denormal(True)
     static = {"cuda_graphs": False, "max_num_seqs": 2, "max_model_len": 256} if runner == "static" else {}

@@ -30,7 +30,7 @@ WS_FRAMES = 48  # four of each kind
 
 def test_the_schema_describes_every_v1_body() -> None:
     pipe = SimpleNamespace(config=load_pipeline("toy-3stage"))  # the schema needs no running stage
-    app = create_app(pipe, ServerConfig(), codec=ByteCodec())  # type: ignore[arg-type]
+    app = create_app(pipe, ServerConfig(), prompts=ByteCodec())  # type: ignore[arg-type]
     paths = app.openapi()["paths"]
     assert {"/v1/chat/completions", "/v1/audio/speech", "/v1/models", "/v1/models/{model_id}"} <= set(paths)
     for path in ("/v1/chat/completions", "/v1/audio/speech"):

@@ -20,9 +20,9 @@ import openai
 import pytest
 from PIL import Image
 
-from omnirelay.models.image_in import VisionLayout
+from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
+from omnirelay.models.qwen3_omni.vision import VisionLayout
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.text import ChatMLCodec
 from tests.serving_support import Served, chat_stream_audio, serve
 
 MODEL = "qwen3-omni-tiny"
@@ -57,9 +57,9 @@ def srv(served: Served) -> Iterator[Served]:
 
 
 def _layout(srv: Served) -> VisionLayout:
-    codec = srv.frontend.codec
-    assert isinstance(codec, ChatMLCodec) and codec.vision is not None
-    return codec.vision
+    prompts = srv.frontend.prompts
+    assert isinstance(prompts, QwenPromptSide) and prompts.vision is not None
+    return prompts.vision
 
 
 def _ask(srv: Served, *parts: dict[str, Any], **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ import pytest
 import websockets
 
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.audio import parse_wav
+from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import (
     Served,
     assert_same_pcm,

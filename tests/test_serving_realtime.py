@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import websockets
 
-from omnirelay.serving import Admission, ServerConfig, ServerThread, create_app
+from omnirelay.serving import AdmissionGate, ServerConfig, ServerThread, create_app
 from tests.realtime_support import RealtimeClient, append_events, pcm16, pcm_of, utterance
 from tests.serving_support import Served, serve
 
@@ -278,16 +278,16 @@ def test_an_unknown_model_is_refused(srv: Served) -> None:
 
 
 @pytest.fixture
-def guarded(served: Served) -> Iterator[tuple[str, Admission]]:
+def guarded(served: Served) -> Iterator[tuple[str, AdmissionGate]]:
     """A second server over the same pipeline: a key, one admission slot, one session."""
-    admission = Admission(1)
+    admission = AdmissionGate(1)
     config = ServerConfig(api_keys=("sk-rt",), realtime_max_sessions=1)
     with ServerThread(create_app(served.pipe, config, admission=admission)) as server:
         yield server.base_url, admission
     served.audit()
 
 
-def test_keys_origins_capacity_and_the_session_limit(guarded: tuple[str, Admission]) -> None:
+def test_keys_origins_capacity_and_the_session_limit(guarded: tuple[str, AdmissionGate]) -> None:
     url, admission = guarded
 
     async def refused(headers: dict[str, str]) -> int:

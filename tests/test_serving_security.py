@@ -22,11 +22,11 @@ from websockets.exceptions import InvalidStatus
 
 from omnirelay.cli.serve import security_limits
 from omnirelay.errors import ConfigError
-from omnirelay.serving import Admission, ServerConfig
-from omnirelay.serving.config import host_of_header
+from omnirelay.serving import AdmissionGate, ServerConfig
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.protocol import MAX_JSON_DEPTH
 from omnirelay.serving.security import SecurityMiddleware
+from omnirelay.serving.server_config import host_of_header
 from omnirelay.serving.text import ByteCodec
 from tests.serving_support import Served, serve
 
@@ -51,7 +51,7 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    yield from serve("toy-3stage", CONFIG, Admission(8, retry_after_s=3))
+    yield from serve("toy-3stage", CONFIG, AdmissionGate(8, retry_after_s=3))
 
 
 @pytest.fixture

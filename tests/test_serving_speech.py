@@ -35,7 +35,7 @@ from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.requests import RequestOutput
 from omnirelay.pipeline import PipelineConfig, parse_pipeline
 from omnirelay.serving import ServerConfig, ServerThread, create_app
-from omnirelay.serving.encoding import FORMATS
+from omnirelay.serving.media.encoding import FORMATS
 from tests.serving_support import Served, serve, sse_events
 
 SPEECH = "/v1/audio/speech"
@@ -262,12 +262,16 @@ def test_chat_refuses_an_audio_format_openai_does_not_have(srv: Served) -> None:
 
 
 class _Handle:
-    def __init__(self, request_id: str, outputs: AsyncIterator[RequestOutput]) -> None:
+    def __init__(self, request_id: str, outputs: AsyncIterator[RequestOutput], held: set[str]) -> None:
         self.request_id = request_id
         self._outputs = outputs
+        self._held = held
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs
+
+    def close(self) -> None:
+        self._held.discard(self.request_id)  # the server sent the response: the id is free
 
 
 class GatedPipeline:
@@ -282,14 +286,22 @@ class GatedPipeline:
         self.at_gate = threading.Event()  # a request made its first samples; the rest waits
         self.fail_at: str | None = None
         self.active: set[str] = set()
+        self.held: set[str] = set()  # ids whose handle the server has not closed yet
         self.aborted: set[str] = set()
 
     def submit(self, prompt: list[int], *, request_id: str, **_: Any) -> _Handle:
         self.active.add(request_id)
-        return _Handle(request_id, self._outputs(request_id))
+        self.held.add(request_id)
+        return _Handle(request_id, self._outputs(request_id), self.held)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self.held
+
+    def prompt_side(self) -> None:
+        return None  # no text model: the server's byte codec
 
     async def _outputs(self, rid: str) -> AsyncIterator[RequestOutput]:
         try:
@@ -338,8 +350,8 @@ def gated(gated_server: tuple[GatedPipeline, ServerThread]) -> Iterator[tuple[Ga
     # closes a request after its last bytes went out: wait for that, with a deadline).
     fe = server._server.config.app.state.frontend
     deadline = time.monotonic() + 10
-    while pipe.active or fe.admission.num_active or fe._ids:
-        assert time.monotonic() < deadline, (pipe.active, fe.admission.num_active, fe._ids)
+    while pipe.active or fe.admission.num_active or pipe.held:
+        assert time.monotonic() < deadline, (pipe.active, fe.admission.num_active, pipe.held)
         time.sleep(0.005)
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import websockets
 
-from omnirelay.api import Pipeline, RestartPolicy
+from omnirelay.api import Pipeline, RestartPolicy, RuntimeHooks
 from omnirelay.serving import ServerConfig, ServerThread, create_app
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import sse_events
@@ -59,7 +59,9 @@ def ws_speech_error(url: str) -> list[dict[str, object]]:
 
 def test_a_killed_stage_is_503_with_retry_after_until_it_is_back(hold: Path) -> None:
     pipe = Pipeline.start(
-        fake_config(), engine_factory="tests.supervision_fakes:build_held_engine", restart=POLICY
+        fake_config(),
+        runtime=RuntimeHooks(engine_factory="tests.supervision_fakes:build_held_engine"),
+        restart=POLICY,
     )
     server = ServerThread(create_app(pipe, CONFIG)).start()
     url = server.base_url

@@ -25,7 +25,7 @@ import websockets
 import yaml
 
 from omnirelay.pipeline import PipelineConfig, parse_pipeline
-from omnirelay.serving import Admission, ServerConfig
+from omnirelay.serving import AdmissionGate, ServerConfig
 from tests.serving_support import Served, chat_stream_audio, disconnect_after_first_audio, serve
 
 MAX_CONCURRENCY = 64
@@ -64,7 +64,7 @@ def toy_with_aligner() -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    yield from serve(toy_with_aligner(), CONFIG, Admission(MAX_CONCURRENCY, retry_after_s=2))
+    yield from serve(toy_with_aligner(), CONFIG, AdmissionGate(MAX_CONCURRENCY, retry_after_s=2))
 
 
 @pytest.fixture

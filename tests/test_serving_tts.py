@@ -1,7 +1,7 @@
 """The server over ``qwen3-tts-aligner-tiny`` (Talker in text mode -> Code2Wav, chunked ->
 forced aligner on the complete waveform; real multi-process path): speech with word
 timestamps over HTTP and the WebSocket, streaming speech, the ``openai`` client, and the
-Talker's text mode (:class:`~omnirelay.models.talker.TextConditioner`) on its own.
+Talker's text mode (:class:`~omnirelay.models.qwen3_omni.talker.TextConditioner`) on its own.
 
 The Talker samples with its config's fixed seed, so one input gives the same waveform on
 every request: the WebSocket's audio must equal the HTTP endpoint's, sample for sample.
@@ -19,9 +19,9 @@ import httpx
 import pytest
 import websockets
 
+from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
 from omnirelay.serving import ServerConfig
-from omnirelay.serving.audio import parse_wav
-from omnirelay.serving.text import ChatMLCodec
+from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import Served, assert_same_pcm, serve
 
 MODEL = "qwen3-tts-aligner-tiny"
@@ -116,15 +116,15 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
 
 def test_text_conditioner_speaks_the_user_turn() -> None:
     from omnirelay.errors import ModelError
-    from omnirelay.models import load_tokenizer
-    from omnirelay.models.loader import ModelArgs, open_checkpoint
-    from omnirelay.models.talker import TalkerSpec, TextConditioner
+    from omnirelay.models.qwen3_omni import load_tokenizer
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+    from omnirelay.models.qwen3_omni.talker import TalkerSpec, TextConditioner
 
     checkpoint = open_checkpoint(ModelArgs(tiny=True))
     spec = TalkerSpec.from_config(checkpoint.config)
     cond = TextConditioner.from_checkpoint(checkpoint, spec)
     tok = load_tokenizer(tiny=True)
-    prompt = ChatMLCodec(tok).encode_speech("Good morning.")
+    prompt = QwenPromptSide(tok).encode_speech("Good morning.")
     spoken = cond.spoken_ids(prompt)
     assert tok.decode(spoken) == "Good morning."
     chunk = cond.chunk(prompt, "r")

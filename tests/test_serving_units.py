@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from omnirelay.errors import ConfigError
-from omnirelay.models import format_chat_prompt
-from omnirelay.serving import Admission, ApiError, AudioEmitter, OutputKind, ServerConfig
-from omnirelay.serving.audio import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
-from omnirelay.serving.chat import StopMatcher
+from omnirelay.models.qwen3_omni.prompt import format_chat, format_chat_prompt
+from omnirelay.serving import AdmissionGate, ApiError, AudioEmitter, OutputKind, ServerConfig
+from omnirelay.serving.media.audio_out import AudioStreamError, parse_wav, pcm16, wav_bytes, wav_header
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest, check_request_id, parse
-from omnirelay.serving.speech import timestamps_header
-from omnirelay.serving.text import ByteCodec, format_chat
-from omnirelay.serving.websocket import split_text
+from omnirelay.serving.routes.chat import StopMatcher
+from omnirelay.serving.routes.speech import timestamps_header
+from omnirelay.serving.routes.speech_stream import split_text
+from omnirelay.serving.text import ByteCodec
 
 # ------------------------------------------------------------------ docs/protocol.md §7.3 emission
 
@@ -163,7 +163,7 @@ def test_request_ids_from_clients_are_checked() -> None:
 
 
 def test_admission_limits_and_releases() -> None:
-    adm = Admission(2, retry_after_s=3)
+    adm = AdmissionGate(2, retry_after_s=3)
     a, b = adm.acquire(), adm.acquire()
     err = _error(adm.acquire)
     assert err.status == 429 and err.headers == {"Retry-After": "3"} and adm.num_rejected == 1
@@ -173,7 +173,7 @@ def test_admission_limits_and_releases() -> None:
     b.release()
     c.release()
     assert adm.num_active == 0
-    budget = Admission(5, max_live_bytes=100)
+    budget = AdmissionGate(5, max_live_bytes=100)
     budget.live_bytes = 101
     assert "budget of 100" in _error(budget.acquire).message
 
@@ -198,7 +198,7 @@ def test_timestamps_header_fits_or_says_why_not() -> None:
 
 
 def test_openai_voice_map_checks_targets_against_the_servers_voices() -> None:
-    from omnirelay.serving.config import openai_voice_map
+    from omnirelay.serving.server_config import openai_voice_map
 
     voices = ("chelsie", "Ethan")
     assert openai_voice_map({"Alloy": "Chelsie", "echo": "ethan"}, voices, "p.yaml") == {

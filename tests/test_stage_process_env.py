@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from omnirelay.api import Pipeline
+from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.cli.check import build_report, render_report
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import PipelineConfigError
@@ -99,7 +99,7 @@ def test_the_worker_sets_the_environment_before_building_its_engine() -> None:
     cfg = _config(env={name: "talker-only"}, gpu_share=35, gpu_priority="low")
     # The factory refuses to build where a variable is missing: a started pipeline proves
     # each worker had its own settings before its engine existed.
-    pipe = Pipeline.start(cfg, engine_factory=FACTORY)
+    pipe = Pipeline.start(cfg, runtime=RuntimeHooks(engine_factory=FACTORY))
     try:
         res = pipe.submit([5], modalities=["text", "audio"], sampling=SamplingParams(max_tokens=2)).result(
             timeout=30

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.api import NO_RESTARTS, Pipeline, RestartPolicy
+from omnirelay.api import NO_RESTARTS, Pipeline, RestartPolicy, RuntimeHooks
 from omnirelay.errors import (
     ConfigError,
     PipelineConfigError,
@@ -43,7 +43,7 @@ HELD_FACTORY = "tests.supervision_fakes:build_held_engine"
 
 @pytest.fixture
 def pipe() -> Iterator[Pipeline]:
-    p = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=FAST)
+    p = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=FAST)
     yield p
     audit_stopped(p)
 
@@ -118,7 +118,7 @@ def test_requests_that_do_not_need_the_dead_stage_are_served(
 ) -> None:
     hold = tmp_path / "hold"
     monkeypatch.setenv(HOLD_ENV, str(hold))
-    pipe = Pipeline.start(fake_config(), engine_factory=HELD_FACTORY, restart=FAST)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=HELD_FACTORY), restart=FAST)
     try:
         hold.touch()  # the restarted Talker will stay in its engine build
         kill_mid_stream(pipe, 1, prefix="held")
@@ -146,7 +146,7 @@ def test_requests_that_do_not_need_the_dead_stage_are_served(
 
 def test_gives_up_after_max_restarts_in_the_window_and_health_says_why() -> None:
     policy = RestartPolicy(max_restarts=1, window_s=600, backoff_s=0.0, max_backoff_s=0.0)
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=policy)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=policy)
     try:
         kill_mid_stream(pipe, 1, prefix="a", n=1)
         pipe.wait_ready(60)
@@ -169,7 +169,7 @@ def test_gives_up_after_max_restarts_in_the_window_and_health_says_why() -> None
 
 
 def test_restarts_off_fail_fast_and_the_stage_stays_failed() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=NO_RESTARTS)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=NO_RESTARTS)
     try:
         kill_mid_stream(pipe, 2, prefix="off", n=2)
         with pytest.raises(StageDiedError, match=r"restarts are off"):
@@ -186,7 +186,7 @@ def test_a_stage_that_dies_while_restarting_is_restarted_again(
 ) -> None:
     hold = tmp_path / "hold"
     monkeypatch.setenv(HOLD_ENV, str(hold))
-    pipe = Pipeline.start(fake_config(), engine_factory=HELD_FACTORY, restart=FAST)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=HELD_FACTORY), restart=FAST)
     try:
         hold.touch()
         kill_mid_stream(pipe, 0, prefix="twice", n=1)
@@ -261,7 +261,7 @@ def test_serve_max_restarts_overrides_the_file_and_is_checked() -> None:
 
 
 def test_a_restart_that_cannot_start_a_process_leaves_the_stage_failed_with_the_reason() -> None:
-    pipe = Pipeline.start(fake_config(), engine_factory=FACTORY, restart=FAST)
+    pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=FAST)
     try:
         control = pipe._orch._supervisor.control
         assert control is not None

@@ -12,7 +12,7 @@ from omnirelay.connectors import create_connector
 from omnirelay.connectors.base import Connector
 from omnirelay.connectors.inproc import InprocConnector, hub_for
 from omnirelay.errors import TransferError
-from omnirelay.transfer import Admission, FailureKind, TransferAdapter
+from omnirelay.transfer import FailureKind, SaveResult, TransferAdapter
 from tests.transfer_fakes import (
     FakeConnector,
     FakeStore,
@@ -31,7 +31,7 @@ def test_ten_thousand_sequential_lifecycles_leave_every_map_empty() -> None:
     with make_pipeline() as p:
         for i in range(10_000):
             ext = f"E{i % 7}"  # external ids are reused, one lifetime after another
-            assert p.sender.save_async(f"s{i}", ext, {"i": i}, is_finished=True) is Admission.ENQUEUED
+            assert p.sender.save_async(f"s{i}", ext, {"i": i}, is_finished=True) is SaveResult.ENQUEUED
             assert p.receiver.load_async(f"r{i}", ext)
             (chunk,) = collect(p.receiver, ready_for(f"r{i}")).ready
             assert chunk.payload["i"] == i and chunk.is_finished and chunk.chunk_id == 0
@@ -189,7 +189,7 @@ def test_inproc_cancel_then_reuse_and_corrupt_chunk() -> None:
         assert sender.flush()
         assert hub.live_keys() == []
         # Generation B of R reads back from chunk 0.
-        assert sender.save_async("b", "R", {"gen": "B"}, is_finished=True) is Admission.ENQUEUED
+        assert sender.save_async("b", "R", {"gen": "B"}, is_finished=True) is SaveResult.ENQUEUED
         assert receiver.load_async("rb", "R")
         (chunk,) = collect(receiver, ready_for("rb")).ready
         assert chunk.payload["gen"] == "B" and chunk.is_finished
@@ -226,7 +226,7 @@ def test_middle_stage_adapter_relays_and_cleans_both_roles() -> None:
             (chunk,) = collect(middle, ready_for("t1")).ready
             done = chunk.is_finished
             codes = {"codes": {"audio": torch.tensor(chunk.payload["ids"] * 2)}} if not done else None
-            assert middle.save_async("t1", "REQ", codes, is_finished=done) is Admission.ENQUEUED
+            assert middle.save_async("t1", "REQ", codes, is_finished=done) is SaveResult.ENQUEUED
         # The terminal's completion released the middle stage's state for t1, both roles.
         assert middle.flush()
         assert_only_retired(middle, "REQ")

@@ -184,7 +184,6 @@ def test_corrupt_chunk_fails_the_request_fast_with_the_reason() -> None:
         acc = collect(p.receiver, failed_for("i1"))  # no clock advance: not a timeout
         (failure,) = acc.failed
         assert failure.kind is FailureKind.RECEIVE_FAILED and "corrupt payload" in failure.reason
-        assert type(failure.error()).__name__ == "ReceiveFailedError"
         assert not p.receiver.is_waiting_for_chunk("i1")
         assert p.store.live_keys() == []  # consumed: the object is gone
         assert p.receiver.take_external_failures()["R"] == [failure]
@@ -396,7 +395,6 @@ def test_stall_timeout_reports_once_with_the_reason() -> None:
         ev = p.receiver.poll_events()
         (t,) = ev.timed_out
         assert t.internal_id == "w1" and t.kind is FailureKind.TIMEOUT and "600 s" in t.reason
-        assert type(t.error()).__name__ == "ChunkTimeoutError"
         assert p.receiver.poll_events().is_empty  # reported once
         assert p.receiver.take_external_failures() == {"W": [t]}
         p.receiver.finish_requests(["w1"])

@@ -28,7 +28,7 @@ from omnirelay.transfer import (
     make_key,
 )
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
-from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.events import EventBox, FailureKind, SaveResult, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from tests.transfer_fakes import (
     GATE_TIMEOUT_S,
@@ -601,7 +601,7 @@ def test_adapters_leave_no_file_descriptors_behind() -> None:
 
     def lifecycle() -> None:
         with make_pipeline() as pl:
-            assert pl.sender.save_async("i", "e", {"x": 1}, is_finished=True) is Admission.ENQUEUED
+            assert pl.sender.save_async("i", "e", {"x": 1}, is_finished=True) is SaveResult.ENQUEUED
             assert pl.receiver.load_async("r", "e")
             collect(pl.receiver, ready_for("r"))
             pl.receiver.finish_requests(["r"])
@@ -623,6 +623,6 @@ def test_public_exports() -> None:
     assert sorted(transfer.__all__) == sorted(set(transfer.__all__))
     for name in transfer.__all__:
         assert hasattr(transfer, name), name
-    assert {"TransferAdapter", "TransferConfig", "TransferEvents", "Admission", "ChunkInput"} <= set(
+    assert {"TransferAdapter", "TransferConfig", "TransferEvents", "SaveResult", "ChunkInput"} <= set(
         transfer.__all__
     )

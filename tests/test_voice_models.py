@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
-from omnirelay.models.piper import PiperVoice, PiperVoiceExecutor
-from omnirelay.models.smollm2 import SmolLM2Executor
-from omnirelay.models.sphinx import ForcedAligner, Recognizer, SphinxAlignerExecutor, word_error_rate
-from omnirelay.models.spoken import spoken_words
+from omnirelay.models.asr.sphinx import ForcedAligner, Recognizer, SphinxAlignerExecutor, word_error_rate
+from omnirelay.models.voice.piper import PiperVoice, PiperVoiceExecutor
+from omnirelay.models.voice.smollm2 import SmolLM2Executor
+from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.processors.thinker_to_voice import TextChunk
 
 SENTENCES = (

@@ -29,14 +29,14 @@ from omnirelay.api import Pipeline
 from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import StageUnavailableError
-from omnirelay.models import encode_chat_prompt, stage_tokenizer
-from omnirelay.models.audio_in import AUDIO_INPUT_RATE, audio_inputs
-from omnirelay.models.sphinx import Recognizer, word_error_rate
-from omnirelay.models.spoken import spoken_words
+from omnirelay.models import prompt_side
+from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
+from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
-from omnirelay.serving.audio import parse_wav
-from omnirelay.serving.audio_input import decode_audio
+from omnirelay.serving.media.audio_in import decode_audio
+from omnirelay.serving.media.audio_out import parse_wav
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import Served, serve
 
@@ -69,9 +69,9 @@ def srv(served: Served) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[int]:
-    config = load_pipeline(DEFAULT_PIPELINE)
-    stage = config.stages[config.prompt_stage_id]
-    return encode_chat_prompt(stage_tokenizer(stage.executor, stage.executor_args), PROMPT)
+    prompts = prompt_side(load_pipeline(DEFAULT_PIPELINE))
+    assert prompts is not None
+    return prompts.encode_prompt(PROMPT)
 
 
 def _answer(pipe: Pipeline, prompt_ids: list[int]) -> list[RequestOutput]:
@@ -111,7 +111,7 @@ def test_streamed_audio_equals_the_complete_input_audio(
 ) -> None:
     """The same prompt and seeds with the Thinker -> voice edge not chunked: the voice gets
     the finished text at once, and speaks exactly the same samples."""
-    pipe = Pipeline.start(DEFAULT_PIPELINE, async_chunk_override=False)
+    pipe = Pipeline.start(DEFAULT_PIPELINE, async_chunk=False)
     try:
         whole = _answer(pipe, prompt_ids)
         audit_running(pipe)

@@ -10,13 +10,13 @@ import unicodedata
 import pytest
 
 from omnirelay.errors import PayloadEncodeError
-from omnirelay.models.phonemizer import Phonemizer, arpabet_to_ipa, letters_to_sound
-from omnirelay.models.sphinx import resample, word_error_rate
-from omnirelay.models.spoken import number_words, ordinal_words, spoken_tokens, spoken_words, year_words
+from omnirelay.models.asr.sphinx import resample, word_error_rate
+from omnirelay.models.voice.phonemizer import Phonemizer, arpabet_to_ipa, letters_to_sound
+from omnirelay.models.voice.spoken import number_words, ordinal_words, spoken_tokens, spoken_words, year_words
 from omnirelay.payload.codec import decode, encode
 from omnirelay.pipeline import load_pipeline
 from omnirelay.processors.thinker_to_voice import TextChunk, ThinkerToVoiceStage, split_ready, split_sentences
-from omnirelay.transfer import BuildRequest
+from omnirelay.transfer import BuildRequest, ReleaseScope
 
 # --------------------------------------------------------------------------- spoken words
 
@@ -79,7 +79,7 @@ def test_unknown_words_get_a_pronunciation(phonemizer: Phonemizer) -> None:
 
 
 def test_phonemes_use_only_symbols_the_voice_knows(phonemizer: Phonemizer) -> None:
-    from omnirelay.models.piper import voice_files
+    from omnirelay.models.voice.piper import voice_files
 
     known = set(json.loads(voice_files("en_US-joe-medium")[1].read_text())["phoneme_id_map"])
     text = "Hello! Numbers 1, 22nd and $3; quirky xylophones, judges' rhythm?"
@@ -145,8 +145,8 @@ def test_the_processor_sends_one_chunk_per_completed_sentence() -> None:
     with pytest.raises(PayloadEncodeError, match="text delta"):
         proc.build(_req("q", 7, chunk_id=0))  # type: ignore[arg-type]
     assert proc.leak_state()
-    proc.release("r", "request")
-    proc.release("q", "request")
+    proc.release("r", ReleaseScope.REQUEST)
+    proc.release("q", ReleaseScope.REQUEST)
     assert proc.leak_state() == {}
 
 

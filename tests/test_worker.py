@@ -18,10 +18,9 @@ import torch
 import omnirelay.worker as worker_pkg
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
 from omnirelay.errors import ConfigError, PipelineError
-from omnirelay.orchestrator.control import FrontControl
+from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.pipeline import parse_pipeline
 from omnirelay.worker import WorkerLoop, WorkerSpec, leak_paths, load_engine_factory
-from omnirelay.worker.control import ControlPaths, Inbox, WorkerControl
 from omnirelay.worker.factory import build_stage_engine
 from omnirelay.worker.messages import (
     Abort,
@@ -47,6 +46,7 @@ from omnirelay.worker.messages import (
     wire_output,
     wire_request,
 )
+from omnirelay.worker.worker_control import CommandInbox, ControlPaths, WorkerControl
 
 
 def test_the_worker_process_imports_nothing_of_the_front() -> None:
@@ -161,7 +161,7 @@ def test_control_plane_round_trip_and_cleanup() -> None:
     async def main() -> None:
         front = FrontControl(paths)
         worker = WorkerControl(paths, 1)
-        inbox = Inbox()
+        inbox = CommandInbox()
         woke = threading.Event()
         worker.start_receiving(inbox, wake=woke.set, is_parent_alive=lambda: True, parent_check_s=0.05)
         try:
@@ -190,7 +190,7 @@ def test_orphaned_worker_gets_a_shutdown() -> None:
     paths = ControlPaths.create(1)
     front = FrontControl(paths)
     worker = WorkerControl(paths, 0)
-    inbox = Inbox()
+    inbox = CommandInbox()
     try:
         worker.start_receiving(inbox, wake=lambda: None, is_parent_alive=lambda: False, parent_check_s=0.01)
         assert inbox.wait(5.0)
@@ -290,7 +290,7 @@ class RecordingEngine:
         pass
 
 
-def make_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any]]:
+def make_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, CommandInbox, list[Any]]:
     cfg = parse_pipeline(
         {
             "name": "x",
@@ -309,7 +309,7 @@ def make_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any]
     spec = WorkerSpec(
         stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 1), parent_pid=os.getpid(), **spec_kw
     )
-    inbox = Inbox()
+    inbox = CommandInbox()
     sent: list[Any] = []
     return WorkerLoop(engine, inbox, sent.append, spec), inbox, sent
 
@@ -431,7 +431,9 @@ def test_leak_paths() -> None:
     assert leak_paths({"a": {"b": 2}, "c": ["x"]}) == ["a.b=2", "c=['x']"]
 
 
-def make_intermediate_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inbox, list[Any], list[float]]:
+def make_intermediate_loop(
+    engine: Any, **spec_kw: Any
+) -> tuple[WorkerLoop, CommandInbox, list[Any], list[float]]:
     """A worker loop of stage 1, an intermediate stage (no final output), on a manual clock."""
     cfg = parse_pipeline(
         {
@@ -453,7 +455,7 @@ def make_intermediate_loop(engine: Any, **spec_kw: Any) -> tuple[WorkerLoop, Inb
     spec = WorkerSpec(
         stage_id=1, pipeline=cfg, paths=ControlPaths("/nonexistent", 2), parent_pid=os.getpid(), **spec_kw
     )
-    inbox = Inbox()
+    inbox = CommandInbox()
     sent: list[Any] = []
     now = [0.0]
     loop = WorkerLoop(engine, inbox, sent.append, spec, clock=lambda: now[0])

@@ -36,7 +36,16 @@ from omnirelay.connectors.base import (
     PutResult,
     is_prefix_match,
 )
-from omnirelay.transfer import ChunkInput, TransferAdapter, TransferConfig, TransferFailure
+from omnirelay.transfer import (
+    BuildRequest,
+    ChunkInput,
+    ChunkProcessor,
+    ReleaseScope,
+    StatelessProcessor,
+    TransferAdapter,
+    TransferConfig,
+    TransferFailure,
+)
 
 GATE_TIMEOUT_S = 10.0
 
@@ -197,7 +206,7 @@ class FakeConnector(Connector):
             return GetResult(GetStatus.FAILED, error=f"corrupt payload under {key!r}")
         return GetResult(GetStatus.READY, obj=item[0], nbytes=item[1])
 
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         with self.store.cond:
             q = self.store.arrivals.setdefault(to_stage, deque())
             if not q and timeout != 0:
@@ -327,15 +336,32 @@ class Pipeline:
             a.shutdown()
 
 
+class RecordingProcessor:
+    """A :class:`ChunkProcessor` whose body is the step's output, recording each release
+    as ``(external_id, scope)``."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[str, ReleaseScope]] = []
+
+    def build(self, request: BuildRequest) -> Any:
+        return request.output
+
+    def release(self, external_id: str, scope: ReleaseScope) -> None:
+        self.released.append((external_id, scope))
+
+
 def make_pipeline(
     *,
     sender_kw: dict[str, Any] | None = None,
     receiver_kw: dict[str, Any] | None = None,
-    processor: Callable[..., Any] | None = None,
+    processor: ChunkProcessor | Callable[..., Any] | None = None,
     clock: FakeClock | None = None,
     first_stage: int = 0,
-    release_hook: Callable[[str, str], None] | None = None,
 ) -> Pipeline:
+    """A sender and a receiver adapter over one :class:`FakeStore`. ``processor``: a
+    :class:`ChunkProcessor`, or a build function (a :class:`StatelessProcessor`)."""
+    if processor is not None and not isinstance(processor, ChunkProcessor):
+        processor = StatelessProcessor(processor)
     store = FakeStore()
     clock = clock or FakeClock()
     a, b = first_stage, first_stage + 1
@@ -344,7 +370,6 @@ def make_pipeline(
         send_conn,
         make_config(a, send_to_stage=b, **(sender_kw or {})),
         processor=processor,
-        release_hook=release_hook,
         clock=clock,
     )
     receiver = TransferAdapter(

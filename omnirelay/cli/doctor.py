@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnirelay.connectors.shm import sweep
+from omnirelay.connectors import reclaim_namespace
 from omnirelay.interpreter import SLOW_BUILD_ADVICE, interpreter_info
 
 
@@ -40,7 +40,7 @@ def _human(n: float) -> str:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    report = sweep(args.namespace, reclaim=args.reclaim, shm_dir=args.shm_dir)
+    report = reclaim_namespace(args.namespace, reclaim=args.reclaim, shm_dir=args.shm_dir)
     objs = report.objects
     if not objs:
         print(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omnirelay.pipeline import PipelineConfig
-    from omnirelay.serving.config import ServerConfig
+    from omnirelay.serving.server_config import ServerConfig
 
 #: SmolLM2 -> Piper voice -> PocketSphinx aligner: chat with audio, speech, word timestamps.
 DEFAULT_PIPELINE = "voice-cpu"
@@ -209,19 +209,15 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     """The server's config for ``pipeline``: ``limits`` (model name, concurrency …), the
     voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)
     and its audio rate (the Piper voice's; otherwise Code2Wav's 24 kHz)."""
-    from omnirelay.models import VOICE_EXECUTOR
-    from omnirelay.models.piper import voice_alias, voice_sample_rate
-    from omnirelay.serving.config import ServerConfig, openai_voice_map
+    from omnirelay.models import stage_voice
+    from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 
     config = ServerConfig(**limits)
-    for stage in pipeline.stages:
-        if stage.executor == VOICE_EXECUTOR:
-            voice = str(stage.executor_args.get("voice", "en_US-joe-medium"))
-            alias = voice_alias(voice)
-            config = ServerConfig(
-                voices=(alias,), default_voice=alias, sample_rate=voice_sample_rate(voice), **limits
-            )
-            break
+    voice = stage_voice(pipeline)
+    if voice is not None:
+        config = ServerConfig(
+            voices=(voice.name,), default_voice=voice.name, sample_rate=voice.sample_rate, **limits
+        )
     openai_voice_map(pipeline.openai_voices, config.voices, pipeline.source)  # before any stage starts
     return config
 
@@ -256,7 +252,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from omnirelay.api import Pipeline
     from omnirelay.cli.session import Progress
-    from omnirelay.models import prepare_stage_models
+    from omnirelay.models import prepare_models
     from omnirelay.pipeline import load_pipeline
     from omnirelay.serving import create_app
     from omnirelay.serving.server import bind_socket, serve_forever
@@ -284,7 +280,9 @@ def _serve(args: argparse.Namespace) -> int:
     # The port first: a port the server cannot have fails now, not after the stages load.
     sock = bind_socket(args.host, args.port)
     try:
-        prepare_stage_models(pipeline_config.stages, lambda label: Progress(label, sys.stderr, done="ready"))
+        prepare_models(
+            pipeline_config.stages, lambda label, done="ready": Progress(label, sys.stderr, done=done)
+        )
         print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
         pipeline = Pipeline.start(pipeline_config)
         try:

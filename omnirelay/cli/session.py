@@ -3,9 +3,10 @@
 * :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model PATH`` (a
   local checkpoint for every Qwen3-Omni stage, checked before anything starts) and
   ``--device`` overrides.
-* :func:`open_tokenizer` — stage 0's tokenizer; models that need work on first use (the
-  tiny model, SmolLM2's converted checkpoint, the voice's graph) are made ready first and
-  cached (announced on stderr, with the elapsed time).
+* :func:`open_prompt_side` — the prompt stage's prompt side (its tokenizer and chat
+  layout); models that need work on first use (the tiny model, SmolLM2's converted
+  checkpoint, the voice's graph) are made ready first and cached (announced on stderr,
+  with the elapsed time).
 * :func:`start_pipeline` — the real multi-process pipeline, with progress on stderr
   (and its stages timing their steps, for a timeline); a Ctrl-C during startup stops it
   cleanly once the stages are up (a second one forces).
@@ -35,12 +36,14 @@ if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
     from omnirelay.api import Pipeline
     from omnirelay.engine.interfaces import SamplingParams, StageOutput
+    from omnirelay.models.family import CheckpointOptions, PromptSide
 
 __all__ = [
     "DEFAULT_MODEL_PIPELINE",
     "DEFAULT_PIPELINE",
     "Progress",
     "load_run_config",
+    "open_prompt_side",
     "open_tokenizer",
     "sampling_overrides",
     "start_pipeline",
@@ -51,7 +54,6 @@ __all__ = [
 DEFAULT_PIPELINE = "voice-cpu"
 #: The pipeline of ``omnirelay run --model PATH``.
 DEFAULT_MODEL_PIPELINE = "qwen3-omni"
-_SOURCE_KEYS = ("tiny", "seed", "model_dir")
 
 
 class Progress:
@@ -106,10 +108,11 @@ class Progress:
 # ----------------------------------------------------------------------- configuration
 
 
-def _model_stages(config: PipelineConfig) -> list[int]:
-    from omnirelay.models import EXECUTOR_NAMES
+def _model_stages(config: PipelineConfig) -> tuple[list[int], CheckpointOptions | None]:
+    """The stages that load from a local checkpoint, and how (:func:`omnirelay.models.checkpoint_stages`)."""
+    from omnirelay.models import checkpoint_stages
 
-    return [s.id for s in config.stages if s.executor in EXECUTOR_NAMES]
+    return checkpoint_stages(config)
 
 
 def _replace_executor_args(
@@ -145,17 +148,17 @@ def load_run_config(
     dummy = load_format == "dummy"
     default = DEFAULT_MODEL_PIPELINE if model or dummy else DEFAULT_PIPELINE
     config = load_pipeline(pipeline or default)
-    stage_ids = _model_stages(config)
-    if (model or device or load_format or runner) and not stage_ids:
+    stage_ids, options = _model_stages(config)
+    if (model or device or load_format or runner) and options is None:
         raise ConfigError(
             f"pipeline {config.name!r} has no Qwen3-Omni stage; --model, --device, --load-format and "
             "--runner apply to those"
         )
     if load_format is not None:
-        from omnirelay.models.loader import LOAD_FORMATS
-
-        if load_format not in LOAD_FORMATS:
-            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        assert options is not None
+        if load_format not in options.load_formats:
+            formats = ", ".join(options.load_formats)
+            raise ConfigError(f"--load-format must be one of {formats}, got {load_format!r}")
 
         def use_format(args: dict[str, Any]) -> dict[str, Any]:
             if dummy and model is None:
@@ -164,19 +167,18 @@ def load_run_config(
 
         config = _replace_executor_args(config, stage_ids, use_format)
     if runner is not None:
-        from omnirelay.models.loader import RUNNERS
-
-        if runner not in RUNNERS:
-            raise ConfigError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+        assert options is not None
+        if runner not in options.runners:
+            raise ConfigError(f"--runner must be one of {', '.join(options.runners)}, got {runner!r}")
         config = _replace_executor_args(config, stage_ids, lambda args: {**args, "runner": runner})
     if model is not None:
-        from omnirelay.models import Checkpoint
-
+        assert options is not None
         path = str(Path(model).expanduser().resolve())
-        Checkpoint.open(path, load_format=load_format or "auto")  # ModelError: missing, not Qwen3-Omni …
+        options.check(path, load_format or "auto")  # ModelError: missing, not Qwen3-Omni …
+        source_keys = options.source_keys
 
         def use_model(args: dict[str, Any]) -> dict[str, Any]:
-            kept = {k: v for k, v in args.items() if k not in _SOURCE_KEYS}
+            kept = {k: v for k, v in args.items() if k not in source_keys}
             return {**kept, "model_dir": path}
 
         config = _replace_executor_args(config, stage_ids, use_model)
@@ -185,32 +187,30 @@ def load_run_config(
     return config
 
 
-def open_tokenizer(config: PipelineConfig, stream: TextIO | None = None) -> Any:
-    """The prompt stage's tokenizer (the Thinker's). Whatever the stages' models need on first use
-    (the tiny model, SmolLM2's converted checkpoint, the voice's graph) is made ready
+def open_prompt_side(config: PipelineConfig, stream: TextIO | None = None) -> PromptSide:
+    """The prompt stage's prompt side (its tokenizer and chat layout: what
+    ``encode_prompt`` turns ``--prompt`` into). Whatever the stages' models need on first
+    use (the tiny model, SmolLM2's converted checkpoint, the voice's graph) is made ready
     first, each step announced on ``stream`` (stderr) with its progress."""
-    from omnirelay.models import EXECUTOR_NAMES, prepare_stage_models, stage_tokenizer
-    from omnirelay.models.loader import ModelArgs
-    from omnirelay.models.tiny import build_tiny, cached_tiny_dir
+    from omnirelay.models import prepare_models, prompt_side
 
-    stage = config.stages[config.prompt_stage_id]
-    if stage.executor in EXECUTOR_NAMES:
-        args = ModelArgs.from_executor_args(stage.executor_args)
-        if args.is_tiny and not (cached_tiny_dir(args.seed) / "config.json").is_file():
-            label = (
-                f"building the tiny Qwen3-Omni model (seed {args.seed}; first use only, cached in "
-                f"{cached_tiny_dir(args.seed)})"
-            )
-            with Progress(label, stream, done="built"):
-                build_tiny(None, seed=args.seed)
-    prepare_stage_models(config.stages, lambda label: Progress(label, stream, done="ready"))
-    tokenizer = stage_tokenizer(stage.executor, stage.executor_args)
-    if tokenizer is None:
+    def announce(label: str, *, done: str = "ready") -> Progress:
+        return Progress(label, stream, done=done)
+
+    prepare_models(config.stages, announce)
+    prompts = prompt_side(config, announce=announce)
+    if prompts is None:
+        stage = config.stages[config.prompt_stage_id]
         raise ConfigError(
             f"{stage.label} of pipeline {config.name!r} runs {stage.executor!r}, not a Qwen3-Omni Thinker "
             "nor SmolLM2: omnirelay run needs a text model first (try --pipeline voice-cpu or qwen3-omni-tiny)"
         )
-    return tokenizer
+    return prompts
+
+
+#: The former name of :func:`open_prompt_side` (its result still goes to
+#: :func:`omnirelay.models.encode_chat_prompt`).
+open_tokenizer = open_prompt_side
 
 
 def sampling_overrides(
@@ -249,9 +249,10 @@ GPU_STARTUP_TIMEOUT_S = 600.0
 def startup_timeout(config: PipelineConfig) -> float:
     """:data:`GPU_STARTUP_TIMEOUT_S` when a Qwen3-Omni stage runs on CUDA, else
     :data:`STARTUP_TIMEOUT_S`."""
+    stage_ids, _ = _model_stages(config)
     for stage in config.stages:
         device = str(stage.executor_args.get("device") or stage.devices or "cpu")
-        if stage.id in _model_stages(config) and device.startswith("cuda"):
+        if stage.id in stage_ids and device.startswith("cuda"):
             return GPU_STARTUP_TIMEOUT_S
     return STARTUP_TIMEOUT_S
 

@@ -12,15 +12,23 @@ implements :class:`Connector`:
   published under the key yet, try again on the next arrival), ``FAILED`` (the object
   existed but is unusable — corrupt, wrong schema — it has been consumed and its
   resources removed; retrying will not help).
-* ``wait_arrivals(to_stage, timeout) -> list[str]`` — block up to ``timeout`` seconds
+* ``wait_arrivals(to_stage, timeout) -> Arrivals`` — block up to ``timeout`` seconds
   for arrival notices addressed to ``to_stage`` and return the announced keys (may be
-  empty). A notice is a hint: the receiver still calls ``get``.
+  empty) and what the backend knows about them (:class:`Arrivals`). A notice is a hint: the receiver still calls ``get``.
 * ``cleanup(key)`` — remove the exact key if still published (idempotent).
 * ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (docs/protocol.md §2.8).
 * ``reap_consumed() -> int`` — one bounded, rotating pass dropping bookkeeping of keys
   another process consumed (docs/protocol.md §3.5); returns how many were dropped.
 * ``close()`` — release everything still owned; idempotent, synchronous.
 * ``health() -> ConnectorHealth`` — real counters.
+
+One more operation needs no connector, because the process that owned the objects may be
+gone: each backend package's ``reclaim_namespace(namespace, *, reclaim) ->
+ReclaimReport`` (a :class:`Reclaimer`) lists the objects of a namespace that outlive
+their process (``None``: every namespace) and, with ``reclaim``, removes those whose
+owner is dead. :func:`omnirelay.connectors.reclaim_namespace` asks every backend; it is
+the only reclaim the orchestrator, the supervisor, the server's audit and ``omnirelay
+doctor`` call.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ from __future__ import annotations
 import enum
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
@@ -43,7 +53,10 @@ __all__ = [
     "ConnectorHealth",
     "GetResult",
     "GetStatus",
+    "NamespaceObject",
     "PutResult",
+    "ReclaimReport",
+    "Reclaimer",
     "is_prefix_match",
     "validate_key",
     "validate_namespace",
@@ -63,7 +76,8 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]{0,47}$")
 
 
 class Arrivals(list[str]):
-    """Keys announced to a stage (a plain list), plus:
+    """Keys announced to a stage: a list of keys (in arrival order, a key possibly more
+    than once), with two declared facts about them:
 
     * ``overflowed``: True when some notices could not be delivered (the receiver's queue
       was full) — the receiver should then poll every key it waits for, not only the
@@ -75,8 +89,18 @@ class Arrivals(list[str]):
       Empty when the backend cannot tell.
     """
 
-    overflowed: bool = False
-    small: frozenset[str] | set[str] = frozenset()
+    __slots__ = ("overflowed", "small")
+
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        *,
+        overflowed: bool = False,
+        small: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        super().__init__(keys)
+        self.overflowed = overflowed
+        self.small = small
 
 
 class GetStatus(enum.Enum):
@@ -145,6 +169,61 @@ class ConnectorHealth(msgspec.Struct):
         return msgspec.structs.asdict(self)
 
 
+@dataclass
+class NamespaceObject:
+    """One object a backend found in a namespace, its owner, and whether it was reclaimed."""
+
+    name: str
+    namespace: str
+    #: ``slot`` (a pooled buffer: lives as long as its owner), ``object`` (a published
+    #: transfer object), ``claim`` (a read in progress) or ``unknown``
+    kind: str
+    owner_pid: int | None
+    owner_alive: bool | None
+    age_s: float
+    size: int
+    state: str | None = None
+    key: str | None = None
+    reclaimed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ReclaimReport:
+    """What one reclaim found: every object, those reclaimed among them."""
+
+    objects: list[NamespaceObject] = field(default_factory=list)
+
+    @property
+    def reclaimed(self) -> list[NamespaceObject]:
+        return [o for o in self.objects if o.reclaimed]
+
+    @property
+    def transfer_objects(self) -> list[NamespaceObject]:
+        """The objects that are not pooled buffers: what a request that ended must not
+        leave behind."""
+        return [o for o in self.objects if o.kind != "slot"]
+
+    def extend(self, other: ReclaimReport) -> None:
+        self.objects.extend(other.objects)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "objects": [o.to_dict() for o in self.objects],
+            "num_objects": len(self.objects),
+            "num_reclaimed": len(self.reclaimed),
+            "bytes_reclaimed": sum(o.size for o in self.reclaimed),
+        }
+
+
+class Reclaimer(Protocol):
+    """A backend's reclaim of a namespace (see the module docstring)."""
+
+    def __call__(self, namespace: str | None, *, reclaim: bool) -> ReclaimReport: ...
+
+
 def validate_key(key: object) -> str:
     """Return ``key`` if usable as a transfer key, else raise :class:`InvalidKeyError`."""
     if not isinstance(key, str):
@@ -201,8 +280,8 @@ class Connector(ABC):
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult: ...
 
     @abstractmethod
-    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> list[str]:
-        """Keys announced for ``to_stage`` (an :class:`Arrivals`), waiting up to ``timeout``."""
+    def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
+        """Keys announced for ``to_stage``, waiting up to ``timeout``."""
 
     @abstractmethod
     def cleanup(self, key: str) -> bool:

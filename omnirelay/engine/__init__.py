@@ -18,7 +18,7 @@ Files (one role each; read the architecture off the names):
 * ``components.py`` — registry names → executor and chunk processor of a stage.
 
 The loop that drives an engine in a worker process is :mod:`omnirelay.worker`; the toy
-executors of the ``toy-3stage`` pipeline are :mod:`omnirelay.models.toy`.
+executors of the ``toy-3stage`` pipeline are :mod:`omnirelay.models.testing.toy`.
 """
 
 from omnirelay.engine.components import (

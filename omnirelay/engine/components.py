@@ -1,16 +1,16 @@
 """How registered names become an executor and a chunk processor for one stage.
 
-The convention (used by :mod:`omnirelay.models.toy`; model packages follow it):
+The convention (used by :mod:`omnirelay.models.testing.toy`; model packages follow it):
 
 * ``registry.executors[name]`` is a factory called as ``factory(**stage.executor_args)``
   that returns an :class:`~omnirelay.engine.interfaces.Executor` (the convention of
   ``omnirelay.models.register_executors`` too);
-* ``registry.processors[name]`` is a factory ``(stage, pipeline) -> Processor``, where a
-  :data:`~omnirelay.transfer.Processor` builds one chunk's payload from a
-  :class:`~omnirelay.transfer.BuildRequest` (its ``context`` is a
-  :class:`~omnirelay.engine.request.RequestSnapshot`). A factory may instead return an
-  object with ``build(BuildRequest)`` and ``release(external_id, kind)``; then
-  ``release`` becomes the adapter's release hook (per-request processor state).
+* ``registry.processors[name]`` is a factory ``(stage, pipeline)`` that returns a
+  :class:`~omnirelay.transfer.ChunkProcessor` — ``build(BuildRequest)`` makes one chunk's
+  payload (the request's ``context`` is a
+  :class:`~omnirelay.engine.request.RequestSnapshot`), ``release(external_id, scope)``
+  drops its per-request state — or a plain build function, for a processor with no
+  state (:class:`~omnirelay.transfer.StatelessProcessor`).
 
 :func:`build_stage_components` applies it to a stage and checks what comes back;
 :func:`create_stage_engine` also opens the stage's connector and builds the engine (what a
@@ -30,7 +30,7 @@ from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
 from omnirelay.pipeline.registry import ComponentRegistry
-from omnirelay.transfer import Processor, ReleaseHook, TransferConfig
+from omnirelay.transfer import ChunkProcessor, StatelessProcessor, TransferConfig
 
 if TYPE_CHECKING:
     from omnirelay.engine.engine import StageEngine
@@ -56,8 +56,7 @@ class ProcessorFactory(Protocol):
 class StageComponents:
     executor: Executor
     #: The chunk producer of a sending stage (None: not a sender, or the identity).
-    processor: Processor | None
-    release_hook: ReleaseHook | None
+    processor: ChunkProcessor | None
 
 
 def build_stage_components(
@@ -71,21 +70,20 @@ def build_stage_components(
             f"{s.label}: executor factory {s.executor!r} returned {type(executor).__name__}, "
             "which lacks execution_type / supports_batching / step / release"
         )
-    processor: Processor | None = None
-    hook: ReleaseHook | None = None
+    processor: ChunkProcessor | None = None
     name = pipeline.next_stage_processor(s)
     if resolve_stage_roles(pipeline, s).is_sender and name is not None:
         built = registry.processors.get(name)(s, pipeline)
-        build = getattr(built, "build", None)
-        if callable(build):
-            processor = build
-            release = getattr(built, "release", None)
-            hook = release if callable(release) else None
-        elif callable(built):
+        if isinstance(built, ChunkProcessor):
             processor = built
+        elif callable(built):
+            processor = StatelessProcessor(built)
         else:
-            raise ConfigError(f"{s.label}: processor factory {name!r} returned a non-callable {built!r}")
-    return StageComponents(executor, processor, hook)
+            raise ConfigError(
+                f"{s.label}: processor factory {name!r} returned {built!r}, neither a ChunkProcessor "
+                "(build and release) nor a build function"
+            )
+    return StageComponents(executor, processor)
 
 
 def create_stage_engine(
@@ -132,7 +130,6 @@ def create_stage_engine(
             processor=parts.processor,
             transfer_config=transfer_config,
             clock=clock,
-            release_hook=parts.release_hook,
             tracer=tracer,
         )
     except BaseException:

@@ -58,8 +58,8 @@ from collections.abc import Callable
 from typing import Any
 
 from omnirelay.connectors.base import Connector
-from omnirelay.engine.admission import admission_problem, stage_sampling
 from omnirelay.engine.generation_scheduler import GenerationScheduler
+from omnirelay.engine.intake import admission_problem, stage_sampling
 from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
@@ -70,9 +70,8 @@ from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.pipeline.config import ExecutionType, PipelineConfig, StageConfig
 from omnirelay.transfer import (
-    Admission,
-    Processor,
-    ReleaseHook,
+    ChunkProcessor,
+    SaveResult,
     TransferAdapter,
     TransferConfig,
     TransferEvents,
@@ -131,10 +130,9 @@ class StageEngine:
         executor: Executor,
         connector: Connector | None,
         *,
-        processor: Processor | None = None,
+        processor: ChunkProcessor | None = None,
         transfer_config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        release_hook: ReleaseHook | None = None,
         tracer: StepTracer | None = None,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
@@ -174,7 +172,6 @@ class StageEngine:
                 connector,
                 config,
                 processor=processor,
-                release_hook=release_hook,
                 clock=clock,
                 on_chunk_ready=None if tracer is None else tracer.chunk_ready,
             )
@@ -481,7 +478,7 @@ class StageEngine:
         )
         if not is_terminal:
             return None  # a rejection is recorded as a failure: the next tick fails the request
-        if admission is Admission.ENQUEUED:
+        if admission is SaveResult.ENQUEUED:
             # Its retirement, reported at the earliest by the next poll, drops the entry.
             self._sending[ext] = request.internal_id
             return None

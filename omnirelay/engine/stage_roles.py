@@ -15,7 +15,7 @@ import dataclasses
 
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline.config import EdgeContract, PipelineConfig, StageConfig
-from omnirelay.transfer.config import TransferConfig
+from omnirelay.transfer.transfer_config import TransferConfig
 
 __all__ = ["StageRoles", "resolve_stage_roles"]
 

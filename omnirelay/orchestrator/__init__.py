@@ -4,13 +4,13 @@ Files, one role each (docs/design.md §1, §2):
 
 * ``router.py`` — :class:`Router`: admission, prewarm, routing, the hold rule, forwarding
   through input builders, completion, abort, failure, release (docs/protocol.md §2), pure.
-* ``control.py`` — the front's ends of the ZeroMQ control plane (``ipc://`` in a private
+* ``front_control.py`` — the front's ends of the ZeroMQ control plane (``ipc://`` in a private
   directory).
 * ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): routing, the
   id-reuse fence, what a dead stage means for requests, health, shutdown.
 * ``supervisor.py`` — :class:`StageSupervisor`: spawning, watching and restarting the
   worker processes by the pipeline's restart policy (docs/design.md §10).
-* ``stages.py`` — the worker processes as the front tracks them (:class:`StageState`);
+* ``stage_processes.py`` — the worker processes as the front tracks them (:class:`StageState`);
   health and shutdown reports.
 * ``requests.py`` — the client's request and outputs; the forwarded-input contract.
 * ``handle.py`` — :class:`RequestHandle` (sync and async iteration), :class:`RequestResult`.

@@ -80,10 +80,18 @@ class RequestHandle:
         *,
         abort: Callable[[str], None] | None = None,
         on_done: Callable[[str], None] | None = None,
+        is_held: bool = False,
     ) -> None:
+        """``on_done(request_id)``: called once when the request's id is free again — when
+        its terminal output is delivered, or, for a handle ``is_held``, when that has
+        happened and :meth:`close` was called too (a server whose response outlives the
+        pipeline's last output keeps the id taken until the response is sent)."""
         self.request_id = request_id
         self._abort = abort
         self._on_done = on_done
+        self._is_held = is_held
+        self._is_closed = False
+        self._is_done_reported = False
         self._cond = threading.Condition(threading.Lock())
         self._items: deque[RequestOutput] = deque()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
@@ -98,9 +106,11 @@ class RequestHandle:
         with self._cond:
             if self._is_end_claimed:
                 return  # nothing follows the terminal output
+            is_done = output.finished and (not self._is_held or self._is_closed)
             if output.finished:
                 self._is_end_claimed = True  # a second end is dropped above
-        if output.finished and self._on_done is not None:
+                self._is_done_reported = is_done
+        if is_done and self._on_done is not None:
             # Before the consumer can see the end: a client that reads the last output and
             # at once submits a new request under the same id must find the id free. Only
             # for the first end: a late second one would free the id of that new request.
@@ -124,6 +134,18 @@ class RequestHandle:
         """True once the request ended (the terminal output arrived; it may be unread)."""
         with self._cond:
             return self._is_delivered
+
+    def close(self) -> None:
+        """The consumer is done with this handle (idempotent). A held handle's id is free
+        once this and the terminal output both happened."""
+        with self._cond:
+            if self._is_closed:
+                return
+            self._is_closed = True
+            is_done = self._is_end_claimed and not self._is_done_reported
+            self._is_done_reported = self._is_done_reported or is_done
+        if is_done and self._on_done is not None:
+            self._on_done(self.request_id)
 
     def abort(self) -> None:
         """Abort the request (no-op once it ended)."""

@@ -68,20 +68,20 @@ class TranscriptToPrompt:
     """``asr_to_thinker``: the recognizer's transcripts → the prompt stage's chat prompt
     (docs/protocol.md §1.9). The recognizer's text is one transcript per clip, one line
     each; each ``{"audio": k}`` part of the request's turns becomes the k-th. The stage's
-    tokenizer is loaded when the builder is made (the front's startup), not per request."""
+    prompt side (:func:`omnirelay.models.prompt_side`) is loaded when the builder is made
+    (the front's startup), not per request."""
 
-    def __init__(self, stage: StageConfig) -> None:
-        from omnirelay.models import stage_tokenizer
+    def __init__(self, stage: StageConfig, pipeline: PipelineConfig) -> None:
+        from omnirelay.models import prompt_side
 
-        self.tokenizer = stage_tokenizer(stage.executor, dict(stage.executor_args))
-        if self.tokenizer is None:
+        prompts = prompt_side(pipeline, stage)
+        if prompts is None:
             raise ConfigError(f"{stage.label}: asr_to_thinker needs a text model with a tokenizer")
+        self.prompts = prompts
 
     def __call__(
         self, source: SourceOutput, request: PipelineRequest, stage: StageConfig
     ) -> ForwardedInput | None:
-        from omnirelay.models.tokenizer import encode_chat_turns
-
         transcripts = source.text.split("\n")
         turns = []
         for role, parts in request.extras.get(CHAT_TURNS_EXTRA) or []:
@@ -99,7 +99,7 @@ class TranscriptToPrompt:
             turns.append((str(role), "".join(text)))
         if not turns:
             raise ValueError(f"the request has no {CHAT_TURNS_EXTRA!r} to put the transcript into")
-        ids = encode_chat_turns(self.tokenizer, turns)
+        ids = self.prompts.encode_chat(turns)
         return ForwardedInput(prompt_token_ids=ids, extras={"transcript": source.text})
 
 
@@ -107,7 +107,7 @@ _BUILDERS: dict[str, InputBuilder] = {
     "code2wav_to_aligner": code2wav_to_aligner_builder,
 }
 #: builders that need the stage to be made (a tokenizer to load)
-_BUILDER_FACTORIES: dict[str, Callable[[StageConfig], InputBuilder]] = {
+_BUILDER_FACTORIES: dict[str, Callable[[StageConfig, PipelineConfig], InputBuilder]] = {
     "asr_to_thinker": TranscriptToPrompt,
 }
 
@@ -120,5 +120,7 @@ def build_input_builders(pipeline: PipelineConfig) -> dict[int, InputBuilder]:
             continue
         name = pipeline.stage_input_builder(stage) or ""
         factory = _BUILDER_FACTORIES.get(name)
-        out[stage.id] = factory(stage) if factory is not None else _BUILDERS.get(name, default_input_builder)
+        out[stage.id] = (
+            factory(stage, pipeline) if factory is not None else _BUILDERS.get(name, default_input_builder)
+        )
     return out

@@ -11,7 +11,7 @@ router, the handles map and the sockets have exactly one user.
 * Per stage, a reader task routes what the worker says. The supervisor watches each
   process's sentinel, so a dead worker is seen at once: the router fails every request
   that needed it with ``stage_unavailable`` (the reason names the stage, the pid and the
-  signal), the stage's fences go, a sweep reclaims what the dead process owned, and the
+  signal), the stage's fences go, the connectors reclaim what the dead process owned, and the
   stage is restarted by the pipeline's restart policy (or given up on). While it is down,
   requests that need it are refused at once (:meth:`Orchestrator.unavailable`); requests
   that do not need it are served.
@@ -19,7 +19,7 @@ router, the handles map and the sockets have exactly one user.
   control plane with a timeout.
 * :meth:`Orchestrator.shutdown` — fail what is in flight, ask every worker to stop,
   wait (then SIGTERM, then SIGKILL), close the sockets, remove the socket directory,
-  sweep the namespace. Idempotent.
+  reclaim the namespace. Idempotent.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from omnirelay.connectors.shm import sweep
+from omnirelay.connectors import reclaim_namespace
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import (
@@ -46,7 +46,7 @@ from omnirelay.errors import (
     PipelineError,
     StageDiedError,
 )
-from omnirelay.orchestrator.control import FrontControl
+from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.router import (
     Action,
@@ -59,7 +59,7 @@ from omnirelay.orchestrator.router import (
     StageRelease,
     StageSubmit,
 )
-from omnirelay.orchestrator.stages import (
+from omnirelay.orchestrator.stage_processes import (
     PipelineHealth,
     ShutdownReport,
     StageHealth,
@@ -70,7 +70,7 @@ from omnirelay.orchestrator.stages import (
 from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec
-from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.worker_control import ControlPaths
 
 if TYPE_CHECKING:
     from omnirelay.orchestrator.ray_placement import RayPlacement
@@ -192,6 +192,10 @@ class Orchestrator:
         await loop.run_in_executor(None, placement.connect)
         self.config = await loop.run_in_executor(None, placement.place)
         self._supervisor.use_placement(placement.process, placement.front_ip)
+
+    def pids(self) -> dict[int, int | None]:
+        """Each stage's worker pid (None: not running). A snapshot; safe from any thread."""
+        return {st.stage_id: st.pid for st in self._stages}
 
     def placement_report(self) -> dict[int, dict[str, Any]]:
         """Where each stage's worker runs (node id, address, host name); this host for a
@@ -563,7 +567,7 @@ class Orchestrator:
             fut.cancel()
         self._queries.clear()
         loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        report = await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         self._shutdown_report = ShutdownReport(
             exitcodes={st.stage_id: st.exitcode for st in self._stages},
             num_killed=num_killed,

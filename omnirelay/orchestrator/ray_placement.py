@@ -15,7 +15,7 @@ Ray decides *where*; it is never on a request's path. For each stage the front
    its actor or node was lost), ``exitcode``, ``terminate``/``kill``, ``join``, ``close``.
 
 The control plane stays ZeroMQ, over TCP to the front's node address
-(:class:`~omnirelay.worker.control.ControlPaths` with ``tcp_host``). Like Ray's own ports,
+(:class:`~omnirelay.worker.worker_control.ControlPaths` with ``tcp_host``). Like Ray's own ports,
 those sockets trust the cluster's network: run across hosts on a private network.
 """
 

@@ -14,8 +14,8 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
   2. :attr:`SupervisorHooks.stage_down` fails at once every request that needed the
      stage, with ``stage_unavailable`` (docs/protocol.md §2.8: release by id everywhere,
      the dead stage's fences dropped);
-  3. a sweep reclaims what the dead process owned under /dev/shm — slots, published
-     keys, claim records (docs/protocol.md §3.5) — *before* any new process of the stage
+  3. the connectors reclaim what the dead process owned (shm: slots, published keys,
+     claim records; docs/protocol.md §3.5) — *before* any new process of the stage
      exists, so a reused id never meets a dead incarnation's key;
   4. :class:`RestartBook` decides: wait the backoff and spawn a new worker on fresh
      control sockets, or give up (``failed``, with the reason) when the policy's budget
@@ -24,7 +24,7 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
      A worker that dies while starting goes through the same path again.
 
 * :meth:`StageSupervisor.stop` — ask every worker to stop, wait (then SIGTERM, then
-  SIGKILL), close the sockets. The orchestrator sweeps the namespace after it.
+  SIGKILL), close the sockets. The orchestrator reclaims the namespace after it.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnirelay.connectors.shm import sweep
+from omnirelay.connectors import reclaim_namespace
 from omnirelay.errors import StageDiedError
-from omnirelay.orchestrator.control import FrontControl
-from omnirelay.orchestrator.stages import StageProcess, StageState, describe_exit
+from omnirelay.orchestrator.front_control import FrontControl
+from omnirelay.orchestrator.stage_processes import StageProcess, StageState, describe_exit
 from omnirelay.pipeline.restart import RestartPolicy
 from omnirelay.worker import WorkerSpec, worker_main
-from omnirelay.worker.control import ControlPaths
 from omnirelay.worker.messages import Shutdown, ToFront
+from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
 
@@ -136,7 +136,7 @@ class StageSupervisor:
         """Spawn every worker and wait for its hello (see the module docstring)."""
         loop = self._loop = asyncio.get_running_loop()
         # Objects of dead owners in this namespace (an earlier crashed deployment).
-        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         paths = ControlPaths.create(len(self.stages), self._tcp_host)
         try:
             self.control = FrontControl(paths)
@@ -233,7 +233,7 @@ class StageSupervisor:
         if self.is_closing or not self.is_started:
             down = f"{reason}; its requests were failed"
             self._hooks.stage_down(stage_id, down, down, None)
-            self._track(loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True)))
+            self._track(loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace)))
             return
         delay = self.book.next_delay(stage_id, time.monotonic())
         if delay is None:
@@ -263,7 +263,7 @@ class StageSupervisor:
         loop = asyncio.get_running_loop()
         # Before any new process of the stage can put: a reused id must not find a dead
         # incarnation's key (docs/protocol.md §3.5 crash safety).
-        await loop.run_in_executor(None, lambda: sweep(self.namespace, reclaim=True))
+        await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         if self.is_closing or delay is None:
             return
         await asyncio.sleep(delay)

@@ -15,8 +15,7 @@ The fast path: a stream repeats its header (same shapes, same dtypes, same meta)
 validated header is cached by its bytes. A hit skips the prefix checks, the header's
 parsing and validation, and — when the tree holds only dicts, registered structs, plain
 values, lists of plain values and tensors — the msgpack walk and the struct field checks
-too: the tree is rebuilt from a template. Measured on a codec chunk (a dict), warm: 7.2 →
-4.7 µs with the cache, 4.9 → 3.6 µs with the template.
+too: the tree is rebuilt from a template (what each saves: docs/performance.md).
 """
 
 from __future__ import annotations

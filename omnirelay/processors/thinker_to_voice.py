@@ -34,7 +34,7 @@ from omnirelay.errors import PayloadEncodeError
 from omnirelay.payload.schema import register_struct
 from omnirelay.pipeline import PipelineConfig, StageConfig
 from omnirelay.processors.base import check_chunk_id
-from omnirelay.transfer import BuildRequest
+from omnirelay.transfer import BuildRequest, ReleaseScope
 
 __all__ = [
     "MAX_PIECE_CHARS",
@@ -145,7 +145,7 @@ class ThinkerToVoiceStage:
         stream.num_built += 1
         return chunk
 
-    def release(self, external_id: str, kind: str) -> None:
+    def release(self, external_id: str, scope: ReleaseScope) -> None:
         with self._lock:
             self._streams.pop(external_id, None)
 

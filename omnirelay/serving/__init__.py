@@ -1,17 +1,25 @@
 """omnirelay.serving: the OpenAI-compatible HTTP/WebSocket front of a pipeline.
 
-One file per role:
+The core, one file per role:
 
 * ``app`` — :func:`create_app` (routes, error handlers) over a started ``Pipeline``;
-* ``chat`` / ``speech`` / ``websocket`` — the endpoints (docs/protocol.md §7.1, §7.2, §7.4);
-* ``audio`` — streaming emission (DELTA / CUMULATIVE, ``emitted_samples``, ``prev_count``;
-  docs/protocol.md §7.3) and PCM16 / WAV encoding;
 * ``frontend`` — checks, sampling, submit; :class:`RequestStream` (abort on close);
-* ``admission`` — 429 + Retry-After over the concurrency or byte budget;
-* ``metrics`` — Prometheus; ``protocol`` — request bodies; ``text`` — prompts and
-  detokenization; ``streaming`` — responses that notice a client going away;
+* ``admission`` — :class:`AdmissionGate`: 429 + Retry-After over the concurrency or byte budget;
+* ``security`` — API keys, origins and CORS as one middleware; ``audit`` — the leak audit;
+* ``metrics`` — Prometheus; ``protocol`` — request bodies; ``text`` — the prompt side the
+  endpoints use (the pipeline's, or bytes for a pipeline without a text model);
+  ``streaming`` — responses that notice a client going away; ``errors`` — OpenAI's errors;
 * ``server`` — uvicorn in a thread (:class:`ServerThread`) or in the foreground;
-* ``config`` — :class:`ServerConfig`, every limit in one place.
+* ``server_config`` — :class:`ServerConfig`, every limit in one place.
+
+And the rooms:
+
+* ``routes/`` — ``chat`` / ``speech`` / ``speech_stream`` (docs/protocol.md §7.1, §7.2, §7.4);
+* ``media/`` — ``audio_in`` / ``image_in`` (client media decoded within limits),
+  ``audio_out`` (streaming emission, docs/protocol.md §7.3, PCM16 / WAV), ``encoding``
+  (mp3, opus, aac, flac), ``chat_turns`` (turns with media into the pipeline);
+* ``realtime/`` — ``/v1/realtime``: ``session``, ``events``, ``response``,
+  ``conversation``, ``vad``, ``ui``.
 
 ::
 
@@ -19,16 +27,16 @@ One file per role:
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="-").chat.completions.create(...)
 """
 
-from omnirelay.serving.admission import Admission
+from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.app import create_app
-from omnirelay.serving.audio import AudioEmitter, OutputKind
-from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError
+from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
 from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server import ServerThread
+from omnirelay.serving.server_config import ServerConfig
 
 __all__ = [
-    "Admission",
+    "AdmissionGate",
     "ApiError",
     "AudioEmitter",
     "OutputKind",

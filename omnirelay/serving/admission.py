@@ -1,4 +1,4 @@
-"""Admission control at the API (docs/protocol.md §10.1): :class:`Admission` and :class:`Slot`.
+"""Admission control at the API (docs/protocol.md §10.1): :class:`AdmissionGate` and :class:`Slot`.
 
 A request holds one slot from the moment it is admitted until its response is fully
 sent, aborted or failed. Over ``max_concurrency`` slots, or while the pipeline's live
@@ -13,7 +13,7 @@ import threading
 
 from omnirelay.serving.errors import ApiError
 
-__all__ = ["Admission", "Slot"]
+__all__ = ["AdmissionGate", "Slot"]
 
 
 class Slot:
@@ -21,7 +21,7 @@ class Slot:
 
     __slots__ = ("_admission", "_is_released")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: AdmissionGate) -> None:
         self._admission = admission
         self._is_released = False
 
@@ -35,7 +35,7 @@ class Slot:
             self._admission._release()
 
 
-class Admission:
+class AdmissionGate:
     """Counts admitted requests against the limits; see the module docstring."""
 
     def __init__(

@@ -3,12 +3,12 @@
 ======================================  =================================================
 route                                   serves
 ======================================  =================================================
-``POST /v1/chat/completions``           :mod:`omnirelay.serving.chat`
-``POST /v1/audio/speech``               :mod:`omnirelay.serving.speech`
-``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.websocket`
-``WS /v1/realtime``                     :mod:`omnirelay.serving.realtime`
+``POST /v1/chat/completions``           :mod:`omnirelay.serving.routes.chat`
+``POST /v1/audio/speech``               :mod:`omnirelay.serving.routes.speech`
+``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.routes.speech_stream`
+``WS /v1/realtime``                     :mod:`omnirelay.serving.realtime.session`
 ``GET /``                               the browser page (``ui`` on only:
-                                        :mod:`omnirelay.serving.ui`)
+                                        :mod:`omnirelay.serving.realtime.ui`)
 ``GET /v1/models``                      the one model (the pipeline)
 ``GET /v1/models/{id}``                 that model, or 404 ``model_not_found``
 ``GET /health``                         per stage, from ``pipeline.health_async()``:
@@ -40,18 +40,21 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.api import Pipeline
 from omnirelay.errors import OmniRelayError, StageUnavailableError
+from omnirelay.models.family import PromptSide
 from omnirelay.orchestrator import PipelineHealth
-from omnirelay.serving import chat, realtime, speech, ui, websocket
-from omnirelay.serving.admission import Admission
+from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.audit import leak_audit
-from omnirelay.serving.config import ServerConfig
 from omnirelay.serving.errors import ApiError, error_body, translate
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.metrics import CONTENT_TYPE, ServerMetrics, live_bytes
 from omnirelay.serving.openapi import error_responses, json_operation
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest
+from omnirelay.serving.realtime import session as realtime
+from omnirelay.serving.realtime import ui
+from omnirelay.serving.routes import chat, speech, speech_stream
 from omnirelay.serving.security import SecurityMiddleware
-from omnirelay.serving.text import TextCodec, codec_for_pipeline
+from omnirelay.serving.server_config import ServerConfig
+from omnirelay.serving.text import prompt_side_for
 
 __all__ = ["create_app"]
 
@@ -74,16 +77,14 @@ def create_app(
     pipeline: Pipeline,
     config: ServerConfig | None = None,
     *,
-    codec: TextCodec | None = None,
-    admission: Admission | None = None,
+    prompts: PromptSide | None = None,
+    admission: AdmissionGate | None = None,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
-    """The app serving ``pipeline``. ``codec`` (default: from stage 0's executor),
+    """The app serving ``pipeline``. ``prompts`` (default: the pipeline's prompt side),
     ``admission`` and ``metrics`` are injectable (tests hold slots, read counters)."""
     cfg = config or ServerConfig()
-    fe = Frontend(
-        pipeline, cfg, codec or codec_for_pipeline(pipeline.config), admission=admission, metrics=metrics
-    )
+    fe = Frontend(pipeline, cfg, prompts or prompt_side_for(pipeline), admission=admission, metrics=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,7 +114,7 @@ def create_app(
 
     @app.websocket(speech.WS_PATH)
     async def _speech_stream(ws: WebSocket) -> None:
-        await websocket.serve_session(ws, fe)
+        await speech_stream.serve_session(ws, fe)
 
     sessions = realtime.SessionBooks(cfg.realtime_max_sessions)
 

@@ -4,7 +4,7 @@
 that ended left nothing behind: per-request state in any stage's books (the pipeline's
 :meth:`~omnirelay.api.Pipeline.leaks_async`, taken once in-flight cleanup settled),
 requests the orchestrator still tracks, and transfer objects of the pipeline's namespace
-in /dev/shm (pooled slots, which live as long as the stages, are not counted). It asks
+(every connector backend's; pooled slots, which live as long as the stages, are not counted). It asks
 every stage, so it runs only when asked for, never on a plain health probe. Under load
 its numbers describe the moment, not a leak.
 """
@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 from omnirelay.api import Pipeline
-from omnirelay.connectors.shm import sweep
+from omnirelay.connectors import reclaim_namespace
 
 __all__ = ["leak_audit"]
 
@@ -27,8 +27,8 @@ async def leak_audit(pipeline: Pipeline, num_in_flight: int) -> dict[str, Any]:
     """``{"clean", "num_in_flight", "pipeline_requests", "num_leaks", "leaks",
     "transfer_objects"}``; ``clean`` when all of them are zero."""
     leaks = await pipeline.leaks_async()
-    report = await asyncio.to_thread(sweep, pipeline.namespace)
-    objects = [o for o in report.objects if o.kind != "slot"]
+    report = await asyncio.to_thread(reclaim_namespace, pipeline.namespace, reclaim=False)
+    objects = report.transfer_objects
     pipeline_requests = pipeline.num_active
     return {
         "clean": not (leaks or objects or pipeline_requests or num_in_flight),

@@ -15,7 +15,6 @@ can call it from its ``finally``. :meth:`RequestStream.abort` records why.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -25,12 +24,12 @@ import msgspec
 from omnirelay.api import Pipeline
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import OmniRelayError, RequestFailedError
+from omnirelay.models.family import PromptSide
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
-from omnirelay.serving.admission import Admission, Slot
-from omnirelay.serving.config import ServerConfig, openai_voice_map
+from omnirelay.serving.admission import AdmissionGate, Slot
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics
-from omnirelay.serving.text import TextCodec
+from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 from omnirelay.timeline.playback import playback_of
 
 __all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]
@@ -113,7 +112,7 @@ class RequestStream:
         if not self.is_done:
             self.abort("client_disconnect")
         self._slot.release()
-        self.frontend._forget(self.request_id)
+        self.handle.close()  # the id is free once the pipeline is done with it too
         m = self.frontend.metrics
         m.in_flight.dec()
         if self.error is not None:
@@ -139,15 +138,16 @@ class Frontend:
         self,
         pipeline: Pipeline,
         config: ServerConfig,
-        codec: TextCodec,
+        prompts: PromptSide,
         *,
-        admission: Admission | None = None,
+        admission: AdmissionGate | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
-        self.codec = codec
-        self.admission = admission or Admission(
+        #: the prompt stage's prompt side (chat and speech prompts, media, detokenizing)
+        self.prompts = prompts
+        self.admission = admission or AdmissionGate(
             config.max_concurrency, max_live_bytes=config.max_live_bytes, retry_after_s=config.retry_after_s
         )
         self.metrics = metrics or ServerMetrics(config.latency_buckets_s)
@@ -161,10 +161,6 @@ class Frontend:
         )
         self._voices = {v.lower(): v for v in config.voices}
         self._openai_voices = openai_voice_map(pcfg.openai_voices, config.voices, pcfg.source)
-        # Ids whose response is still going out: a client id stays taken until then,
-        # even when the pipeline is already done with it.
-        self._ids_lock = threading.Lock()
-        self._ids: set[str] = set()
 
     # -- checks -------------------------------------------------------------------------
 
@@ -276,23 +272,19 @@ class Frontend:
     ) -> RequestStream:
         """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
         ``inputs``: the entry stage's full input (a speech request's, see
-        :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.chat_input`);
+        :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.media.chat_turns`);
         ``entry_stage_id``: where it enters (None: the prompt stage)."""
-        with self._ids_lock:
-            if request_id in self._ids:
-                raise ApiError(
-                    409,
-                    f"request id {request_id!r} is already in flight; wait for its response to end "
-                    "or use another X-Request-Id",
-                    param="X-Request-Id",
-                    code="request_id_in_use",
-                )
-            self._ids.add(request_id)
-        try:
-            slot = self.admission.acquire()
-        except BaseException:
-            self._forget(request_id)
-            raise
+        # A client id stays taken until its response is sent, even when the pipeline is
+        # already done with it: the pipeline holds it until the stream closes the handle.
+        if self.pipeline.is_in_flight(request_id):  # before a slot is taken: 409, not 429
+            raise ApiError(
+                409,
+                f"request id {request_id!r} is already in flight; wait for its response to end "
+                "or use another X-Request-Id",
+                param="X-Request-Id",
+                code="request_id_in_use",
+            )
+        slot = self.admission.acquire()
         try:
             handle = self.pipeline.submit(
                 list(prompt_token_ids),
@@ -302,23 +294,22 @@ class Frontend:
                 inputs=inputs,
                 extras=extras,
                 entry_stage_id=entry_stage_id,
+                hold_id=True,
             )
         except OmniRelayError as exc:
             slot.release()
-            self._forget(request_id)
             raise translate(exc) from exc
         except BaseException:
             slot.release()
-            self._forget(request_id)
             raise
         return RequestStream(self, handle, slot, endpoint)
 
     def submit_speech(
         self, *, endpoint: str, text: str, modalities: Sequence[str], request_id: str, extras: dict[str, Any]
     ) -> RequestStream:
-        """A speech request for ``text``: the codec's prompt, full input and answer length
-        (:class:`~omnirelay.serving.text.SpeechPrompt`), then :meth:`submit`."""
-        prompt = self.codec.speech_prompt(text)
+        """A speech request for ``text``: the prompt side's prompt, full input and answer length
+        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
+        prompt = self.prompts.speech_prompt(text)
         sampling = None
         if prompt.max_tokens is not None:
             base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])
@@ -332,7 +323,3 @@ class Frontend:
             extras=extras,
             inputs=prompt.inputs,
         )
-
-    def _forget(self, request_id: str) -> None:
-        with self._ids_lock:
-            self._ids.discard(request_id)

@@ -38,8 +38,8 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnirelay.serving.config import ServerConfig, host_of_header, normalize_host, normalize_origin
 from omnirelay.serving.errors import error_body
+from omnirelay.serving.server_config import ServerConfig, host_of_header, normalize_host, normalize_origin
 
 __all__ = ["SecurityMiddleware", "is_loopback_host"]
 

@@ -2,7 +2,7 @@
 
 Files, one role each:
 
-* ``config.py`` — :class:`TransferConfig` (flat, validated) and its warnings.
+* ``transfer_config.py`` — :class:`TransferConfig` (flat, validated) and its warnings.
 * ``keys.py`` — transfer keys and the internal↔external id map.
 * ``envelope.py`` — :class:`ChunkEnvelope`: the finish flags around the processor's
   body, which the adapter never reads (the transfer layer knows no model field).
@@ -10,6 +10,8 @@ Files, one role each:
 * ``lanes.py`` — :class:`LaneExecutor`: FIFO per lane, parallel across lanes.
 * ``budget.py`` — :class:`ByteBudget`: unconsumed bytes per edge (backpressure).
 * ``events.py`` — plain data for the scheduler/orchestrator and the event mailbox.
+* ``processor.py`` — :class:`ChunkProcessor`, what the send side asks of the processor
+  that builds each chunk, and :class:`ReleaseScope`.
 * ``sender.py`` / ``receiver.py`` — the two roles.
 * ``adapter.py`` — :class:`TransferAdapter`, the facade that owns the threads.
 """
@@ -18,34 +20,35 @@ from __future__ import annotations
 
 from omnirelay.transfer.adapter import TransferAdapter
 from omnirelay.transfer.budget import ByteBudget
-from omnirelay.transfer.config import (
+from omnirelay.transfer.envelope import ChunkEnvelope
+from omnirelay.transfer.events import ChunkInput, FailureKind, SaveResult, TransferEvents, TransferFailure
+from omnirelay.transfer.generation import CancelAction, SenderGeneration
+from omnirelay.transfer.keys import IdMap, key_prefix, make_key
+from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.processor import BuildRequest, ChunkProcessor, ReleaseScope, StatelessProcessor
+from omnirelay.transfer.transfer_config import (
     DEFAULT_STALL_TIMEOUT_S,
     StallTimeoutDisabledWarning,
     TransferConfig,
     TransferConfigWarning,
 )
-from omnirelay.transfer.envelope import ChunkEnvelope
-from omnirelay.transfer.events import Admission, ChunkInput, FailureKind, TransferEvents, TransferFailure
-from omnirelay.transfer.generation import CancelAction, SenderGeneration
-from omnirelay.transfer.keys import IdMap, key_prefix, make_key
-from omnirelay.transfer.lanes import LaneExecutor
-from omnirelay.transfer.sender import BuildRequest, Processor, ReleaseHook
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
-    "Admission",
     "BuildRequest",
     "ByteBudget",
     "CancelAction",
     "ChunkEnvelope",
     "ChunkInput",
+    "ChunkProcessor",
     "FailureKind",
     "IdMap",
     "LaneExecutor",
-    "Processor",
-    "ReleaseHook",
+    "ReleaseScope",
+    "SaveResult",
     "SenderGeneration",
     "StallTimeoutDisabledWarning",
+    "StatelessProcessor",
     "TransferAdapter",
     "TransferConfig",
     "TransferConfigWarning",

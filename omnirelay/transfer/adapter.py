@@ -3,7 +3,7 @@
 Scheduler surface (all non-blocking, no I/O; docs/design.md §7 — the scheduler stays a pure state
 machine that feeds commands in and drains plain data out):
 
-* ``save_async(internal_id, external_id, output, ...) -> Admission`` — enqueue one chunk.
+* ``save_async(internal_id, external_id, output, ...) -> SaveResult`` — enqueue one chunk.
 * ``load_async(internal_id, external_id) -> bool`` (alias ``request_chunk``) — wait for the
   request's next chunk; False when it is a no-op (already waiting, chunk ready, exhausted).
 * ``poll_events() -> TransferEvents`` — ready chunks (ownership handed over), failures,
@@ -16,7 +16,8 @@ machine that feeds commands in and drains plain data out):
   ``cleanup_receiver(internal_id)`` / ``cleanup_sender(external_id)`` — release.
 
 Orchestrator surface: ``take_external_failures() -> {external_id: [TransferFailure]}``.
-Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``shutdown()``.
+Operations: ``health()``, ``leak_state()``, ``flush(timeout)``, ``kick()``, ``housekeep(blocking)``,
+``shutdown()``.
 
 Threads: a pool of send workers (:class:`LaneExecutor`, one lane per external id; worker 0
 also runs the idle reap pass) and a pool of receive workers (one lane per internal id)
@@ -36,15 +37,16 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from omnirelay.connectors.base import Connector
+from omnirelay.connectors.base import Arrivals, Connector
 from omnirelay.errors import TransferError
 from omnirelay.transfer.budget import ByteBudget
-from omnirelay.transfer.config import TransferConfig
-from omnirelay.transfer.events import Admission, EventBox, TransferEvents, TransferFailure
+from omnirelay.transfer.events import EventBox, SaveResult, TransferEvents, TransferFailure
 from omnirelay.transfer.keys import IdMap
 from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.processor import ChunkProcessor
 from omnirelay.transfer.receiver import LoadEntry, ReceiveSide
-from omnirelay.transfer.sender import Processor, ReleaseHook, SendSide
+from omnirelay.transfer.sender import SendSide
+from omnirelay.transfer.transfer_config import TransferConfig
 
 __all__ = ["TransferAdapter"]
 
@@ -57,13 +59,15 @@ class TransferAdapter:
         connector: Connector,
         config: TransferConfig,
         *,
-        processor: Processor | None = None,
-        release_hook: ReleaseHook | None = None,
+        processor: ChunkProcessor | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_chunk_ready: Callable[[str, bool], None] | None = None,
     ) -> None:
-        """``on_chunk_ready(internal_id, is_waited)``: told of each ready chunk at its
-        commit, on a receive worker (see :class:`~omnirelay.transfer.receiver.ReceiveSide`)."""
+        """``processor``: builds each chunk's body and keeps per-id state
+        (:class:`~omnirelay.transfer.processor.ChunkProcessor`; None: the output given to
+        ``save_async`` is the body). ``on_chunk_ready(internal_id, is_waited)``: told of
+        each ready chunk at its commit, on a receive worker (see
+        :class:`~omnirelay.transfer.receiver.ReceiveSide`)."""
         self.config = config
         self._connector = connector
         self._clock = clock
@@ -86,8 +90,8 @@ class TransferAdapter:
                 f"omnirelay-send-s{config.stage_id}",
                 config.num_send_workers,
                 on_error=self._note_error,
-                after_task=lambda: self._housekeep(False),
-                on_idle=lambda: self._housekeep(False),
+                after_task=lambda: self.housekeep(False),
+                on_idle=lambda: self.housekeep(False),
                 idle_interval_s=config.reap_interval_s,
             )
             self._sender = SendSide(
@@ -98,10 +102,7 @@ class TransferAdapter:
                 box=self._box,
                 clock=clock,
                 processor=processor,
-                release_hook=release_hook,
-                on_terminal_sent=self.cleanup,
-                housekeep=self._housekeep,
-                is_stopping=self._stop.is_set,
+                owner=self,
             )
         self._receiver: ReceiveSide | None = None
         self._recv_lanes: LaneExecutor | None = None
@@ -141,7 +142,7 @@ class TransferAdapter:
         is_segment_finished: bool = False,
         num_confirmed_tokens: int | None = None,
         segment_generation: int | None = None,
-    ) -> Admission:
+    ) -> SaveResult:
         """Enqueue one chunk of ``external_id`` (scheduler thread; never blocks on I/O).
 
         ``is_finished`` marks the request's terminal chunk (end of stream downstream);
@@ -246,15 +247,15 @@ class TransferAdapter:
             if self._stop.is_set():
                 return
             self._note_error(exc)
-            keys = []
+            keys = Arrivals()
             self._stop.wait(self.config.arrival_wait_s)  # don't spin on a broken connector
         now = self._clock()
         # A lost notice (the connector says its queue overflowed) means: poll everything now.
-        is_fallback = now >= self._next_fallback or bool(getattr(keys, "overflowed", False))
+        is_fallback = now >= self._next_fallback or keys.overflowed
         if is_fallback:
             self._next_fallback = now + self.config.fallback_poll_s
         if keys or is_fallback:
-            small = getattr(keys, "small", None) or ()
+            small = keys.small
             if not is_fallback and len(keys) == 1 and keys[0] in small:
                 # The common arrival (one codec chunk or hidden-state step): no lists.
                 entry = receiver.take_announced(keys[0])
@@ -317,7 +318,12 @@ class TransferAdapter:
 
     # ----------------------------------------------------------------- housekeeping
 
-    def _housekeep(self, blocking: bool) -> None:
+    @property
+    def is_stopping(self) -> bool:
+        """Shutting down (:meth:`shutdown` was called)."""
+        return self._stop.is_set()
+
+    def housekeep(self, blocking: bool) -> None:
         """One reap pass and budget reconciliation (docs/protocol.md §3.5: also when the loop is idle)."""
         if not self._housekeeping_mutex.acquire(blocking=blocking):
             return  # another worker is doing it right now
@@ -344,7 +350,7 @@ class TransferAdapter:
             if not lanes.wait_idle(left):
                 return False
         if self._sender is not None and not self._is_closed:
-            self._housekeep(True)
+            self.housekeep(True)
         return True
 
     def kick(self) -> None:
@@ -403,7 +409,7 @@ class TransferAdapter:
             # until the next reap pass (at most reap_interval_s), so reap before judging.
             untracked = set(self._connector.pending_keys()) - {k for k, _ in self._budget.snapshot()}
             if untracked:
-                self._housekeep(blocking=True)
+                self.housekeep(blocking=True)
                 untracked &= set(self._connector.pending_keys())
             if untracked:
                 out["connector_untracked_keys"] = sorted(untracked)[:16]

@@ -1,12 +1,12 @@
 """Plain data the adapter hands to the scheduler and the orchestrator, and its mailbox.
 
 * :class:`ChunkInput` — one committed chunk of one request (docs/protocol.md §4.8), handed over once.
-* :class:`TransferFailure` — a request failed in the transfer layer; carries both ids and a
-  reason. :meth:`TransferFailure.error` gives the matching :class:`TransferError`.
+* :class:`TransferFailure` — a request failed in the transfer layer; carries both ids, a
+  :class:`FailureKind` and a reason. It is data: nothing raises it.
 * :class:`TransferEvents` — what one ``poll_events()`` call drains: ready inputs, failures,
   stall timeouts, and the external ids whose sender generation retired with its keys
   reclaimed (how a stage learns that a release by id may complete).
-* :class:`Admission` — the value ``save_async`` returns.
+* :class:`SaveResult` — the value ``save_async`` returns.
 * :class:`EventBox` — the thread-safe mailbox the background threads fill.
 
 Failures are kept twice: by internal id for the stage scheduler (drained by
@@ -24,19 +24,10 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.errors import (
-    BackpressureError,
-    ChunkTimeoutError,
-    ReceiveFailedError,
-    ReuseRejectedError,
-    SendFailedError,
-    TransferError,
-)
-
-__all__ = ["Admission", "ChunkInput", "EventBox", "FailureKind", "TransferEvents", "TransferFailure"]
+__all__ = ["ChunkInput", "EventBox", "FailureKind", "SaveResult", "TransferEvents", "TransferFailure"]
 
 
-class Admission(enum.Enum):
+class SaveResult(enum.Enum):
     """What ``save_async`` did with a chunk."""
 
     ENQUEUED = "enqueued"
@@ -47,20 +38,18 @@ class Admission(enum.Enum):
 
 
 class FailureKind(enum.Enum):
+    """Why a request failed in the transfer layer."""
+
+    #: a chunk could not be sent (the reason says why)
     SEND_FAILED = "send_failed"
+    #: a chunk could not be received or committed
     RECEIVE_FAILED = "receive_failed"
+    #: an external id reused while its previous sender generation still drains
     REUSE_REJECTED = "reuse_rejected"
+    #: the edge's byte budget stayed exhausted past the wait bound
     BACKPRESSURE = "backpressure"
+    #: no chunk arrived within the stall timeout
     TIMEOUT = "timeout"
-
-
-_ERRORS: dict[FailureKind, type[TransferError]] = {
-    FailureKind.SEND_FAILED: SendFailedError,
-    FailureKind.RECEIVE_FAILED: ReceiveFailedError,
-    FailureKind.REUSE_REJECTED: ReuseRejectedError,
-    FailureKind.BACKPRESSURE: BackpressureError,
-    FailureKind.TIMEOUT: ChunkTimeoutError,
-}
 
 
 class TransferFailure(msgspec.Struct, frozen=True):
@@ -71,12 +60,6 @@ class TransferFailure(msgspec.Struct, frozen=True):
     kind: FailureKind
     reason: str
     stage_id: int
-
-    def error(self) -> TransferError:
-        return _ERRORS[self.kind](
-            f"request {self.external_id!r} (internal {self.internal_id!r}) at stage {self.stage_id}: "
-            f"{self.reason}"
-        )
 
 
 class ChunkInput(msgspec.Struct, frozen=True):
@@ -120,9 +103,9 @@ class EventBox:
 
     Waiters sleep on a plain condition, woken with the GIL held. Waking them the way the
     lane executor wakes its workers (a :class:`~omnirelay.transfer.wakeup.Parker`, GIL
-    released) was measured and left out: it cut enqueue → out of ``poll_events`` by about
-    10 µs but raised the head-of-line p99 of ``bench adapter`` (7 paired runs: median
-    4.1 → 4.7 ms, two runs over the 5 ms target).
+    released) was measured and left out: the scheduler saw chunks a little sooner, but
+    the head-of-line p99 of ``bench adapter`` rose past its target (docs/performance.md,
+    "Measured and dropped").
     """
 
     def __init__(self, max_external: int) -> None:

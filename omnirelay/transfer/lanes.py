@@ -17,9 +17,8 @@ Ready lanes wait in a FIFO under the executor's one lock; idle workers park, eac
 own :class:`~omnirelay.transfer.wakeup.Parker`, most recently parked first. Queuing work pops
 one parked worker under the lock and wakes it once the lock is released, with the GIL
 released too (``wakeup.py`` says why): the worker takes the GIL at once instead of
-preempting its waker for nothing and waiting for the waker's next GIL release. Measured on
-one CPU (``docs/performance.md``): submit → task runs 15–26 µs with a
-``queue.SimpleQueue`` → 6–15 µs. One parker per worker wakes exactly one of
+preempting its waker for nothing and waiting for the waker's next GIL release
+(docs/performance.md has the hand-off's cost both ways). One parker per worker wakes exactly one of
 them (no thundering herd on the GIL), the most recently parked, whose cache is warm — except
 the worker with the idle duty (``on_idle``), which parks at the bottom: its park waits with a
 timeout (a poll, then a read), and were it the one woken every time, its idle timer would

@@ -28,10 +28,10 @@ from typing import Any
 
 from omnirelay.connectors.base import Connector, GetResult, GetStatus
 from omnirelay.ids import request_id_problem
-from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
 from omnirelay.transfer.events import ChunkInput, EventBox, FailureKind, TransferFailure
 from omnirelay.transfer.keys import make_key
+from omnirelay.transfer.transfer_config import TransferConfig
 
 __all__ = ["LoadEntry", "ReceiveSide"]
 

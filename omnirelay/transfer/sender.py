@@ -8,7 +8,9 @@
 * Retirement is reported as data: the external id goes to the event box (drained by
   ``poll_events`` as ``retired_senders``) once the retired generation's keys are
   reclaimed — at the end of its exact-key cleanup task, or at retirement when it has
-  nothing to clean — and after the release hook dropped the processor's state of the id.
+  nothing to clean — and after the processor was told to release its state of the id
+  (:class:`~omnirelay.transfer.processor.ReleaseScope` ``REQUEST``).
+* :class:`SendOwner` — what the send side asks of the adapter that owns it.
 
 Ordering: every task of one external id — data tasks of every generation and the cleanup
 task of a retiring generation — goes to the same lane of a :class:`LaneExecutor`, which
@@ -23,50 +25,39 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from omnirelay.connectors.base import Connector, PutResult
 from omnirelay.ids import request_id_problem
 from omnirelay.transfer.budget import ByteBudget, edge_name
-from omnirelay.transfer.config import TransferConfig
 from omnirelay.transfer.envelope import ChunkEnvelope, check_envelope
-from omnirelay.transfer.events import Admission, EventBox, FailureKind, TransferFailure
+from omnirelay.transfer.events import EventBox, FailureKind, SaveResult, TransferFailure
 from omnirelay.transfer.generation import CancelAction, SenderGeneration
 from omnirelay.transfer.keys import make_key
 from omnirelay.transfer.lanes import LaneExecutor
+from omnirelay.transfer.processor import BuildRequest, ChunkProcessor, ReleaseScope
+from omnirelay.transfer.transfer_config import TransferConfig
 from omnirelay.transfer.wakeup import Parker, wake_all
 
-__all__ = ["BuildRequest", "Processor", "ReleaseHook", "SendSide"]
+__all__ = ["SendOwner", "SendSide"]
 
 
-class BuildRequest(NamedTuple):
-    """What the processor sees for one chunk (on a send worker, outside every lock).
+class SendOwner(Protocol):
+    """What the send side asks of the adapter that owns it."""
 
-    Immutable; a NamedTuple because one is built per chunk on the send path (a frozen
-    dataclass costs about four times as much to build)."""
+    @property
+    def is_stopping(self) -> bool:
+        """The adapter is shutting down: a chunk waiting for budget gives up."""
+        ...
 
-    internal_id: str
-    external_id: str
-    #: The stage output of this step, as given to ``save_async``.
-    output: Any
-    #: The caller's snapshot of the request (must not be mutated after ``save_async``).
-    context: Any
-    #: docs/protocol.md §4.4 step 3: a segment end or the request's end.
-    is_finished: bool
-    is_request_finished: bool
-    is_segment_finished: bool
-    #: Successful puts of this request on this edge so far: the chunk id this payload is
-    #: put under (processors cross-check it against the payloads they built).
-    chunk_id: int
+    def cleanup(self, internal_id: str, external_id: str | None = None) -> None:
+        """The request's terminal chunk was sent: release the request (docs/protocol.md §4.4 step 9)."""
+        ...
 
+    def housekeep(self, blocking: bool) -> None:
+        """One reap pass and budget reconciliation (waiting for the reap lock when ``blocking``)."""
+        ...
 
-#: Builds the body of one chunk (opaque to the adapter); ``None`` means "nothing to send
-#: this step" (at a boundary: an envelope with no body still carries the finish flags).
-#: A :class:`ChunkEnvelope` return is put as it is: the processor decided its own flags.
-Processor = Callable[[BuildRequest], Any]
-#: Called with ``(external_id, "segment" | "request")`` when per-segment or per-request
-#: sender state must be dropped (processor caches: first chunk, frame history…).
-ReleaseHook = Callable[[str, str], None]
 
 _Failure = tuple[FailureKind, str]
 _SKIP: _Failure = (FailureKind.SEND_FAILED, "")  # sentinel: the task lost its right to run
@@ -100,11 +91,8 @@ class SendSide:
         budget: ByteBudget,
         box: EventBox,
         clock: Callable[[], float],
-        processor: Processor | None,
-        release_hook: ReleaseHook | None,
-        on_terminal_sent: Callable[[str, str], None],
-        housekeep: Callable[[bool], None],
-        is_stopping: Callable[[], bool],
+        processor: ChunkProcessor | None,
+        owner: SendOwner,
     ) -> None:
         assert config.send_to_stage is not None
         self._connector = connector
@@ -118,10 +106,7 @@ class SendSide:
         self._clock = clock
         #: None: the output given to save_async is the body (no BuildRequest is made).
         self._processor = processor
-        self._release_hook = release_hook
-        self._on_terminal_sent = on_terminal_sent
-        self._housekeep = housekeep
-        self._is_stopping = is_stopping
+        self._owner = owner
         self._lock = threading.Lock()
         self._gens: dict[str, SenderGeneration] = {}
         self._counts: dict[str, int] = dict.fromkeys(
@@ -144,13 +129,13 @@ class SendSide:
         is_segment_finished: bool,
         num_confirmed_tokens: int | None,
         segment_generation: int | None,
-    ) -> Admission:
+    ) -> SaveResult:
         """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
             problem = request_id_problem(external_id, "external request id")
             if problem is not None:
                 self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, problem)
-                return Admission.REJECTED
+                return SaveResult.REJECTED
         failure: _Failure | None = None
         wakes: list[Parker] = []
         with self._lock:
@@ -176,7 +161,7 @@ class SendSide:
                     )
                 elif segment_generation is not None and segment_generation < g.segment_generation:
                     self._counts["num_dropped"] += 1
-                    return Admission.DROPPED
+                    return SaveResult.DROPPED
                 elif (
                     not is_segment_finished
                     and num_confirmed_tokens is not None
@@ -184,7 +169,7 @@ class SendSide:
                     and num_confirmed_tokens < g.watermark
                 ):
                     self._counts["num_dropped"] += 1  # preempted request recomputing sent tokens
-                    return Admission.DROPPED
+                    return SaveResult.DROPPED
             if failure is None:
                 if g is None:
                     g = self._gens[external_id] = SenderGeneration(external_id, internal_id)
@@ -205,8 +190,8 @@ class SendSide:
         wake_all(wakes)  # outside the lock, which the woken worker's task takes first
         if failure is not None:
             self._record(internal_id, external_id, *failure)
-            return Admission.REJECTED
-        return Admission.ENQUEUED
+            return SaveResult.REJECTED
+        return SaveResult.ENQUEUED
 
     def has_active_sender(self, external_id: str) -> bool:
         with self._lock:
@@ -256,7 +241,7 @@ class SendSide:
                     g.fail()
                 self._record(task.internal_id, task.external_id, *failure)
             elif delivered:
-                self._on_terminal_sent(task.internal_id, task.external_id)  # docs/protocol.md §4.4 step 9
+                self._owner.cleanup(task.internal_id, task.external_id)  # docs/protocol.md §4.4 step 9
         finally:  # whatever happened (even BaseException), restore the token's invariants
             self._finish_task(task)
 
@@ -308,8 +293,8 @@ class SendSide:
         with self._lock:
             self._counts["num_puts"] += 1
             honored = g.put_succeeded(is_terminal=task.is_terminal)
-        if task.is_segment_end and self._release_hook is not None:
-            self._release_hook(task.external_id, "segment")
+        if task.is_segment_end and self._processor is not None:
+            self._processor.release(task.external_id, ReleaseScope.SEGMENT)
         return None, honored and task.is_terminal and envelope.is_finished
 
     def _build(self, task: _SendTask, chunk_id: int) -> Any:
@@ -326,7 +311,7 @@ class SendSide:
             chunk_id,
         )
         try:
-            return self._processor(request)
+            return self._processor.build(request)
         except Exception as exc:
             return _Refused(f"the processor raised {type(exc).__name__}: {exc}")
 
@@ -336,13 +321,13 @@ class SendSide:
             return None
         deadline = self._clock() + self._config.backpressure_wait_s
         while True:
-            self._housekeep(True)  # learn about consumption now, not at the next idle pass
+            self._owner.housekeep(True)  # learn about consumption now, not at the next idle pass
             if not self._budget.is_over(self._edge):
                 return None
             with self._lock:
                 if not (self._is_current_locked(task) and task.gen.may_run(is_terminal=task.is_terminal)):
                     return _SKIP
-            if self._is_stopping():
+            if self._owner.is_stopping:
                 return (FailureKind.SEND_FAILED, "the adapter shut down while the chunk waited for budget")
             if self._clock() >= deadline:
                 used = self._budget.used(self._edge)
@@ -436,8 +421,8 @@ class SendSide:
         self._report_retired([external_id])
 
     def _call_release(self, external_id: str) -> None:
-        if self._release_hook is not None:
-            self._release_hook(external_id, "request")
+        if self._processor is not None:
+            self._processor.release(external_id, ReleaseScope.REQUEST)
 
     def _record(self, internal_id: str, external_id: str, kind: FailureKind, reason: str) -> None:
         self._box.record(TransferFailure(internal_id, external_id, kind, reason, self._stage))

@@ -7,8 +7,8 @@ drives one engine. This package imports ``omnirelay.engine`` and below, never
 Files, one role each:
 
 * ``messages.py`` — every control-plane message, typed ``msgspec`` structs (both sides).
-* ``control.py`` — the worker's ZeroMQ sockets and :class:`ControlPaths`, the addresses
-  the front binds (its side is :mod:`omnirelay.orchestrator.control`).
+* ``worker_control.py`` — the worker's ZeroMQ sockets and :class:`ControlPaths`, the addresses
+  the front binds (its side is :mod:`omnirelay.orchestrator.front_control`).
 * ``spec.py`` — :class:`WorkerSpec`, what a worker is started with; engine factories
   named ``"module:function"``.
 * ``loop.py`` — :class:`WorkerLoop`: control messages in, engine steps, outputs and

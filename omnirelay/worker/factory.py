@@ -8,7 +8,7 @@ and the processors.
   :data:`~omnirelay.worker.spec.DEFAULT_ENGINE_FACTORY`.
 * :func:`default_registry` — every executor and processor a shipped pipeline may name.
 
-Tests pass their own engine factory to ``Pipeline.start(engine_factory="module:function")``.
+Tests pass their own engine factory to ``Pipeline.start(..., runtime=RuntimeHooks(engine_factory="module:function"))``.
 The front side's counterpart (builders of forwarded inputs) is
 :mod:`omnirelay.orchestrator.input_builders`.
 """
@@ -28,8 +28,8 @@ __all__ = ["build_stage_engine", "default_registry", "with_stage_device"]
 def default_registry() -> ComponentRegistry:
     """Every executor and processor a shipped pipeline may name: the toys, and the model
     executors of :mod:`omnirelay.models` (their heavy imports wait for a factory call)."""
-    from omnirelay.models.toy import register_toys
-    from omnirelay.processors.stages import register_processors
+    from omnirelay.models.testing.toy import register_toys
+    from omnirelay.processors.streams import register_processors
 
     registry = register_toys(ComponentRegistry())
     register_processors(registry.processors)
@@ -59,14 +59,17 @@ def build_stage_engine(
 def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:
     """The pipeline with stage ``stage_id``'s ``devices`` handed to its model executor.
 
-    A Qwen3-Omni executor places its model by ``executor_args.device``; a stage that names
-    ``devices`` (``cuda:1``) and no ``executor_args.device`` gets ``device: <devices>``.
-    An explicit ``executor_args.device`` wins; other executors (toys) are left alone.
+    An executor that loads from a checkpoint (Qwen3-Omni's) places its model by
+    ``executor_args.device``; a stage that names ``devices`` (``cuda:1``) and no
+    ``executor_args.device`` gets ``device: <devices>``. An explicit
+    ``executor_args.device`` wins; other executors (toys) are left alone.
     """
-    from omnirelay.models import EXECUTOR_NAMES
+    from omnirelay.models import family_of
 
     stage = pipeline.stage(stage_id)
-    if stage.devices is None or stage.executor not in EXECUTOR_NAMES or "device" in stage.executor_args:
+    family = family_of(stage.executor)
+    takes_device = family is not None and family.checkpoints is not None
+    if stage.devices is None or not takes_device or "device" in stage.executor_args:
         return pipeline
     placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
     stages = tuple(placed if s.id == stage.id else s for s in pipeline.stages)

@@ -43,7 +43,6 @@ from typing import Any
 
 from omnirelay.engine.interfaces import StageEngineProtocol, StageOutput
 from omnirelay.errors import PipelineError
-from omnirelay.worker.control import Inbox
 from omnirelay.worker.messages import (
     Abort,
     HealthReply,
@@ -64,6 +63,7 @@ from omnirelay.worker.messages import (
     wire_output,
 )
 from omnirelay.worker.spec import WorkerSpec
+from omnirelay.worker.worker_control import CommandInbox
 
 __all__ = ["WorkerLoop", "leak_paths"]
 
@@ -94,13 +94,13 @@ class WorkerLoop:
     """Drive one engine from control messages; see the module docstring.
 
     ``send`` delivers a message to the front (the engine thread's socket). Runs on one
-    thread; only the :class:`Inbox` is shared with the receive thread.
+    thread; only the :class:`CommandInbox` is shared with the receive thread.
     """
 
     def __init__(
         self,
         engine: StageEngineProtocol,
-        inbox: Inbox,
+        inbox: CommandInbox,
         send: Callable[[ToFront], None],
         spec: WorkerSpec,
         *,

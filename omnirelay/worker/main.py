@@ -30,10 +30,10 @@ from types import FrameType
 
 from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.errors import ConfigError, PipelineError
-from omnirelay.worker.control import Inbox, WorkerControl, parent_alive
 from omnirelay.worker.loop import WorkerLoop
 from omnirelay.worker.messages import Goodbye, Hello, StartupFailed, ToFront
 from omnirelay.worker.spec import WorkerSpec, load_engine_factory
+from omnirelay.worker.worker_control import CommandInbox, WorkerControl, parent_alive
 
 __all__ = ["worker_main"]
 
@@ -90,7 +90,7 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         engine = _build_engine(spec, control)
         if engine is not None:
-            inbox = Inbox()
+            inbox = CommandInbox()
             loop = WorkerLoop(engine, inbox, send, spec)
             control.start_receiving(
                 inbox, wake=loop.wake, is_parent_alive=is_parent_alive, parent_check_s=spec.parent_check_s

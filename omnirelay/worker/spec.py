@@ -16,7 +16,7 @@ from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import PipelineConfig
-from omnirelay.worker.control import ControlPaths
+from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["DEFAULT_ENGINE_FACTORY", "EngineFactory", "WorkerSpec", "load_engine_factory"]
 

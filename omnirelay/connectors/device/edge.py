@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from omnirelay.connectors import owners
 from omnirelay.connectors.device.channel import (
     MIN_BYTES,
     Arena,
@@ -40,7 +41,6 @@ from omnirelay.connectors.device.channel import (
     StaleBlockError,
 )
 from omnirelay.connectors.device.refs import DeviceRefError, decode_ref, encode_ref
-from omnirelay.connectors.shm import names
 from omnirelay.errors import PayloadDecodeError
 from omnirelay.payload.dtypes import TORCH_BY_DTYPE
 
@@ -141,7 +141,7 @@ class DeviceSender:
                 try:
                     arena = self.backend.arena(self.capacity, self.device, like)
                     self._producer = DeviceProducer(
-                        arena, producer=str(names.self_owner()), arena_id=next(_ARENAS), min_bytes=0
+                        arena, producer=str(owners.self_owner()), arena_id=next(_ARENAS), min_bytes=0
                     )
                     return self._producer
                 except Exception as exc:  # no arena, or no IPC export of it: the host path
@@ -241,10 +241,10 @@ class DeviceReceiver:
         for producer in importer.producers():
             pid, _, start = producer.partition(".")
             try:
-                owner = names.OwnerId(int(pid), int(start))
+                owner = owners.OwnerId(int(pid), int(start))
             except ValueError:
                 continue
-            if not names.owner_alive(owner):
+            if not owners.owner_alive(owner):
                 dead += importer.forget(producer)
         return dead
 

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MIN_BYTES", "EdgePath", "cuda_index", "edge_path", "gpu_direct_options", "stage_device"]
 
-#: Below this size a tensor takes the host path: on one H200, a 4 KB hidden step and a
-#: 6.4 KB codec chunk crossed processes faster through the host (196 / 261 µs) than
-#: GPU-direct (566 / 480 µs; its stamp checks and synchronizations are fixed costs),
-#: a 4 MB prefill 3.3x faster GPU-direct (`omnirelay bench transfer --gpu cuda:0`).
+#: Below this size a tensor takes the host path: GPU-direct pays fixed costs per tensor
+#: (its stamp checks and synchronizations), so a hidden step or a codec chunk crosses
+#: faster through the host and a prefill faster device to device (docs/performance.md,
+#: `omnirelay bench transfer --gpu cuda:0`).
 MIN_BYTES = 256 << 10
 _SMALL = f"tensors under {MIN_BYTES >> 10} KiB through the host"
 

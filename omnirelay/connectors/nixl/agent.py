@@ -9,10 +9,9 @@ host, over shared memory. Its CUDA transport plug-ins stay unloaded without a GP
 **The progress thread is required.** Over TCP, UCX emulates a one-sided READ with active
 messages that the *target's* worker must serve, so the producer's agent runs NIXL's progress
 thread; without it a reader's READ never completes. NIXL's Python API starts that thread with
-no pause between polls: an idle agent then burns a core (measured: 1.7 CPU-s per 2 s for two
-idle agents on 2 cores, and a 4 KB READ at 18 ms p50 as the spinning threads fight for the
-cores). :class:`Agent` sets the pause to ``progress_delay_us`` (default 100 µs: 0.07 CPU-s per
-2 s idle, a 4 KB READ at 54 µs p50 over TCP loopback).
+no pause between polls: an idle agent then burns a core, and spinning agents fight over
+the cores their READs need. :class:`Agent` sets the pause to ``progress_delay_us``
+(default 100 µs; docs/performance.md has what each costs).
 
 :class:`Agent` serializes every call into NIXL with one lock (the agent is shared by the put
 thread, the claim server thread and readers), and keeps the buffers it registered

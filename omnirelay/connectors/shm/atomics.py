@@ -14,9 +14,8 @@ sequentially consistent CAS), the first that works picked at import (:data:`DEFA
 
 * :data:`EXTENSION`: ``omnirelay.connectors.shm._atomic_ops``, a small C extension built
   at install time (GCC/Clang ``__atomic`` builtins): tens of nanoseconds a call. It also
-  makes a reader's whole claim (``slot.claim``'s steps) one call: a get costs 5.3 µs
-  instead of 6.2 µs warm, and more is saved on a CPU just woken, where every Python call
-  is slow;
+  makes a reader's whole claim (``slot.claim``'s steps) one call, which matters most on
+  a CPU just woken, where every Python call is slow;
 * :data:`LIBATOMIC`: GCC's runtime ``libatomic`` (``__atomic_compare_exchange_8`` and
   friends) through ``ctypes``, without releasing the GIL: most of a microsecond a call,
   as ctypes converts every argument. It is what keeps the connector correct where the
@@ -25,8 +24,8 @@ sequentially consistent CAS), the first that works picked at import (:data:`DEFA
 
 Both are lock-free for aligned 8-byte words on x86-64 and aarch64, hence safe between
 processes. With neither, the shm connector cannot start and says so
-(``omnirelay doctor`` reports which one is in use). Measured on the connector's path
-(codec chunk, one way p50): 61-67 µs with libatomic, 56 µs with the extension.
+(``omnirelay doctor`` reports which one is in use). What the extension saves on the
+connector's path is in docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Names of omnirelay objects under /dev/shm, and process identities.
+"""Names of omnirelay objects under /dev/shm.
 
 Every name is ``omnirelay-<namespace>-<kind>-<rest>``; the namespace never contains ``-``.
 
@@ -10,8 +10,8 @@ kind   rest                                   what it is
 ``c``  ``<pid>.<start>-<hash>-<n>``           a claim in progress by consumer ``pid``
 =====  =====================================  ==========================================
 
-``<start>`` is the owner's start time (clock ticks since boot, /proc/PID/stat field 22),
-so a recycled pid is never mistaken for the owner. Keys are hashed into fixed-length
+``<pid>.<start>`` is the owner's identity (:class:`~omnirelay.connectors.owners.OwnerId`:
+its start time too, so a recycled pid is never mistaken for the owner). Keys are hashed into fixed-length
 names (any external id is safe: ``/``, ``..``, NUL, unicode, 1,000 characters); the
 original key is stored in the object's header for audits.
 """
@@ -19,11 +19,10 @@ original key is stored in the object's header for audits.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 from omnirelay.connectors.base import MAX_KEY_BYTES, validate_key
+from omnirelay.connectors.owners import OwnerId, owner_alive, process_start_ticks, self_owner
 
 __all__ = [
     "PREFIX",
@@ -47,63 +46,12 @@ PREFIX = "omnirelay-"
 
 
 @dataclass(frozen=True)
-class OwnerId:
-    pid: int
-    start: int
-
-    def __str__(self) -> str:
-        return f"{self.pid}.{self.start}"
-
-
-@dataclass(frozen=True)
 class ParsedName:
     name: str
     namespace: str
     kind: str  # "s" slot, "k" published key, "c" claim
     owner: OwnerId | None
     key_hash: str | None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    try:
-        fields = data[data.rindex(b")") + 2 :].split()
-        return int(fields[19])  # field 22 overall
-    except (ValueError, IndexError):
-        return None
-
-
-@lru_cache(maxsize=1)
-def _self_owner_cached(pid: int) -> OwnerId:
-    return OwnerId(pid, process_start_ticks(pid) or 0)
-
-
-def self_owner() -> OwnerId:
-    """This process's identity (recomputed after a fork)."""
-    return _self_owner_cached(os.getpid())
-
-
-def owner_alive(owner: OwnerId) -> bool:
-    """True if the process that owns an object still runs (same pid and start time)."""
-    if owner.pid <= 0:
-        return False
-    try:
-        os.kill(owner.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    start = process_start_ticks(owner.pid)
-    if start is None:
-        return False
-    # start == 0 means the owner could not read its own start time: trust the pid.
-    return owner.start == 0 or start == owner.start
 
 
 def key_bytes(key: object) -> bytes:

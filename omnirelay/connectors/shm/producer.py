@@ -5,8 +5,7 @@ it (one copy per tensor), publishes it (stamp PUBLISHED), sends the arrival noti
 then makes it findable by key with one ``link()`` to the key's name. A small object (its
 edge's last one fit in ``EARLY_NOTICE_MAX``) is announced *before* it is encoded, so the
 receiver's wake-up overlaps the encoding (``slot``'s WRITING and WAITING states say how
-a reader that arrives early waits; measured on ``bench transfer``, one way p50: codec
-chunk 39 vs 56 µs, hidden-state step 42 vs 68 µs without it). Readers never see a
+a reader that arrives early waits; docs/performance.md has what it saves). Readers never see a
 partial object, and an unread object with the same key is never clobbered: ``link``
 fails with EEXIST and the put is retracted — unless a reader already took it through
 the notice, which makes it delivered.

@@ -1,56 +1,24 @@
-"""Find omnirelay objects under /dev/shm and reclaim those whose owner process is dead.
+"""The shm backend's reclaim: find omnirelay objects under /dev/shm and reclaim those
+whose owner process is dead.
 
-Used at connector startup (its own namespace) and by ``omnirelay doctor``. An object is
-reclaimed only when its owner is known and dead; objects of live processes, and
-objects whose owner cannot be determined, are left alone (and listed).
+:func:`sweep` is this backend's part of the connector contract's reclaim
+(:func:`omnirelay.connectors.reclaim_namespace`), and runs at connector startup (its own
+namespace). An object is reclaimed only when its owner is known and dead; objects of
+live processes, and objects whose owner cannot be determined, are left alone (and
+listed).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
+from omnirelay.connectors.base import NamespaceObject, ReclaimReport
 from omnirelay.connectors.shm import names, slot
 
-__all__ = ["ShmObject", "SweepReport", "sweep"]
+__all__ = ["sweep"]
 
 _KIND_NAMES = {"s": "slot", "k": "object", "c": "claim"}
-
-
-@dataclass
-class ShmObject:
-    name: str
-    namespace: str
-    kind: str  # slot | object | claim | unknown
-    owner_pid: int | None
-    owner_alive: bool | None
-    age_s: float
-    size: int
-    state: str | None = None
-    key: str | None = None
-    reclaimed: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class SweepReport:
-    objects: list[ShmObject] = field(default_factory=list)
-
-    @property
-    def reclaimed(self) -> list[ShmObject]:
-        return [o for o in self.objects if o.reclaimed]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "objects": [o.to_dict() for o in self.objects],
-            "num_objects": len(self.objects),
-            "num_reclaimed": len(self.reclaimed),
-            "bytes_reclaimed": sum(o.size for o in self.reclaimed),
-        }
 
 
 def _read_slot_header(path: str) -> slot.SlotHeader | str:
@@ -72,9 +40,10 @@ def _read_slot_header(path: str) -> slot.SlotHeader | str:
 
 def sweep(
     namespace: str | None = None, *, reclaim: bool = False, shm_dir: str = names.SHM_DIR
-) -> SweepReport:
-    """List omnirelay objects (of ``namespace``, or all) and optionally reclaim dead owners'."""
-    report = SweepReport()
+) -> ReclaimReport:
+    """List omnirelay objects under ``shm_dir`` (of ``namespace``, or all) and, with
+    ``reclaim``, remove those whose owner is dead."""
+    report = ReclaimReport()
     try:
         entries = os.listdir(shm_dir)
     except OSError:
@@ -96,7 +65,7 @@ def sweep(
             st = os.stat(path)
         except FileNotFoundError:
             continue
-        obj = ShmObject(
+        obj = NamespaceObject(
             name=entry,
             namespace=parsed.namespace,
             kind=_KIND_NAMES.get(parsed.kind, "unknown"),

@@ -1,0 +1,72 @@
+"""``asr.pocketsphinx``: speech recognition in front of a Thinker (docs/protocol.md §1.9).
+
+The stage declared ``entry_input: audio``: a request that carries audio enters here with
+its clips as the full input (:mod:`omnirelay.models.qwen3_omni.audio`: 16 kHz mono float32), and
+leaves with one step — its text is the transcript of each clip, one line per clip, in
+order — which the orchestrator forwards complete to the prompt stage (the
+``asr_to_thinker`` input builder makes the transcripts the user's words). Requests
+without audio never reach this stage.
+
+PocketSphinx's bundled US English acoustic model, dictionary and language model
+(:class:`~omnirelay.models.asr.sphinx.Recognizer`); lower-case words, no punctuation.
+Recognition runs on the engine thread, one clip at a time: a clip costs about a fifth of
+its duration on one core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.errors import ModelError
+from omnirelay.models.asr import RECOGNIZER_EXECUTOR
+from omnirelay.models.asr.sphinx import Recognizer
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, read_audio_inputs
+
+__all__ = ["RECOGNIZER_EXECUTOR", "SphinxRecognizerExecutor", "create_sphinx_recognizer"]
+
+
+class SphinxRecognizerExecutor:
+    """A generation executor: one step per request, its complete audio in, its transcript out."""
+
+    execution_type = "generation"
+    supports_batching = True
+
+    def __init__(self, recognizer: Recognizer | None = None) -> None:
+        self.recognizer = recognizer or Recognizer()
+        #: clips recognized so far (observable in tests)
+        self.num_clips = 0
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        return [self._recognize(item) for item in batch]
+
+    def _recognize(self, item: BatchItem) -> ItemResult:
+        who = f"request {item.external_id!r}"
+        clips = read_audio_inputs(item.inputs, who)
+        if not clips:
+            raise ModelError(
+                f"{who}: the recognizer needs the request's audio "
+                f"(inputs {{'audio': [clips], 'sample_rate': {AUDIO_INPUT_RATE}}})"
+            )
+        lines = [" ".join(self.recognizer.words(clip.numpy(), AUDIO_INPUT_RATE)) for clip in clips]
+        self.num_clips += len(clips)
+        return ItemResult(internal_id=item.internal_id, finished=True, text="\n".join(lines))
+
+    def release(self, internal_id: str) -> None:
+        """Nothing is kept between steps."""
+
+    def num_live_requests(self) -> int:
+        return 0
+
+    def leak_state(self) -> dict[str, Any]:
+        return {}
+
+
+def create_sphinx_recognizer(**executor_args: Any) -> SphinxRecognizerExecutor:
+    """Registry factory of ``asr.pocketsphinx`` (``device``: ``cpu`` only)."""
+    unknown = set(executor_args) - {"device"}
+    if unknown:
+        raise ModelError(f"{RECOGNIZER_EXECUTOR}: unknown executor_args {sorted(unknown)}")
+    if executor_args.get("device", "cpu") not in (None, "cpu"):
+        raise ModelError(f"{RECOGNIZER_EXECUTOR} runs on the CPU")
+    return SphinxRecognizerExecutor()

@@ -1,0 +1,352 @@
+"""The Qwen3-Omni Code2Wav executor: codec frames → 24 kHz waveform.
+
+* :class:`Code2WavExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
+  Code2Wav stage (``execution_type = "generation"``): every step decodes each item's
+  codes and returns its samples in ``ItemResult.audio`` (1-D float32, CPU) with
+  ``sample_rate = 24000``. A streamed request holds its decoder state between chunks
+  (the stateful mode, the default) until it is released.
+* :func:`create_code2wav` — the registry factory: ``create_code2wav(**executor_args)``.
+
+A committed Talker → Code2Wav chunk (an :class:`~omnirelay.payload.OmniPayload`) is read
+by :meth:`Code2WavExecutor.read_chunk` (:func:`~omnirelay.processors.read_codec_chunk`,
+docs/protocol.md §4.8): its 1-D ``codes.audio`` becomes the item's ``input_token_ids``,
+the rest is merged into the request's runtime info, an ``OmniPayload`` handed to the step
+as ``additional_information``.
+
+Input of one item (first match wins):
+
+1. the runtime info's ``codes.audio`` as a ``[Q, T]`` (or ``[1, Q, T]``) tensor
+   (docs/protocol.md §4.8: a ≥2-D codes tensor stays in the runtime info);
+2. ``inputs["codes"]`` — a ``[Q, T]`` tensor, or a mapping with ``audio`` as in (1)
+   (a complete input forwarded over a non-chunk edge);
+3. the item's ``input_token_ids``: ``Q·T`` codebook-major ids (docs/protocol.md §6.1).
+
+Two modes, per item:
+
+* **streaming, stateful** (the default; the runtime info carries
+  ``meta.left_context_size``: the edge is chunked) — each chunk's new frames are decoded
+  with the stream's state (:class:`~omnirelay.models.runner.vocoder.StreamingVocoder`):
+  the concatenated chunks are the whole-utterance decode, whatever the chunk sizes; left
+  context frames a chunk carries were decoded already and are skipped.
+* **streaming, by windows** (``stateful: false``) — the windows of all streaming items
+  are stacked into one ``[B, Q, max T]``
+  batch (:func:`~omnirelay.processors.codes_batch_from_flat`), decoded once, and each row
+  is cut with the exact trim of docs/protocol.md §6.2 (:func:`~omnirelay.processors.split_stream_output`):
+  the concatenated chunks of a stream have exactly the whole-utterance sample count, and
+  equal the whole-utterance decode wherever the left context covers the decoder's
+  receptive field (:func:`measure_receptive_field`).
+* **complete** (no ``left_context_size``) — the non-streaming chunked decode of docs/protocol.md §6.3
+  (:func:`~omnirelay.processors.chunked_decode`, 300 frames with 25 of context), batched
+  over the complete items, then each cropped to its own frames.
+
+Codes outside ``[0, codebook_size)`` (a codec EOS that slipped through, a transposed
+layout) are an error naming the request, never decoded into another codebook's table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.errors import ModelError
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.runner.code2wav import GraphedCode2Wav
+from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
+from omnirelay.payload.schema import OmniPayload
+from omnirelay.processors.codec_input import read_codec_chunk
+from omnirelay.processors.decode_window import (
+    DEFAULT_DECODE_CHUNK_FRAMES,
+    DEFAULT_DECODE_LEFT_CONTEXT_FRAMES,
+    chunked_decode,
+    codes_batch_from_flat,
+    split_stream_output,
+    validate_left_context,
+)
+
+__all__ = [
+    "SAMPLE_RATE",
+    "Code2WavExecutor",
+    "create_code2wav",
+    "decoder_holdback",
+    "measure_receptive_field",
+]
+
+#: Qwen3-Omni's Code2Wav output rate.
+SAMPLE_RATE = 24_000
+
+
+@dataclass(slots=True)
+class _Input:
+    item: BatchItem
+    codes: torch.Tensor  # [Q, T] int64
+    left_context: int | None  # None: a complete input
+
+
+class Code2WavExecutor:
+    """Decodes codec windows to audio; see the module docstring."""
+
+    execution_type = "generation"
+    supports_batching = True
+    #: What a committed Talker → Code2Wav chunk means here (a ChunkReader; pure).
+    read_chunk = staticmethod(read_codec_chunk)
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        chunk_frames: int = DEFAULT_DECODE_CHUNK_FRAMES,
+        chunk_left_context: int = DEFAULT_DECODE_LEFT_CONTEXT_FRAMES,
+        max_decode_batch: int | None = None,
+        cuda_graphs: bool = False,
+        stateful: bool = True,
+        max_streams: int = 64,
+    ) -> None:
+        self.model = model  # Qwen3OmniMoeCode2Wav
+        self.device = next(model.parameters()).device
+        #: the model, or its window decodes replayed from CUDA graphs (captured here)
+        self._decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs)
+        self._decoder.capture_graphs()
+        #: streamed requests' decoder state (None: streams are decoded by windows)
+        self.vocoder: StreamingVocoder | None = None
+        if stateful:
+            self.vocoder = StreamingVocoder(model, max_streams=max_streams, cuda_graphs=cuda_graphs)
+            self.vocoder.capture_graphs()
+        if max_decode_batch is None:
+            # The vocoder's convs are compute-bound on a CPU: stacking more than two windows
+            # costs more than decoding them apart (docs/performance.md).
+            max_decode_batch = 2 if self.device.type == "cpu" else 16
+        if max_decode_batch < 1:
+            raise ModelError(f"max_decode_batch must be >= 1, got {max_decode_batch}")
+        self.max_decode_batch = max_decode_batch
+        self.num_codebooks = int(model.config.num_quantizers)
+        self.codebook_size = int(model.config.codebook_size)
+        self.upsample = int(model.total_upsample)
+        self.sample_rate = SAMPLE_RATE
+        self.chunk_frames = chunk_frames
+        self.chunk_left_context = chunk_left_context
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code2WavExecutor:
+        """``args``: CUDA graphs unless ``cuda_graphs: false`` or ``runner: dynamic``;
+        streams keep their decoder state unless ``stateful: false`` (up to
+        ``max_num_seqs`` streams at once)."""
+        graphs = args is not None and args.cuda_graphs and args.runner != "dynamic"
+        return cls(
+            checkpoint.load_code2wav(),
+            cuda_graphs=graphs and checkpoint.device.type == "cuda",
+            stateful=args.stateful if args is not None else True,
+            max_streams=args.max_num_seqs if args is not None else 64,
+        )
+
+    # ----------------------------------------------------------------- Executor
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """Decode every item's codes (engine thread); results in batch order."""
+        inputs = [self._read(item) for item in batch]
+        audio: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            if self.vocoder is not None:
+                streams = [(i, x) for i, x in enumerate(inputs) if x.left_context is not None]
+                inputs_left = [x if x.left_context is None else None for x in inputs]
+                for i, piece in self._decode_stateful(streams):
+                    audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
+            else:
+                inputs_left = list(inputs)
+            for group in self._groups(inputs_left):
+                is_stream = group[0][1].left_context is not None
+                pieces = self._decode_stream(group) if is_stream else self._decode_complete(group)
+                for (i, _), piece in zip(group, pieces):
+                    audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
+        return [
+            ItemResult(
+                internal_id=x.item.internal_id,
+                audio=audio.get(i, torch.zeros(0, dtype=torch.float32)),
+                sample_rate=self.sample_rate,
+            )
+            for i, x in enumerate(inputs)
+        ]
+
+    def release(self, internal_id: str) -> None:
+        """Free the stream's decoder state (idempotent; nothing when decoding by windows)."""
+        if self.vocoder is not None:
+            self.vocoder.release(internal_id)
+
+    def num_live_requests(self) -> int:
+        return 0 if self.vocoder is None else len(self.vocoder.slots)
+
+    def leak_state(self) -> dict[str, Any]:
+        held = [] if self.vocoder is None else self.vocoder.slots.holders()
+        return {"code2wav_streams": held} if held else {}
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """One-shot decode of ``[B, Q, T]`` codes → ``[B, 1, samples]`` (no trimming)."""
+        with torch.inference_mode():
+            return self._decoder(codes)
+
+    # ----------------------------------------------------------------- decoding
+
+    def _decode_stateful(self, streams: list[tuple[int, _Input]]) -> list[tuple[int, torch.Tensor]]:
+        """Each streamed item's new frames (past its left context, decoded already)
+        with its stream's state, all in one step; items with no new frame decode nothing."""
+        assert self.vocoder is not None
+        todo = [(i, x) for i, x in streams if x.codes.shape[1] > (x.left_context or 0)]
+        rows = [StreamRow(x.item.internal_id, x.codes[:, x.left_context or 0 :]) for _, x in todo]
+        if not rows:
+            return []
+        return list(zip((i for i, _ in todo), self.vocoder.decode(rows)))
+
+    def _groups(self, inputs: list[_Input | None]) -> list[list[tuple[int, _Input]]]:
+        """Decode batches: streaming and complete items apart, similar lengths together
+        (padding is wasted work), at most ``max_decode_batch`` items each (``None``:
+        decoded elsewhere)."""
+        groups = []
+        for is_stream in (True, False):
+            todo = [
+                (i, x)
+                for i, x in enumerate(inputs)
+                if x is not None and (x.left_context is not None) == is_stream
+            ]
+            todo = sorted((p for p in todo if p[1].codes.shape[1] > 0), key=lambda p: p[1].codes.shape[1])
+            groups += [
+                todo[k : k + self.max_decode_batch] for k in range(0, len(todo), self.max_decode_batch)
+            ]
+        return groups
+
+    def _decode_stream(self, group: list[tuple[int, _Input]]) -> list[torch.Tensor]:
+        flats = [x.codes.reshape(-1) for _, x in group]  # [Q, T] → codebook-major
+        codes, lengths = codes_batch_from_flat(flats, self.num_codebooks)
+        lefts = validate_left_context([x.left_context or 0 for _, x in group], lengths)
+        wav = self._decoder(codes)
+        return split_stream_output(wav, lengths, lefts, self.upsample)
+
+    def _decode_complete(self, group: list[tuple[int, _Input]]) -> list[torch.Tensor]:
+        flats = [x.codes.reshape(-1) for _, x in group]
+        codes, lengths = codes_batch_from_flat(flats, self.num_codebooks)
+        wav = chunked_decode(
+            self._decoder,
+            codes.to(self.device),
+            upsample=self.upsample,
+            chunk_size=self.chunk_frames,
+            left_context=self.chunk_left_context,
+        )
+        # Crop each request to its own frames (the window's hold-back applies to every row).
+        return split_stream_output(
+            wav, lengths, [0] * len(lengths), self.upsample, window_frames=codes.shape[-1]
+        )
+
+    # ----------------------------------------------------------------- input
+
+    def _read(self, item: BatchItem) -> _Input:
+        rid = item.internal_id
+        info = item.additional_information
+        if info is not None and type(info) is not OmniPayload:
+            raise ModelError(
+                f"request {rid!r}: the runtime info must be the OmniPayload read_chunk made, "
+                f"got {type(info).__name__}"
+            )
+        meta = None if info is None else info.meta
+        left = None if meta is None else meta.left_context_size
+        codes = _codes_tensor(None if info is None or info.codes is None else info.codes.audio)
+        if codes is None and isinstance(item.inputs, Mapping):  # a forwarded complete input
+            forwarded = item.inputs.get("codes")
+            codes = _codes_tensor(forwarded.get("audio") if isinstance(forwarded, Mapping) else forwarded)
+        if codes is None:
+            flat = torch.as_tensor(list(item.input_token_ids), dtype=torch.long)
+            if flat.numel() % self.num_codebooks:
+                raise ModelError(
+                    f"request {rid!r}: {flat.numel()} codec ids are not a multiple of Q={self.num_codebooks}; "
+                    "Code2Wav input must be codebook-major Q·T ids"
+                )
+            codes = flat.reshape(self.num_codebooks, -1)
+        if codes.dim() == 3 and codes.shape[0] == 1:
+            codes = codes[0]
+        if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
+            raise ModelError(
+                f"request {rid!r}: codes must be [Q={self.num_codebooks}, T] (codebook-major), "
+                f"got shape {tuple(codes.shape)}"
+            )
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size):
+            raise ModelError(
+                f"request {rid!r}: codec ids must lie in [0, {self.codebook_size}); got "
+                f"[{int(codes.min())}, {int(codes.max())}] — a stop token or a wrong layout reached Code2Wav"
+            )
+        if left is not None and (
+            isinstance(left, bool) or not isinstance(left, int) or not 0 <= left <= codes.shape[1]
+        ):
+            raise ModelError(
+                f"request {rid!r}: meta.left_context_size {left!r} is not an int in [0, {codes.shape[1]}]"
+            )
+        return _Input(item=item, codes=codes.to(torch.long), left_context=left)
+
+
+def _codes_tensor(value: Any) -> torch.Tensor | None:
+    """A ≥2-D codes tensor, or None (1-D ids travel as the prompt)."""
+    if value is None:
+        return None
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.dim() < 2:
+        return None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ModelError(f"codec codes must be integers, got {t.dtype}")
+    return t
+
+
+def measure_receptive_field(model: Any, *, num_frames: int = 64, seed: int = 0) -> tuple[int, int]:
+    """``(lookback, holdback)`` of a Code2Wav decoder, in samples, measured by perturbation.
+
+    ``lookback``: how many samples past the end of a frame still change when that frame's
+    codes change (how far a frame reaches forward in time). ``holdback``: samples a window
+    decode holds back at its right edge (``T·U − D``). A streaming chunk decodes exactly
+    like the whole utterance iff its left context ``c`` frames satisfy
+    ``c·U − holdback ≥ lookback`` — see :func:`frames_of_context_needed`.
+    """
+    config = model.config
+    upsample = int(model.total_upsample)
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(
+        0, int(config.codebook_size), (1, int(config.num_quantizers), num_frames), generator=gen
+    )
+    device = next(model.parameters()).device
+    frame = num_frames // 2
+    changed = codes.clone()
+    changed[0, :, frame] = (changed[0, :, frame] + 1 + torch.arange(changed.shape[1])) % int(
+        config.codebook_size
+    )
+    with torch.inference_mode():
+        base = model(codes.to(device))[0, 0].cpu()
+        other = model(changed.to(device))[0, 0].cpu()
+    diff = torch.nonzero(base != other).flatten()
+    holdback = num_frames * upsample - base.shape[-1]
+    if diff.numel() == 0:
+        return 0, holdback
+    reach = int(diff.max()) + 1 - (frame + 1) * upsample
+    if int(diff.max()) + 1 >= base.shape[-1]:
+        raise ModelError(
+            f"the decoder's receptive field exceeds the {num_frames}-frame probe; use more frames"
+        )
+    return max(0, reach), holdback
+
+
+def decoder_holdback(model: Any, *, num_frames: int = 8) -> int:
+    """Samples a window decode holds back at its right edge (``T·U − output length``)."""
+    codes = torch.zeros((1, int(model.config.num_quantizers), num_frames), dtype=torch.long)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        samples = int(model(codes.to(device)).shape[-1])
+    return num_frames * int(model.total_upsample) - samples
+
+
+def frames_of_context_needed(lookback: int, holdback: int, upsample: int) -> int:
+    """Smallest left context (frames) for an exact streaming decode: ``c·U − holdback ≥ lookback``."""
+    need = lookback + holdback
+    return 0 if need <= 0 else -(-need // upsample)
+
+
+def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
+    """Registry factory of ``qwen3_omni.code2wav`` (keys: see :class:`ModelArgs`)."""
+    args = ModelArgs.from_executor_args(executor_args)
+    return Code2WavExecutor.from_checkpoint(open_checkpoint(args), args)

@@ -1,0 +1,543 @@
+"""The Qwen3-Omni Thinker executor: autoregressive text, plus what the Talker consumes.
+
+* :class:`ThinkerExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
+  Thinker stage (``execution_type = "ar"``). ``step(batch)`` runs every prefill item on
+  its own and **all decode items in one batched forward pass**; ``release(id)`` frees a
+  request's KV cache and sampler.
+* :func:`create_thinker` — the registry factory: ``create_thinker(**executor_args)``.
+
+Per step and request the result carries the sampled token, its text delta, ``finished``
+on an end-of-turn token, and ``next_stage_output`` — exactly the keyword arguments of
+:meth:`ThinkerToTalkerProcessor.step <omnirelay.processors.ThinkerToTalkerProcessor.step>`
+besides ``chunk_id``/``finished``::
+
+    {"hidden_layers": {0: embeddings [n, H], accept_hidden_layer: hidden states [n, H]},
+     "token_ids": all ids so far, including the token sampled this step,
+     "tts_bos": [1, H], "tts_eos": [1, H], "tts_pad": [1, H]}
+
+for the ``n`` positions computed this step (the prompt on prefill, the last token on
+decode), on the CPU. Two ways to run the model, chosen by ``executor_args.runner``:
+
+* **dynamic** (the CPU default) — each request's KV lives in a
+  :class:`~omnirelay.models.kv.KVPool`; a decode step stacks the requests' caches
+  left-padded into one batch (reused as is while the batch is unchanged), so a request
+  decodes the same tokens alone or batched.
+* **static** (the CUDA default) — :class:`~omnirelay.models.runner.ThinkerRunner`: a KV
+  slot per request allocated at startup, every prefill of a step in one padded launch,
+  decode steps replayed from CUDA graphs captured at startup.
+
+Audio input (docs/protocol.md §1.9): a request whose ``inputs`` carry audio clips
+(:func:`~omnirelay.models.inputs.read_audio_inputs`) has them encoded once, on its first
+prefill, by the Thinker's own audio tower (:class:`~omnirelay.models.qwen3_omni.audio.QwenAudioEncoder`);
+the rows replace the embeddings of the prompt's ``<|audio_pad|>`` positions, in order,
+the way Qwen3-Omni's processor lays them out (``<|audio_start|>`` n × ``<|audio_pad|>``
+``<|audio_end|>``). Audio tokens take one text position each, as Qwen3-Omni's rope index
+gives them. On the static runner a prefill launch that holds audio tokens runs eagerly
+(its embeddings come from outside the captured graph).
+
+Image input (docs/protocol.md §1.9, :mod:`omnirelay.models.qwen3_omni.vision`), on the dynamic
+runner: a request whose ``inputs`` carry images has them encoded once, on its first
+prefill, by the Thinker's own vision tower (:class:`~omnirelay.models.qwen3_omni.vision.QwenImageEncoder`).
+As in ``transformers``' Qwen3-Omni Thinker, the merged vision rows replace the embeddings
+of the ``<|image_pad|>`` positions in order, the tower's deepstack features are added to
+those positions' hidden states after the first text layers, and the prompt takes 3-D
+rotary positions (:func:`~omnirelay.models.qwen3_omni.vision.mrope_positions`): every later
+position — the rest of a chunked prefill, each decode step — is its index plus the
+request's rope delta. The static runner takes no image input (its captured decoder has
+one position per token and no deepstack inputs): such a request fails with a message
+that says so, and the server refuses it up front. Video input is not wired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.errors import ModelError
+from omnirelay.models.detokenizer import IncrementalDetokenizer
+from omnirelay.models.inputs import read_audio_inputs, read_image_inputs
+from omnirelay.models.kv import KVPool, cache_keyword
+from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder
+from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.vision import (
+    ImageEmbeds,
+    QwenImageEncoder,
+    VisionLayout,
+    layout_of_checkpoint,
+    mrope_positions,
+)
+from omnirelay.models.runner import Buckets, Row, ThinkerRunner
+from omnirelay.models.sampling import make_generator, sample_rows, suppress
+from omnirelay.models.stepping import guarded_step
+
+__all__ = ["ThinkerExecutor", "create_thinker"]
+
+
+@dataclass(slots=True)
+class _Sequence:
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    #: the request's audio-token embeddings, in prompt order (None: no audio input)
+    audio: torch.Tensor | None = None
+    #: the request's image tokens through the vision tower (None: no image input)
+    images: ImageEmbeds | None = None
+    #: the prompt's 3-D rotary positions ``[3, L]`` (None: one position per token)
+    mrope: torch.Tensor | None = None
+    #: what positions past ``mrope`` add to their index
+    rope_delta: int = 0
+
+
+class ThinkerExecutor:
+    """Runs the Thinker's text model for a batch of requests; see the module docstring."""
+
+    execution_type = "ar"
+    supports_batching = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        accept_hidden_layer: int,
+        tts_token_ids: tuple[int, int, int],
+        eos_token_ids: frozenset[int],
+        static: Buckets | None = None,
+        cuda_graphs: bool = True,
+        vision: VisionLayout | None = None,
+    ) -> None:
+        self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
+        self.tokenizer = tokenizer
+        # The text decoder: ``model.model.language_model`` (transformers >= 5.2x) or
+        # ``model.model`` itself (earlier 5.x, where the encoders hang off the Thinker).
+        self._text = getattr(model.model, "language_model", model.model)
+        self._cache_kw = cache_keyword(self._text)
+        self._lm_head = model.lm_head
+        num_layers = int(self._text.config.num_hidden_layers)
+        if not 0 <= accept_hidden_layer <= num_layers:
+            raise ModelError(
+                f"accept_hidden_layer {accept_hidden_layer} is outside the Thinker's hidden states 0..{num_layers}"
+            )
+        self.accept_hidden_layer = accept_hidden_layer
+        self._layers = sorted({0, accept_hidden_layer})
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        vocab = int(self._text.config.vocab_size)
+        # Rows past the tokenizer are padding of the embedding matrix, never text.
+        self._num_text_ids = min(vocab, len(tokenizer))
+        with torch.inference_mode():
+            ids = torch.tensor(tts_token_ids, dtype=torch.long, device=self.device)
+            self._tts_rows = self._text.embed_tokens(ids).detach()
+        #: Where the rows handed to the Talker live: the host, or (on a GPU-direct edge,
+        #: see keep_outputs_on_device) this device.
+        self._out_device: torch.device | None = None
+        self._tts = self._tts_on(torch.device("cpu"))
+        self._kv = KVPool()
+        self._seqs: dict[str, _Sequence] = {}
+        self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
+        self._audio_encoder: QwenAudioEncoder | None = None
+        #: audio clips encoded so far (observable in tests and health)
+        self.num_audio_clips = 0
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
+        self.vision = vision
+        self._image_encoder: QwenImageEncoder | None = None
+        #: images encoded so far (observable in tests and health)
+        self.num_images = 0
+        #: the static runner (None: the dynamic KVPool path)
+        self.runner: ThinkerRunner | None = None
+        if static is not None:
+            self.runner = ThinkerRunner(
+                self._text,
+                self._lm_head,
+                capture_layers=tuple(self._layers),
+                num_text_ids=self._num_text_ids,
+                buckets=static,
+                cuda_graphs=cuda_graphs,
+            )
+            self.runner.capture_graphs()
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> ThinkerExecutor:
+        """Load the Thinker part and the tokenizer of ``checkpoint``; ``args`` chooses the
+        runner (default: the dynamic one)."""
+        config = checkpoint.config
+        tokenizer = checkpoint.load_tokenizer()
+        model = checkpoint.load_thinker()
+        eos = {int(config.im_end_token_id)}
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        if isinstance(endoftext, int) and endoftext >= 0 and endoftext != tokenizer.unk_token_id:
+            eos.add(endoftext)
+        return cls(
+            model,
+            tokenizer,
+            accept_hidden_layer=int(config.talker_config.accept_hidden_layer),
+            tts_token_ids=(
+                int(config.tts_bos_token_id),
+                int(config.tts_eos_token_id),
+                int(config.tts_pad_token_id),
+            ),
+            eos_token_ids=frozenset(eos),
+            static=_static_buckets(args),
+            cuda_graphs=args.cuda_graphs if args is not None else False,
+            vision=layout_of_checkpoint(config, checkpoint.path),
+        )
+
+    # ----------------------------------------------------------------- Executor
+
+    def step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        """One step for every item (engine thread): prefills one by one, decodes batched."""
+        return guarded_step(batch, self._step, self.release)
+
+    def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        results: dict[str, ItemResult] = {}
+        decodes: list[BatchItem] = []
+        prefills: list[BatchItem] = []
+        for item in batch:
+            if self._is_decode(item):
+                decodes.append(item)
+            elif self.runner is None:
+                results[item.internal_id] = self._prefill(item)
+            else:
+                prefills.append(item)
+        if prefills:
+            results.update(self._prefill_static(prefills))
+        if decodes:
+            results.update(self._decode(decodes) if self.runner is None else self._decode_static(decodes))
+        return [results[item.internal_id] for item in batch]
+
+    def release(self, internal_id: str) -> None:
+        """Free the request's KV cache and sampler (idempotent)."""
+        self._kv.drop(internal_id)
+        if self.runner is not None:
+            self.runner.slots.release(internal_id)
+        self._seqs.pop(internal_id, None)
+
+    def _cached(self, rid: str) -> int:
+        return self._kv.length(rid) if self.runner is None else self.runner.slots.length(rid)
+
+    def num_live_requests(self) -> int:
+        """Requests holding state (for leak audits)."""
+        return len(self._seqs)
+
+    # ----------------------------------------------------------------- steps
+
+    def _is_decode(self, item: BatchItem) -> bool:
+        return (
+            item.internal_id in self._seqs
+            and len(item.input_token_ids) == 1
+            and item.num_computed_tokens > 0
+            and self._cached(item.internal_id) == item.num_computed_tokens
+        )
+
+    def _sequence(self, item: BatchItem) -> _Sequence:
+        """The request's sampler and detokenizer, made on its first prefill. A prefill
+        from position 0 (a fresh start or a full recompute) first drops any old state; one
+        from a later position keeps what was cached before it."""
+        rid = item.internal_id
+        past = item.num_computed_tokens
+        if past == 0:
+            self.release(rid)
+        elif rid not in self._seqs or self._cached(rid) < past:
+            raise ModelError(
+                f"request {rid!r}: the engine reports {past} computed tokens but the Thinker "
+                f"holds {self._cached(rid)}; it was released or never prefilled"
+            )
+        elif self.runner is None:
+            self._kv.truncate(rid, past)
+        else:
+            self.runner.slots.truncate(rid, past)
+        if not item.input_token_ids:
+            raise ModelError(f"request {rid!r}: nothing to compute (empty input_token_ids)")
+        seq = self._seqs.get(rid)
+        if seq is None:
+            seq = _Sequence(
+                generator=make_generator(item.sampling.seed),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
+                audio=self._encode_audio(item),
+                images=self._encode_images(item),
+            )
+            if seq.images is not None and self.image_token_id is not None and self.vision is not None:
+                seq.mrope, seq.rope_delta = mrope_positions(
+                    item.all_token_ids, self.image_token_id, seq.images.grids, self.vision.merge_size
+                )
+            self._seqs[rid] = seq
+        return seq
+
+    def _encode_images(self, item: BatchItem) -> ImageEmbeds | None:
+        """The vision tower's rows of the request's images; None without images. The
+        prompt must reserve exactly one ``<|image_pad|>`` per row."""
+        who = f"request {item.external_id!r}"
+        images = read_image_inputs(item.inputs, who)
+        token = self.image_token_id
+        num_pads = 0 if token is None else item.all_token_ids.count(token)
+        if not images:
+            if num_pads:
+                raise ModelError(f"{who}: the prompt has {num_pads} image positions but no image input")
+            return None
+        if token is None or self.vision is None:
+            raise ModelError(f"{who}: this Thinker has no vision tower; it cannot take image input")
+        if self.runner is not None:
+            raise ModelError(
+                f"{who}: the static runner takes no image input (its captured decoder has no 3-D "
+                "positions or deepstack inputs); run the Thinker with executor_args.runner: dynamic"
+            )
+        if self._image_encoder is None:
+            visual = getattr(self.model.model, "visual", None) or self.model.visual
+            self._image_encoder = QwenImageEncoder(visual, self.vision)
+        embeds = self._image_encoder.embed(images)
+        if embeds.rows.shape[0] != num_pads:
+            raise ModelError(
+                f"{who}: the prompt has {num_pads} image positions but its {len(images)} image(s) make "
+                f"{embeds.rows.shape[0]} image tokens"
+            )
+        self.num_images += len(images)
+        return embeds
+
+    def _encode_audio(self, item: BatchItem) -> torch.Tensor | None:
+        """The audio-token rows of the request's clips; None without audio. The prompt must
+        reserve exactly one ``<|audio_pad|>`` per row."""
+        who = f"request {item.external_id!r}"
+        clips = read_audio_inputs(item.inputs, who)
+        num_pads = 0 if self.audio_token_id is None else item.all_token_ids.count(self.audio_token_id)
+        if not clips:
+            if num_pads:
+                raise ModelError(f"{who}: the prompt has {num_pads} audio positions but no audio input")
+            return None
+        if self.audio_token_id is None:
+            raise ModelError(f"{who}: this Thinker has no audio token; it cannot take audio input")
+        if self._audio_encoder is None:
+            # Where the text decoder is, the encoders are too (see __init__).
+            tower = getattr(self.model.model, "audio_tower", None) or self.model.audio_tower
+            self._audio_encoder = QwenAudioEncoder(tower)
+        rows = self._audio_encoder.embed(clips)
+        if rows.shape[0] != num_pads:
+            raise ModelError(
+                f"{who}: the prompt has {num_pads} audio positions but its {len(clips)} clip(s) make "
+                f"{rows.shape[0]} audio tokens"
+            )
+        self.num_audio_clips += len(clips)
+        return rows
+
+    def _audio_rows(self, seq: _Sequence, item: BatchItem) -> tuple[list[int], torch.Tensor] | None:
+        """The static runner's form of :meth:`_prompt_embeds`: the audio positions of this
+        prefill piece and their rows."""
+        audio_id = self.audio_token_id
+        if seq.audio is None or audio_id is None:
+            return None
+        positions = [j for j, t in enumerate(item.input_token_ids) if t == audio_id]
+        if not positions:
+            return None
+        first = item.all_token_ids[: item.num_computed_tokens].count(audio_id)
+        return positions, seq.audio[first : first + len(positions)]
+
+    def _prompt_embeds(self, seq: _Sequence, item: BatchItem, ids: torch.Tensor) -> dict[str, Any]:
+        """The text model's inputs of this prefill piece: ``input_ids``, or
+        ``inputs_embeds`` with its audio and image positions filled in, plus the deepstack
+        inputs (``visual_pos_masks``, ``deepstack_visual_embeds``) when it holds image tokens."""
+        if seq.audio is None and seq.images is None:
+            return {"input_ids": ids}
+        embeds = self._text.embed_tokens(ids)
+        kwargs: dict[str, Any] = {"inputs_embeds": embeds}
+        done = item.all_token_ids[: item.num_computed_tokens]
+        for token, rows in ((self.audio_token_id, seq.audio), (self.image_token_id, seq.images)):
+            if rows is None or token is None:
+                continue
+            mask = torch.eq(ids[0], token)
+            count = int(mask.sum())
+            if not count:
+                continue
+            first = done.count(token)
+            if isinstance(rows, ImageEmbeds):
+                piece = slice(first, first + count)
+                embeds[0, mask] = rows.rows[piece].to(embeds.device, embeds.dtype)
+                kwargs["visual_pos_masks"] = mask.view(1, -1)
+                kwargs["deepstack_visual_embeds"] = [feat[piece] for feat in rows.deepstack]
+            else:
+                embeds[0, mask] = rows[first : first + count].to(embeds.device, embeds.dtype)
+        return kwargs
+
+    def _positions(self, seq: _Sequence, past: int, n: int) -> torch.Tensor:
+        """``[4, 1, n]`` position ids of positions ``past .. past + n``: the text row (the
+        causal mask's), then the temporal, height and width rows of the rotary embedding."""
+        text = torch.arange(past, past + n, device=self.device)
+        if seq.mrope is None:
+            return text.view(1, 1, n).expand(4, 1, n)
+        rope = (text + seq.rope_delta).view(1, n).repeat(3, 1)
+        known = max(0, min(n, seq.mrope.shape[1] - past))
+        rope[:, :known] = seq.mrope[:, past : past + known].to(self.device)
+        return torch.cat([text.view(1, n), rope]).view(4, 1, n)
+
+    def _prefill(self, item: BatchItem) -> ItemResult:
+        """A prompt (or a recompute, or the rest of a chunked prefill) of one request."""
+        rid = item.internal_id
+        past = item.num_computed_tokens
+        seq = self._sequence(item)
+        ids = torch.tensor([item.input_token_ids], dtype=torch.long, device=self.device)
+        n = ids.shape[1]
+        cache = self._kv.prefill_cache(rid)
+        out = self._text(
+            **self._prompt_embeds(seq, item, ids),
+            position_ids=self._positions(seq, past, n),
+            **{self._cache_kw: cache},
+            use_cache=True,
+            output_hidden_states=self._layers,
+        )
+        self._kv.store(rid, cache)
+        if past + n < len(item.all_token_ids):
+            # Part of a chunked prefill: nothing is sampled until the prompt is complete.
+            return ItemResult(
+                internal_id=rid,
+                next_stage_output=self._stage_output(
+                    self._rows(out.hidden_states, 0), list(item.all_token_ids)
+                ),
+            )
+        logits = self._logits(out.last_hidden_state[:, -1])
+        (token,) = sample_rows(logits, [item.sampling], [seq.generator])
+        return self._result(item, seq, token, self._rows(out.hidden_states, 0))
+
+    def _prefill_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        """Every prefill of the step on the static runner (one or a few launches)."""
+        assert self.runner is not None
+        rows = []
+        for item in items:
+            seq = self._sequence(item)
+            self.runner.slots.acquire(item.internal_id)
+            past = item.num_computed_tokens
+            is_complete = past + len(item.input_token_ids) >= len(item.all_token_ids)
+            rows.append(
+                Row(
+                    rid=item.internal_id,
+                    start=past,
+                    token_ids=item.input_token_ids,
+                    sampling=item.sampling,
+                    generator=seq.generator if is_complete else None,
+                    embeds=self._audio_rows(seq, item),
+                )
+            )
+        outs = self.runner.run(rows, decode=False)
+        results = {}
+        for item, out in zip(items, outs):
+            if out.token is None:  # part of a chunked prefill: nothing sampled yet
+                results[item.internal_id] = ItemResult(
+                    internal_id=item.internal_id,
+                    next_stage_output=self._stage_output(out.hidden, list(item.all_token_ids)),
+                )
+            else:
+                seq = self._seqs[item.internal_id]
+                results[item.internal_id] = self._result(item, seq, out.token, out.hidden)
+        return results
+
+    def _decode_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        assert self.runner is not None
+        seqs = [self._seqs[item.internal_id] for item in items]
+        rows = [
+            Row(
+                rid=item.internal_id,
+                start=item.num_computed_tokens,
+                token_ids=item.input_token_ids[:1],
+                sampling=item.sampling,
+                generator=seq.generator,
+            )
+            for item, seq in zip(items, seqs)
+        ]
+        outs = self.runner.run(rows, decode=True)
+        results = {}
+        for item, seq, out in zip(items, seqs, outs):
+            assert out.token is not None
+            results[item.internal_id] = self._result(item, seq, out.token, out.hidden)
+        return results
+
+    def _decode(self, items: list[BatchItem]) -> dict[str, ItemResult]:
+        """One new token for each item, in one forward pass."""
+        ids = [item.internal_id for item in items]
+        tokens = torch.tensor(
+            [[item.input_token_ids[0]] for item in items], dtype=torch.long, device=self.device
+        )
+        cache, mask, positions = self._kv.decode_batch(ids)
+        b = len(items)
+        # After an image the rotary positions run ahead of (or behind) the text position
+        # by the request's rope delta; the text row stays the causal mask's.
+        deltas = torch.tensor([self._seqs[i].rope_delta for i in ids], device=positions.device).view(b, 1)
+        rope = (positions + deltas).view(1, b, 1).expand(3, b, 1)
+        out = self._text(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=torch.cat([positions.view(1, b, 1), rope]),
+            **{self._cache_kw: cache},
+            use_cache=True,
+            output_hidden_states=self._layers,
+        )
+        self._kv.commit_decode(ids)
+        logits = self._logits(out.last_hidden_state[:, -1])
+        seqs = [self._seqs[i] for i in ids]
+        sampled = sample_rows(logits, [item.sampling for item in items], [s.generator for s in seqs])
+        return {
+            item.internal_id: self._result(item, seq, token, self._rows(out.hidden_states, row))
+            for row, (item, seq, token) in enumerate(zip(items, seqs, sampled))
+        }
+
+    # ----------------------------------------------------------------- helpers
+
+    def _logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(last_hidden).float()
+        return suppress(logits, self._num_text_ids, logits.shape[-1])
+
+    def _result(
+        self, item: BatchItem, seq: _Sequence, token: int, layers: dict[int, torch.Tensor]
+    ) -> ItemResult:
+        finished = token in self.eos_token_ids
+        text = seq.detokenizer.push([token])
+        if finished:
+            text += seq.detokenizer.flush()
+        return ItemResult(
+            internal_id=item.internal_id,
+            token_ids=[token],
+            finished=finished,
+            text=text or None,
+            next_stage_output=self._stage_output(layers, [*item.all_token_ids, token]),
+        )
+
+    def keep_outputs_on_device(self, enabled: bool) -> None:
+        """Hand the Talker its rows on this device (the edge to it is GPU-direct: the
+        connector moves them device to device, or straight from the device into its slot
+        when they are small) instead of copying them to the host here. A no-op on the CPU."""
+        self._out_device = self.device if enabled and self.device.type == "cuda" else None
+        self._tts = self._tts_on(self._out_device or torch.device("cpu"))
+        if self.runner is not None:
+            self.runner.keep_hidden_on_device = self._out_device is not None
+
+    def _tts_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        rows = self._tts_rows.to(device)
+        return {"tts_bos": rows[0:1], "tts_eos": rows[1:2], "tts_pad": rows[2:3]}
+
+    def _rows(self, hidden_states: tuple[torch.Tensor | None, ...], row: int) -> dict[int, torch.Tensor]:
+        """Row ``row`` of the captured hidden states, per layer: on the CPU, or a copy on
+        this device (the step's buffers are reused by the next step) on a GPU-direct edge."""
+        layers: dict[int, torch.Tensor] = {}
+        for layer in self._layers:
+            rows = hidden_states[layer]
+            assert rows is not None, f"hidden state {layer} was not captured"
+            if self._out_device is None:
+                layers[layer] = rows[row].detach().to("cpu")
+            else:
+                layers[layer] = rows[row].detach().clone()
+        return layers
+
+    def _stage_output(self, layers: dict[int, torch.Tensor], token_ids: list[int]) -> dict[str, Any]:
+        return {"hidden_layers": dict(layers), "token_ids": token_ids, **self._tts}
+
+
+def _static_buckets(args: ModelArgs | None) -> Buckets | None:
+    if args is None or not args.uses_static_runner():
+        return None
+    return Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+
+
+def create_thinker(**executor_args: Any) -> ThinkerExecutor:
+    """Registry factory of ``qwen3_omni.thinker`` (keys: see :class:`ModelArgs`)."""
+    args = ModelArgs.from_executor_args(executor_args)
+    return ThinkerExecutor.from_checkpoint(open_checkpoint(args), args)

@@ -1,0 +1,40 @@
+"""The prompt side of SmolLM2: its own chat template, and speech read verbatim.
+
+:class:`SmolPromptSide` is the :class:`~omnirelay.models.family.PromptSide` of a
+``smollm2.thinker`` stage over :class:`~omnirelay.models.voice.smollm2.SmolTokenizer`.
+A speech request is answered verbatim: the prompt stage gets
+``inputs={"speak_text": text}`` and the SmolLM2 Thinker then streams exactly that text to
+the voice, one token a step, instead of an answer of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omnirelay.models.detokenizer import IncrementalDetokenizer
+from omnirelay.models.family import SPEAK_INSTRUCTION, Detokenizer, PromptSide, SpeechPrompt
+
+__all__ = ["SmolPromptSide"]
+
+
+class SmolPromptSide(PromptSide):
+    """SmolLM2's tokenizer and its own chat template (the default system turn when the
+    turns have none); speech is read verbatim (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        return [int(t) for t in self.tokenizer.chat_ids(list(turns))]
+
+    def encode_speech(self, text: str) -> list[int]:
+        return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
+
+    def speech_prompt(self, text: str) -> SpeechPrompt:
+        # One token a step, then the end-of-turn token: the answer is exactly this long.
+        num_tokens = len(self.tokenizer.encode(text)) + 1
+        return SpeechPrompt(self.encode_speech(text), inputs={"speak_text": text}, max_tokens=num_tokens)
+
+    def detokenizer(self, context: Sequence[int]) -> Detokenizer:
+        return IncrementalDetokenizer(self.tokenizer, context)

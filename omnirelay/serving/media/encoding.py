@@ -1,0 +1,218 @@
+"""Audio formats on the wire: :data:`FORMATS` and :class:`AudioEncoder` (one per response).
+
+=========  ==============================  ===========================================
+format     Content-Type                    bytes
+=========  ==============================  ===========================================
+``mp3``    ``audio/mpeg``                  MPEG-1/2 Layer III (LAME), 64 kbit/s mono
+``opus``   ``audio/ogg``                   Opus in Ogg, 48 kHz, 32 kbit/s mono
+``aac``    ``audio/aac``                   AAC-LC in ADTS frames, 64 kbit/s mono
+``flac``   ``audio/flac``                  FLAC, 16-bit mono
+``wav``    ``audio/wav``                   RIFF/WAVE, 16-bit PCM mono
+``pcm``    ``audio/pcm``                   raw 16-bit little-endian PCM mono
+=========  ==============================  ===========================================
+
+The compressed formats are encoded and muxed by FFmpeg's libraries through PyAV; the
+pipeline's rate is kept when the encoder takes it, else PyAV's resampler converts (Opus
+always runs at 48 kHz). The same resampler cuts the audio into the encoder's frame size.
+
+An encoder is **streaming** or **whole**:
+
+* streaming — :meth:`AudioEncoder.push` returns the bytes ready so far (the container's
+  header with the first ones), :meth:`~AudioEncoder.finish` the rest. The concatenation
+  is a playable file that never needed a seek: a WAV header of unknown length, a FLAC
+  STREAMINFO without a sample count, an MP3 without a gapless tag (decoders then play
+  the encoder's priming and padding, a few ms of silence). An encoder holds back at most
+  what its next frame needs (plus, for Opus, one Ogg page of up to 100 ms) until more
+  audio or the end arrives.
+* whole — :meth:`~AudioEncoder.push` returns nothing; :meth:`~AudioEncoder.finish` returns
+  the complete file, written into a seekable buffer, so sizes, sample counts and MP3's
+  gapless tag are filled in.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import av
+import numpy as np
+
+from omnirelay.serving.media.audio_out import pcm16, wav_header
+
+__all__ = ["FORMATS", "AudioEncoder", "AudioFormat"]
+
+
+@dataclass(frozen=True, slots=True)
+class AudioFormat:
+    """One ``response_format``: its Content-Type and how PyAV makes it."""
+
+    name: str
+    media_type: str
+    #: PyAV's muxer and encoder; None: written here (``wav``, ``pcm``)
+    container: str | None = None
+    codec: str | None = None
+    sample_format: str | None = None
+    bit_rate: int | None = None
+    #: the one rate the encoder runs at (None: the pipeline's, or the nearest it takes)
+    fixed_rate: int | None = None
+    #: muxer options (Ogg: the longest page, in microseconds, so pages go out promptly)
+    options: tuple[tuple[str, str], ...] = ()
+
+
+FORMATS: dict[str, AudioFormat] = {
+    f.name: f
+    for f in (
+        AudioFormat("mp3", "audio/mpeg", "mp3", "libmp3lame", "s16p", 64_000),
+        AudioFormat(
+            "opus", "audio/ogg", "ogg", "libopus", "flt", 32_000, 48_000, (("page_duration", "100000"),)
+        ),
+        AudioFormat("aac", "audio/aac", "adts", "aac", "fltp", 64_000),
+        AudioFormat("flac", "audio/flac", "flac", "flac", "s16"),
+        AudioFormat("wav", "audio/wav"),
+        AudioFormat("pcm", "audio/pcm"),
+    )
+}
+
+
+class _Sink:
+    """A write-only, unseekable file for PyAV's muxer: what it wrote since the last take."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self._buf += data
+        return len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def take(self) -> bytes:
+        out = bytes(self._buf)
+        self._buf.clear()
+        return out
+
+
+def _encoder_rate(fmt: AudioFormat, rate: int) -> int:
+    """The rate ``fmt``'s encoder runs at for audio of ``rate`` Hz."""
+    if fmt.fixed_rate is not None:
+        return fmt.fixed_rate
+    assert fmt.codec is not None
+    rates = av.codec.Codec(fmt.codec, "w").audio_rates
+    if not rates or rate in rates:
+        return rate
+    above = [r for r in rates if r >= rate]
+    return min(above) if above else max(rates)
+
+
+class _PyAVWriter:
+    """One PyAV output container with one mono audio stream."""
+
+    def __init__(self, fmt: AudioFormat, rate: int, *, is_streaming: bool) -> None:
+        assert fmt.container is not None and fmt.codec is not None and fmt.sample_format is not None
+        self.out: _Sink | io.BytesIO = _Sink() if is_streaming else io.BytesIO()
+        self.rate = _encoder_rate(fmt, rate)
+        self._container: Any = av.open(self.out, mode="w", format=fmt.container, options=dict(fmt.options))
+        stream: Any = self._container.add_stream(fmt.codec, rate=self.rate, layout="mono")
+        self._codec = stream.codec_context
+        self._codec.format = fmt.sample_format
+        if fmt.bit_rate is not None:
+            self._codec.bit_rate = fmt.bit_rate
+        self._stream = stream
+        self._resampler = av.AudioResampler(
+            format=fmt.sample_format, layout="mono", rate=self.rate, frame_size=self._codec.frame_size or None
+        )
+        self._in_rate = rate
+        self._in_samples = 0
+
+    def write(self, samples: np.ndarray | None) -> None:
+        """Encode ``samples`` (float32 in [-1, 1]); None: flush everything and close."""
+        if samples is None:
+            self._encode(self._resampler.resample(None))
+            self._mux(self._stream.encode(None))
+            self._container.close()
+            return
+        if samples.size == 0:
+            return
+        frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="flt", layout="mono")
+        frame.sample_rate = self._in_rate
+        frame.pts = self._in_samples
+        self._in_samples += samples.size
+        self._encode(self._resampler.resample(frame))
+
+    def _encode(self, frames: list[Any]) -> None:
+        for frame in frames:
+            self._mux(self._stream.encode(frame))
+
+    def _mux(self, packets: list[Any]) -> None:
+        if packets:
+            self._container.mux(packets)
+
+    def take(self) -> bytes:
+        return self.out.take() if isinstance(self.out, _Sink) else b""
+
+
+class AudioEncoder:
+    """One response's audio in ``fmt`` (see the module docstring). The sample rate is
+    given with the first audio (:meth:`push`), or to :meth:`finish` when there was none."""
+
+    def __init__(self, fmt: str, *, is_streaming: bool) -> None:
+        self.format = FORMATS[fmt]
+        self.is_streaming = is_streaming
+        self.input_rate: int | None = None
+        self.output_rate: int | None = None
+        self._pcm: list[bytes] = []  # wav/pcm of a whole response
+        self._writer: _PyAVWriter | None = None
+        self._is_finished = False
+
+    @property
+    def media_type(self) -> str:
+        return self.format.media_type
+
+    def push(self, samples: Any, sample_rate: int) -> bytes:
+        """Encode new samples (1-D floats); the bytes ready now (always ``b""`` when whole)."""
+        assert not self._is_finished, "push after finish"
+        flat = np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(-1))
+        first = self._start(sample_rate)
+        if self.format.container is None:
+            data = pcm16(np.clip(flat, -1.0, 1.0))
+            if not self.is_streaming:
+                self._pcm.append(data)
+                return b""
+            return wav_header(sample_rate) + data if first and self.format.name == "wav" else data
+        assert self._writer is not None
+        self._writer.write(np.clip(flat, -1.0, 1.0))
+        return self._writer.take()
+
+    def finish(self, default_rate: int) -> bytes:
+        """Flush the encoder: the last bytes of a stream, or the whole file."""
+        assert not self._is_finished, "finish twice"
+        first = self._start(default_rate)
+        self._is_finished = True
+        if self.format.container is None:
+            if self.is_streaming:
+                # A stream that never had audio still owes its header.
+                return wav_header(default_rate) if first and self.format.name == "wav" else b""
+            data = b"".join(self._pcm)
+            self._pcm.clear()
+            if self.format.name == "wav":
+                assert self.input_rate is not None
+                return wav_header(self.input_rate, len(data) // 2) + data
+            return data
+        assert self._writer is not None
+        self._writer.write(None)
+        out = self._writer.out
+        return out.take() if isinstance(out, _Sink) else out.getvalue()
+
+    def _start(self, rate: int) -> bool:
+        """Open the encoder at the first audio's rate; True when this call opened it."""
+        if self.input_rate is not None:
+            return False
+        self.input_rate = rate
+        if self.format.container is None:
+            self.output_rate = rate
+        else:
+            self._writer = _PyAVWriter(self.format, rate, is_streaming=self.is_streaming)
+            self.output_rate = self._writer.rate
+        return True

@@ -1,0 +1,131 @@
+"""One realtime session's conversation: :class:`Conversation`, bounded, oldest items first out.
+
+An item is one message: a user's text or transcribed speech, an assistant's answer (the
+text it said, cut where a barge-in or a cancel stopped it), or a system note. A
+response's prompt is the session's instructions, then every item's text in order.
+
+Bounds keep a long session's prompt and memory finite: at most ``max_items`` items, at
+most ``max_chars`` characters of text and ``max_audio_samples`` of speech in all. Adding an item past either drops
+the oldest items (never the one just added) and returns them, so the session can tell
+the client (``conversation.item.deleted``, and the count in ``session.updated``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Conversation", "Item"]
+
+
+@dataclass(slots=True)
+class Item:
+    """``role``: user, assistant or system; ``kind``: the content type OpenAI names
+    (``input_text``, ``input_audio``, ``text``, ``audio``); ``status``: ``completed``,
+    ``in_progress`` or ``incomplete`` (an answer that was cut)."""
+
+    id: str
+    role: str
+    kind: str
+    text: str = ""
+    status: str = "completed"
+    #: the user's committed speech (int16 samples at the session rate) until it is transcribed
+    audio: Any = field(default=None, repr=False)
+
+    def event_item(self) -> dict[str, Any]:
+        """The item as OpenAI's realtime ``item`` object."""
+        part: dict[str, Any] = {"type": self.kind}
+        if self.kind in ("input_text", "text"):
+            part["text"] = self.text
+        elif self.kind == "input_audio":  # heard inside the pipeline: no transcript here
+            part["transcript"] = self.text or None
+        else:
+            part["transcript"] = self.text if self.text or self.status != "in_progress" else None
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "message",
+            "status": self.status,
+            "role": self.role,
+            "content": [part],
+        }
+
+
+class Conversation:
+    """See the module docstring."""
+
+    def __init__(self, max_items: int, max_chars: int, *, max_audio_samples: int | None = None) -> None:
+        self.max_items = max_items
+        self.max_chars = max_chars
+        self.max_audio_samples = max_audio_samples
+        self._items: OrderedDict[str, Item] = OrderedDict()
+        self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._items
+
+    @property
+    def last_id(self) -> str | None:
+        return next(reversed(self._items), None)
+
+    def get(self, item_id: str) -> Item | None:
+        return self._items.get(item_id)
+
+    def add(self, item: Item) -> list[Item]:
+        """Append ``item``; returns the items dropped to stay within the bounds."""
+        self._items[item.id] = item
+        return self.trim()
+
+    def trim(self) -> list[Item]:
+        """Drop the oldest items until the bounds hold (an item's text may have grown)."""
+        dropped: list[Item] = []
+        while len(self._items) > 1 and (len(self._items) > self.max_items or self.num_chars > self.max_chars):
+            _, old = self._items.popitem(last=False)
+            dropped.append(old)
+        self.num_dropped += len(dropped)
+        return dropped
+
+    @property
+    def num_chars(self) -> int:
+        return sum(len(item.text) for item in self._items.values())
+
+    @property
+    def num_audio_samples(self) -> int:
+        return sum(int(item.audio.size) for item in self._items.values() if item.audio is not None)
+
+    @property
+    def has_user_turn(self) -> bool:
+        return any(
+            item.role == "user" and (item.text or item.audio is not None) for item in self._items.values()
+        )
+
+    def turns(self, instructions: str) -> list[tuple[str, list[Any]]]:
+        """The prompt's turns as chat input takes them (:mod:`omnirelay.serving.media.chat_turns`):
+        ``(role, [text | clip])``; a user's speech is its clip until it has a transcript."""
+        out: list[tuple[str, list[Any]]] = [("system", [instructions])] if instructions else []
+        for item in self._items.values():
+            if item.audio is not None and not item.text:
+                out.append((item.role, [item.audio]))
+            elif item.text:
+                out.append((item.role, [item.text]))
+        return out
+
+    def messages(self, instructions: str) -> list[tuple[str, str]]:
+        """``(role, text)`` turns of a prompt: the instructions, then each item with text."""
+        turns = [("system", instructions)] if instructions else []
+        turns += [(item.role, item.text) for item in self._items.values() if item.text]
+        return turns
+
+    def window(self) -> dict[str, Any]:
+        """The bounds and what they dropped so far (``session.conversation``, an omnirelay
+        extension of the session object)."""
+        return {
+            "max_items": self.max_items,
+            "max_chars": self.max_chars,
+            "num_items": len(self._items),
+            "num_dropped_items": self.num_dropped,
+        }
