@@ -31,6 +31,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -373,6 +374,18 @@ class Pipeline:
             out[sid] = params
         return out
 
+    def capacity_problem(self, modalities: Sequence[str] | None) -> str | None:
+        """Why a request for ``modalities`` would wait for an audio stream if submitted
+        now (the pipeline's real-time capacity: ``max_audio_streams``, or a stream running
+        dry; :class:`~omnirelay.orchestrator.capacity.StreamGate`); None: it starts at
+        once. A server answers 429 instead of letting it wait."""
+        orch = self._orch
+        if not orch.is_audio_modalities(requested_modalities(modalities)):
+            return None
+        if orch.num_waiting:
+            return f"{orch.num_waiting} request(s) are waiting for an audio stream"
+        return orch.streams.why_not(time.monotonic())
+
     def is_in_flight(self, request_id: str) -> bool:
         """Whether ``request_id`` is taken: submitted, and not yet free again."""
         with self._lock:
@@ -541,5 +554,7 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
 
 def _leak_lines(books: dict[int, dict[str, Any]]) -> list[str]:
     return [
-        f"stage {stage_id}: {path}" for stage_id, state in sorted(books.items()) for path in leak_paths(state)
+        f"{'front' if stage_id < 0 else f'stage {stage_id}'}: {path}"
+        for stage_id, state in sorted(books.items())
+        for path in leak_paths(state)
     ]

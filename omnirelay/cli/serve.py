@@ -102,6 +102,15 @@ def register(sub: Any) -> None:
         "'restart:' mapping, else 5 in 300 s; 0: never restart)",
     )
     p.add_argument(
+        "--max-audio-streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the pipeline's real-time capacity: audio streams served at once; one more (or any new "
+        "one while an admitted stream is running dry) gets 429 with Retry-After (default: the "
+        "pipeline file's max_audio_streams, else no fixed limit)",
+    )
+    p.add_argument(
         "--ui",
         action="store_true",
         help="serve a browser page at / that records the microphone, talks to WS /v1/realtime and plays "
@@ -236,6 +245,17 @@ def with_max_restarts(pipeline: PipelineConfig, max_restarts: int) -> PipelineCo
     return pipeline.with_restart(policy)
 
 
+def with_max_audio_streams(pipeline: PipelineConfig, max_streams: int) -> PipelineConfig:
+    """The pipeline with ``--max-audio-streams`` over its file's ``max_audio_streams``."""
+    import msgspec
+
+    from omnirelay.errors import ConfigError
+
+    if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
+        raise ConfigError(f"--max-audio-streams must be an int >= 1, got {max_streams!r}")
+    return msgspec.structs.replace(pipeline, max_audio_streams=max_streams)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if not getattr(args, "local_cluster", False):
         return _serve(args)
@@ -265,6 +285,8 @@ def _serve(args: argparse.Namespace) -> int:
         pipeline_config = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
     if args.max_restarts is not None:
         pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
+    if args.max_audio_streams is not None:
+        pipeline_config = with_max_audio_streams(pipeline_config, args.max_audio_streams)
     config = server_config(
         pipeline_config,
         model_name=args.model_name,

@@ -180,13 +180,15 @@ class StreamGate:
         with self._cond:
             return rid in self._streams
 
-    def health(self, now: float | None = None) -> StreamGateHealth:
+    def health(self, now: float | None = None, *, num_queued: int = 0) -> StreamGateHealth:
+        """The books at ``now``; ``num_queued``: requests an owner keeps waiting in a queue
+        of its own (counted with those blocked in :meth:`acquire`)."""
         now = self._clock() if now is None else now
         with self._cond:
             return StreamGateHealth(
                 max_streams=self.max_streams,
                 num_streams=len(self._streams),
-                num_waiting=self._num_waiting,
+                num_waiting=self._num_waiting + num_queued,
                 num_running_low=self._running_low(now),
                 num_refused=self.num_refused,
             )

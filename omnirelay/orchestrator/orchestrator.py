@@ -46,6 +46,7 @@ from omnirelay.errors import (
     PipelineError,
     StageDiedError,
 )
+from omnirelay.orchestrator.capacity import StreamGate
 from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.router import (
@@ -95,7 +96,18 @@ from omnirelay.worker.messages import (
     wire_request,
 )
 
-__all__ = ["Orchestrator", "PipelineHealth", "ShutdownReport", "StageHealth", "StageState", "describe_exit"]
+#: The key of the front's own books in :meth:`Orchestrator.leak_state` (no stage has it).
+FRONT = -1
+
+__all__ = [
+    "FRONT",
+    "Orchestrator",
+    "PipelineHealth",
+    "ShutdownReport",
+    "StageHealth",
+    "StageState",
+    "describe_exit",
+]
 
 
 class Orchestrator:
@@ -159,6 +171,11 @@ class Orchestrator:
         #: goes: before that a stage may still hold the ended request's chunks (or be
         #: putting them) under the same keys.
         self._parked: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
+        #: Admission by real-time capacity: the audio streams served at once, and the
+        #: requests for audio waiting for a stream, in arrival order.
+        self.streams = StreamGate(self.config.max_audio_streams)
+        self._waiting: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
+        self._speaks = any(s.final_output and str(s.final_output_type) == "audio" for s in self.config.stages)
         self.num_stale_messages = 0
         self._is_closing = False
         self._shutdown_report: ShutdownReport | None = None
@@ -231,29 +248,59 @@ class Orchestrator:
         if self._is_closing:
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
             return
-        if rid in self._handles or rid in self._parked:
+        if rid in self._handles or rid in self._parked or rid in self._waiting:
             handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
             return
         if rid in self._unreleased:
             self._parked[rid] = (request, handle)  # admitted once the stages released the id
             return
+        # A request for audio takes a stream first; behind earlier waiters, or while the gate
+        # is shut, it waits (a stream ends, or the one running dry catches up).
+        waits = self._is_audio(request) and rid not in self.streams
+        if waits and (self._waiting or self.streams.try_acquire(rid) is not None):
+            self._waiting[rid] = (request, handle)
+            return
         try:
             actions = self.router.admit(request)
         except InvalidRequestError as exc:
+            self.streams.release(rid)
             handle.deliver(_error_output(rid, str(exc)))
             return
         self._handles[rid] = handle
         self._execute(actions)
 
+    def _is_audio(self, request: PipelineRequest) -> bool:
+        return self.is_audio_modalities(request.modalities)
+
+    def is_audio_modalities(self, modalities: tuple[str, ...] | None) -> bool:
+        """Whether a request for ``modalities`` takes an audio stream (None: every output)."""
+        return self._speaks and (modalities is None or "audio" in modalities)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests for audio waiting for a stream (readable from any thread)."""
+        return len(self._waiting)
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests for audio, first come first served, while the gate lets."""
+        while self._waiting:
+            rid, (request, handle) = next(iter(self._waiting.items()))
+            if self.streams.try_acquire(rid) is not None:
+                return
+            del self._waiting[rid]
+            self.admit(request, handle)
+
     def abort(self, request_id: str) -> None:
         """Abort a request in flight; unknown (ended) ids are a no-op."""
-        parked = self._parked.pop(request_id, None)
+        parked = self._parked.pop(request_id, None) or self._waiting.pop(request_id, None)
         if parked is not None:
+            self.streams.release(request_id)  # a parked reuse may hold its stream already
             parked[1].deliver(
                 RequestOutput(
                     request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="abort"
                 )
             )
+            self._admit_waiting()
             return
         self._execute(self.router.abort(request_id))
 
@@ -323,12 +370,20 @@ class Orchestrator:
         return self._supervisor.send(stage_id, message)
 
     def _deliver(self, output: RequestOutput) -> None:
-        handle = self._handles.get(output.request_id)
+        rid = output.request_id
+        handle = self._handles.get(rid)
         if handle is None:
             return
         if output.finished:
-            del self._handles[output.request_id]
+            del self._handles[rid]
         handle.deliver(output)
+        if rid in self.streams:
+            if output.audio is not None and output.sample_rate:
+                self.streams.note_audio(rid, _num_samples(output.audio) / output.sample_rate)
+            if output.finished or (output.modality == "audio" and output.stage_finished):
+                self.streams.release(rid)
+            if self._waiting:
+                self._admit_waiting()
 
     # -- what workers say -------------------------------------------------------------------
 
@@ -538,16 +593,23 @@ class Orchestrator:
             namespace=self.namespace,
             num_requests=self.router.num_requests,
             stages=stages,
+            audio_streams=self.streams.health(num_queued=len(self._waiting)).to_dict(),
         )
 
     async def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:
         """``{stage_id: {"worker": ..., "engine": ...}}`` of every live stage, each taken
-        once the stage's in-flight cleanup settled (at most ``settle_s``)."""
+        once the stage's in-flight cleanup settled (at most ``settle_s``), and under
+        :data:`FRONT` the front's own per-request books when any is left (audio streams
+        admitted, requests waiting for one)."""
         replies = await self._query(lambda seq: LeakStateRequest(seq, settle_s), timeout_s + settle_s)
         missing = [st.label for st in self._stages if not st.is_dead and st.stage_id not in replies]
         if missing:
             raise PipelineError(f"no leak-state reply from {', '.join(missing)} within {timeout_s:g} s")
-        return {sid: reply.state for sid, reply in replies.items()}
+        books: dict[int, dict[str, Any]] = {sid: reply.state for sid, reply in replies.items()}
+        front = {**self.streams.leak_state(), **({"waiting": sorted(self._waiting)} if self._waiting else {})}
+        if front:
+            books[FRONT] = {"front": front}
+        return books
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -557,9 +619,11 @@ class Orchestrator:
             return self._shutdown_report
         self._is_closing = True
         self._execute(self.router.fail_all("the pipeline is shutting down"))
-        for rid, (_, handle) in list(self._parked.items()):
-            del self._parked[rid]
-            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+        for books in (self._parked, self._waiting):
+            for rid, (_, handle) in list(books.items()):
+                del books[rid]
+                self.streams.release(rid)
+                handle.deliver(_error_output(rid, "the pipeline is shutting down"))
         num_killed = await self._supervisor.stop(timeout_s)
         if self._ray is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._ray.close)
@@ -579,6 +643,11 @@ class Orchestrator:
 
 #: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).
 _READ_BATCH = 64
+
+
+def _num_samples(audio: Any) -> int:
+    numel = getattr(audio, "numel", None)
+    return int(numel()) if callable(numel) else len(audio)
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

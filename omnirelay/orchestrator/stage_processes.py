@@ -65,6 +65,9 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
     namespace: str
     num_requests: int
     stages: list[StageHealth]
+    #: admission by real-time capacity (:class:`~omnirelay.orchestrator.capacity.StreamGate`):
+    #: its limit, the audio streams admitted and waiting, those running dry
+    audio_streams: dict[str, int | None] = {}
 
     @property
     def status(self) -> str:

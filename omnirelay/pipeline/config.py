@@ -261,6 +261,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     #: Where the stage workers run (``placement:``; local processes by default).
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    #: Audio streams served at once (``max_audio_streams:``, the machine's real-time
+    #: capacity; None: no fixed limit). More wait, or get 429 from the server
+    #: (:class:`omnirelay.orchestrator.capacity.StreamGate`).
+    max_audio_streams: int | None = None
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 

@@ -119,6 +119,15 @@ def parse_pipeline(
             )
     if "default_modalities" in data:
         kwargs["default_modalities"] = tuple(ctx.string_list(data, "default_modalities"))
+    if "max_audio_streams" in data:
+        limit = ctx.integer(data, "max_audio_streams", optional=True)
+        if limit is not None and limit < 1:
+            ctx.fail(
+                "max_audio_streams",
+                f"expected an int >= 1 or null, got {limit}",
+                "write max_audio_streams: <streams one machine keeps real-time>, or null for no fixed limit",
+            )
+        kwargs["max_audio_streams"] = limit
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     if "openai_voices" in data:
@@ -284,6 +293,7 @@ PIPELINE_KEYS = (
     "restart",
     "stages",
     "default_modalities",
+    "max_audio_streams",
 )
 STAGE_KEYS = tuple(StageConfig.__struct_fields__)
 SAMPLING_KEYS = tuple(SamplingConfig.__struct_fields__)

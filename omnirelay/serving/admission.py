@@ -81,3 +81,9 @@ class AdmissionGate:
         with self._lock:
             assert self._num_active > 0, "a slot was released twice"
             self._num_active -= 1
+
+    def refuse(self) -> None:
+        """Count a request refused for another reason than these limits (the pipeline's
+        real-time capacity), so ``num_rejected`` counts every 429."""
+        with self._lock:
+            self.num_rejected += 1

@@ -235,6 +235,7 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         "num_in_flight": fe.admission.num_active,
         "max_concurrency": fe.admission.max_concurrency,
         "live_bytes": fe.admission.live_bytes,
+        "audio_streams": dict(health.audio_streams),
         "stages": stages,
     }
 

@@ -285,6 +285,18 @@ class Frontend:
                 code="request_id_in_use",
             )
         slot = self.admission.acquire()
+        busy = self.pipeline.capacity_problem(modalities)
+        if busy is not None:  # past its real-time capacity the server refuses, not queues
+            slot.release()
+            self.admission.refuse()
+            retry = self.admission.retry_after_s
+            raise ApiError(
+                429,
+                f"{busy}; retry after {retry} s",
+                type="rate_limit_error",
+                code="audio_capacity",
+                headers={"Retry-After": str(retry)},
+            )
         try:
             handle = self.pipeline.submit(
                 list(prompt_token_ids),
