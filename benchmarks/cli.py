@@ -219,6 +219,14 @@ def _register_benches(bsub: Any) -> None:
             "(the seed's: 4 frames, then 25), or both, one after the other in this run"
         ),
     )
+    q.add_argument(
+        "--max-audio-streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the pipeline's real-time capacity for this run: requests for audio past N wait for a "
+        "stream, and the wait counts in their figures (default: the pipeline file's)",
+    )
     q.add_argument("--warmup", type=int, default=2, help="uncounted warm-up requests first (default 2)")
     q.add_argument("--prompt", default="Hello, who are you?", help="the chat prompt of every request")
     q.add_argument(
@@ -433,6 +441,7 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             mps=args.mps,
             schedule=args.schedule,
+            max_audio_streams=args.max_audio_streams,
         )
     except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc

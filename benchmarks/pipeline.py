@@ -256,6 +256,7 @@ def run_pipeline_bench(
     stream: TextIO | None = None,
     mps: bool = False,
     schedule: str = "adaptive",
+    max_audio_streams: int | None = None,
 ) -> dict[str, Any]:
     """Start ``pipeline`` (default ``qwen3-omni-tiny``; the full-size ``qwen3-omni``
     with ``load_format="dummy"``; ``device``/``load_format``/``runner`` as in
@@ -263,7 +264,9 @@ def run_pipeline_bench(
     it, shut it down and add the shutdown to the audit. Progress goes to ``stream``.
     ``mps``: the whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`).
     ``schedule``: one of :data:`SCHEDULES`; with ``both`` the report is the adaptive
-    schedule's and ``report["fixed_schedule"]`` the fixed one's, measured after it."""
+    schedule's and ``report["fixed_schedule"]`` the fixed one's, measured after it.
+    ``max_audio_streams``: the pipeline's real-time capacity for this run (None: the
+    file's); requests past it wait for a stream, and that wait counts in their figures."""
     _check_options(concurrency, requests, warmup)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -273,6 +276,7 @@ def run_pipeline_bench(
         with mps_daemon():
             report = _run_schedules(
                 schedule,
+                max_audio_streams,
                 concurrency,
                 requests,
                 warmup,
@@ -288,6 +292,7 @@ def run_pipeline_bench(
         return report
     report = _run_schedules(
         schedule,
+        max_audio_streams,
         concurrency,
         requests,
         warmup,
@@ -303,11 +308,11 @@ def run_pipeline_bench(
     return report
 
 
-def _run_schedules(schedule: str, *args: Any) -> dict[str, Any]:
+def _run_schedules(schedule: str, max_audio_streams: int | None, *args: Any) -> dict[str, Any]:
     first = "fixed" if schedule == "fixed" else "adaptive"
-    report = _run_pipeline_bench(first, *args)
+    report = _run_pipeline_bench(first, max_audio_streams, *args)
     if schedule == "both":
-        fixed = _run_pipeline_bench("fixed", *args)
+        fixed = _run_pipeline_bench("fixed", max_audio_streams, *args)
         report["fixed_schedule"] = fixed
         report["ok"] = report["ok"] and fixed["ok"]
     return report
@@ -343,6 +348,7 @@ def with_codec_schedule(config: Any, schedule: str) -> Any:
 
 def _run_pipeline_bench(
     schedule: str,
+    max_audio_streams: int | None,
     concurrency: Sequence[int],
     requests: int | None,
     warmup: int,
@@ -360,6 +366,10 @@ def _run_pipeline_bench(
     config = with_codec_schedule(
         load_run_config(pipeline, device=device, load_format=load_format, runner=runner), schedule
     )
+    if max_audio_streams is not None:
+        import msgspec
+
+        config = msgspec.structs.replace(config, max_audio_streams=max_audio_streams)
     err.write(f"chunk schedule: {schedule}\n")
     from omnirelay.models import encode_chat_prompt
 
@@ -382,6 +392,7 @@ def _run_pipeline_bench(
     report.update(
         prompt=prompt,
         schedule=schedule,
+        max_audio_streams=config.max_audio_streams,
         codec_schedule={
             name: dict(spec.extra)
             for name, spec in config.connectors.items()
@@ -623,7 +634,8 @@ def _render_one(report: dict[str, Any]) -> str:
     gpus = f"; {', '.join(report['env'].get('gpus') or [])}" if report["env"].get("gpus") else ""
     lines = [
         f"omnirelay bench pipeline: {report['pipeline']}{gpus}{startup}\n",
-        f"chunk schedule: {report.get('schedule', 'adaptive')}\n",
+        f"chunk schedule: {report.get('schedule', 'adaptive')}; audio streams at once: "
+        f"{report.get('max_audio_streams') or 'no fixed limit'}\n",
         f"{report['num_prompt_tokens']}-token prompt, "
         f"text+audio; {report['warmup']} warm-up request(s) not counted; "
         f"{report['env']['cpus']} CPUs, load average {report['env']['loadavg_start'][0]:.2f} at start\n",
