@@ -38,7 +38,7 @@ def test_a_fixed_limit_refuses_one_stream_too_many_until_one_ends() -> None:
 
 def test_a_stream_running_dry_holds_new_streams_back_until_it_is_ahead_again() -> None:
     clock = Clock()
-    gate = StreamGate(None, clock=clock)
+    gate = StreamGate(None, min_headroom_s=0.0, clock=clock)
     assert gate.try_acquire("a") is None
     clock.now = 1.0
     gate.note_audio("a", 0.057)  # a one-frame first chunk: low, but not dry
@@ -52,6 +52,12 @@ def test_a_stream_running_dry_holds_new_streams_back_until_it_is_ahead_again() -
     assert gate.health().num_running_low == 0
     assert gate.try_acquire("c") is None
     gate.release("b")  # a stream that ends is no longer watched, dry or not
+    # Without the brake (the default) only the fixed limit holds streams back.
+    lenient = StreamGate(None, clock=clock)
+    lenient.try_acquire("x")
+    lenient.note_audio("x", 0.01)
+    clock.now += 5.0
+    assert lenient.health().num_running_low == 0 and lenient.try_acquire("y") is None
 
 
 def test_a_waiter_is_admitted_when_a_stream_ends_and_a_timeout_says_why() -> None:

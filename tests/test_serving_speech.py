@@ -297,6 +297,9 @@ class GatedPipeline:
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
+    def capacity_problem(self, modalities: Any) -> None:
+        return None  # a stand-in with room for every stream
+
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self.held
 

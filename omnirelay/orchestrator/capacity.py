@@ -7,12 +7,13 @@ audio stream out instead — it waits (the Python API) or is refused with 429 an
 
 * ``max_streams`` audio streams are admitted already (the pipeline file's
   ``max_audio_streams``, or ``serve --max-audio-streams``; None: no fixed limit), or
-* an admitted stream is running dry: by its own clock (audio delivered against the time
+* with ``min_headroom_s`` set (the pipeline file's ``hold_audio_while_dry: true``: 0), an
+  admitted stream is running dry: by its own clock (audio delivered against the time
   since its first audio) a player would have less than ``min_headroom_s`` of audio in
-  hand (default 0: it has run out). The machine is already behind; another stream would
-  push it, and the others, further. The gate opens again once every admitted stream is
-  ahead again, or has ended. (A fresh stream is not "low" for starting with one small
-  chunk: the threshold defaults to an empty buffer, not to a comfortable one.)
+  hand. The machine is already behind; another stream would push it, and the others,
+  further. The gate opens again once every admitted stream is ahead again, or has
+  ended. Off by default: a pipeline whose streams pause by design (a voice that speaks
+  one finished sentence at a time) runs "dry" between sentences at any load.
 
 The books are pure (every call takes ``now``); :meth:`StreamGate.acquire` blocks on a
 condition for callers on threads. A request that asks for no audio never touches the gate.
@@ -30,7 +31,7 @@ from omnirelay.errors import ConfigError
 
 __all__ = ["DEFAULT_MIN_HEADROOM_S", "StreamGate", "StreamGateHealth"]
 
-#: An admitted stream with less audio in hand than this holds new streams back.
+#: With the brake on: an admitted stream with less audio in hand holds new streams back.
 DEFAULT_MIN_HEADROOM_S = 0.0
 
 
@@ -73,21 +74,22 @@ class StreamGate:
         self,
         max_streams: int | None = None,
         *,
-        min_headroom_s: float = DEFAULT_MIN_HEADROOM_S,
+        min_headroom_s: float | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         if max_streams is not None and (
             isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1
         ):
             raise ConfigError(f"max_audio_streams must be an int >= 1 or null, got {max_streams!r}")
-        if (
+        if min_headroom_s is not None and (
             not isinstance(min_headroom_s, int | float)
             or not math.isfinite(min_headroom_s)
             or min_headroom_s < 0
         ):
-            raise ConfigError(f"min_headroom_s must be seconds >= 0, got {min_headroom_s!r}")
+            raise ConfigError(f"min_headroom_s must be seconds >= 0 or None, got {min_headroom_s!r}")
         self.max_streams = max_streams
-        self.min_headroom_s = float(min_headroom_s)
+        #: None: no brake (only the fixed limit holds streams back)
+        self.min_headroom_s = None if min_headroom_s is None else float(min_headroom_s)
         self._clock = clock if clock is not None else time.monotonic
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
@@ -106,18 +108,18 @@ class StreamGate:
             return f"the pipeline is at its real-time capacity of {self.max_streams} audio streams"
         low = self._running_low(now)
         if low:
+            threshold = self.min_headroom_s or 0.0
             return (
-                f"{low} admitted audio stream(s) are running dry (less than {self.min_headroom_s * 1000:.0f} ms "
+                f"{low} admitted audio stream(s) are running dry (less than {threshold * 1000:.0f} ms "
                 "of audio in hand); another stream now would make it worse"
             )
         return None
 
     def _running_low(self, now: float) -> int:
-        return sum(
-            1
-            for s in self._streams.values()
-            if (h := s.headroom(now)) is not None and h < self.min_headroom_s
-        )
+        limit = self.min_headroom_s
+        if limit is None:
+            return 0
+        return sum(1 for s in self._streams.values() if (h := s.headroom(now)) is not None and h < limit)
 
     def try_acquire(self, rid: str, now: float | None = None) -> str | None:
         """Admit ``rid`` now, or say why not (None: admitted). Idempotent per id."""

@@ -173,7 +173,9 @@ class Orchestrator:
         self._parked: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
         #: Admission by real-time capacity: the audio streams served at once, and the
         #: requests for audio waiting for a stream, in arrival order.
-        self.streams = StreamGate(self.config.max_audio_streams)
+        self.streams = StreamGate(
+            self.config.max_audio_streams, min_headroom_s=0.0 if self.config.hold_audio_while_dry else None
+        )
         self._waiting: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
         self._speaks = any(s.final_output and str(s.final_output_type) == "audio" for s in self.config.stages)
         self.num_stale_messages = 0

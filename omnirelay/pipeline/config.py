@@ -265,6 +265,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: capacity; None: no fixed limit). More wait, or get 429 from the server
     #: (:class:`omnirelay.orchestrator.capacity.StreamGate`).
     max_audio_streams: int | None = None
+    #: Also hold new audio streams while an admitted one is running dry
+    #: (``hold_audio_while_dry:``): for pipelines whose streams never pause by design.
+    hold_audio_while_dry: bool = False
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 

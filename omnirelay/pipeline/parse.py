@@ -128,6 +128,8 @@ def parse_pipeline(
                 "write max_audio_streams: <streams one machine keeps real-time>, or null for no fixed limit",
             )
         kwargs["max_audio_streams"] = limit
+    if "hold_audio_while_dry" in data:
+        kwargs["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     if "openai_voices" in data:
@@ -294,6 +296,7 @@ PIPELINE_KEYS = (
     "stages",
     "default_modalities",
     "max_audio_streams",
+    "hold_audio_while_dry",
 )
 STAGE_KEYS = tuple(StageConfig.__struct_fields__)
 SAMPLING_KEYS = tuple(SamplingConfig.__struct_fields__)
