@@ -65,3 +65,22 @@ def test_bad_placement_is_refused_with_the_place_and_a_fix(changes: dict[str, An
     with pytest.raises(ConfigError) as err:
         parse_pipeline(_two_host(**changes), source="two.yaml")
     assert words in str(err.value) and "two.yaml" in str(err.value)
+
+
+def test_a_nixl_edge_takes_its_timing_options_from_the_connector_extra() -> None:
+    import msgspec
+
+    from omnirelay.engine.edge_connectors import _options
+
+    config = load_pipeline("qwen3-omni-tiny-2host")
+    codec = config.connector_spec("codec_shm")
+    extra = {**codec.extra, "nixl_lease_s": 3.0, "nixl_read_timeout_s": 4.0}
+    config = msgspec.structs.replace(
+        config, connectors={**config.connectors, "codec_shm": msgspec.structs.replace(codec, extra=extra)}
+    )
+    talker, code2wav = config.stages[1], config.stages[2]
+    for stage, listens in ((talker, False), (code2wav, True)):
+        options = _options(config, stage, "nixl", listens=listens)
+        assert options["lease_s"] == 3.0 and options["read_timeout_s"] == 4.0
+        assert "codec_chunk_frames" not in options and options["listen"] is listens
+    assert "lease_s" not in _options(config, talker, "shm", listens=False)  # nixl's alone

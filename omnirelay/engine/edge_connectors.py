@@ -7,7 +7,10 @@ hosts). One backend: one connector, as before placement existed. Two: a
 :class:`~omnirelay.connectors.split.SplitConnector` over one of each.
 
 A ``nixl`` connector is told the pipeline's notice endpoints (filled by the placement at
-start) and binds its claim server on the stage's node address.
+start) and binds its claim server on the stage's node address; its timing options come
+from the edges' connector ``extra`` as ``nixl_lease_s``, ``nixl_claim_timeout_s`` and
+``nixl_read_timeout_s`` (the same connector may resolve to ``shm`` on one host, so the
+names say which backend they are for).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from omnirelay.engine.stage_roles import StageRoles
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
 from omnirelay.pipeline.placement import edge_backend
 
-__all__ = ["build_stage_connector", "stage_edge_backends"]
+__all__ = ["NIXL_EXTRA_OPTIONS", "build_stage_connector", "stage_edge_backends"]
+
+#: ``extra`` keys of a connector spec passed to a ``nixl`` connector (without the prefix).
+NIXL_EXTRA_OPTIONS = ("nixl_lease_s", "nixl_claim_timeout_s", "nixl_read_timeout_s")
 
 
 def stage_edge_backends(
@@ -49,7 +55,16 @@ def _options(pipeline: PipelineConfig, stage: StageConfig, backend: str, *, list
     host = placement.node_ips.get(stage.id)
     if host:
         options["claim_host"] = host
+    for extra in _edge_extras(pipeline, stage):
+        options.update({k[len("nixl_") :]: v for k, v in extra.items() if k in NIXL_EXTRA_OPTIONS})
     return options
+
+
+def _edge_extras(pipeline: PipelineConfig, stage: StageConfig) -> list[dict[str, Any]]:
+    """The connector ``extra`` of the stage's chunk edges: its input edge's, then those of
+    the edges it sends on (the producer's settings, such as its lease, win)."""
+    readers = ([stage.id] if stage.input_sources else []) + list(pipeline.consumer_ids(stage))
+    return [dict(pipeline.connector_spec(pipeline.input_connector(sid)).extra) for sid in readers]
 
 
 def build_stage_connector(
