@@ -37,6 +37,7 @@ request's model compute — by the definition, not a runtime cost per se.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -270,41 +271,27 @@ def run_pipeline_bench(
     _check_options(concurrency, requests, warmup)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if mps:
         from benchmarks.mps import mps_daemon
 
-        with mps_daemon():
-            report = _run_schedules(
-                schedule,
-                max_audio_streams,
-                concurrency,
-                requests,
-                warmup,
-                prompt,
-                pipeline,
-                device,
-                load_format,
-                runner,
-                timeout_s,
-                stream,
-            )
-        report["mps"] = True
-        return report
-    report = _run_schedules(
-        schedule,
-        max_audio_streams,
-        concurrency,
-        requests,
-        warmup,
-        prompt,
-        pipeline,
-        device,
-        load_format,
-        runner,
-        timeout_s,
-        stream,
-    )
-    report["mps"] = False
+        daemon = mps_daemon()
+    with daemon:
+        report = _run_schedules(
+            schedule,
+            max_audio_streams,
+            concurrency,
+            requests,
+            warmup,
+            prompt,
+            pipeline,
+            device,
+            load_format,
+            runner,
+            timeout_s,
+            stream,
+        )
+    report["mps"] = mps
     return report
 
 

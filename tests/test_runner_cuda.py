@@ -62,6 +62,17 @@ def test_tiny_thinker_graphs_give_the_greedy_tokens_of_eager() -> None:
     assert graphed.runner.graphs.num_replays >= STEPS and graphed.runner.graphs.num_eager == 0
 
 
+def _thinker_payloads() -> dict[str, Any]:
+    """Thinker -> Talker payloads of two requests (six Thinker steps each) on the tiny model."""
+    thinker = ThinkerExecutor.from_checkpoint(_tiny())
+    payloads = {}
+    for rid, text in (("a", "Hello there!"), ("b", "Tell me a story.")):
+        prompt = encode_chat_prompt(thinker.tokenizer, text)
+        stream = run_thinker(thinker, {rid: prompt}, 6, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
+        payloads[rid] = stream.payloads
+    return payloads
+
+
 @pytest.mark.parametrize(
     "sampling",
     [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=42)],
@@ -70,12 +81,7 @@ def test_tiny_thinker_graphs_give_the_greedy_tokens_of_eager() -> None:
 def test_tiny_talker_graph_frames_equal_eager_frames(sampling: SamplingParams) -> None:
     from tests.test_models_talker import frames, talk
 
-    thinker = ThinkerExecutor.from_checkpoint(_tiny())
-    payloads = {}
-    for rid, text in (("a", "Hello there!"), ("b", "Tell me a story.")):
-        prompt = encode_chat_prompt(thinker.tokenizer, text)
-        stream = run_thinker(thinker, {rid: prompt}, 6, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
-        payloads[rid] = stream.payloads
+    payloads = _thinker_payloads()
     results = {}
     for graphs in (True, False):
         args = ModelArgs(
@@ -101,12 +107,7 @@ def test_tiny_talker_compiled_tail_speaks_the_eager_frames() -> None:
     other way (then every later codebook of that frame may differ too)."""
     from tests.test_models_talker import frames, talk
 
-    thinker = ThinkerExecutor.from_checkpoint(_tiny())
-    payloads = {}
-    for rid, text in (("a", "Hello there!"), ("b", "Tell me a story.")):
-        prompt = encode_chat_prompt(thinker.tokenizer, text)
-        stream = run_thinker(thinker, {rid: prompt}, 6, accept_hidden_layer=thinker.accept_hidden_layer)[rid]
-        payloads[rid] = stream.payloads
+    payloads = _thinker_payloads()
     results = {}
     for compiled in (True, False):
         args = ModelArgs(
