@@ -98,7 +98,7 @@ def playback_of(chunks: Iterable[tuple[float, float]]) -> Playback:
         first_audio_s=first_audio,
         first_playable_s=None if first_audio is None else first_playable,
         worst_gap_s=max(gaps, default=0.0),
-        silence_s=sum(gaps),
+        silence_s=sum(gaps, 0.0),
         num_underruns=len(gaps),
         gaps_s=tuple(gaps),
         worst_gap_at=worst_at,
