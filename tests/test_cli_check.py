@@ -51,6 +51,9 @@ def test_shipped_pipeline_report(capsys: pytest.CaptureFixture[str]) -> None:
         "1 -> 2  talker -> code2wav: chunks",
         "connector codec_shm (shm: codec_chunk_frames=25, codec_left_context_frames=0); "
         "processor talker_to_code2wav",
+        "chunk schedule: adaptive: a first chunk of 1+ frames (more while frames come slowly), then "
+        "sized by playback headroom (margin 150 ms), at most 25 frames; left context 0 frames",
+        "audio streams at once: no fixed limit",
         "  text: stage 0",
         "  audio: stage 2",
     ):

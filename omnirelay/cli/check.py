@@ -114,6 +114,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
             "input_builder": e.input_builder,
             "path": edge_path(cfg, e)[0].value,
             "path_reason": edge_path(cfg, e)[1],
+            "schedule": _schedule_text(e),
         }
         for e in cfg.edges()
     ]
@@ -128,6 +129,8 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "async_chunk": cfg.async_chunk,
         "async_chunk_origin": cfg.async_chunk_origin.value,
         "any_stage_chunks": cfg.any_stage_chunks(),
+        "max_audio_streams": cfg.max_audio_streams,
+        "hold_audio_while_dry": cfg.hold_audio_while_dry,
         "namespace": cfg.namespace,
         "input_wait_timeout_s": cfg.input_wait_timeout_s,
         "openai_voices": dict(cfg.openai_voices),
@@ -179,6 +182,9 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         pairs = ", ".join(f"{k} -> {v}" for k, v in report["openai_voices"].items())
         w(f"  OpenAI voice names: {pairs}\n")
     w(f"  restart (serve): {report['restart_text']}\n")
+    limit = report["max_audio_streams"]
+    held = "; new ones also wait while an admitted stream runs dry" if report["hold_audio_while_dry"] else ""
+    w(f"  audio streams at once: {limit if limit is not None else 'no fixed limit'}{held}\n")
     placement = report["placement"]
     if placement["backend"] == "ray":
         w(
@@ -224,10 +230,21 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         w(f"  {e['label']}  {e['names']}: {e['contract']}\n")
         w(f"      connector {connector}; {via}\n")
         w(f"      tensors: {e['path']} ({e['path_reason']})\n")
+        if e["schedule"]:
+            w(f"      chunk schedule: {e['schedule']}\n")
 
     w("\nfinal outputs\n")
     for modality, ids in report["final_outputs"].items():
         w(f"  {modality}: stage {', '.join(str(i) for i in ids)}\n")
+
+
+def _schedule_text(edge: Any) -> str | None:
+    """How a codec edge cuts its chunks (None for other edges)."""
+    if edge.contract.value != "chunks" or edge.processor != "talker_to_code2wav":
+        return None
+    from omnirelay.processors import TalkerToCode2WavConfig
+
+    return TalkerToCode2WavConfig.from_extra(edge.extra).describe()
 
 
 _ORIGIN_TEXT = {"default": "the default", "file": "set in the file", "override": "from --async-chunk"}

@@ -204,6 +204,22 @@ class TalkerToCode2WavConfig:
         # PacingConfig checks the ranges; build it once so a bad value fails at load.
         self.pacing()
 
+    def describe(self) -> str:
+        """The schedule in words (``omnirelay check``)."""
+        lc = f"left context {self.codec_left_context_frames} frames"
+        if self.codec_chunk_adaptive:
+            least = max(1, self.initial_codec_chunk_frames)
+            return (
+                f"adaptive: a first chunk of {least}+ frames (more while frames come slowly), then sized "
+                f"by playback headroom (margin {self.codec_chunk_margin_ms:g} ms), at most "
+                f"{self.codec_chunk_frames} frames; {lc}"
+            )
+        if self.codec_chunk_ramp is not None:
+            ramp = ", ".join(str(n) for n in self.codec_chunk_ramp)
+            return f"fixed ramp {ramp}, then {self.codec_chunk_frames} frames; {lc}"
+        first = f"{self.initial_codec_chunk_frames}, then " if self.initial_codec_chunk_frames else ""
+        return f"fixed: {first}{self.codec_chunk_frames} frames per chunk; {lc}"
+
     def pacing(self) -> PacingConfig:
         """The adaptive pacer's settings of this edge."""
         return PacingConfig(
