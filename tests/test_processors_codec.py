@@ -357,7 +357,7 @@ def test_parse_ramp_rejects_malformed_values(value: Any, match: str) -> None:
 
 
 def test_ramp_not_ending_at_c_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="omnirelay.processors.talker_to_code2wav"):
+    with caplog.at_level(logging.WARNING, logger="omnirelay.processors.codec_schedule"):
         TalkerToCode2WavConfig(codec_chunk_ramp="2,4")
     assert "does not end at codec_chunk_frames=25" in caplog.text
 
