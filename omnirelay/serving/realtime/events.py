@@ -113,9 +113,9 @@ class RealtimeSettings:
 def session_object(
     session_id: str, model: str, settings: RealtimeSettings, sample_rate: int, window: dict[str, Any]
 ) -> dict[str, Any]:
-    """The ``session`` of ``session.created`` / ``session.updated``. ``sample_rate`` and
-    ``conversation`` (the bounded history: ``max_items``, ``num_dropped_items`` …) are
-    omnirelay's additions; pcm16 is at ``sample_rate`` both ways."""
+    """The ``session`` of ``session.created`` / ``session.updated``. ``sample_rate`` (pcm16's
+    rate both ways: 24 kHz, OpenAI's) and ``conversation`` (the bounded history:
+    ``max_items``, ``num_dropped_items`` …) are omnirelay's additions."""
     tokens: int | str = "inf" if settings.max_output_tokens is None else settings.max_output_tokens
     td = settings.turn_detection
     return {
@@ -234,7 +234,7 @@ def apply_session_update(
     rate = _field(session, "sample_rate", int, "session")
     if rate is not None and rate != sample_rate:
         raise EventError(
-            f"session.sample_rate is {sample_rate} Hz on this server (the pipeline's); resample the audio",
+            f"session.sample_rate is {sample_rate} Hz (pcm16's, as OpenAI's); resample the audio to it",
             param="session.sample_rate",
         )
     for key, allowed in (("input_audio_transcription", None), ("tools", [])):

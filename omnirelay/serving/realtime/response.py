@@ -28,8 +28,9 @@ from omnirelay.models.family import Detokenizer
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
-from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError, pcm16
+from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import submit_turns
+from omnirelay.serving.media.encoding import PcmResampler
 from omnirelay.serving.realtime.conversation import Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, new_id
 
@@ -58,6 +59,8 @@ class Response:
     num_audio_samples: int = 0
     task: asyncio.Task[None] | None = None
     detok: Detokenizer | None = None
+    #: the answer's audio from the pipeline's rate to the session's (made at its first audio)
+    resampler: PcmResampler | None = None
 
     @property
     def has_audio(self) -> bool:
@@ -204,6 +207,8 @@ class ResponseRunner:
             }
         finally:
             resp.stream.close()
+        if status == "completed" and resp.resampler is not None:
+            await self._audio_delta(resp, resp.resampler.flush())  # what the resampler held back
         await self._finish(resp, status, details)
 
     async def _output(self, resp: Response, out: RequestOutput, emitter: AudioEmitter | None) -> None:
@@ -218,15 +223,19 @@ class ResponseRunner:
             new = emitter.push(out.audio, out.sample_rate)
             if new is None or new.numel() == 0:
                 return
-            if emitter.sample_rate != s.rate:
-                raise AudioStreamError(
-                    f"the pipeline made audio at {emitter.sample_rate} Hz, not the session's {s.rate} Hz"
-                )
-            assert resp.stream is not None
-            resp.stream.note_audio_sent(new.numel(), s.rate)
-            resp.num_audio_samples += new.numel()
-            data = base64.b64encode(pcm16(new)).decode("ascii")
-            await s.send("response.audio.delta", {**resp.ids(), "delta": data}, unless=resp)
+            rate = emitter.sample_rate
+            assert rate is not None and resp.stream is not None
+            if resp.resampler is None:  # the pipeline's rate → the session's (24 kHz)
+                resp.resampler = PcmResampler(rate, s.rate)
+            resp.stream.note_audio_sent(new.numel(), rate)
+            await self._audio_delta(resp, resp.resampler.push(new.numpy()))
+
+    async def _audio_delta(self, resp: Response, data: bytes) -> None:
+        if not data:
+            return
+        resp.num_audio_samples += len(data) // 2
+        encoded = base64.b64encode(data).decode("ascii")
+        await self.session.send("response.audio.delta", {**resp.ids(), "delta": encoded}, unless=resp)
 
     def _text_of(self, resp: Response, out: RequestOutput) -> str:
         resp.num_output_tokens += len(out.token_ids)

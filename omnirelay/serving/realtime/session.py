@@ -6,8 +6,9 @@ detector (:mod:`omnirelay.serving.realtime.vad`), a bounded conversation
 pipeline request. Events are JSON text frames with OpenAI's names and shapes; every
 server event has an ``event_id`` and a ``type``.
 
-Client events: ``session.update``, ``input_audio_buffer.append`` (base64 pcm16 at the
-session's ``sample_rate``, the pipeline's output rate) / ``commit`` / ``clear``,
+Client events: ``session.update``, ``input_audio_buffer.append`` (base64 pcm16 at 24 kHz,
+OpenAI's rate, whatever the pipeline's own: the answer is resampled to it and the
+speech from it) / ``commit`` / ``clear``,
 ``conversation.item.create`` (a text message), ``response.create``, ``response.cancel``.
 
 Server events: ``session.created`` / ``session.updated``;
@@ -66,6 +67,7 @@ from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media import audio_in as audio_input
 from omnirelay.serving.media.audio_out import wav_header
 from omnirelay.serving.media.chat_turns import hears_audio
+from omnirelay.serving.media.encoding import PCM_RATE
 from omnirelay.serving.realtime.conversation import Conversation, Item
 from omnirelay.serving.realtime.events import (
     EventError,
@@ -150,7 +152,8 @@ class Session:
         self.ws = ws
         self.fe = fe
         self.cfg = fe.config
-        self.rate = self.cfg.sample_rate
+        #: the rate of pcm16 both ways (OpenAI's); the pipeline's own may differ
+        self.rate = PCM_RATE
         self.id = new_id("sess")
         modalities = ("text", "audio") if "audio" in fe.output_types else ("text",)
         self.settings = RealtimeSettings(modalities=modalities, voice=fe.check_voice(None))
