@@ -270,6 +270,8 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         )
     return {
         "status": health.status,
+        # the pipeline started (before, the server's startup board answers, docs/protocol.md §7.5)
+        "ready": True,
         "model": fe.model_name,
         "namespace": health.namespace,
         "num_requests": health.num_requests,
