@@ -47,7 +47,7 @@ from omnirelay.serving.media.audio_in import (
 from omnirelay.serving.protocol import check_request_id, read_body
 from omnirelay.serving.streaming import ClientGone, until_disconnect
 
-__all__ = ["RESPONSE_FORMATS", "SEGMENT_GAP_MS", "Transcript", "Word", "segments", "transcriptions"]
+__all__ = ["RESPONSE_FORMATS", "SEGMENT_GAP_MS", "TimedWord", "Transcript", "segments", "transcriptions"]
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 GRANULARITIES = ("segment", "word")
@@ -71,7 +71,7 @@ _FORM_OVERHEAD_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Word:
+class TimedWord:
     word: str
     start_ms: int
     end_ms: int
@@ -81,7 +81,7 @@ class Word:
 class Transcript:
     """What the recognizer heard in one file."""
 
-    words: list[Word]
+    words: list[TimedWord]
     duration_s: float
 
     @property
@@ -89,9 +89,9 @@ class Transcript:
         return " ".join(w.word for w in self.words)
 
 
-def segments(words: list[Word], gap_ms: int = SEGMENT_GAP_MS) -> list[list[Word]]:
+def segments(words: list[TimedWord], gap_ms: int = SEGMENT_GAP_MS) -> list[list[TimedWord]]:
     """``words`` cut where a pause of ``gap_ms`` or more falls between two of them."""
-    out: list[list[Word]] = []
+    out: list[list[TimedWord]] = []
     for w in words:
         if out and w.start_ms - out[-1][-1].end_ms < gap_ms:
             out[-1].append(w)
@@ -266,13 +266,15 @@ async def _heard(stream: Any) -> str:
     return text
 
 
-def _parse_words(text: str) -> list[Word]:
+def _parse_words(text: str) -> list[TimedWord]:
     """The recognizer's timed words (its contract: a JSON list, one entry per clip)."""
     if not text:
         return []
     try:
         clips = json.loads(text)
-        return [Word(str(w["word"]), int(w["start_ms"]), int(w["end_ms"])) for c in clips for w in c["words"]]
+        return [
+            TimedWord(str(w["word"]), int(w["start_ms"]), int(w["end_ms"])) for c in clips for w in c["words"]
+        ]
     except (ValueError, KeyError, TypeError) as exc:
         raise ApiError(500, f"the recognizer's output could not be read: {exc}", type="server_error") from exc
 
@@ -309,7 +311,7 @@ def _render(t: Transcript, fmt: str, granularities: tuple[str, ...], headers: di
     return PlainTextResponse("WEBVTT\n\n" + "\n".join(blocks), media_type="text/vtt", headers=headers)
 
 
-def _segment(i: int, seg: list[Word]) -> dict[str, Any]:
+def _segment(i: int, seg: list[TimedWord]) -> dict[str, Any]:
     return {
         "id": i,
         "seek": 0,
