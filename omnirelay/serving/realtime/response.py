@@ -25,7 +25,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.models.family import Detokenizer
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.models.inputs import audio_inputs
+from omnirelay.orchestrator.router import TRANSCRIPT, RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
@@ -61,6 +62,8 @@ class Response:
     detok: Detokenizer | None = None
     #: the answer's audio from the pipeline's rate to the session's (made at its first audio)
     resampler: PcmResampler | None = None
+    #: the speech items whose clips the request hears (the recognizer's transcripts, in order)
+    heard: list[Item] = field(default_factory=list)
 
     @property
     def has_audio(self) -> bool:
@@ -100,6 +103,8 @@ class ResponseRunner:
         self.session = session
         self.current: Response | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: transcription-only requests in flight (aborted when the session closes)
+        self._transcriptions: set[RequestStream] = set()
 
     async def start(self, settings: RealtimeSettings) -> None:
         """``response.create``: answer the conversation as it is now."""
@@ -114,6 +119,7 @@ class ResponseRunner:
                 "the conversation has no user message to answer; add one first", code="empty_conversation"
             )
         turns = s.conversation.turns(settings.instructions)
+        heard = s.conversation.unheard()  # their clips are in the turns, in this order
         try:
             s.fe.check_text("".join(p for _, ps in turns for p in ps if isinstance(p, str)), "conversation")
             sampling = s.fe.sampling(max_tokens=settings.max_output_tokens, temperature=settings.temperature)
@@ -121,7 +127,7 @@ class ResponseRunner:
             raise EventError(exc.message, code=exc.code or "invalid_value", param=exc.param) from exc
         kind = "audio" if "audio" in settings.modalities else "text"
         item = Item(id=new_id("item"), role="assistant", kind=kind, status="in_progress")
-        resp = Response(new_id("resp"), item, settings, [])
+        resp = Response(new_id("resp"), item, settings, [], heard=heard)
         try:
             # A user's speech enters the way chat's input_audio does (a recognizer stage,
             # or the Thinker's audio encoder); text-only turns make the plain chat prompt.
@@ -213,7 +219,9 @@ class ResponseRunner:
 
     async def _output(self, resp: Response, out: RequestOutput, emitter: AudioEmitter | None) -> None:
         s = self.session
-        if out.modality == "text":
+        if out.modality == TRANSCRIPT:
+            await self._heard(resp.heard, out.text or "")
+        elif out.modality == "text":
             piece = self._text_of(resp, out)
             if piece:
                 resp.text.append(piece)
@@ -236,6 +244,69 @@ class ResponseRunner:
         resp.num_audio_samples += len(data) // 2
         encoded = base64.b64encode(data).decode("ascii")
         await self.session.send("response.audio.delta", {**resp.ids(), "delta": encoded}, unless=resp)
+
+    async def _heard(self, items: list[Item], text: str) -> None:
+        """The recognizer's transcripts (one line per clip) become the items' text, said
+        once each when the session transcribes its input."""
+        for item, line in zip(items, text.split("\n")):
+            if item.is_heard:
+                continue
+            item.is_heard, item.text = True, line
+            if self.session.settings.transcription is not None:
+                await self.session.send(
+                    "conversation.item.input_audio_transcription.completed",
+                    {"item_id": item.id, "content_index": 0, "transcript": line},
+                )
+
+    def transcribe(self, item: Item) -> None:
+        """Ask the pipeline what ``item``'s speech says (the transcript alone: the request
+        ends at the recognizer), in a task of its own; a failure is
+        ``conversation.item.input_audio_transcription.failed``."""
+        task = asyncio.create_task(self._guarded_transcription(item), name=f"realtime-asr-{item.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guarded_transcription(self, item: Item) -> None:
+        try:
+            await self._transcription(item)
+        except (WebSocketDisconnect, OSError, RuntimeError):
+            pass  # the client is gone
+        except Exception:  # a bug: logged; the session goes on
+            logger.exception("realtime transcription of %s failed", item.id)
+
+    async def _transcription(self, item: Item) -> None:
+        s = self.session
+        entry = s.fe.pipeline.config.audio_entry_stage_id
+        assert entry is not None  # Invariant: session.update refuses transcription without one
+        error: dict[str, Any] | None = None
+        try:
+            stream = s.fe.submit(
+                endpoint="realtime",
+                prompt_token_ids=[0],
+                modalities=[TRANSCRIPT],
+                request_id=new_id("asr"),
+                inputs=audio_inputs([item.audio]),
+                entry_stage_id=entry,
+            )
+        except ApiError as exc:
+            error = {"type": exc.type, "code": exc.code, "message": exc.message}
+        else:
+            self._transcriptions.add(stream)
+            try:
+                async for out in stream:
+                    if out.modality == TRANSCRIPT:
+                        await self._heard([item], out.text or "")
+            except RequestFailedError as exc:
+                err = request_failed(exc)
+                error = {"type": err.type, "code": err.code, "message": err.message}
+            finally:
+                self._transcriptions.discard(stream)
+                stream.close()
+        if error is not None and not item.is_heard:
+            await s.send(
+                "conversation.item.input_audio_transcription.failed",
+                {"item_id": item.id, "content_index": 0, "error": error},
+            )
 
     def _text_of(self, resp: Response, out: RequestOutput) -> str:
         resp.num_output_tokens += len(out.token_ids)
@@ -281,6 +352,8 @@ class ResponseRunner:
             resp.is_over = True
             self.current = None
             resp.stream.abort("client_disconnect")
+        for stream in list(self._transcriptions):
+            stream.abort("client_disconnect")
         tasks = list(self._tasks)
         if not tasks:
             return
