@@ -103,7 +103,9 @@ class _Sink:
 class PcmResampler:
     """Float samples at ``in_rate`` → 16-bit PCM at ``out_rate``, as a stream: FFmpeg's
     resampler through PyAV, which keeps its filter's history between pushes; :meth:`flush`
-    returns what it still holds. The same rate passes straight through."""
+    returns what it still holds, so that the whole lasts as long as the input (to the
+    nearest output sample: a clip shorter than the filter gets its missing samples as
+    silence). The same rate passes straight through."""
 
     def __init__(self, in_rate: int, out_rate: int) -> None:
         self.in_rate = in_rate
@@ -112,6 +114,7 @@ class PcmResampler:
             None if in_rate == out_rate else av.AudioResampler(format="s16", layout="mono", rate=out_rate)
         )
         self._in_samples = 0
+        self._out_samples = 0
 
     def push(self, samples: np.ndarray) -> bytes:
         flat = np.ascontiguousarray(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0))
@@ -128,11 +131,14 @@ class PcmResampler:
     def flush(self) -> bytes:
         if self._resampler is None:
             return b""
-        return self._bytes(self._resampler.resample(None))
+        tail = self._bytes(self._resampler.resample(None))
+        missing = round(self._in_samples * self.out_rate / self.in_rate) - self._out_samples
+        return tail + bytes(2 * missing) if missing > 0 else tail
 
-    @staticmethod
-    def _bytes(frames: list[Any]) -> bytes:
-        return b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)
+    def _bytes(self, frames: list[Any]) -> bytes:
+        data = b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)
+        self._out_samples += len(data) // 2
+        return data
 
 
 def _encoder_rate(fmt: AudioFormat, rate: int) -> int:
