@@ -285,7 +285,11 @@ def _register_benches(bsub: Any) -> None:
     )
     v.add_argument("--warmup", type=int, default=1, help="uncounted warm-up requests first (default 1)")
     v.add_argument("--text", default=None, help="the input of every speech request")
-    v.add_argument("--voice", default="chelsie", help="the voice of every request (default chelsie)")
+    v.add_argument(
+        "--voice",
+        default="alloy",
+        help="the voice of every request (default alloy: an OpenAI name every shipped pipeline maps)",
+    )
     v.add_argument(
         "--timeout", type=float, default=300.0, help="bound on each level in seconds (default 300)"
     )

@@ -230,7 +230,7 @@ def run_serve_bench(
     requests: int | None = None,
     warmup: int = 1,
     text: str = DEFAULT_TEXT,
-    voice: str = "chelsie",
+    voice: str = "alloy",
     timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """The report of one bench run (see the module docstring); ValueError on bad arguments."""
@@ -251,13 +251,15 @@ def run_serve_bench(
         return _finish(report)
 
     from omnirelay.api import Pipeline
-    from omnirelay.serving import ServerConfig, ServerThread, create_app
+    from omnirelay.cli.serve import server_config
+    from omnirelay.serving import ServerThread, create_app
     from omnirelay.worker import leak_paths
 
     pipe = Pipeline.start(pipeline)
     audit: dict[str, Any] = {}
     try:
-        config = ServerConfig(max_concurrency=max(64, max(levels)))
+        # The pipeline's own voices and rate, as serve has them (voice-cpu speaks with joe).
+        config = server_config(pipe.config, max_concurrency=max(64, max(levels)))
         app = create_app(pipe, config)
         with ServerThread(app, host="127.0.0.1", port=0) as server:
             report = asyncio.run(

@@ -112,7 +112,8 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
 
 
 def chat_stream_audio(chunks: Any) -> tuple[str, bytes, list[Any]]:
-    """Text, audio bytes and chunks of an ``openai`` chat stream."""
+    """Text (``delta.content``, or a spoken answer's ``delta.audio.transcript``), audio
+    bytes and chunks of an ``openai`` chat stream."""
     text, audio, seen = "", b"", []
     for chunk in chunks:
         seen.append(chunk)
@@ -121,7 +122,9 @@ def chat_stream_audio(chunks: Any) -> tuple[str, bytes, list[Any]]:
         delta = chunk.choices[0].delta
         if delta.content:
             text += delta.content
-        if delta.audio is not None and delta.audio.data:
+        if delta.audio is not None and getattr(delta.audio, "transcript", None):
+            text += delta.audio.transcript  # a spoken answer's text (OpenAI's)
+        if delta.audio is not None and getattr(delta.audio, "data", None):
             audio += base64.b64decode(delta.audio.data)
     return text, audio, seen
 

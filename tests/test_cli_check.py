@@ -155,3 +155,9 @@ def test_help_and_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
         main(["check", "qwen3-omni", "--async-chunk", "maybe"])
     assert info.value.code == 2
     capsys.readouterr()
+
+
+def test_check_without_a_name_checks_the_default_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``run`` and ``serve``, ``check`` defaults to voice-cpu."""
+    assert main(["check"]) == 0
+    assert "pipeline voice-cpu" in capsys.readouterr().out

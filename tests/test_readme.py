@@ -1,9 +1,15 @@
-"""The README's examples run as written.
+"""The README's examples run as written: every code block is run by a test.
 
-The Python API block is taken out of README.md and run in a fresh interpreter from the
-repository root, as a user would paste it into a file; it must finish, print what it
-says and leave nothing behind. The set-up lines and the command table must name what
-exists.
+* The set-up block: its installs are the ones ``.ci/run`` makes (CI runs them on a fresh
+  clone), its test command is CI's, and its ``omnirelay run`` runs here.
+* The Python API block is taken out of README.md and run in a fresh interpreter from the
+  repository root, as a user would paste it into a file; it must finish, print what it
+  says and leave nothing behind.
+* Every other block runs in the README's order in one folder: the shell blocks with
+  bash, exactly as printed (the servers they start in the background are the ones the
+  Python blocks talk to), then the Python blocks together in one interpreter, as a user
+  pastes them one after the other. The servers are stopped with SIGTERM at the end and
+  must leave nothing in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -11,9 +17,14 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -67,3 +78,72 @@ def test_the_readme_opens_with_the_two_setup_commands() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = lines[1].split("#")[0].strip()
     assert test_command in ci, "the README's test command and the one .ci/run runs must be the same"
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_the_setup_block_is_what_ci_runs(tmp_path: Path) -> None:
+    install, _ = _bash_blocks()[0].splitlines()[0].split("&& omnirelay run", 1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    for step in install.split("&&"):
+        words = step.split()
+        assert words[:2] == ["pip", "install"], step
+        assert " ".join(words[2:]) in ci, f"{step.strip()!r} is not what .ci/run installs"
+
+
+def test_every_other_block_runs_as_written(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bash = _bash_blocks()
+    setup_run = "omnirelay run" + bash[0].splitlines()[0].split("&& omnirelay run", 1)[1].split("#")[0]
+    Image.fromarray(np.full((64, 96, 3), (40, 120, 200), np.uint8)).save(tmp_path / "photo.png")
+    servers: list[int] = []
+    try:
+        for block in [setup_run, *bash[1:]]:
+            # A block that starts a server in the background: its pid, for the stop at the end.
+            script = block + ("\necho omnirelay-server-pid=$!\n" if "&\n" in block else "")
+            # Files, not pipes: a server the block leaves running keeps its output open.
+            out, err = tmp_path / "block.out", tmp_path / "block.err"
+            with out.open("w") as stdout, err.open("w") as stderr:
+                done = subprocess.run(
+                    ["bash", "-euo", "pipefail", "-c", script],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=stdout,
+                    stderr=stderr,
+                    timeout=240,
+                )
+            printed = out.read_text()
+            servers += [int(m) for m in re.findall(r"omnirelay-server-pid=(\d+)", printed)]
+            assert done.returncode == 0, f"{block}\n{printed[-2000:]}\n{err.read_text()[-3000:]}"
+            if "curl -s http://127.0.0.1:8000/v1/chat/completions" in block:
+                assert '"object":"chat.completion"' in printed, printed[-2000:]
+        assert (tmp_path / "answer.wav").stat().st_size > 44 and (tmp_path / "moon.json").is_file()
+        assert len(servers) == 2
+        python = [b for b in _python_blocks() if "from omnirelay import" not in b]
+        (tmp_path / "blocks.py").write_text("\n".join(python))
+        ran = subprocess.run(
+            [sys.executable, "blocks.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert ran.returncode == 0, ran.stderr[-4000:]
+        assert "Paris" in ran.stdout and "what is the capital of france" in ran.stdout, ran.stdout
+        assert (tmp_path / "speech.mp3").stat().st_size > 1000
+    finally:
+        for pid in servers:
+            os.kill(pid, signal.SIGTERM)
+        stopped = [_gone(pid, 60) for pid in servers]
+    assert all(stopped), "a README server did not stop on SIGTERM"
+    for pid in servers:
+        assert _shm_objects(pid) == [], "a README server left omnirelay objects in /dev/shm"

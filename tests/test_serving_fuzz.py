@@ -32,7 +32,15 @@ def test_the_schema_describes_every_v1_body() -> None:
     pipe = SimpleNamespace(config=load_pipeline("toy-3stage"))  # the schema needs no running stage
     app = create_app(pipe, ServerConfig(), prompts=ByteCodec())  # type: ignore[arg-type]
     paths = app.openapi()["paths"]
-    assert {"/v1/chat/completions", "/v1/audio/speech", "/v1/models", "/v1/models/{model_id}"} <= set(paths)
+    assert {
+        "/v1/chat/completions",
+        "/v1/audio/speech",
+        "/v1/audio/transcriptions",
+        "/v1/models",
+        "/v1/models/{model_id}",
+    } <= set(paths)
+    form = paths["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert form["schema"]["required"] == ["file"]
     for path in ("/v1/chat/completions", "/v1/audio/speech"):
         op = paths[path]["post"]
         schema = op["requestBody"]["content"]["application/json"]["schema"]
@@ -57,7 +65,7 @@ def test_fuzz_finds_no_server_error_and_leaves_nothing(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     http, ws = report["http"], report["ws"]
     assert http["ok"] and http["server_errors"] == http["hangs"] == http["bad_error_bodies"] == 0
-    assert len(http["operations"]) == 4 and http["requests"] >= 4 * EXAMPLES
+    assert len(http["operations"]) == 5 and http["requests"] >= 5 * EXAMPLES
     assert set(http["statuses"]) <= {"200", "400", "404", "409", "413", "415", "429"}, http["statuses"]
     assert ws["ok"] and ws["error_then_1008"] == WS_FRAMES and len(ws["kinds"]) == 12
     assert report["healthy_after"]

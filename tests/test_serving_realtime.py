@@ -226,6 +226,26 @@ def test_bad_events_get_errors_and_the_session_goes_on(srv: Served) -> None:
             ({"type": "response.cancel"}, "response_cancel_not_active"),
             ({"type": "conversation.item.create", "item": {"role": "tool"}}, "invalid_value"),
             ({"type": "response.create", "response": {"tools": []}}, "unsupported_field"),
+            ({"type": "response.create", "response": {"conversation": "none"}}, "invalid_value"),
+            ({"type": "conversation.item.delete", "item_id": "x"}, "invalid_event_type"),
+            ({"type": "conversation.item.retrieve", "item_id": "x"}, "invalid_event_type"),
+            ({"type": "transcription_session.update", "session": {}}, "invalid_event_type"),
+            ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value"),
+            ({"type": "session.update", "session": {"output_audio_format": "g711_alaw"}}, "invalid_value"),
+            (
+                {"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}},
+                "invalid_value",
+            ),
+            (
+                {"type": "session.update", "session": {"input_audio_noise_reduction": None}},
+                "unsupported_field",
+            ),
+            ({"type": "session.update", "session": {"tools": [{"type": "function"}]}}, "invalid_value"),
+            # The test bed has no recognizer stage: nothing to transcribe with.
+            (
+                {"type": "session.update", "session": {"input_audio_transcription": {"model": "whisper-1"}}},
+                "unsupported_field",
+            ),
         ]
         for event, code in bad:
             await c.send(event)

@@ -194,6 +194,25 @@ def test_websocket_needs_a_key_in_the_header_or_the_query(srv: Served) -> None:
         assert json.loads(got[-1]) == {"type": "session.done", "num_utterances": 0}
 
 
+def test_a_browser_realtime_client_passes_its_key_as_a_subprotocol(srv: Served) -> None:
+    """OpenAI's browser Realtime clients cannot set headers: they offer ``realtime`` and
+    ``openai-insecure-api-key.KEY``; the server takes the key and answers ``realtime``
+    (never echoing the key). A wrong key in it is a 401."""
+    url = srv.url.replace("http://", "ws://") + "/v1/realtime"
+
+    def offered(key: str) -> list[Any]:
+        return ["realtime", f"openai-insecure-api-key.{key}", "openai-beta.realtime-v1"]
+
+    assert asyncio.run(_ws_status(url, subprotocols=offered("sk-no"))) == 401
+
+    async def session() -> tuple[str | None, dict[str, Any]]:
+        async with websockets.connect(url, subprotocols=offered(KEYS[1])) as ws:
+            return ws.subprotocol, json.loads(await ws.recv())
+
+    chosen, created = asyncio.run(session())
+    assert chosen == "realtime" and created["type"] == "session.created"
+
+
 def test_the_query_key_is_removed_before_anything_logs_the_path() -> None:
     seen: list[bytes] = []
 

@@ -26,7 +26,7 @@ from tests.cdp import chromium
 from tests.realtime_support import RealtimeClient, append_events, noise, pcm16, pcm_of, utterance
 from tests.serving_support import Served, serve
 
-RATE = 22050
+RATE = 24000  # pcm16 on the Realtime API (and pcm from the speech endpoint), as OpenAI's
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,9 @@ class PipelineOptions:
     outputs they make (what a :class:`~omnirelay.timeline.StageTrace` reads); off, no
     timing work is done. ``on_stage_output``: called on the front thread with every
     stage's outputs, intermediate stages included, before they are routed (timelines,
-    benchmarks); it must be quick and must not raise or block.
+    benchmarks); it must be quick and must not raise or block. ``on_stage_ready``:
+    called on the front thread with a stage's id when its worker is up during the
+    start (a server's ``/health`` shows the start's progress); the same rules.
     """
 
     namespace: str | None = None
@@ -65,6 +67,7 @@ class PipelineOptions:
     async_chunk: bool | None = None
     trace_steps: bool = False
     on_stage_output: Callable[[StageOutput], None] | None = None
+    on_stage_ready: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         _positive("PipelineOptions", "startup_timeout_s", self.startup_timeout_s)
@@ -74,7 +77,7 @@ class PipelineOptions:
                 raise ConfigError(f"PipelineOptions.{name} must be True, False or None, got {value!r}")
         if not isinstance(self.trace_steps, bool):
             raise ConfigError(f"PipelineOptions.trace_steps must be True or False, got {self.trace_steps!r}")
-        for name in ("tokenizer", "on_stage_output"):
+        for name in ("tokenizer", "on_stage_output", "on_stage_ready"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"PipelineOptions.{name} must be callable, got {value!r}")

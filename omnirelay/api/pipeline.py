@@ -224,6 +224,7 @@ class Pipeline:
             wait_slice_s=hooks.wait_slice_s,
             on_stage_output=opts.on_stage_output,
             tracer_factory=StepRecorder if opts.trace_steps else None,
+            on_stage_ready=opts.on_stage_ready,
         )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)

@@ -45,7 +45,13 @@ def register(sub: Any) -> None:
             "validate."
         ),
     )
-    p.add_argument("pipeline", metavar="PIPELINE", help="path to a pipeline YAML file, or a shipped name")
+    p.add_argument(
+        "pipeline",
+        metavar="PIPELINE",
+        nargs="?",
+        default="voice-cpu",
+        help="path to a pipeline YAML file, or a shipped name (default voice-cpu, as run and serve)",
+    )
     p.add_argument(
         "--async-chunk",
         choices=("true", "false"),

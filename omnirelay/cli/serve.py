@@ -270,12 +270,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omnirelay.api import Pipeline
-    from omnirelay.cli.session import Progress
-    from omnirelay.models import prepare_models
     from omnirelay.pipeline import load_pipeline
-    from omnirelay.serving import create_app
-    from omnirelay.serving.server import bind_socket, serve_forever
+    from omnirelay.serving.server import bind_socket
+    from omnirelay.serving.server_config import ServerConfig
 
     if args.device is None and args.load_format is None:
         pipeline_config = load_pipeline(args.pipeline)
@@ -287,29 +284,67 @@ def _serve(args: argparse.Namespace) -> int:
         pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
     if args.max_audio_streams is not None:
         pipeline_config = with_max_audio_streams(pipeline_config, args.max_audio_streams)
-    config = server_config(
-        pipeline_config,
-        model_name=args.model_name,
-        max_concurrency=args.max_concurrency,
-        max_live_bytes=args.max_live_bytes,
-        max_audio_input_s=args.max_audio_input_s,
-        max_audio_input_bytes=args.max_audio_input_bytes,
-        max_image_input_bytes=args.max_image_input_bytes,
-        max_image_input_pixels=args.max_image_input_pixels,
-        ui=args.ui,
-        **security_limits(args, os.environ),
-    )
+    security = security_limits(args, os.environ)
+    door = ServerConfig(**security)  # the front door's settings: known before anything loads
     # The port first: a port the server cannot have fails now, not after the stages load.
     sock = bind_socket(args.host, args.port)
     try:
-        prepare_models(
-            pipeline_config.stages, lambda label, done="ready": Progress(label, sys.stderr, done=done)
-        )
-        print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
-        pipeline = Pipeline.start(pipeline_config)
+        return _serve_while_starting(args, pipeline_config, door, sock)
+    finally:
+        sock.close()
+
+
+def _limits(args: argparse.Namespace, door: ServerConfig) -> dict[str, Any]:
+    """The ServerConfig fields of the flags (the security ones from ``door``)."""
+    return {
+        "model_name": args.model_name,
+        "max_concurrency": args.max_concurrency,
+        "max_live_bytes": args.max_live_bytes,
+        "max_audio_input_s": args.max_audio_input_s,
+        "max_audio_input_bytes": args.max_audio_input_bytes,
+        "max_image_input_bytes": args.max_image_input_bytes,
+        "max_image_input_pixels": args.max_image_input_pixels,
+        "ui": args.ui,
+        "api_keys": door.api_keys,
+        "allowed_origins": door.allowed_origins,
+        "allowed_hosts": door.allowed_hosts,
+        "protect_health": door.protect_health,
+        "protect_metrics": door.protect_metrics,
+    }
+
+
+def _serve_while_starting(
+    args: argparse.Namespace, pipeline_config: PipelineConfig, door: ServerConfig, sock: Any
+) -> int:
+    """Serve on ``sock`` at once: ``/health`` says ``starting`` (each stage's progress)
+    while another thread prepares the models and starts the pipeline, then the real app
+    takes every request. A start that fails stops the server and raises; SIGTERM or
+    Ctrl-C meanwhile waits for the start to end, then stops the stages it started."""
+    import threading
+
+    from omnirelay.serving.security import SecurityMiddleware
+    from omnirelay.serving.server import serve_forever
+    from omnirelay.serving.startup import LateApp, StartupBoard
+
+    board = StartupBoard(pipeline_config)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    started: list[Any] = []
+    failures: list[BaseException] = []
+    servers: list[Any] = []
+
+    def start() -> None:
         try:
-            app = create_app(pipeline, config)
-            url = f"http://{args.host}:{sock.getsockname()[1]}"
+            from omnirelay.api import Pipeline
+            from omnirelay.models import prepare_models
+            from omnirelay.serving import create_app
+
+            config = server_config(pipeline_config, **_limits(args, door))
+            prepare_models(pipeline_config.stages, lambda label, done="ready": _Step(board, label, done))
+            board.step(f"starting {pipeline_config.num_stages} stage processes")
+            print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
+            pipeline = Pipeline.start(pipeline_config, on_stage_ready=board.stage_ready)
+            started.append(pipeline)
+            late.ready(create_app(pipeline, config))
             print(
                 f"omnirelay serve: {pipeline.config.name} on {url} "
                 f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})"
@@ -317,9 +352,49 @@ def _serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            serve_forever(app, args.host, args.port, log_level=args.log_level, sock=sock)
-        finally:
-            pipeline.shutdown()
+        except BaseException as exc:
+            failures.append(exc)
+            board.fail(str(exc))
+            for server in servers:
+                server.should_exit = True
+
+    thread = threading.Thread(target=start, name="omnirelay-serve-start", daemon=True)
+    late = LateApp(board, on_startup=thread.start)
+    sock.listen(128)  # clients wait in the backlog, not refused, while the server comes up
+    print(f"omnirelay serve: listening on {url} (/health shows the start)", file=sys.stderr, flush=True)
+    try:
+        serve_forever(
+            SecurityMiddleware(late, door),
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            sock=sock,
+            on_server=servers.append,
+        )
     finally:
-        sock.close()
+        if thread.is_alive() or thread.ident is not None:
+            thread.join()
+        for pipeline in started:
+            pipeline.shutdown()
+    if failures:
+        raise failures[0]
     return 0
+
+
+class _Step:
+    """One step of the start: on the startup board (``/health``) and on stderr."""
+
+    def __init__(self, board: Any, label: str, done: str) -> None:
+        from omnirelay.cli.session import Progress
+
+        self._board = board
+        self._label = label
+        self._progress = Progress(label, sys.stderr, done=done)
+
+    def __enter__(self) -> _Step:
+        self._board.step(self._label)
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.__exit__(*exc)

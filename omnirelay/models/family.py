@@ -132,6 +132,18 @@ class PromptSide:
         """Everything the prompt stage gets for a speech request of ``text``."""
         raise NotImplementedError
 
+    def speech_instructions_refusal(self, voice: str) -> str | None:
+        """Why a speech request in ``voice`` cannot honour ``instructions`` (OpenAI's "how to
+        speak": tone, accent, pace), or None when it can; the server then answers a request
+        that gives them with a 400 saying so. A family whose voices follow instructions
+        returns None for them and reads them in :meth:`speech_prompt_with`."""
+        return f"the voice {voice!r} speaks every text one way; it takes no instructions"
+
+    def speech_prompt_with(self, text: str, *, instructions: str | None = None) -> SpeechPrompt:
+        """:meth:`speech_prompt` with the client's ``instructions`` (only called with them
+        when :meth:`speech_instructions_refusal` said None)."""
+        return self.speech_prompt(text)
+
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:
         """A detokenizer of generated ids after ``context`` (the prompt)."""
         raise NotImplementedError

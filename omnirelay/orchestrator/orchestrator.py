@@ -125,6 +125,7 @@ class Orchestrator:
         wait_slice_s: float = 0.01,
         on_stage_output: Callable[[StageOutput], None] | None = None,
         tracer_factory: Callable[[], StepTracer] | None = None,
+        on_stage_ready: Callable[[int], None] | None = None,
     ) -> None:
         self.config = msgspec.structs.replace(config, namespace=namespace)
         #: Sees every stage's outputs (intermediate stages too) before they are routed.
@@ -152,6 +153,7 @@ class Orchestrator:
                 stage_up=self._on_stage_up,
                 route=self._on_message,
                 read=self._read,
+                stage_ready=on_stage_ready,
             ),
         )
         self._loop: asyncio.AbstractEventLoop | None = None

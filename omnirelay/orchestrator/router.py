@@ -54,6 +54,7 @@ from omnirelay.orchestrator.requests import (
 from omnirelay.pipeline import PipelineConfig, placeholder_prompt_len
 
 __all__ = [
+    "TRANSCRIPT",
     "Action",
     "ClientOutput",
     "ForwardedInput",
@@ -71,6 +72,10 @@ __all__ = [
     "stage_sampling_defaults",
 ]
 
+
+#: The modality of what a recognizer stage heard (``entry_input: audio``); a request for it
+#: alone ends at that stage (``/v1/audio/transcriptions``).
+TRANSCRIPT = "transcript"
 
 # ------------------------------------------------------------------------ actions
 
@@ -188,6 +193,9 @@ class Router:
         entry = cfg.prompt_stage_id if entry_stage_id is None else entry_stage_id
         finals = cfg.final_output_stage_ids(modalities)
         final_stage_id = cfg.final_stage_id(modalities)
+        if entry == cfg.audio_entry_stage_id and modalities is not None and set(modalities) == {TRANSCRIPT}:
+            # Only what the recognizer heard (a transcription): it is the one final output.
+            finals, final_stage_id = (entry,), entry
         prewarm: tuple[int, ...] = ()
         if self.is_chunked and final_stage_id > entry:
             # §2.3: a stage that does not receive chunks gets its real input by
@@ -328,12 +336,14 @@ class Router:
             if out.sample_rate is not None:
                 acc.sample_rate = out.sample_rate
         actions: list[Action] = []
+        is_recognizer = s == self.config.audio_entry_stage_id
         if out.finished:
             st.finished_stages.add(s)
-            if s == self.config.audio_entry_stage_id:
+            if is_recognizer and s not in st.finals:
                 actions.append(ClientOutput(out.request_id, self._transcript(out)))
         if s in st.finals:
-            self._final_message(st, self._message(st, out), actions)
+            msg = self._transcript(out) if is_recognizer else self._message(st, out)
+            self._final_message(st, msg, actions)
         if out.finished and out.request_id in self._requests:
             self._forward(st, s, actions)
         if out.request_id in self._requests:
@@ -355,14 +365,16 @@ class Router:
         )
 
     def _transcript(self, out: StageOutput) -> RequestOutput:
-        """What the recognizer heard (docs/protocol.md §1.9): one output, not the request's
-        last, before the answer it prompted."""
+        """What the recognizer heard (docs/protocol.md §1.9): one output before the answer
+        it prompted, or the last one of a request for the transcript alone."""
         return RequestOutput(
             request_id=out.request_id,
             stage_id=out.stage_id,
-            modality="transcript",
+            modality=TRANSCRIPT,
             text=out.text or "",
             stage_finished=True,
+            finish_reason=out.finish_reason if out.finished else None,
+            metrics=dict(out.metrics),
         )
 
     def _final_message(self, st: _RequestState, msg: RequestOutput, actions: list[Action]) -> None:
@@ -584,5 +596,7 @@ class Router:
             return f"stage {stage_id}"
 
     def _modality(self, stage_id: int) -> str:
+        if stage_id == self.config.audio_entry_stage_id:
+            return TRANSCRIPT
         t = self.config.stage(stage_id).final_output_type
         return "" if t is None else str(t)

@@ -88,6 +88,8 @@ class SupervisorHooks:
     route: Callable[[int, ToFront], None]
     #: the stage's event socket may be readable
     read: Callable[[int], None]
+    #: a stage's first worker said hello during the pipeline's start (its id)
+    stage_ready: Callable[[int], None] | None = None
 
 
 class StageSupervisor:
@@ -191,6 +193,8 @@ class StageSupervisor:
             st.hello.set_result(None)
         if not self.is_started:
             st.state = StageState.HEALTHY
+            if self._hooks.stage_ready is not None:
+                self._hooks.stage_ready(st.stage_id)
 
     def fail_hello(self, st: StageProcess, reason: str) -> None:
         if st.hello is not None and not st.hello.done():

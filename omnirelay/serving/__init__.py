@@ -27,13 +27,19 @@ And the rooms:
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="-").chat.completions.create(...)
 """
 
-from omnirelay.serving.admission import AdmissionGate
-from omnirelay.serving.app import create_app
-from omnirelay.serving.errors import ApiError
-from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
-from omnirelay.serving.metrics import ServerMetrics
-from omnirelay.serving.server import ServerThread
-from omnirelay.serving.server_config import ServerConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnirelay.serving.admission import AdmissionGate
+    from omnirelay.serving.app import create_app
+    from omnirelay.serving.errors import ApiError
+    from omnirelay.serving.media.audio_out import AudioEmitter, OutputKind
+    from omnirelay.serving.metrics import ServerMetrics
+    from omnirelay.serving.server import ServerThread
+    from omnirelay.serving.server_config import ServerConfig
 
 __all__ = [
     "AdmissionGate",
@@ -45,3 +51,25 @@ __all__ = [
     "ServerThread",
     "create_app",
 ]
+
+#: where each name lives; imported on first use, so that ``omnirelay serve`` binds its
+#: port and answers ``/health`` before the app's heavy imports (torch, FastAPI) are done
+_HOMES = {
+    "AdmissionGate": "omnirelay.serving.admission",
+    "ApiError": "omnirelay.serving.errors",
+    "AudioEmitter": "omnirelay.serving.media.audio_out",
+    "OutputKind": "omnirelay.serving.media.audio_out",
+    "ServerConfig": "omnirelay.serving.server_config",
+    "ServerMetrics": "omnirelay.serving.metrics",
+    "ServerThread": "omnirelay.serving.server",
+    "create_app": "omnirelay.serving.app",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'omnirelay.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

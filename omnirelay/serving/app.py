@@ -5,6 +5,8 @@ route                                   serves
 ======================================  =================================================
 ``POST /v1/chat/completions``           :mod:`omnirelay.serving.routes.chat`
 ``POST /v1/audio/speech``               :mod:`omnirelay.serving.routes.speech`
+``POST /v1/audio/transcriptions``       :mod:`omnirelay.serving.routes.transcriptions`
+                                        (a pipeline with a speech recognizer stage)
 ``WS /v1/audio/speech/stream``          :mod:`omnirelay.serving.routes.speech_stream`
 ``WS /v1/realtime``                     :mod:`omnirelay.serving.realtime.session`
 ``GET /``                               the browser page (``ui`` on only:
@@ -51,7 +53,7 @@ from omnirelay.serving.openapi import error_responses, json_operation
 from omnirelay.serving.protocol import ChatCompletionRequest, SpeechRequest
 from omnirelay.serving.realtime import session as realtime
 from omnirelay.serving.realtime import ui
-from omnirelay.serving.routes import chat, speech, speech_stream
+from omnirelay.serving.routes import chat, speech, speech_stream, transcriptions
 from omnirelay.serving.security import SecurityMiddleware
 from omnirelay.serving.server_config import ServerConfig
 from omnirelay.serving.text import prompt_side_for
@@ -60,7 +62,11 @@ __all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+_ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/audio/speech": "speech",
+    "/v1/audio/transcriptions": "transcriptions",
+}
 #: OpenAI-style ``code`` of the errors the router itself raises (status in the status line)
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _CHAT_OK = {
@@ -70,6 +76,34 @@ _CHAT_OK = {
 _SPEECH_OK = {
     "description": "the audio (streamed as it is made with stream or stream_format)",
     "content": {"audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}},
+}
+
+
+_TRANSCRIPTION_BODY = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file"],
+                "properties": {
+                    "file": {"type": "string", "format": "binary"},
+                    "model": {"type": "string"},
+                    "response_format": {"type": "string", "enum": list(transcriptions.RESPONSE_FORMATS)},
+                    "timestamp_granularities[]": {
+                        "type": "array",
+                        "items": {"type": "string", "enum": ["segment", "word"]},
+                    },
+                    "language": {"type": "string"},
+                    "temperature": {"type": "number"},
+                },
+            }
+        }
+    },
+}
+_TRANSCRIPTION_OK = {
+    "description": "the transcript: JSON (json, verbose_json) or text (text, srt, vtt)",
+    "content": {"application/json": {"schema": {"type": "object"}}, "text/plain": {}},
 }
 
 
@@ -111,6 +145,13 @@ def create_app(
     @app.post("/v1/audio/speech", openapi_extra=json_operation(SpeechRequest, _SPEECH_OK, fe.model_name))
     async def _speech(request: Request) -> Response:
         return await speech.speech(request, fe)
+
+    @app.post(
+        "/v1/audio/transcriptions",
+        openapi_extra={"requestBody": _TRANSCRIPTION_BODY, "responses": {"200": _TRANSCRIPTION_OK}},
+    )
+    async def _transcriptions(request: Request) -> Response:
+        return await transcriptions.transcriptions(request, fe)
 
     @app.websocket(speech.WS_PATH)
     async def _speech_stream(ws: WebSocket) -> None:
@@ -229,6 +270,8 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         )
     return {
         "status": health.status,
+        # the pipeline started (before, the server's startup board answers, docs/protocol.md §7.5)
+        "ready": True,
         "model": fe.model_name,
         "namespace": health.namespace,
         "num_requests": health.num_requests,

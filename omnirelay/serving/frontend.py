@@ -316,12 +316,33 @@ class Frontend:
             raise
         return RequestStream(self, handle, slot, endpoint)
 
+    def check_instructions(self, voice: str, instructions: str | None) -> None:
+        """A 400 for speech ``instructions`` the voice cannot honour (the prompt side says
+        per voice, :meth:`~omnirelay.models.family.PromptSide.speech_instructions_refusal`)."""
+        if not instructions or not instructions.strip():
+            return
+        refusal = self.prompts.speech_instructions_refusal(voice)
+        if refusal is not None:
+            raise ApiError(400, f"instructions: {refusal}; omit them", param="instructions")
+        self.check_text(instructions, "instructions")
+
     def submit_speech(
-        self, *, endpoint: str, text: str, modalities: Sequence[str], request_id: str, extras: dict[str, Any]
+        self,
+        *,
+        endpoint: str,
+        text: str,
+        modalities: Sequence[str],
+        request_id: str,
+        extras: dict[str, Any],
+        instructions: str | None = None,
     ) -> RequestStream:
         """A speech request for ``text``: the prompt side's prompt, full input and answer length
-        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
-        prompt = self.prompts.speech_prompt(text)
+        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`.
+        ``instructions``: checked first (:meth:`check_instructions`)."""
+        if instructions and instructions.strip():
+            prompt = self.prompts.speech_prompt_with(text, instructions=instructions)
+        else:
+            prompt = self.prompts.speech_prompt(text)
         sampling = None
         if prompt.max_tokens is not None:
             base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])

@@ -43,6 +43,7 @@ __all__ = [
     "check_request_id",
     "loads_object",
     "parse",
+    "read_body",
     "read_json_body",
 ]
 
@@ -274,6 +275,18 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
             f"the request body must be JSON sent with 'Content-Type: application/json' (got {shown})",
             code="unsupported_media_type",
         )
+    raw = await read_body(request, max_bytes)
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return loads_object(raw, "the request body")
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, read with a cap: 413 past ``max_bytes`` (declared or sent), 400
+    when the client leaves while sending it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
@@ -287,13 +300,7 @@ async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise ApiError(400, "the client closed the connection while sending the body") from exc
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise ApiError(400, "the request body is empty; send a JSON object")
-    try:
-        return loads_object(raw, "the request body")
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
+    return b"".join(chunks)
 
 
 def loads_object(raw: str | bytes, what: str) -> dict[str, Any]:

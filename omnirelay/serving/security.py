@@ -18,11 +18,13 @@ handshake, in this order:
    preflight). Responses to allowed origins carry ``Access-Control-Allow-Origin``; the
    server's own host needs none, and no other origin ever gets any.
 3. **API key.** With keys configured, every ``/v1`` route and the WebSocket need
-   ``Authorization: Bearer KEY`` (the WebSocket may pass ``?api_key=KEY`` instead, as
-   browsers cannot set its headers); ``/health`` and ``/metrics`` only when protected.
-   Otherwise 401 ``invalid_api_key``. Keys are compared in constant time, against every
-   configured key, and never logged: ``api_key`` is removed from the query string before
-   anything (uvicorn's access log included) can see it.
+   ``Authorization: Bearer KEY`` (browsers cannot set a WebSocket's headers, so it may
+   pass the key as OpenAI's Realtime clients do, in the subprotocol
+   ``openai-insecure-api-key.KEY``, or as ``?api_key=KEY``); ``/health`` and ``/metrics``
+   only when protected. Otherwise 401 ``invalid_api_key``. Keys are compared in constant
+   time, against every configured key, and never logged: ``api_key`` is removed from the
+   query string, and the key's subprotocol from the offered ones, before anything
+   (uvicorn's access log, the route) can see it.
 
 Refusals are OpenAI-style JSON errors; a refused WebSocket handshake gets the same HTTP
 status and body (ASGI's ``websocket.http.response``), so browsers and clients see 401/403.
@@ -41,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnirelay.serving.errors import error_body
 from omnirelay.serving.server_config import ServerConfig, host_of_header, normalize_host, normalize_origin
 
-__all__ = ["SecurityMiddleware", "is_loopback_host"]
+__all__ = ["SUBPROTOCOL_KEY_PREFIX", "SecurityMiddleware", "is_loopback_host"]
 
 #: response headers a cross-origin page may read (the rest are hidden by the browser)
 _EXPOSED = "X-Request-Id, X-Sample-Rate, X-Word-Timestamps, X-Word-Timestamps-Omitted, Retry-After"
@@ -77,6 +79,8 @@ class SecurityMiddleware:
             return
         headers = Headers(scope=scope)
         query_key = _take_query_key(scope)  # always removed, so it never reaches a log
+        if kind == "websocket":
+            query_key = _take_subprotocol_key(scope) or query_key
         if self._hosts is not None:
             given = headers.get("host")
             if given is None or host_of_header(given) not in self._hosts:
@@ -136,7 +140,8 @@ class SecurityMiddleware:
         if given is None:
             return (
                 "no API key provided; send the header 'Authorization: Bearer <API key>' "
-                "(a WebSocket may pass ?api_key=<API key> instead)"
+                "(a WebSocket may pass the subprotocol 'openai-insecure-api-key.<API key>' or "
+                "?api_key=<API key> instead)"
             )
         if not _matches_any(given.encode("utf-8", "surrogateescape"), self._keys):
             return "the API key is not valid"
@@ -172,6 +177,21 @@ def _take_query_key(scope: Scope) -> str | None:
         return None
     scope["query_string"] = urlencode([(k, v) for k, v in pairs if k != "api_key"]).encode("latin-1")
     return values[-1]
+
+
+#: OpenAI's browser Realtime clients offer the key as the subprotocol ``PREFIX + key``.
+SUBPROTOCOL_KEY_PREFIX = "openai-insecure-api-key."
+
+
+def _take_subprotocol_key(scope: Scope) -> str | None:
+    """Remove ``openai-insecure-api-key.KEY`` from the offered subprotocols (the route never
+    echoes it back) and return the key."""
+    offered: list[str] = list(scope.get("subprotocols") or [])
+    keys = [p[len(SUBPROTOCOL_KEY_PREFIX) :] for p in offered if p.startswith(SUBPROTOCOL_KEY_PREFIX)]
+    if not keys:
+        return None
+    scope["subprotocols"] = [p for p in offered if not p.startswith(SUBPROTOCOL_KEY_PREFIX)]
+    return keys[-1]
 
 
 def _host_message(host: str | None) -> str:

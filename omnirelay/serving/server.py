@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -130,7 +131,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def serve_forever(
-    app: Any, host: str, port: int, *, log_level: str = "info", sock: socket.socket | None = None
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
+    on_server: Callable[[uvicorn.Server], None] | None = None,
 ) -> None:
     """Run the server in this thread (on ``sock`` when given: one from :func:`bind_socket`)
     until SIGINT (then ``KeyboardInterrupt``) or SIGTERM (then it returns).
@@ -138,13 +145,16 @@ def serve_forever(
     uvicorn stops gracefully on either, then raises the signal again for the handler it
     found. SIGTERM's default action would end the process there, before the caller's
     cleanup (the stage processes, their shared memory); the handler installed here turns
-    it into a normal return instead, so a service manager's stop is an orderly one."""
+    it into a normal return instead, so a service manager's stop is an orderly one.
+    ``on_server`` is given the server before it runs (another thread may stop it through
+    its ``should_exit``)."""
     is_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if is_main else None
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level))
+    if on_server is not None:
+        on_server(server)
     try:
-        uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level)).run(
-            sockets=None if sock is None else [sock]
-        )
+        server.run(sockets=None if sock is None else [sock])
     except _Terminated:
         pass
     finally:

@@ -60,8 +60,9 @@ def load_nixl() -> Any:
                 logging.getLogger("nixl").setLevel(logging.WARNING)  # imported before we could say
             return module
     raise ConnectorError(
-        "the nixl connector needs NIXL: pip install --no-deps 'nixl-cu12>=1.0,<2' "
-        f"(or pip install 'omnirelay[multihost]'); import failed: {'; '.join(errors)}"
+        "the nixl connector needs NIXL: pip install --no-deps 'nixl-cu12>=1.5,<2' (the wheel's own "
+        "requirements would pull a CUDA build of torch; the 'multihost' extra holds Ray only); "
+        f"import failed: {'; '.join(errors)}"
     )
 
 

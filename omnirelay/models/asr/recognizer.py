@@ -5,7 +5,9 @@ its clips as the full input (:mod:`omnirelay.models.qwen3_omni.audio`: 16 kHz mo
 leaves with one step — its text is the transcript of each clip, one line per clip, in
 order — which the orchestrator forwards complete to the prompt stage (the
 ``asr_to_thinker`` input builder makes the transcripts the user's words). Requests
-without audio never reach this stage.
+without audio never reach this stage. A request whose ``inputs`` also say
+``"word_timestamps": True`` (a transcription, which ends here) gets its words timed
+instead: the text is the JSON list of :func:`timed_transcripts`, one entry per clip.
 
 PocketSphinx's bundled US English acoustic model, dictionary and language model
 (:class:`~omnirelay.models.asr.sphinx.Recognizer`); lower-case words, no punctuation.
@@ -15,6 +17,8 @@ its duration on one core.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
@@ -23,7 +27,31 @@ from omnirelay.models.asr import RECOGNIZER_EXECUTOR
 from omnirelay.models.asr.sphinx import Recognizer
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, read_audio_inputs
 
-__all__ = ["RECOGNIZER_EXECUTOR", "SphinxRecognizerExecutor", "create_sphinx_recognizer"]
+__all__ = [
+    "RECOGNIZER_EXECUTOR",
+    "WORD_TIMESTAMPS",
+    "SphinxRecognizerExecutor",
+    "create_sphinx_recognizer",
+    "timed_transcripts",
+]
+
+#: The ``inputs`` key of a request that wants its recognized words timed.
+WORD_TIMESTAMPS = "word_timestamps"
+
+
+def timed_transcripts(clips: Sequence[Sequence[tuple[str, int, int]]]) -> str:
+    """Each clip's ``(word, start_ms, end_ms)`` as the recognizer's text of a timed request:
+    ``[{"text": "what is it", "words": [{"word": "what", "start_ms": 120, "end_ms": 300}, …]}, …]``."""
+    return json.dumps(
+        [
+            {
+                "text": " ".join(w for w, _, _ in words),
+                "words": [{"word": w, "start_ms": int(a), "end_ms": int(b)} for w, a, b in words],
+            }
+            for words in clips
+        ],
+        separators=(",", ":"),
+    )
 
 
 class SphinxRecognizerExecutor:
@@ -48,8 +76,11 @@ class SphinxRecognizerExecutor:
                 f"{who}: the recognizer needs the request's audio "
                 f"(inputs {{'audio': [clips], 'sample_rate': {AUDIO_INPUT_RATE}}})"
             )
-        lines = [" ".join(self.recognizer.words(clip.numpy(), AUDIO_INPUT_RATE)) for clip in clips]
         self.num_clips += len(clips)
+        if isinstance(item.inputs, Mapping) and item.inputs.get(WORD_TIMESTAMPS) is True:
+            timed = [self.recognizer.transcribe(clip.numpy(), AUDIO_INPUT_RATE) for clip in clips]
+            return ItemResult(internal_id=item.internal_id, finished=True, text=timed_transcripts(timed))
+        lines = [" ".join(self.recognizer.words(clip.numpy(), AUDIO_INPUT_RATE)) for clip in clips]
         return ItemResult(internal_id=item.internal_id, finished=True, text="\n".join(lines))
 
     def release(self, internal_id: str) -> None:

@@ -39,6 +39,8 @@ from omnirelay.errors import InvalidRequestError
 
 __all__ = [
     "DEFAULT_AUDIO_LIMITS",
+    "FILE_EXTENSIONS",
+    "FILE_FORMATS",
     "INPUT_FORMATS",
     "PCM16_RATE",
     "AudioInputError",
@@ -49,10 +51,26 @@ __all__ = [
 
 #: Formats a client may send (OpenAI's ``input_audio.format`` names plus raw ``pcm16``).
 INPUT_FORMATS = ("wav", "mp3", "pcm16")
+#: Formats of an uploaded audio file (``/v1/audio/transcriptions``), as OpenAI takes them.
+FILE_FORMATS = ("wav", "mp3", "flac", "ogg", "webm", "mp4")
+#: A file name's extension → its format (OpenAI names the format by the extension).
+FILE_EXTENSIONS = {
+    "wav": "wav",
+    "mp3": "mp3",
+    "mpeg": "mp3",
+    "mpga": "mp3",
+    "flac": "flac",
+    "ogg": "ogg",
+    "oga": "ogg",
+    "opus": "ogg",
+    "webm": "webm",
+    "mp4": "mp4",
+    "m4a": "mp4",
+}
 #: The rate of raw ``pcm16`` input, which has no header to say it (OpenAI's Realtime rate).
 PCM16_RATE = 24_000
 #: the container FFmpeg opens for each format (pcm16 needs none)
-_DEMUXERS = {"wav": "wav", "mp3": "mp3"}
+_DEMUXERS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg", "webm": "matroska", "mp4": "mov"}
 
 
 class AudioInputError(InvalidRequestError):
@@ -126,11 +144,13 @@ def decode_audio(
     sample_rate: int,
     limits: AudioLimits = DEFAULT_AUDIO_LIMITS,
     param: str | None = None,
+    formats: tuple[str, ...] = INPUT_FORMATS,
 ) -> np.ndarray:
-    """Encoded ``raw`` bytes in format ``fmt`` → mono float32 at ``sample_rate``.
-    Raises :class:`AudioInputError` (format, size, duration, undecodable bytes, no audio)."""
+    """Encoded ``raw`` bytes in format ``fmt`` (one of ``formats``) → mono float32 at
+    ``sample_rate``. Raises :class:`AudioInputError` (format, size, duration, undecodable
+    bytes, no audio)."""
     where = f"{param}." if param else ""
-    _check_format(fmt, f"{where}format")
+    _check_format(fmt, f"{where}format", formats)
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
         raise ValueError(f"sample_rate must be an int > 0, got {sample_rate!r}")
     if len(raw) > limits.max_bytes:
@@ -154,13 +174,12 @@ def decode_audio(
     return np.clip(waveform, -1.0, 1.0).astype(np.float32, copy=False)
 
 
-def _check_format(fmt: object, param: str) -> None:
-    if fmt not in INPUT_FORMATS:
+def _check_format(fmt: object, param: str, formats: tuple[str, ...] = INPUT_FORMATS) -> None:
+    if fmt not in formats or (fmt != "pcm16" and fmt not in _DEMUXERS):
         shown = repr(fmt) if isinstance(fmt, str) else type(fmt).__name__
+        pcm = f" (pcm16: raw 16-bit little-endian mono at {PCM16_RATE} Hz)" if "pcm16" in formats else ""
         raise AudioInputError(
-            f"{param} {shown} is not supported; supported input formats: {list(INPUT_FORMATS)} "
-            f"(pcm16: raw 16-bit little-endian mono at {PCM16_RATE} Hz)",
-            param=param,
+            f"{param} {shown} is not supported; supported input formats: {list(formats)}{pcm}", param=param
         )
 
 

@@ -8,12 +8,15 @@ format     Content-Type                    bytes
 ``aac``    ``audio/aac``                   AAC-LC in ADTS frames, 64 kbit/s mono
 ``flac``   ``audio/flac``                  FLAC, 16-bit mono
 ``wav``    ``audio/wav``                   RIFF/WAVE, 16-bit PCM mono
-``pcm``    ``audio/pcm``                   raw 16-bit little-endian PCM mono
+``pcm``    ``audio/pcm``                   raw 16-bit little-endian PCM mono, 24 kHz
 =========  ==============================  ===========================================
 
 The compressed formats are encoded and muxed by FFmpeg's libraries through PyAV; the
 pipeline's rate is kept when the encoder takes it, else PyAV's resampler converts (Opus
 always runs at 48 kHz). The same resampler cuts the audio into the encoder's frame size.
+Raw ``pcm`` carries no rate of its own, so it is always at :data:`PCM_RATE` (24 kHz, the
+rate OpenAI's ``pcm`` and Realtime ``pcm16`` are at): audio of another rate goes through
+PyAV's resampler; ``wav`` keeps the pipeline's rate, which its header names.
 
 An encoder is **streaming** or **whole**:
 
@@ -40,7 +43,10 @@ import numpy as np
 
 from omnirelay.serving.media.audio_out import pcm16, wav_header
 
-__all__ = ["FORMATS", "AudioEncoder", "AudioFormat"]
+__all__ = ["FORMATS", "PCM_RATE", "AudioEncoder", "AudioFormat", "PcmResampler"]
+
+#: The rate of raw ``pcm`` output (OpenAI's): a format without a header cannot say another.
+PCM_RATE = 24_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +76,7 @@ FORMATS: dict[str, AudioFormat] = {
         AudioFormat("aac", "audio/aac", "adts", "aac", "fltp", 64_000),
         AudioFormat("flac", "audio/flac", "flac", "flac", "s16"),
         AudioFormat("wav", "audio/wav"),
-        AudioFormat("pcm", "audio/pcm"),
+        AudioFormat("pcm", "audio/pcm", fixed_rate=PCM_RATE),
     )
 }
 
@@ -92,6 +98,47 @@ class _Sink:
         out = bytes(self._buf)
         self._buf.clear()
         return out
+
+
+class PcmResampler:
+    """Float samples at ``in_rate`` → 16-bit PCM at ``out_rate``, as a stream: FFmpeg's
+    resampler through PyAV, which keeps its filter's history between pushes; :meth:`flush`
+    returns what it still holds, so that the whole lasts as long as the input (to the
+    nearest output sample: a clip shorter than the filter gets its missing samples as
+    silence). The same rate passes straight through."""
+
+    def __init__(self, in_rate: int, out_rate: int) -> None:
+        self.in_rate = in_rate
+        self.out_rate = out_rate
+        self._resampler: Any = (
+            None if in_rate == out_rate else av.AudioResampler(format="s16", layout="mono", rate=out_rate)
+        )
+        self._in_samples = 0
+        self._out_samples = 0
+
+    def push(self, samples: np.ndarray) -> bytes:
+        flat = np.ascontiguousarray(np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0))
+        if self._resampler is None:
+            return pcm16(flat)
+        if flat.size == 0:
+            return b""
+        frame = av.AudioFrame.from_ndarray(flat.reshape(1, -1), format="flt", layout="mono")
+        frame.sample_rate = self.in_rate
+        frame.pts = self._in_samples
+        self._in_samples += flat.size
+        return self._bytes(self._resampler.resample(frame))
+
+    def flush(self) -> bytes:
+        if self._resampler is None:
+            return b""
+        tail = self._bytes(self._resampler.resample(None))
+        missing = round(self._in_samples * self.out_rate / self.in_rate) - self._out_samples
+        return tail + bytes(2 * missing) if missing > 0 else tail
+
+    def _bytes(self, frames: list[Any]) -> bytes:
+        data = b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)
+        self._out_samples += len(data) // 2
+        return data
 
 
 def _encoder_rate(fmt: AudioFormat, rate: int) -> int:
@@ -164,6 +211,7 @@ class AudioEncoder:
         self.output_rate: int | None = None
         self._pcm: list[bytes] = []  # wav/pcm of a whole response
         self._writer: _PyAVWriter | None = None
+        self._resampler: PcmResampler | None = None  # pcm of another rate than PCM_RATE
         self._is_finished = False
 
     @property
@@ -176,7 +224,9 @@ class AudioEncoder:
         flat = np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(-1))
         first = self._start(sample_rate)
         if self.format.container is None:
-            data = pcm16(np.clip(flat, -1.0, 1.0))
+            data = (
+                self._resampler.push(flat) if self._resampler is not None else pcm16(np.clip(flat, -1.0, 1.0))
+            )
             if not self.is_streaming:
                 self._pcm.append(data)
                 return b""
@@ -191,10 +241,11 @@ class AudioEncoder:
         first = self._start(default_rate)
         self._is_finished = True
         if self.format.container is None:
+            tail = self._resampler.flush() if self._resampler is not None else b""
             if self.is_streaming:
                 # A stream that never had audio still owes its header.
-                return wav_header(default_rate) if first and self.format.name == "wav" else b""
-            data = b"".join(self._pcm)
+                return wav_header(default_rate) if first and self.format.name == "wav" else tail
+            data = b"".join([*self._pcm, tail])
             self._pcm.clear()
             if self.format.name == "wav":
                 assert self.input_rate is not None
@@ -211,7 +262,9 @@ class AudioEncoder:
             return False
         self.input_rate = rate
         if self.format.container is None:
-            self.output_rate = rate
+            self.output_rate = self.format.fixed_rate or rate
+            if self.output_rate != rate:
+                self._resampler = PcmResampler(rate, self.output_rate)
         else:
             self._writer = _PyAVWriter(self.format, rate, is_streaming=self.is_streaming)
             self.output_rate = self._writer.rate

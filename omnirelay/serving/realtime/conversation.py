@@ -30,8 +30,11 @@ class Item:
     kind: str
     text: str = ""
     status: str = "completed"
-    #: the user's committed speech (int16 samples at the session rate) until it is transcribed
+    #: the user's committed speech (float32 at the rate pipelines hear), heard again by
+    #: each response until the recognizer's transcript of it is known
     audio: Any = field(default=None, repr=False)
+    #: the recognizer's transcript of ``audio`` is known (it is ``text``, maybe empty)
+    is_heard: bool = False
 
     def event_item(self) -> dict[str, Any]:
         """The item as OpenAI's realtime ``item`` object."""
@@ -108,11 +111,16 @@ class Conversation:
         ``(role, [text | clip])``; a user's speech is its clip until it has a transcript."""
         out: list[tuple[str, list[Any]]] = [("system", [instructions])] if instructions else []
         for item in self._items.values():
-            if item.audio is not None and not item.text:
+            if item.audio is not None and not item.is_heard:
                 out.append((item.role, [item.audio]))
             elif item.text:
                 out.append((item.role, [item.text]))
         return out
+
+    def unheard(self) -> list[Item]:
+        """The speech items without a transcript yet, in the order :meth:`turns` gives their
+        clips (the recognizer's transcripts come back in that order)."""
+        return [item for item in self._items.values() if item.audio is not None and not item.is_heard]
 
     def messages(self, instructions: str) -> list[tuple[str, str]]:
         """``(role, text)`` turns of a prompt: the instructions, then each item with text."""

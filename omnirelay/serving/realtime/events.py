@@ -108,14 +108,17 @@ class RealtimeSettings:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     temperature: float | None = None
     max_output_tokens: int | None = None  # None: "inf" (the pipeline's default)
+    #: ``input_audio_transcription``: {model, language?} (the pipeline's recognizer
+    #: transcribes), or None: off
+    transcription: dict[str, Any] | None = None
 
 
 def session_object(
     session_id: str, model: str, settings: RealtimeSettings, sample_rate: int, window: dict[str, Any]
 ) -> dict[str, Any]:
-    """The ``session`` of ``session.created`` / ``session.updated``. ``sample_rate`` and
-    ``conversation`` (the bounded history: ``max_items``, ``num_dropped_items`` …) are
-    omnirelay's additions; pcm16 is at ``sample_rate`` both ways."""
+    """The ``session`` of ``session.created`` / ``session.updated``. ``sample_rate`` (pcm16's
+    rate both ways: 24 kHz, OpenAI's) and ``conversation`` (the bounded history:
+    ``max_items``, ``num_dropped_items`` …) are omnirelay's additions."""
     tokens: int | str = "inf" if settings.max_output_tokens is None else settings.max_output_tokens
     td = settings.turn_detection
     return {
@@ -127,7 +130,7 @@ def session_object(
         "voice": settings.voice,
         "input_audio_format": AUDIO_FORMAT,
         "output_audio_format": AUDIO_FORMAT,
-        "input_audio_transcription": None,
+        "input_audio_transcription": settings.transcription,
         "turn_detection": None if td is None else td.as_event(),
         "tools": [],
         "tool_choice": "none",
@@ -209,10 +212,12 @@ def apply_session_update(
     check_voice: Any,
     check_modalities: Any,
     sample_rate: int,
+    can_transcribe: bool = False,
 ) -> RealtimeSettings:
     """``settings`` with ``session.update``'s ``session`` applied, or :class:`EventError`
     (nothing applied). ``check_voice`` / ``check_modalities``: the server's checks (they
-    raise :class:`~omnirelay.serving.errors.ApiError`)."""
+    raise :class:`~omnirelay.serving.errors.ApiError`); ``can_transcribe``: the pipeline
+    has a speech recognizer stage (``input_audio_transcription`` needs one)."""
     if not isinstance(session, dict):
         raise EventError("session.update needs an object field 'session'", param="session")
     unknown = sorted(set(session) - _SESSION_KEYS)
@@ -234,12 +239,13 @@ def apply_session_update(
     rate = _field(session, "sample_rate", int, "session")
     if rate is not None and rate != sample_rate:
         raise EventError(
-            f"session.sample_rate is {sample_rate} Hz on this server (the pipeline's); resample the audio",
+            f"session.sample_rate is {sample_rate} Hz (pcm16's, as OpenAI's); resample the audio to it",
             param="session.sample_rate",
         )
-    for key, allowed in (("input_audio_transcription", None), ("tools", [])):
-        if key in session and session[key] not in (None, allowed):
-            raise EventError(f"session.{key} is not supported by this server", param=f"session.{key}")
+    if "tools" in session and session["tools"] not in (None, []):
+        raise EventError("session.tools is not supported by this server", param="session.tools")
+    if "input_audio_transcription" in session:
+        values["transcription"] = _transcription(session["input_audio_transcription"], can_transcribe)
     if session.get("tool_choice") not in (None, "none", "auto"):
         raise EventError("session.tool_choice: this server has no tools", param="session.tool_choice")
     values.update(
@@ -248,6 +254,40 @@ def apply_session_update(
     if "turn_detection" in session:
         values["turn_detection"] = _turn_detection(session["turn_detection"], settings.turn_detection)
     return replace(settings, **values)
+
+
+#: the languages the pipeline's recognizer hears (PocketSphinx's US English model)
+_LANGUAGES = ("en", "en-us", "english")
+
+
+def _transcription(value: Any, can_transcribe: bool) -> dict[str, Any] | None:
+    """``session.input_audio_transcription``: null (off) or {model, language, prompt}."""
+    where = "session.input_audio_transcription"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise EventError(f"{where} must be an object or null", param=where)
+    if not can_transcribe:
+        raise EventError(
+            f"{where}: this pipeline has no speech recognizer stage to transcribe with; set it to null",
+            code="unsupported_field",
+            param=where,
+        )
+    unknown = sorted(set(value) - {"model", "language", "prompt"})
+    if unknown:
+        raise EventError(
+            f"{where}.{unknown[0]} is not supported", code="unsupported_field", param=f"{where}.{unknown[0]}"
+        )
+    model = _field(value, "model", str, where)
+    language = _field(value, "language", str, where)
+    if language is not None and language.lower() not in _LANGUAGES:
+        raise EventError(
+            f"{where}.language {language!r} is not supported; the recognizer hears English ('en')",
+            param=f"{where}.language",
+        )
+    if _field(value, "prompt", str, where):
+        raise EventError(f"{where}.prompt: the recognizer takes no prompt", param=f"{where}.prompt")
+    return {"model": model, "language": language, "prompt": None}
 
 
 def _common_overrides(

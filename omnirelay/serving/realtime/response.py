@@ -25,11 +25,13 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.models.family import Detokenizer
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.models.inputs import audio_inputs
+from omnirelay.orchestrator.router import TRANSCRIPT, RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import RequestStream
-from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError, pcm16
+from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import submit_turns
+from omnirelay.serving.media.encoding import PcmResampler
 from omnirelay.serving.realtime.conversation import Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, new_id
 
@@ -58,6 +60,10 @@ class Response:
     num_audio_samples: int = 0
     task: asyncio.Task[None] | None = None
     detok: Detokenizer | None = None
+    #: the answer's audio from the pipeline's rate to the session's (made at its first audio)
+    resampler: PcmResampler | None = None
+    #: the speech items whose clips the request hears (the recognizer's transcripts, in order)
+    heard: list[Item] = field(default_factory=list)
 
     @property
     def has_audio(self) -> bool:
@@ -97,6 +103,8 @@ class ResponseRunner:
         self.session = session
         self.current: Response | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: transcription-only requests in flight (aborted when the session closes)
+        self._transcriptions: set[RequestStream] = set()
 
     async def start(self, settings: RealtimeSettings) -> None:
         """``response.create``: answer the conversation as it is now."""
@@ -111,6 +119,7 @@ class ResponseRunner:
                 "the conversation has no user message to answer; add one first", code="empty_conversation"
             )
         turns = s.conversation.turns(settings.instructions)
+        heard = s.conversation.unheard()  # their clips are in the turns, in this order
         try:
             s.fe.check_text("".join(p for _, ps in turns for p in ps if isinstance(p, str)), "conversation")
             sampling = s.fe.sampling(max_tokens=settings.max_output_tokens, temperature=settings.temperature)
@@ -118,7 +127,7 @@ class ResponseRunner:
             raise EventError(exc.message, code=exc.code or "invalid_value", param=exc.param) from exc
         kind = "audio" if "audio" in settings.modalities else "text"
         item = Item(id=new_id("item"), role="assistant", kind=kind, status="in_progress")
-        resp = Response(new_id("resp"), item, settings, [])
+        resp = Response(new_id("resp"), item, settings, [], heard=heard)
         try:
             # A user's speech enters the way chat's input_audio does (a recognizer stage,
             # or the Thinker's audio encoder); text-only turns make the plain chat prompt.
@@ -204,11 +213,15 @@ class ResponseRunner:
             }
         finally:
             resp.stream.close()
+        if status == "completed" and resp.resampler is not None:
+            await self._audio_delta(resp, resp.resampler.flush())  # what the resampler held back
         await self._finish(resp, status, details)
 
     async def _output(self, resp: Response, out: RequestOutput, emitter: AudioEmitter | None) -> None:
         s = self.session
-        if out.modality == "text":
+        if out.modality == TRANSCRIPT:
+            await self._heard(resp.heard, out.text or "")
+        elif out.modality == "text":
             piece = self._text_of(resp, out)
             if piece:
                 resp.text.append(piece)
@@ -218,15 +231,82 @@ class ResponseRunner:
             new = emitter.push(out.audio, out.sample_rate)
             if new is None or new.numel() == 0:
                 return
-            if emitter.sample_rate != s.rate:
-                raise AudioStreamError(
-                    f"the pipeline made audio at {emitter.sample_rate} Hz, not the session's {s.rate} Hz"
+            rate = emitter.sample_rate
+            assert rate is not None and resp.stream is not None
+            if resp.resampler is None:  # the pipeline's rate → the session's (24 kHz)
+                resp.resampler = PcmResampler(rate, s.rate)
+            resp.stream.note_audio_sent(new.numel(), rate)
+            await self._audio_delta(resp, resp.resampler.push(new.numpy()))
+
+    async def _audio_delta(self, resp: Response, data: bytes) -> None:
+        if not data:
+            return
+        resp.num_audio_samples += len(data) // 2
+        encoded = base64.b64encode(data).decode("ascii")
+        await self.session.send("response.audio.delta", {**resp.ids(), "delta": encoded}, unless=resp)
+
+    async def _heard(self, items: list[Item], text: str) -> None:
+        """The recognizer's transcripts (one line per clip) become the items' text, said
+        once each when the session transcribes its input."""
+        for item, line in zip(items, text.split("\n")):
+            if item.is_heard:
+                continue
+            item.is_heard, item.text = True, line
+            if self.session.settings.transcription is not None:
+                await self.session.send(
+                    "conversation.item.input_audio_transcription.completed",
+                    {"item_id": item.id, "content_index": 0, "transcript": line},
                 )
-            assert resp.stream is not None
-            resp.stream.note_audio_sent(new.numel(), s.rate)
-            resp.num_audio_samples += new.numel()
-            data = base64.b64encode(pcm16(new)).decode("ascii")
-            await s.send("response.audio.delta", {**resp.ids(), "delta": data}, unless=resp)
+
+    def transcribe(self, item: Item) -> None:
+        """Ask the pipeline what ``item``'s speech says (the transcript alone: the request
+        ends at the recognizer), in a task of its own; a failure is
+        ``conversation.item.input_audio_transcription.failed``."""
+        task = asyncio.create_task(self._guarded_transcription(item), name=f"realtime-asr-{item.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guarded_transcription(self, item: Item) -> None:
+        try:
+            await self._transcription(item)
+        except (WebSocketDisconnect, OSError, RuntimeError):
+            pass  # the client is gone
+        except Exception:  # a bug: logged; the session goes on
+            logger.exception("realtime transcription of %s failed", item.id)
+
+    async def _transcription(self, item: Item) -> None:
+        s = self.session
+        entry = s.fe.pipeline.config.audio_entry_stage_id
+        assert entry is not None  # Invariant: session.update refuses transcription without one
+        error: dict[str, Any] | None = None
+        try:
+            stream = s.fe.submit(
+                endpoint="realtime",
+                prompt_token_ids=[0],
+                modalities=[TRANSCRIPT],
+                request_id=new_id("asr"),
+                inputs=audio_inputs([item.audio]),
+                entry_stage_id=entry,
+            )
+        except ApiError as exc:
+            error = {"type": exc.type, "code": exc.code, "message": exc.message}
+        else:
+            self._transcriptions.add(stream)
+            try:
+                async for out in stream:
+                    if out.modality == TRANSCRIPT:
+                        await self._heard([item], out.text or "")
+            except RequestFailedError as exc:
+                err = request_failed(exc)
+                error = {"type": err.type, "code": err.code, "message": err.message}
+            finally:
+                self._transcriptions.discard(stream)
+                stream.close()
+        if error is not None and not item.is_heard:
+            await s.send(
+                "conversation.item.input_audio_transcription.failed",
+                {"item_id": item.id, "content_index": 0, "error": error},
+            )
 
     def _text_of(self, resp: Response, out: RequestOutput) -> str:
         resp.num_output_tokens += len(out.token_ids)
@@ -272,6 +352,8 @@ class ResponseRunner:
             resp.is_over = True
             self.current = None
             resp.stream.abort("client_disconnect")
+        for stream in list(self._transcriptions):
+            stream.abort("client_disconnect")
         tasks = list(self._tasks)
         if not tasks:
             return

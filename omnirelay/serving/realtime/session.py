@@ -6,8 +6,9 @@ detector (:mod:`omnirelay.serving.realtime.vad`), a bounded conversation
 pipeline request. Events are JSON text frames with OpenAI's names and shapes; every
 server event has an ``event_id`` and a ``type``.
 
-Client events: ``session.update``, ``input_audio_buffer.append`` (base64 pcm16 at the
-session's ``sample_rate``, the pipeline's output rate) / ``commit`` / ``clear``,
+Client events: ``session.update``, ``input_audio_buffer.append`` (base64 pcm16 at 24 kHz,
+OpenAI's rate, whatever the pipeline's own: the answer is resampled to it and the
+speech from it) / ``commit`` / ``clear``,
 ``conversation.item.create`` (a text message), ``response.create``, ``response.cancel``.
 
 Server events: ``session.created`` / ``session.updated``;
@@ -17,7 +18,15 @@ Server events: ``session.created`` / ``session.updated``;
 ``response.content_part.added``, ``response.audio.delta`` / ``response.audio_transcript.delta``
 (audio answers) or ``response.text.delta`` (text-only answers), their ``.done`` events,
 ``response.output_item.done``, ``response.done`` {status: completed, cancelled, failed};
-``error``.
+``conversation.item.input_audio_transcription.completed`` / ``failed`` (with
+``input_audio_transcription`` set); ``error``.
+
+* **Transcription.** ``input_audio_transcription: {model}`` (a pipeline with a recognizer
+  stage: its recognizer transcribes, whatever model is named) says what each committed
+  turn was heard as: the response that hears the turn reports its transcript, or, when no
+  response follows the commit at once, a request for the transcript alone (it ends at
+  the recognizer). The transcript becomes the item's; later responses read it instead of
+  hearing the clip again.
 
 * **Turns.** With ``turn_detection`` (server VAD, on by default), speech in the appended
   audio starts and ends a turn: ``speech_started``, then at the end ``speech_stopped``,
@@ -66,6 +75,7 @@ from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media import audio_in as audio_input
 from omnirelay.serving.media.audio_out import wav_header
 from omnirelay.serving.media.chat_turns import hears_audio
+from omnirelay.serving.media.encoding import PCM_RATE
 from omnirelay.serving.realtime.conversation import Conversation, Item
 from omnirelay.serving.realtime.events import (
     EventError,
@@ -150,7 +160,8 @@ class Session:
         self.ws = ws
         self.fe = fe
         self.cfg = fe.config
-        self.rate = self.cfg.sample_rate
+        #: the rate of pcm16 both ways (OpenAI's); the pipeline's own may differ
+        self.rate = PCM_RATE
         self.id = new_id("sess")
         modalities = ("text", "audio") if "audio" in fe.output_types else ("text",)
         self.settings = RealtimeSettings(modalities=modalities, voice=fe.check_voice(None))
@@ -302,6 +313,7 @@ class Session:
             check_voice=self.fe.check_voice,
             check_modalities=self.fe.chat_modalities,
             sample_rate=self.rate,
+            can_transcribe=self.fe.pipeline.config.audio_entry_stage_id is not None,
         )
         if self.settings.turn_detection != before:
             self._reset_vad()
@@ -362,7 +374,13 @@ class Session:
             "input_audio_buffer.speech_stopped", {"audio_end_ms": self.ms(end), "item_id": item_id}
         )
         audio = self.buffer.take(start, end)
-        if await self._commit(audio, item_id) and create_response:
+        item = await self._commit(audio, item_id)
+        if item is None:
+            return
+        answering = create_response and self.runner.current is None
+        if not answering:
+            self._transcribe(item)  # no response hears it now: the transcript is asked alone
+        if create_response:
             await self.runner.start(self.settings)
 
     async def _commit_all(self) -> None:
@@ -374,23 +392,33 @@ class Session:
                 f"the input audio buffer holds {self.ms(audio.size)} ms; a commit needs at least {MIN_COMMIT_MS} ms",
                 code="input_audio_buffer_commit_empty",
             )
-        await self._commit(audio, item_id)
+        item = await self._commit(audio, item_id)
+        if item is not None:
+            self._transcribe(item)
 
-    async def _commit(self, audio: np.ndarray, item_id: str) -> bool:
-        """Make committed speech a user turn; False (after an ``error``) when it cannot be."""
+    def _transcribe(self, item: Item) -> None:
+        """With ``input_audio_transcription`` on, what the recognizer hears in ``item``, as
+        ``conversation.item.input_audio_transcription.completed`` (a response that hears the
+        item first reports it instead)."""
+        if self.settings.transcription is not None:
+            self.runner.transcribe(item)
+
+    async def _commit(self, audio: np.ndarray, item_id: str) -> Item | None:
+        """Make committed speech a user turn; None (after an ``error``) when it cannot be."""
         if not hears_audio(self.fe):
             message = (
                 f"the pipeline {self.fe.model_name!r} takes no audio input (no speech recognizer, no audio "
                 "encoder): committed audio cannot become a user turn; send text with conversation.item.create"
             )
             await self.send_error(EventError(message, code="audio_input_unsupported"))
-            return False
+            return None
         # The pipeline hears at its own input rate: FFmpeg's resampler, off the event loop.
         clip = await asyncio.to_thread(_to_input_rate, audio, self.rate)
         previous = self.conversation.last_id
         await self.send("input_audio_buffer.committed", {"previous_item_id": previous, "item_id": item_id})
-        await self.add_item(Item(id=item_id, role="user", kind="input_audio", audio=clip), previous)
-        return True
+        item = Item(id=item_id, role="user", kind="input_audio", audio=clip)
+        await self.add_item(item, previous)
+        return item
 
     # -- items and responses -------------------------------------------------------------
 

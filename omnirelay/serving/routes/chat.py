@@ -4,14 +4,18 @@
   only, as OpenAI's (or the pipeline file's ``default_modalities``). ``audio`` {voice,
   format: ``wav``, ``mp3``, ``opus``, ``aac``, ``flac`` or ``pcm16``: OpenAI's formats, see
   :mod:`omnirelay.serving.media.encoding`}.
-* ``stream: false`` — one ``chat.completion``: ``message.content`` is the text,
-  ``message.audio`` {id, data: base64 of the whole file, transcript, expires_at}.
-  Stages still overlap inside the pipeline; only the answer waits for the end.
-* ``stream: true`` — SSE ``chat.completion.chunk`` s: a role chunk, ``delta.content``
-  text deltas, ``delta.audio.data`` audio deltas (base64 of the encoder's bytes as they are
-  ready; their concatenation is the file, a ``wav`` one with a header of unknown length),
-  a last audio update with ``expires_at``, the finish chunk, a usage
-  chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
+* ``stream: false`` — one ``chat.completion``. Text only: ``message.content`` is the
+  text. With audio, as OpenAI's: the spoken text is the audio's transcript,
+  ``message.audio`` {id, data: base64 of the whole file, transcript, expires_at}, and
+  ``message.content`` is null. Stages still overlap inside the pipeline; only the answer
+  waits for the end.
+* ``stream: true`` — SSE ``chat.completion.chunk`` s: a role chunk, then text deltas —
+  ``delta.content`` for a text answer, ``delta.audio.transcript`` for a spoken one —
+  and ``delta.audio.data`` audio deltas (base64 of the encoder's bytes as they are ready;
+  their concatenation is the file, a ``wav`` one with a header of unknown length), a last
+  audio update with ``expires_at``, the finish chunk, a usage chunk when
+  ``stream_options.include_usage``, then ``data: [DONE]``. ``pcm16`` is 24 kHz, as
+  OpenAI's (:data:`~omnirelay.serving.media.encoding.PCM_RATE`).
 * ``stop`` (up to 4 strings) ends the answer at the first match (the request is aborted
   through every stage); ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p`` and ``seed`` set the first stage's sampling.
@@ -262,7 +266,8 @@ async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str,
         answer.stream.abort("bad_audio")
         raise ApiError(500, f"the audio could not be sent: {exc}", type="server_error") from exc
     text = "".join(answer.text)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    # With audio, the spoken text is the audio's transcript, and content is null (OpenAI's).
+    message: dict[str, Any] = {"role": "assistant", "content": None if fmt else text, "refusal": None}
     if fmt is not None and answer.audio is not None:
         samples = torch.cat(pieces) if pieces else torch.zeros(0)
         rate = answer.audio.sample_rate or answer.audio.default_sample_rate
@@ -308,13 +313,15 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
             }
         )
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"role": "assistant", "content": None if encoder else ""})
     try:
         async for out in answer.stream:
             answer.last_finish_reason = out.finish_reason or answer.last_finish_reason
             if out.modality == "text":
                 piece = answer.text_of(out)
-                if piece:
+                if piece and encoder is not None:  # spoken: the text is the audio's transcript
+                    yield chunk({"audio": {"id": audio_id, "transcript": piece}})
+                elif piece:
                     yield chunk({"content": piece})
             elif out.modality == "audio" and (got := answer.audio_of(out)) is not None:
                 assert encoder is not None

@@ -5,7 +5,8 @@ pipeline's own, or an OpenAI name its file maps to one), ``response_format`` (``
 default as OpenAI's, ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``: see
 :mod:`omnirelay.serving.media.encoding`), ``speed`` (1.0 only), ``stream_format`` (``audio``, or
 ``sse``: OpenAI's ``speech.audio.delta`` / ``speech.audio.done`` events), ``stream: true``
-(as ``stream_format: "audio"``), ``word_timestamps``.
+(as ``stream_format: "audio"``), ``word_timestamps``, ``instructions`` (honoured by a voice
+that follows them, else a 400: the family's prompt side says per voice).
 
 The audio leaves as it is made, in every format but ``wav``: the response starts with
 the first encoded bytes (a request that fails before them gets a JSON error), then each
@@ -134,6 +135,7 @@ async def speech(request: Request, fe: Frontend) -> Response:
     fe.check_model(req.model)
     mode = _mode(fe, req)
     voice = fe.check_voice(req.voice)
+    fe.check_instructions(voice, req.instructions)
     rid = check_request_id(request.headers.get("x-request-id"), "speech")
     modalities = ["audio", "timestamps"] if req.word_timestamps else ["audio"]
     stream = fe.submit_speech(
@@ -142,6 +144,7 @@ async def speech(request: Request, fe: Frontend) -> Response:
         modalities=modalities,
         request_id=rid,
         extras=speech_extras(req.input, voice),
+        instructions=req.instructions,
     )
     fmt = req.response_format
     emitter = AudioEmitter(require_sample_rate=fmt == "wav")
