@@ -29,18 +29,22 @@ __all__ = ["RECIPE_VERSION", "fill_seeded", "seeded_tensor"]
 RECIPE_VERSION = 1
 
 
-def _generator(name: str, seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed((zlib.crc32(name.encode()) << 16) ^ seed)
+def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((zlib.crc32(name.encode()) << 16) ^ seed)
 
 
-def seeded_tensor(name: str, shape: Iterable[int], seed: int = 0) -> torch.Tensor:
-    """The float32 value of parameter ``name`` of ``shape`` (CPU), from ``seed``."""
+def seeded_tensor(
+    name: str, shape: Iterable[int], seed: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The float32 value of parameter ``name`` of ``shape``, from ``seed``, drawn on
+    ``device`` (each device's generator draws its own values; the CPU's are the fixtures')."""
     size = tuple(int(s) for s in shape)
-    gen = _generator(name, seed)
+    dev = torch.device(device)
+    gen = _generator(name, seed, dev)
     leaf = name.rsplit(".", 1)[-1]
-    normal = torch.randn(size, generator=gen, dtype=torch.float32)
+    normal = torch.randn(size, generator=gen, dtype=torch.float32, device=dev)
     if leaf == "cluster_usage":
-        return 0.5 + torch.rand(size, generator=gen, dtype=torch.float32)
+        return 0.5 + torch.rand(size, generator=gen, dtype=torch.float32, device=dev)
     if leaf in ("alpha", "beta"):  # SnakeBeta's log-scale frequency and magnitude
         return 0.1 * normal
     if leaf == "gamma" or leaf == "scale":  # ConvNeXt and transformer layer scales
@@ -59,10 +63,15 @@ def seeded_tensor(name: str, shape: Iterable[int], seed: int = 0) -> torch.Tenso
     return gain * normal / math.sqrt(max(1, fan_in))
 
 
-def fill_seeded(params: Mapping[str, torch.Tensor], seed: int = 0, *, prefix: str = "") -> None:
+def fill_seeded(
+    params: Mapping[str, torch.Tensor], seed: int = 0, *, prefix: str = "", on_device: bool = False
+) -> None:
     """Overwrite every tensor of ``params`` (``module.state_dict(keep_vars=True)`` or
-    ``named_parameters()``) in place with :func:`seeded_tensor` of ``prefix + name``."""
+    ``named_parameters()``) in place with :func:`seeded_tensor` of ``prefix + name``,
+    drawn on the CPU (the same values everywhere) or, ``on_device``, where each tensor is
+    (fast for a full-size model on a GPU)."""
     with torch.no_grad():
         for name, tensor in params.items():
-            value = seeded_tensor(prefix + name, tensor.shape, seed)
+            device = tensor.device if on_device else torch.device("cpu")
+            value = seeded_tensor(prefix + name, tensor.shape, seed, device)
             tensor.copy_(value.to(dtype=tensor.dtype, device=tensor.device))
