@@ -69,7 +69,8 @@ def spoken_ids(config: TTSConfig, prompt: Sequence[int]) -> list[int]:
     if len(ids) < _HEAD + _TAIL + 1 or ids[0] != start or ids[-_TAIL] != end or ids[-3] != start:
         raise ModelError(
             "a Qwen3-TTS prompt is <|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n "
-            f"with a non-empty text; got {len(ids)} ids"
+            f"with a non-empty text; got {len(ids)} ids that are not (a Talker request is not recomputed "
+            "after a preemption either: its codes cannot be taken back)"
         )
     return ids[_HEAD:-_TAIL]
 
