@@ -118,6 +118,8 @@ class PromptSide:
     sees_images: bool = False
     #: Why the model takes no images although it could (a 400 says it); None otherwise.
     image_refusal: str | None = None
+    #: The languages a speech request may name (empty: the model is told none).
+    languages: tuple[str, ...] = ()
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         """Prompt ids of ``turns`` and the open assistant turn."""
@@ -128,9 +130,24 @@ class PromptSide:
         turns = ([("system", system)] if system is not None else []) + [("user", text)]
         return self.encode_chat(turns)
 
-    def speech_prompt(self, text: str) -> SpeechPrompt:
-        """Everything the prompt stage gets for a speech request of ``text``."""
+    def speech_prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
+    ) -> SpeechPrompt:
+        """Everything the prompt stage gets for a speech request of ``text``, spoken by
+        ``voice`` (one of the pipeline's voices), following ``instructions`` (only where
+        :meth:`instructions_refusal` has none) in ``language`` (one of :attr:`languages`).
+        A model that speaks with one voice whatever the request names ignores the three."""
         raise NotImplementedError
+
+    def instructions_refusal(self, voice: str | None) -> str | None:
+        """Why ``voice`` cannot follow a speech request's ``instructions`` (a 400 says it),
+        or None: it follows them, or the model has no way to be told and ignores them."""
+        return None
 
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:
         """A detokenizer of generated ids after ``context`` (the prompt)."""
@@ -150,10 +167,12 @@ class PromptSide:
 @dataclass(frozen=True, slots=True)
 class StageVoice:
     """The voice a speaking stage speaks with: its name (as clients give it) and its
-    audio rate."""
+    audio rate; ``voices``: every voice a request may name when it has several (its
+    speakers; empty: only ``name``, which is then also the default)."""
 
     name: str
     sample_rate: int
+    voices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
