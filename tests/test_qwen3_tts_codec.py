@@ -12,8 +12,8 @@ import torch
 
 from omnirelay.models.qwen3_omni.code2wav import decoder_holdback, measure_receptive_field
 from omnirelay.models.qwen3_tts.codec import TTSCodec
-from omnirelay.models.qwen3_tts.config import CodecConfig
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+from omnirelay.models.qwen3_tts.model_config import CodecConfig
 from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
 from tests.test_models_support import single_thread
 

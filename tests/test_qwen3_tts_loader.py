@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.qwen3_tts.codec import TTSCodec
-from omnirelay.models.qwen3_tts.config import CodecConfig, TTSConfig
 from omnirelay.models.qwen3_tts.loader import SHIPPED_MODELS, TTSCheckpoint, TTSModelArgs, check_checkpoint
+from omnirelay.models.qwen3_tts.model_config import CodecConfig, TTSConfig
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.models.qwen3_tts.tiny import tiny_codec_config, tiny_tts_config
 

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from omnirelay.models.qwen3_tts.codec import TTSCodec
 from omnirelay.models.qwen3_tts.conditioning import Voice, build_conditioning
-from omnirelay.models.qwen3_tts.config import CodecConfig, TTSConfig
+from omnirelay.models.qwen3_tts.model_config import CodecConfig, TTSConfig
 from omnirelay.models.qwen3_tts.seeded import RECIPE_VERSION, fill_seeded
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.processors.decode_window import chunked_decode

@@ -14,7 +14,7 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, SamplingParams
 from omnirelay.errors import ModelError
-from omnirelay.models.qwen3_tts.config import TTSConfig
+from omnirelay.models.qwen3_tts.model_config import TTSConfig
 from omnirelay.models.qwen3_tts.seeded import fill_seeded
 from omnirelay.models.qwen3_tts.talker import TTSTalkerExecutor
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnirelay.models.qwen3_tts.config import CodecConfig
 from omnirelay.models.qwen3_tts.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from omnirelay.models.qwen3_tts.model_config import CodecConfig
 
 __all__ = ["CausalConvNet", "CausalTransConvNet", "SnakeBeta", "TTSCodec"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from omnirelay.errors import ModelError
-from omnirelay.models.qwen3_tts.config import TTSConfig
+from omnirelay.models.qwen3_tts.model_config import TTSConfig
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 
 __all__ = ["Conditioning", "Voice", "build_conditioning", "codec_prefix", "spoken_ids"]

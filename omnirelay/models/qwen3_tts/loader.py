@@ -1,8 +1,8 @@
 """Where a Qwen3-TTS stage's model comes from: a local checkpoint, a shipped config, or the tiny one.
 
 * :class:`TTSModelArgs` — a stage's ``executor_args``, validated at construction: the
-  source (``model_dir: PATH``; ``tiny: true``; or, with ``load_format: dummy``, the
-  shipped config named by ``model``), where it runs (``device``, ``dtype``,
+  source (``model_dir: PATH``; ``tiny: true``, the released variant ``model`` at toy
+  widths; or, with ``load_format: dummy``, the shipped config named by ``model``), where it runs (``device``, ``dtype``,
   ``num_threads``), the static runner's sizes and CUDA graphs, the Code2Wav stream state,
   and the Talker's text mode.
 * :class:`TTSCheckpoint` — one opened source: both configs, the generation defaults,
@@ -34,7 +34,7 @@ import torch
 
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.qwen3_tts.codec import TTSCodec
-from omnirelay.models.qwen3_tts.config import CodecConfig, TTSConfig
+from omnirelay.models.qwen3_tts.model_config import CodecConfig, TTSConfig
 from omnirelay.models.qwen3_tts.seeded import fill_seeded
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 
@@ -282,7 +282,7 @@ class TTSCheckpoint:
             from omnirelay.models.qwen3_tts.tiny import tiny_codec_config, tiny_tts_config
 
             return cls(
-                TTSConfig.from_dict(tiny_tts_config()),
+                TTSConfig.from_dict(tiny_tts_config(args.model)),
                 CodecConfig.from_dict(tiny_codec_config()),
                 directory=None,
                 load_format="dummy",

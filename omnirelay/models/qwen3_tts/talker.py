@@ -41,8 +41,9 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import cache_root
 from omnirelay.models.qwen3_tts.conditioning import Conditioning, Voice, build_conditioning
-from omnirelay.models.qwen3_tts.config import TTSConfig
 from omnirelay.models.qwen3_tts.loader import GenerationDefaults, TTSCheckpoint, TTSModelArgs
+from omnirelay.models.qwen3_tts.model_config import TTSConfig
+from omnirelay.models.qwen3_tts.prompt import default_speaker
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.predictor import ResidualSampling, use_compile_cache
@@ -107,7 +108,7 @@ class TTSTalkerExecutor:
                 f"executor_args.speaker {speaker!r} is not one of the model's speakers {list(speakers)}"
             )
         #: the speaker of a request that names none (None: the model has no speakers)
-        self.default_speaker = speaker.lower() if speaker else (speakers[0] if speakers else None)
+        self.default_speaker = default_speaker(config, speaker)
         tc = config.talker_config
         gen = self.generation
         projection = talker.code_predictor.small_to_mtp_projection

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnirelay.models.qwen3_tts.config import PredictorConfig, TalkerConfig
 from omnirelay.models.qwen3_tts.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from omnirelay.models.qwen3_tts.model_config import PredictorConfig, TalkerConfig
 
 __all__ = ["TTSCodePredictor", "TTSTalker", "TTSTalkerModel", "TextProjection"]
 

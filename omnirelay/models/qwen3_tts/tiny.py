@@ -6,7 +6,8 @@ ids (EOS 2150), the nine CustomVoice speakers and their dialects, the languages,
 decoder's up-sampling to 1920 samples per frame (80 ms at 24 kHz) — so processors, stop
 ids and chunk schedules see the numbers of the real model. The Talker's code predictor is
 narrower than the Talker (the 1.7B's ``small_to_mtp_projection``), and the Talker takes
-instructions (a 1.7B CustomVoice). The text vocabulary is bytes plus the chat and TTS
+instructions (a 1.7B CustomVoice); ``model`` picks another released variant at the same
+widths (``0.6b-customvoice``: no instructions, no projection). The text vocabulary is bytes plus the chat and TTS
 special tokens (:func:`tiny_tokenizer`).
 
 Nothing is cached on disk: weights are drawn by parameter name
@@ -50,9 +51,13 @@ _TEXT_IDS = {
 }
 
 
-def tiny_tts_config() -> dict[str, Any]:
-    """``config.json`` of the tiny model (a 1.7B CustomVoice at toy widths)."""
-    full = json.loads((_SHIPPED / "qwen3-tts-12hz-1.7b-customvoice.json").read_text())
+def tiny_tts_config(model: str = "1.7b-customvoice") -> dict[str, Any]:
+    """``config.json`` of the tiny model: the shipped ``model`` (its variant, speakers and
+    whether it takes instructions) at toy widths; a 0.6B keeps its code predictor as wide
+    as its Talker (no projection), a 1.7B a narrower one."""
+    from omnirelay.models.qwen3_tts.loader import SHIPPED_MODELS
+
+    full = json.loads((_SHIPPED / SHIPPED_MODELS[model]).read_text())
     talker = copy.deepcopy(full["talker_config"])
     talker.update(
         hidden_size=64,
@@ -67,7 +72,7 @@ def tiny_tts_config() -> dict[str, Any]:
         text_vocab_size=max(_TEXT_IDS.values()) + 1,
     )
     talker["code_predictor_config"].update(
-        hidden_size=32,
+        hidden_size=32 if full["tts_model_size"] == "1b7" else 64,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
@@ -101,7 +106,7 @@ def tiny_tokenizer() -> Any:
     """Bytes 0..255 and the chat/TTS specials and role words at the tiny config's ids."""
     from omnirelay.models.qwen3_omni.dummy import dummy_tokenizer
 
-    return dummy_tokenizer(tiny_tts_config())
+    return dummy_tokenizer(_TEXT_IDS)
 
 
 def scale_codec_output(codec: TTSCodec, *, std: float = TINY_AUDIO_STD, seed: int = 0) -> None:
