@@ -316,12 +316,53 @@ class Frontend:
             raise
         return RequestStream(self, handle, slot, endpoint)
 
+    def check_speech_options(
+        self, voice: str, instructions: str | None, language: str | None
+    ) -> tuple[str | None, str | None]:
+        """A speech request's ``instructions`` and ``language`` as the prompt side takes them
+        (blank instructions are none): a 400 when ``voice`` cannot follow instructions
+        (:meth:`~omnirelay.models.family.PromptSide.instructions_refusal`) or the model is
+        not told that language."""
+        if instructions is not None and not instructions.strip():
+            instructions = None
+        if instructions is not None:
+            refusal = self.prompts.instructions_refusal(voice)
+            if refusal is not None:
+                raise ApiError(400, refusal, param="instructions", code="instructions_not_supported")
+        if language is not None:
+            languages = self.prompts.languages
+            if not languages:
+                raise ApiError(
+                    400, f"model {self.model_name!r} is told no language; drop it", param="language"
+                )
+            if language.lower() not in languages:
+                raise ApiError(
+                    400, f"unsupported language {language!r}; supported: {list(languages)}", param="language"
+                )
+            language = language.lower()
+        return instructions, language
+
     def submit_speech(
-        self, *, endpoint: str, text: str, modalities: Sequence[str], request_id: str, extras: dict[str, Any]
+        self,
+        *,
+        endpoint: str,
+        text: str,
+        modalities: Sequence[str],
+        request_id: str,
+        extras: dict[str, Any],
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
     ) -> RequestStream:
-        """A speech request for ``text``: the prompt side's prompt, full input and answer length
-        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
-        prompt = self.prompts.speech_prompt(text)
+        """A speech request for ``text`` in ``voice`` (checked: :meth:`check_voice`,
+        :meth:`check_speech_options`): the prompt side's prompt, full input and answer
+        length (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
+        try:
+            prompt = self.prompts.speech_prompt(
+                text, voice=voice, instructions=instructions, language=language
+            )
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="input") from exc
         sampling = None
         if prompt.max_tokens is not None:
             base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])
