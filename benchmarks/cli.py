@@ -1,7 +1,7 @@
 """The benchmarks' command line: ``omnirelay bench BENCH ...`` (or ``python -m benchmarks BENCH ...``).
 
 :func:`main` parses the arguments after ``bench`` and runs one benchmark: ``transfer``,
-``stress``, ``adapter``, ``pipeline``, ``runner`` or ``serve``. Each prints its table, writes its
+``stress``, ``adapter``, ``pipeline``, ``runner``, ``serve`` or ``speech``. Each prints its table, writes its
 figures with ``--json PATH`` and returns the exit status (1 when a target is missed or
 something leaked). ``omnirelay bench`` (:mod:`omnirelay.cli.bench`) imports this module
 only when a benchmark runs.
@@ -296,6 +296,47 @@ def _register_benches(bsub: Any) -> None:
     v.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     v.set_defaults(func=run_bench_serve)
 
+    sp = bsub.add_parser(
+        "speech",
+        help="text-to-speech under open-loop Poisson arrivals: first playable audio, gap-free streams, RTF",
+        description=(
+            "Submits speech requests to the real multi-process pipeline (default qwen3-tts) at the times "
+            "of a seeded Poisson process of each given rate (open loop: arrivals do not wait for the "
+            "pipeline), for --duration seconds of arrivals, and prints per rate: first playable audio "
+            "p50/p95/p99 (the earliest moment a player could start and never run dry), first audio, the "
+            "share of streams whose worst gap is <= 50 ms, the real-time factor, requests/s and audio "
+            "seconds per second. Targets (one GPU, judged only when a model stage runs on CUDA): first "
+            "playable audio p50 <= 100 ms at 1/s and <= 150 ms at 20/s, >= 99% of streams gap-free. Ends "
+            "with a leak audit; exit status 1 if a target is missed or something leaked."
+        ),
+    )
+    sp.add_argument(
+        "--pipeline", default="qwen3-tts", help="a shipped pipeline name or a YAML file (default qwen3-tts)"
+    )
+    sp.add_argument("--device", default=None, help="torch device of the model stages (cuda:0, cpu)")
+    sp.add_argument(
+        "--load-format",
+        choices=("auto", "dummy", "tiny"),
+        default=None,
+        help="dummy: random weights of the shipped config (no checkpoint); tiny: the tiny model",
+    )
+    sp.add_argument("--rates", default="1,20", help="comma-separated request rates per second (default 1,20)")
+    sp.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    sp.add_argument("--requests", type=int, default=None, help="requests per rate (default: rate x duration)")
+    sp.add_argument("--warmup", type=int, default=4, help="uncounted warm-up requests first (default 4)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
+    sp.add_argument(
+        "--max-frames",
+        type=int,
+        default=None,
+        help="codec frames of every request (default: the length of speech its text needs)",
+    )
+    sp.add_argument(
+        "--timeout", type=float, default=900.0, help="bound on each rate in seconds (default 900)"
+    )
+    sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    sp.set_defaults(func=run_bench_speech)
+
 
 def _run_gpu_transfer(args: argparse.Namespace, payloads: list[str] | None) -> int:
     import torch
@@ -493,6 +534,33 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(render_serve_bench(report))
     _write_json(args.json, report)
     return 0 if report["ok"] else 1
+
+
+def run_bench_speech(args: argparse.Namespace) -> int:
+    from benchmarks.speech import render_speech_bench, run_speech_bench
+
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench speech: --rates must be numbers like 1,20: {exc}") from exc
+    try:
+        report = run_speech_bench(
+            pipeline=args.pipeline,
+            device=args.device,
+            load_format=args.load_format,
+            rates=rates,
+            duration_s=args.duration,
+            requests=args.requests,
+            warmup=args.warmup,
+            seed=args.seed,
+            max_frames=args.max_frames,
+            timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench speech: {exc}") from exc
+    print(render_speech_bench(report))
+    _write_json(args.json, report)
+    return 0 if report["ok"] and all(report["targets_met"].values()) else 1
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:

@@ -61,7 +61,7 @@ def test_shipped_pipeline_report(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_mixed_contracts_report(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "qwen3-tts-aligner-tiny"]) == 0
+    assert main(["check", "qwen3-tts-tiny"]) == 0
     out = capsys.readouterr().out
     assert "0 -> 1  talker -> code2wav: chunks" in out
     assert "1 -> 2  code2wav -> aligner: complete input" in out
@@ -81,10 +81,10 @@ def test_async_chunk_override(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_json_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "report.json"
-    assert main(["check", "qwen3-tts-aligner-tiny", "--json", str(target)]) == 0
+    assert main(["check", "qwen3-tts-tiny", "--json", str(target)]) == 0
     capsys.readouterr()
     report = json.loads(target.read_text())
-    assert report["name"] == "qwen3-tts-aligner-tiny"
+    assert report["name"] == "qwen3-tts-tiny"
     assert report["any_stage_chunks"] is True
     assert [s["resolved_async_chunk"] for s in report["stages"]] == [True, True, False]
     assert [s["receives_chunks"] for s in report["stages"]] == [False, True, False]
@@ -133,7 +133,7 @@ def test_missing_pipeline_lists_shipped_names(capsys: pytest.CaptureFixture[str]
     assert main(["check", "no-such-pipeline"]) == 1
     err = capsys.readouterr().err
     assert "no-such-pipeline" in err
-    for name in ("qwen3-omni", "qwen3-omni-tiny", "qwen3-tts-aligner-tiny"):
+    for name in ("qwen3-omni", "qwen3-omni-tiny", "qwen3-tts-tiny"):
         assert name in err
 
 

@@ -14,7 +14,7 @@ import torch
 import omnirelay.models as models
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models import asr as asr_family
-from omnirelay.models import qwen3_omni, register_executors
+from omnirelay.models import qwen3_omni, qwen3_tts, register_executors
 from omnirelay.models import voice as voice_family
 from omnirelay.models.asr import ALIGNER_EXECUTOR, RECOGNIZER_EXECUTOR, SPHINX_ALIGNER_EXECUTOR
 from omnirelay.models.qwen3_omni import (
@@ -224,7 +224,12 @@ def test_executors_register_under_the_pipeline_names() -> None:
     registry = ComponentRegistry()
     register_executors(registry.executors)
     voice = (RECOGNIZER_EXECUTOR, SMOLLM2_EXECUTOR, VOICE_EXECUTOR, SPHINX_ALIGNER_EXECUTOR)
-    assert set(registry.executors.names()) == {*EXECUTOR_NAMES, ALIGNER_EXECUTOR, *voice}
+    tts = qwen3_tts.EXECUTOR_NAMES
+    assert set(registry.executors.names()) == {*EXECUTOR_NAMES, *tts, ALIGNER_EXECUTOR, *voice}
+    assert {s.executor for s in load_pipeline("qwen3-tts-tiny", registry=None).stages} == {
+        *tts,
+        SPHINX_ALIGNER_EXECUTOR,
+    }
     tiny = load_pipeline("qwen3-omni-tiny", registry=None)
     assert {stage.executor for stage in tiny.stages} == set(EXECUTOR_NAMES)
     assert tuple(stage.executor for stage in load_pipeline("voice-cpu", registry=None).stages) == voice
@@ -233,7 +238,7 @@ def test_executors_register_under_the_pipeline_names() -> None:
     register_executors(registry.executors, replace=True)
 
 
-@pytest.mark.parametrize("package", [models, qwen3_omni, voice_family, asr_family])
+@pytest.mark.parametrize("package", [models, qwen3_omni, qwen3_tts, voice_family, asr_family])
 def test_public_surface(package: object) -> None:
     names = package.__all__  # type: ignore[attr-defined]
     assert sorted(names) == sorted(set(names))

@@ -30,8 +30,16 @@ from omnirelay.pipeline import (
 from omnirelay.pipeline.parse import PIPELINE_KEYS, SAMPLING_KEYS, STAGE_KEYS
 from omnirelay.pipeline.validate import NAMESPACE_PATTERN
 
-SHIPPED = ("qwen3-omni", "qwen3-omni-tiny", "qwen3-tts-aligner-tiny")
-EXECUTOR_NAMES = ("qwen3_omni.thinker", "qwen3_omni.talker", "qwen3_omni.code2wav", "aligner.vad")
+SHIPPED = ("qwen3-omni", "qwen3-omni-tiny", "qwen3-tts", "qwen3-tts-0.6b", "qwen3-tts-tiny")
+EXECUTOR_NAMES = (
+    "qwen3_omni.thinker",
+    "qwen3_omni.talker",
+    "qwen3_omni.code2wav",
+    "qwen3_tts.talker",
+    "qwen3_tts.code2wav",
+    "aligner.vad",
+    "aligner.pocketsphinx",
+)
 PROCESSOR_NAMES = ("thinker_to_talker", "talker_to_code2wav", "code2wav_to_aligner")
 
 # ---------------------------------------------------------------------------------------
@@ -749,7 +757,7 @@ def test_registry_checks_names_only_when_given() -> None:
         parse_pipeline(data, source="pipe.yaml", registry=_registry())
     msg = str(info.value)
     assert msg.startswith("pipe.yaml, stage 0 (thinker), key 'executor': unknown executor 'fake.thinker'")
-    assert "known executors: aligner.vad, qwen3_omni.code2wav" in msg
+    assert "known executors: aligner.pocketsphinx, aligner.vad, qwen3_omni.code2wav" in msg
 
     for st, ex in zip(data["stages"], EXECUTOR_NAMES):
         st["executor"] = ex
@@ -819,9 +827,14 @@ def test_qwen3_omni_tiny_same_topology_small_settings() -> None:
         assert s.max_num_seqs <= real.stages[s.id].max_num_seqs
 
 
-def test_tts_aligner_tiny_mixed_contracts() -> None:
-    cfg = load_pipeline("qwen3-tts-aligner-tiny")
-    assert [s.executor for s in cfg.stages] == ["qwen3_omni.talker", "qwen3_omni.code2wav", "aligner.vad"]
+@pytest.mark.parametrize("name", ["qwen3-tts-tiny", "qwen3-tts", "qwen3-tts-0.6b"])
+def test_tts_mixed_contracts(name: str) -> None:
+    cfg = load_pipeline(name)
+    assert [s.executor for s in cfg.stages] == [
+        "qwen3_tts.talker",
+        "qwen3_tts.code2wav",
+        "aligner.pocketsphinx",
+    ]
     assert [cfg.resolved_async_chunk(s) for s in cfg.stages] == [True, True, False]
     assert [e.contract for e in cfg.edges()] == [EdgeContract.CHUNKS, EdgeContract.COMPLETE_INPUT]
     assert cfg.edges()[1].input_builder == "code2wav_to_aligner"
@@ -892,7 +905,7 @@ def test_not_utf8(tmp_path: Path) -> None:
 
 
 def test_config_crosses_processes_as_msgpack() -> None:
-    cfg = load_pipeline("qwen3-tts-aligner-tiny")
+    cfg = load_pipeline("qwen3-tts-tiny")
     wire = msgspec.msgpack.encode(cfg)
     back = msgspec.msgpack.decode(wire, type=PipelineConfig)
     assert back == cfg
@@ -914,7 +927,7 @@ def test_openai_voices_load_and_their_shape_is_checked() -> None:
     cfg = parse_pipeline(_omni(openai_voices={"alloy": "chelsie", "Echo": "ethan"}))
     assert cfg.openai_voices == {"alloy": "chelsie", "Echo": "ethan"}
     assert parse_pipeline(_omni()).openai_voices == {}
-    for shipped in ("voice-cpu", "qwen3-omni", "qwen3-omni-tiny", "qwen3-tts-aligner-tiny"):
+    for shipped in ("voice-cpu", "qwen3-omni", "qwen3-omni-tiny", "qwen3-tts", "qwen3-tts-tiny"):
         assert "alloy" in load_pipeline(shipped).openai_voices
     cases = [
         (["alloy"], "key 'openai_voices': expected a mapping of voice names, got a list"),

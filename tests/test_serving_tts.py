@@ -1,7 +1,9 @@
-"""The server over ``qwen3-tts-aligner-tiny`` (Talker in text mode -> Code2Wav, chunked ->
-forced aligner on the complete waveform; real multi-process path): speech with word
-timestamps over HTTP and the WebSocket, streaming speech, the ``openai`` client, and the
-Talker's text mode (:class:`~omnirelay.models.qwen3_omni.talker.TextConditioner`) on its own.
+"""The server over ``qwen3-tts-tiny`` (the tiny Qwen3-TTS: Talker -> Code2Wav, chunked ->
+PocketSphinx aligner on the complete waveform; real multi-process path): speech with word
+timestamps over HTTP and the WebSocket, streaming speech, the ``openai`` client, the
+model's speakers as voices and OpenAI's names mapped to them, instructions and language;
+and, on its own, the prompt side's answer to which models take instructions (and the
+Qwen3-Omni Talker's text mode).
 
 The Talker samples with its config's fixed seed, so one input gives the same waveform on
 every request: the WebSocket's audio must equal the HTTP endpoint's, sample for sample.
@@ -13,25 +15,33 @@ import asyncio
 import base64
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 
+from omnirelay.cli.serve import server_config
 from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
+from omnirelay.models.qwen3_tts.prompt import open_prompt_side
+from omnirelay.pipeline import load_pipeline
 from omnirelay.serving import ServerConfig
+from omnirelay.serving.errors import ApiError
+from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import Served, assert_same_pcm, serve
 
-MODEL = "qwen3-tts-aligner-tiny"
+MODEL = "qwen3-tts-tiny"
 SPEECH = "/v1/audio/speech"
 TEXT = "Hello big, wide world."
+SPEAKERS = ["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"]
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    yield from serve(MODEL, ServerConfig())
+    yield from serve(MODEL, server_config(load_pipeline(MODEL)))
 
 
 @pytest.fixture
@@ -40,15 +50,31 @@ def srv(served: Served) -> Iterator[Served]:
     served.audit()
 
 
+def _pcm(served: Served, **body: Any) -> bytes:
+    resp = httpx.post(
+        served.url + SPEECH,
+        json={"model": MODEL, "input": TEXT, "response_format": "pcm", **body},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    assert "x-word-timestamps" not in resp.headers and resp.content
+    return resp.content
+
+
+def _differs(a: bytes, b: bytes) -> bool:
+    """Another answer, not the same one rounded differently (see ``assert_same_pcm``)."""
+    if len(a) != len(b):
+        return True
+    x, y = np.frombuffer(a, dtype="<i2").astype(np.int32), np.frombuffer(b, dtype="<i2").astype(np.int32)
+    return bool((np.abs(x - y) > 1).mean() > 0.5)
+
+
 @pytest.fixture(scope="module")
 def reference(served: Served) -> bytes:
-    """The PCM of one non-streaming request for TEXT without timestamps."""
-    resp = httpx.post(
-        served.url + SPEECH, json={"model": MODEL, "input": TEXT, "response_format": "pcm"}, timeout=120
-    )
-    assert resp.status_code == 200 and "x-word-timestamps" not in resp.headers and resp.content
+    """The PCM of one non-streaming request for TEXT in the default voice, without timestamps."""
+    pcm = _pcm(served)
     served.audit()
-    return resp.content
+    return pcm
 
 
 def _check_words(stamps: object, text: str, duration_ms: float) -> None:
@@ -76,14 +102,42 @@ def test_speech_wav_with_word_timestamps(srv: Served, reference: bytes) -> None:
 def test_speech_openai_client_streaming_pcm(srv: Served, reference: bytes) -> None:
     client = srv.client()
     with client.audio.speech.with_streaming_response.create(
-        model=MODEL, voice="ethan", input=TEXT, response_format="pcm", extra_body={"stream": True}
-    ) as resp:
+        model=MODEL, voice="echo", input=TEXT, response_format="pcm", extra_body={"stream": True}
+    ) as resp:  # OpenAI's echo speaks as ryan, the default speaker
         streamed = resp.read()
     assert_same_pcm(streamed, reference)
 
 
-async def _ws(url: str, text: str) -> list[Any]:
-    cfg = {"type": "session.config", "response_format": "pcm", "stream_audio": True, "word_timestamps": True}
+def test_the_speakers_are_the_voices_and_each_speaks_its_own(srv: Served, reference: bytes) -> None:
+    models = httpx.get(srv.url + "/v1/models", timeout=30)
+    assert models.status_code == 200
+    assert srv.frontend.config.voices == tuple(SPEAKERS) and srv.frontend.config.default_voice == "ryan"
+    assert_same_pcm(_pcm(srv, voice="ryan"), reference)
+    assert _differs(_pcm(srv, voice="Serena"), reference)  # another speaker's embedding, another voice
+    resp = httpx.post(srv.url + SPEECH, json={"model": MODEL, "input": TEXT, "voice": "chelsie"}, timeout=30)
+    assert resp.status_code == 400 and "unknown voice 'chelsie'" in resp.json()["error"]["message"]
+
+
+def test_instructions_and_language_are_followed(srv: Served, reference: bytes) -> None:
+    instructed = _pcm(srv, instructions="Speak slowly and warmly.")
+    assert _differs(instructed, reference)  # the instruction's rows lead the Talker's prefill
+    assert_same_pcm(_pcm(srv, instructions="   "), reference)  # blank: none
+    assert _differs(_pcm(srv, language="English"), reference)  # a language id instead of auto
+    resp = httpx.post(
+        srv.url + SPEECH, json={"model": MODEL, "input": TEXT, "language": "klingon"}, timeout=30
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "language"
+    assert "'english'" in resp.json()["error"]["message"]
+
+
+async def _ws(url: str, text: str, **settings: Any) -> list[Any]:
+    cfg = {
+        "type": "session.config",
+        "response_format": "pcm",
+        "stream_audio": True,
+        "word_timestamps": True,
+        **settings,
+    }
     out: list[Any] = []
     async with websockets.connect(url) as ws:
         for msg in (cfg, {"type": "input.text", "text": text}, {"type": "input.done"}):
@@ -111,7 +165,43 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
     assert events[-1]["type"] == "session.done"
 
 
-# ------------------------------------------------------------------- text mode on its own
+def test_websocket_instructions_reach_the_talker(srv: Served, reference: bytes) -> None:
+    got = asyncio.run(_ws(srv.ws_url, TEXT, word_timestamps=False, instructions="Speak slowly and warmly."))
+    audio = b"".join(m for m in got if isinstance(m, bytes))
+    assert audio and len(audio) == len(audio) // 2 * 2
+    events = [json.loads(m) for m in got if isinstance(m, str)]
+    assert events[-1]["type"] == "session.done" and not [e for e in events if e["type"] == "error"]
+    assert _differs(audio, reference)
+
+
+# ------------------------------------------------------------------- on their own
+
+
+@pytest.mark.parametrize(("model", "takes"), [("1.7b-customvoice", True), ("0.6b-customvoice", False)])
+def test_which_models_take_instructions(model: str, takes: bool) -> None:
+    """The family's answer through the prompt side, and the front's 400 for a refusal."""
+    prompts = open_prompt_side({"tiny": True, "model": model})
+    refusal = prompts.instructions_refusal("ryan")
+    assert (refusal is None) is takes
+    pipeline = load_pipeline(MODEL)
+    fe = Frontend(
+        SimpleNamespace(config=pipeline),  # type: ignore[arg-type]
+        ServerConfig(voices=tuple(SPEAKERS), default_voice="ryan"),
+        prompts,
+    )
+    if takes:
+        assert fe.check_speech_options("ryan", "Whisper.", "english") == ("Whisper.", "english")
+        prompt = prompts.speech_prompt(TEXT, voice="ryan", instructions="Whisper.")
+        assert prompt.inputs["instruct_ids"][:3] == prompts.tokenizer.encode("<|im_start|>user\n")
+    else:
+        with pytest.raises(ApiError) as info:
+            fe.check_speech_options("ryan", "Whisper.", None)
+        assert info.value.status == 400 and info.value.param == "instructions"
+        assert "0.6B-CustomVoice does not take instructions" in info.value.message
+        assert fe.check_speech_options("ryan", None, "chinese") == (None, "chinese")
+
+
+# ------------------------------------------------------------------- Qwen3-Omni's text mode
 
 
 def test_text_conditioner_speaks_the_user_turn() -> None:

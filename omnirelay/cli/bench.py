@@ -20,7 +20,7 @@ import omnirelay
 
 __all__ = ["register", "run_bench"]
 
-_BENCHES = "transfer, stress, adapter, pipeline, serve"
+_BENCHES = "transfer, stress, adapter, pipeline, serve, runner, speech"
 
 
 def register(sub: Any) -> None:

@@ -59,10 +59,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--load-format",
-        choices=("auto", "dummy"),
+        choices=("auto", "dummy", "tiny"),
         default=None,
         help="dummy: random weights built on the device from the config alone (no checkpoint); without "
-        "--model the shipped Qwen3-Omni-30B-A3B config (default pipeline then: qwen3-omni)",
+        "--model the shipped Qwen3-Omni-30B-A3B config (default pipeline then: qwen3-omni). tiny: the "
+        "tiny seeded model of a Qwen3-TTS pipeline",
     )
     p.add_argument(
         "--runner",

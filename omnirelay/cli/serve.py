@@ -42,9 +42,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--load-format",
-        choices=("auto", "dummy"),
+        choices=("auto", "dummy", "tiny"),
         default=None,
-        help="dummy: random weights from the config alone (no checkpoint; the shipped full-size config)",
+        help="dummy: random weights from the config alone (no checkpoint; the shipped full-size config); "
+        "tiny: the tiny seeded model of a Qwen3-TTS pipeline (with --device cpu: no GPU)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
@@ -216,8 +217,9 @@ def _default_allowed_hosts(bind: str) -> tuple[str, ...]:
 
 def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     """The server's config for ``pipeline``: ``limits`` (model name, concurrency …), the
-    voices it speaks with (a Piper voice stage names its own; otherwise the Qwen speakers)
-    and its audio rate (the Piper voice's; otherwise Code2Wav's 24 kHz)."""
+    voices it speaks with (a Piper voice stage names its own, a Qwen3-TTS Talker its
+    speakers; otherwise the Qwen3-Omni speakers) and its audio rate (the Piper voice's;
+    otherwise Code2Wav's 24 kHz)."""
     from omnirelay.models import stage_voice
     from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 
@@ -225,7 +227,10 @@ def server_config(pipeline: PipelineConfig, **limits: Any) -> ServerConfig:
     voice = stage_voice(pipeline)
     if voice is not None:
         config = ServerConfig(
-            voices=(voice.name,), default_voice=voice.name, sample_rate=voice.sample_rate, **limits
+            voices=voice.voices or (voice.name,),
+            default_voice=voice.name,
+            sample_rate=voice.sample_rate,
+            **limits,
         )
     openai_voice_map(pipeline.openai_voices, config.voices, pipeline.source)  # before any stage starts
     return config

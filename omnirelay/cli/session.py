@@ -161,7 +161,7 @@ def load_run_config(
             raise ConfigError(f"--load-format must be one of {formats}, got {load_format!r}")
 
         def use_format(args: dict[str, Any]) -> dict[str, Any]:
-            if dummy and model is None:
+            if load_format != "auto" and model is None:  # weights not read from the file's model_dir
                 args = {k: v for k, v in args.items() if k != "model_dir"}
             return {**args, "load_format": load_format}
 

@@ -4,6 +4,8 @@ One package per family, each with the same interface (:class:`~omnirelay.models.
 
 * ``qwen3_omni`` — Qwen3-Omni's Thinker, Talker and Code2Wav on ``transformers`` (the tiny
   and dummy builds, local checkpoints, the Thinker's audio and vision input);
+* ``qwen3_tts`` — Qwen3-TTS's Talker (with its code predictor) and the 12 Hz tokenizer's
+  decoder as Code2Wav, in ``torch`` (the tiny and dummy builds, local checkpoints);
 * ``voice`` — SmolLM2 and the Piper voice (the CPU voice pipeline);
 * ``asr`` — the PocketSphinx recognizer and aligner, the weight-free VAD aligner;
 * ``testing`` — the deterministic toy executors (not a family: they register themselves
@@ -35,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from omnirelay.models import asr, qwen3_omni, voice
+from omnirelay.models import asr, qwen3_omni, qwen3_tts, voice
 from omnirelay.models.family import (
     Announce,
     CheckpointOptions,
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 #: The shipped model families, in the order their executors are registered.
-FAMILIES: tuple[ModelFamily, ...] = (qwen3_omni.FAMILY, asr.FAMILY, voice.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (qwen3_omni.FAMILY, qwen3_tts.FAMILY, asr.FAMILY, voice.FAMILY)
 
 
 def family_of(executor: str) -> ModelFamily | None:

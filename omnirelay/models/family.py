@@ -118,6 +118,8 @@ class PromptSide:
     sees_images: bool = False
     #: Why the model takes no images although it could (a 400 says it); None otherwise.
     image_refusal: str | None = None
+    #: The languages a speech request may name (empty: the model is told none).
+    languages: tuple[str, ...] = ()
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         """Prompt ids of ``turns`` and the open assistant turn."""
@@ -128,21 +130,26 @@ class PromptSide:
         turns = ([("system", system)] if system is not None else []) + [("user", text)]
         return self.encode_chat(turns)
 
-    def speech_prompt(self, text: str) -> SpeechPrompt:
-        """Everything the prompt stage gets for a speech request of ``text``."""
+    def speech_prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
+    ) -> SpeechPrompt:
+        """Everything the prompt stage gets for a speech request of ``text``, spoken by
+        ``voice`` (one of the pipeline's voices), following ``instructions`` (only where
+        :meth:`instructions_refusal` has none) in ``language`` (one of :attr:`languages`).
+        A model that speaks with one voice whatever the request names ignores the three."""
         raise NotImplementedError
 
-    def speech_instructions_refusal(self, voice: str) -> str | None:
-        """Why a speech request in ``voice`` cannot honour ``instructions`` (OpenAI's "how to
+    def instructions_refusal(self, voice: str | None) -> str | None:
+        """Why ``voice`` cannot follow a speech request's ``instructions`` (OpenAI's "how to
         speak": tone, accent, pace), or None when it can; the server then answers a request
-        that gives them with a 400 saying so. A family whose voices follow instructions
-        returns None for them and reads them in :meth:`speech_prompt_with`."""
+        that gives them with a 400 saying so, never ignores them. A family whose voices
+        follow instructions returns None for them and reads them in :meth:`speech_prompt`."""
         return f"the voice {voice!r} speaks every text one way; it takes no instructions"
-
-    def speech_prompt_with(self, text: str, *, instructions: str | None = None) -> SpeechPrompt:
-        """:meth:`speech_prompt` with the client's ``instructions`` (only called with them
-        when :meth:`speech_instructions_refusal` said None)."""
-        return self.speech_prompt(text)
 
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:
         """A detokenizer of generated ids after ``context`` (the prompt)."""
@@ -162,10 +169,12 @@ class PromptSide:
 @dataclass(frozen=True, slots=True)
 class StageVoice:
     """The voice a speaking stage speaks with: its name (as clients give it) and its
-    audio rate."""
+    audio rate; ``voices``: every voice a request may name when it has several (its
+    speakers; empty: only ``name``, which is then also the default)."""
 
     name: str
     sample_rate: int
+    voices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

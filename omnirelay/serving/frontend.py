@@ -316,15 +316,37 @@ class Frontend:
             raise
         return RequestStream(self, handle, slot, endpoint)
 
-    def check_instructions(self, voice: str, instructions: str | None) -> None:
-        """A 400 for speech ``instructions`` the voice cannot honour (the prompt side says
-        per voice, :meth:`~omnirelay.models.family.PromptSide.speech_instructions_refusal`)."""
-        if not instructions or not instructions.strip():
-            return
-        refusal = self.prompts.speech_instructions_refusal(voice)
-        if refusal is not None:
-            raise ApiError(400, f"instructions: {refusal}; omit them", param="instructions")
-        self.check_text(instructions, "instructions")
+    def check_speech_options(
+        self, voice: str, instructions: str | None, language: str | None
+    ) -> tuple[str | None, str | None]:
+        """A speech request's ``instructions`` and ``language`` as the prompt side takes them
+        (blank instructions are none): a 400 when ``voice`` cannot follow instructions
+        (:meth:`~omnirelay.models.family.PromptSide.instructions_refusal`) or the model is
+        not told that language."""
+        if instructions is not None and not instructions.strip():
+            instructions = None
+        if instructions is not None:
+            refusal = self.prompts.instructions_refusal(voice)
+            if refusal is not None:
+                raise ApiError(
+                    400,
+                    f"instructions: {refusal}; omit them",
+                    param="instructions",
+                    code="instructions_not_supported",
+                )
+            self.check_text(instructions, "instructions")
+        if language is not None:
+            languages = self.prompts.languages
+            if not languages:
+                raise ApiError(
+                    400, f"model {self.model_name!r} is told no language; drop it", param="language"
+                )
+            if language.lower() not in languages:
+                raise ApiError(
+                    400, f"unsupported language {language!r}; supported: {list(languages)}", param="language"
+                )
+            language = language.lower()
+        return instructions, language
 
     def submit_speech(
         self,
@@ -334,15 +356,19 @@ class Frontend:
         modalities: Sequence[str],
         request_id: str,
         extras: dict[str, Any],
+        voice: str | None = None,
         instructions: str | None = None,
+        language: str | None = None,
     ) -> RequestStream:
-        """A speech request for ``text``: the prompt side's prompt, full input and answer length
-        (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`.
-        ``instructions``: checked first (:meth:`check_instructions`)."""
-        if instructions and instructions.strip():
-            prompt = self.prompts.speech_prompt_with(text, instructions=instructions)
-        else:
-            prompt = self.prompts.speech_prompt(text)
+        """A speech request for ``text`` in ``voice`` (checked: :meth:`check_voice`,
+        :meth:`check_speech_options`): the prompt side's prompt, full input and answer
+        length (:class:`~omnirelay.models.family.SpeechPrompt`), then :meth:`submit`."""
+        try:
+            prompt = self.prompts.speech_prompt(
+                text, voice=voice, instructions=instructions, language=language
+            )
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="input") from exc
         sampling = None
         if prompt.max_tokens is not None:
             base = stage_sampling_defaults(self.pipeline.config.stages[self.pipeline.config.prompt_stage_id])

@@ -262,6 +262,8 @@ class SpeechRequest(_Model):
     stream_format: str | None = None
     word_timestamps: bool = False
     instructions: str | None = None
+    #: the language to speak (a model that is told one: Qwen3-TTS); an extension of OpenAI's API
+    language: str | None = None
 
 
 async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:

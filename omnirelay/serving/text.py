@@ -45,7 +45,14 @@ class ByteCodec(PromptSide):
     def encode_speech(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def speech_prompt(self, text: str) -> SpeechPrompt:
+    def speech_prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
+    ) -> SpeechPrompt:
         return SpeechPrompt(self.encode_speech(text))
 
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:

@@ -157,11 +157,13 @@ def drive_request(
     request_id: str | None = None,
     on_output: Callable[[RequestOutput, float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    inputs: Any = None,
 ) -> RequestTimeline:
     """Submit one request on ``pipe`` (started with ``on_stage_output=trace`` and
     ``trace_steps=True``: without step times the critical paths are empty), read every
     output, and return its timeline. ``on_output(output, seconds_since_submit)`` sees each
-    output as it arrives (streaming text, writing audio).
+    output as it arrives (streaming text, writing audio). ``inputs``: the prompt stage's
+    full input (a speech prompt's voice, ``SpeechPrompt.inputs``).
 
     A failed request raises :class:`~omnirelay.errors.RequestFailedError`. An interrupt
     (``KeyboardInterrupt``) while waiting aborts the request, waits for its terminal
@@ -176,7 +178,11 @@ def drive_request(
     try:
         submit_s = clock()
         handle = pipe.submit(
-            list(prompt_token_ids), modalities=modalities, sampling=dict(sampling or {}), request_id=rid
+            list(prompt_token_ids),
+            modalities=modalities,
+            sampling=dict(sampling or {}),
+            request_id=rid,
+            inputs=inputs,
         )
         try:
             for out in handle:

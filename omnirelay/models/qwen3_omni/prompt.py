@@ -106,7 +106,15 @@ class QwenPromptSide(PromptSide):
         """The prompt ids of a speech request for ``text``: read it aloud, verbatim."""
         return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
 
-    def speech_prompt(self, text: str) -> SpeechPrompt:
+    def speech_prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
+    ) -> SpeechPrompt:
+        # The Talker hears the voice from the request's extras; the Thinker is told no style.
         return SpeechPrompt(self.encode_speech(text))
 
     def detokenizer(self, context: Sequence[int]) -> Detokenizer:

@@ -26,14 +26,24 @@ compiled tail samples the same codes as the eager one only up to ties: equivalen
 judged on logits within tolerance.
 
 Sampling is :func:`~omnirelay.models.runner.sampler.sample` with the request's
-parameters for the first codebook and the reference's (top-k 50, top-p 0.8) for the
-others, each with the uniform number drawn for it on the host.
+parameters for the first codebook and the model family's for the others
+(:class:`ResidualSampling`: Qwen3-Omni's reference uses temperature 1, top-k 50, top-p 0.8;
+Qwen3-TTS's 0.9, 50, 1.0), each with the uniform number drawn for it on the host. The
+first codebook's logits may carry a per-row repetition penalty over the codes the
+request already produced (``seen``: one flag per vocabulary id, divided when positive,
+multiplied when negative — the ``transformers`` rule) and a per-row bias (the codec
+vocabulary, and a blocked EOS while a request is shorter than its minimum length); with
+penalty 1 and no block they leave the logits exactly as they were.
+
+A family whose code predictor is narrower than its Talker projects each pass's input
+first (``projection``: Qwen3-TTS 1.7B's ``small_to_mtp_projection``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +53,34 @@ import torch.nn.functional as F
 from omnirelay.models.runner.decoder import grouped_attention
 from omnirelay.models.runner.sampler import sample
 
-__all__ = ["PREDICTOR_TOP_K", "PREDICTOR_TOP_P", "CodePredictor", "use_compile_cache"]
+__all__ = [
+    "DEFAULT_RESIDUAL",
+    "PREDICTOR_TOP_K",
+    "PREDICTOR_TOP_P",
+    "CodePredictor",
+    "ResidualSampling",
+    "use_compile_cache",
+]
 
 #: The code predictor's sampling when the request samples (the reference's values).
 PREDICTOR_TOP_K = 50
 PREDICTOR_TOP_P = 0.8
 #: Compiled graphs kept per function: one per batch bucket, with room to spare.
 _RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ResidualSampling:
+    """How codebooks ``1 .. Q−1`` are sampled when the request samples (greedy when it
+    does not): the model family's reference values."""
+
+    temperature: float = 1.0
+    top_k: int = PREDICTOR_TOP_K
+    top_p: float = PREDICTOR_TOP_P
+
+
+#: Qwen3-Omni's residual sampling (the default).
+DEFAULT_RESIDUAL = ResidualSampling()
 
 
 def use_compile_cache(root: Path) -> Path:
@@ -83,8 +114,12 @@ class CodePredictor:
         num_code_groups: int,
         codec_bias: torch.Tensor,
         compile: str | None = None,
+        residual: ResidualSampling = DEFAULT_RESIDUAL,
+        projection: torch.nn.Module | None = None,
     ) -> None:
         predictor = talker.code_predictor
+        self.residual = residual
+        self.projection = projection
         self.model = predictor.model
         self.layers = list(self.model.layers)
         # Resolved here: a compiled body cannot import (transformers' modules load lazily).
@@ -117,6 +152,7 @@ class CodePredictor:
         self.compile_backend = compile
         self.pass_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._pass
         self.head_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._head
+        self.first_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._first_head
         if compile is not None:
             from torch import _dynamo
 
@@ -127,6 +163,7 @@ class CodePredictor:
             # compiles for a whole set of buckets instead of three per bucket).
             self.pass_fn = torch.compile(self._pass, backend=compile, fullgraph=True)
             self.head_fn = torch.compile(self._head, backend=compile, fullgraph=True)
+            self.first_fn = torch.compile(self._first_head, backend=compile, fullgraph=True)
 
     def finish_compiling(self) -> None:
         """Every graph is compiled (and captured): stop inductor's pool of compile worker
@@ -153,7 +190,7 @@ class CodePredictor:
         and the new keys and values ``[layers, 2, b, kv_heads, 1, head_dim]``."""
         b = x.shape[0]
         rotate = self._rotate
-        h = x
+        h = x if self.projection is None else self.projection(x)
         new = []
         allowed = mask.expand(b, 1, 1, mask.shape[-1])
         for li, layer in enumerate(self.layers):
@@ -191,6 +228,30 @@ class CodePredictor:
         embed = F.embedding(token, embedding)
         return token, embed.unsqueeze(1), total + embed
 
+    @staticmethod
+    def _first_head(
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        embedding: torch.Tensor,
+        seen: torch.Tensor,
+        penalty: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+        total: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_head` of the first codebook: the repetition penalty over ``seen [b, V]``
+        (``penalty [b]``), then the per-row ``bias [b, V]``."""
+        logits = F.linear(h, weight).float()
+        scale = penalty.unsqueeze(1)
+        penalized = torch.where(logits < 0, logits * scale, logits / scale)
+        logits = torch.where(seen, penalized, logits) + bias
+        token = sample(logits, temperature, top_k, top_p, uniform)
+        embed = F.embedding(token, embedding)
+        return token, embed.unsqueeze(1), total + embed
+
     # ----------------------------------------------------------------- one frame's tail
 
     def __call__(
@@ -200,21 +261,50 @@ class CodePredictor:
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         uniform: torch.Tensor,
+        *,
+        seen: torch.Tensor | None = None,
+        penalty: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The frame's ``Q`` codes ``[b, Q]`` and the sum of their embeddings ``[b, H]``
         (the next frame's codec input), from the Talker's last hidden states ``[b, H]``
-        and ``[b]`` sampling tensors (``uniform [b, Q]``)."""
+        and ``[b]`` sampling tensors (``uniform [b, Q]``). ``seen [b, V]``, ``penalty [b]``
+        and ``bias [b, V]`` (default: the codec bias) shape the first codebook's logits."""
         b = last.shape[0]
         cache = self._cache[:, :, :b]
         total = torch.zeros_like(last)
-        weight, bias, embedding = self._first
-        first, x, total = self.head_fn(
-            last, weight, bias, embedding, temperature, top_k, top_p, uniform[:, 0], total
-        )
+        weight, codec_bias, embedding = self._first
+        if seen is None or penalty is None:
+            first, x, total = self.head_fn(
+                last,
+                weight,
+                codec_bias if bias is None else bias,
+                embedding,
+                temperature,
+                top_k,
+                top_p,
+                uniform[:, 0],
+                total,
+            )
+        else:
+            first, x, total = self.first_fn(
+                last,
+                weight,
+                codec_bias if bias is None else bias,
+                embedding,
+                seen,
+                penalty,
+                temperature,
+                top_k,
+                top_p,
+                uniform[:, 0],
+                total,
+            )
         codes = [first]
-        pred_temperature = torch.where(temperature > 0, 1.0, 0.0)
-        pred_top_k = torch.full_like(top_k, PREDICTOR_TOP_K)
-        pred_top_p = torch.full_like(top_p, PREDICTOR_TOP_P)
+        residual = self.residual
+        pred_temperature = torch.where(temperature > 0, residual.temperature, 0.0)
+        pred_top_k = torch.full_like(top_k, residual.top_k)
+        pred_top_p = torch.full_like(top_p, residual.top_p)
         inputs = last.unsqueeze(1)
         for p in range(self.q):
             h, new = self.pass_fn(inputs, cache, self._cos[p], self._sin[p], self._mask[p], self._slot[p])

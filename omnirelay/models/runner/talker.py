@@ -18,6 +18,12 @@ with ``compile="inductor"``:
 The host's part per step: the text rows, the sampling parameters as ``[B]`` tensors and
 ``Q`` uniform numbers per sampling row drawn from the request's own generator (the same
 draws, in the same order, as the dynamic path), and one device→host copy of the codes.
+
+With ``row_controls`` (Qwen3-TTS) the first codebook also honours each row's repetition
+penalty over the first codes its slot produced (a per-slot flag per vocabulary id, set
+inside the graph, cleared at the slot's prefill) and a row that may not stop yet (its
+minimum length) has codec EOS blocked; ``residual`` and ``projection`` are the family's
+code-predictor sampling and input projection (:class:`~omnirelay.models.runner.predictor.CodePredictor`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step
-from omnirelay.models.runner.predictor import CodePredictor
+from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
 
@@ -44,12 +50,15 @@ __all__ = ["TalkerRow", "TalkerRunner"]
 @dataclass(frozen=True, slots=True)
 class TalkerRow:
     """A prefill row (``embeds [L, H]``, the conditioning) or a frame row (``embeds
-    [1, H]``, this step's text row), on the device."""
+    [1, H]``, this step's text row), on the device. ``repetition_penalty`` and
+    ``may_stop`` apply on a runner with ``row_controls``."""
 
     rid: str
     embeds: torch.Tensor
     sampling: SamplingParams
     generator: torch.Generator
+    repetition_penalty: float = 1.0
+    may_stop: bool = True
 
 
 class TalkerRunner:
@@ -65,8 +74,13 @@ class TalkerRunner:
         buckets: Buckets,
         cuda_graphs: bool,
         compile: str | None = None,
+        row_controls: bool = False,
+        residual: ResidualSampling = DEFAULT_RESIDUAL,
+        projection: torch.nn.Module | None = None,
     ) -> None:
         self.talker = talker
+        self.row_controls = row_controls
+        self.codec_eos = codec_eos
         decoder = talker.model
         weight = decoder.codec_embedding.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -104,8 +118,18 @@ class TalkerRunner:
         self._uniform = torch.zeros((mb, self.q), device=dev)
         #: the summed codec embeddings of each slot's last frame (the next frame's input)
         self._codec_embed = torch.zeros((buckets.max_num_seqs + 1, self.hidden), dtype=self.dtype, device=dev)
+        #: which first codes each slot produced (the repetition penalty's history)
+        self._seen = torch.zeros((buckets.max_num_seqs + 1, vocab), dtype=torch.bool, device=dev)
+        self._penalty = torch.ones(mb, device=dev)
+        self._eos_bias = torch.zeros(mb, device=dev)  # -inf: the row may not stop yet
         self.predictor = CodePredictor(
-            talker, max_batch=mb, num_code_groups=self.q, codec_bias=bias, compile=compile
+            talker,
+            max_batch=mb,
+            num_code_groups=self.q,
+            codec_bias=bias,
+            compile=compile,
+            residual=residual,
+            projection=projection,
         )
 
     # ----------------------------------------------------------------- startup
@@ -133,10 +157,17 @@ class TalkerRunner:
     def _tail(self, last: torch.Tensor, b: int) -> torch.Tensor:
         """Codec head, first codebook, then the code predictor's ``Q − 1`` codebooks;
         writes each row's summed frame embedding to its slot. Returns ``[B, Q]``."""
-        codes, total = self.predictor(
-            last, self._temperature[:b], self._top_k[:b], self._top_p[:b], self._uniform[:b]
-        )
-        self._codec_embed.index_copy_(0, self._slot_ids[:b], total)
+        sampling = (self._temperature[:b], self._top_k[:b], self._top_p[:b], self._uniform[:b])
+        slots = self._slot_ids[:b]
+        if not self.row_controls:
+            codes, total = self.predictor(last, *sampling)
+        else:
+            bias = self._codec_bias.unsqueeze(0).expand(b, -1).clone()
+            bias[:, self.codec_eos] += self._eos_bias[:b]
+            seen = self._seen.index_select(0, slots)
+            codes, total = self.predictor(last, *sampling, seen=seen, penalty=self._penalty[:b], bias=bias)
+            self._seen.index_put_((slots, codes[:, 0]), torch.ones(b, dtype=torch.bool, device=slots.device))
+        self._codec_embed.index_copy_(0, slots, total)
         return codes
 
     def _prefill_step(self, b: int, t: int, attn_len: int | None) -> Step:
@@ -197,6 +228,14 @@ class TalkerRunner:
         self._top_k[:b].copy_(top_k)
         self._top_p[:b].copy_(top_p)
         self._uniform[:b].copy_(uniform)
+        if self.row_controls:
+            penalty = torch.ones(b)
+            eos_bias = torch.zeros(b)
+            for i, row in enumerate(rows):
+                penalty[i] = row.repetition_penalty
+                eos_bias[i] = 0.0 if row.may_stop else float("-inf")
+            self._penalty[:b].copy_(penalty)
+            self._eos_bias[:b].copy_(eos_bias)
 
     def _prefill_launch(self, launch: Launch, rows: Sequence[TalkerRow]) -> torch.Tensor:
         b, t = launch.batch, launch.tokens
@@ -218,6 +257,8 @@ class TalkerRunner:
         """Conditioning of new requests (slots acquired) → their first frames ``[n, Q]`` (CPU)."""
         for row in rows:
             self.slots.check_room(row.rid, 0, row.embeds.shape[0])
+            if self.row_controls:
+                self._seen[self.slots.slot(row.rid)].zero_()
         lasts: list[torch.Tensor | None] = [None] * len(rows)
         for launch in plan_prefill([(0, row.embeds.shape[0]) for row in rows], self.buckets):
             last = self._prefill_launch(launch, rows)

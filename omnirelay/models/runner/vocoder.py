@@ -27,6 +27,15 @@ from positions — runs on the device without host synchronization, so a step is
 as one CUDA graph per (batch, frames) bucket, like the window decodes of
 :class:`~omnirelay.models.runner.code2wav.GraphedCode2Wav`.
 
+The same walk serves Qwen3-TTS's 12 Hz decoder, which differs in three places: its
+front is a quantizer (the model's ``embed_codes(codes) -> [B, C, T]``, stateless per
+frame) followed by causal convolutions at the frame rate (``frame_convs``, each with its
+state like any other); its transformer has input and output projections; and its
+up-sampling transposed convolutions trim their overlap at the right end only — fully
+causal, no look-ahead, so it holds nothing back and a first chunk has no invalid prefix.
+Each transposed convolution says which it is by its trim (``left_pad`` = ``r``: one
+sample of look-ahead; 0: causal).
+
 :class:`StreamingVocoder` holds the state in slots (:class:`SlotTable`, one per stream,
 released with the request); ``decode(rows)`` runs one step and returns each row's new
 samples.
@@ -94,7 +103,7 @@ class StreamingVocoder:
         frames: tuple[int, ...] = DEFAULT_STREAM_FRAMES,
     ) -> None:
         self.model = model
-        weight = model.code_embedding.weight
+        weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         config = model.config
         self.q = int(config.num_quantizers)
@@ -106,8 +115,8 @@ class StreamingVocoder:
         transformer = model.pre_transformer
         self.window = int(config.sliding_window)
         layer0 = transformer.layers[0].self_attn
-        heads = int(layer0.config.num_key_value_heads)
         head_dim = int(layer0.head_dim)
+        heads = int(layer0.k_proj.out_features) // head_dim
         rows = max_streams + 1  # + the scratch row padding writes to
         cache = (len(transformer.layers), rows, heads, self.window - 1, head_dim)
         self._keys = torch.zeros(cache, dtype=self.dtype, device=self.device)
@@ -139,9 +148,12 @@ class StreamingVocoder:
         return _Conv(module, width, index)
 
     def _walk(self, rows: int) -> list[tuple[str, Any, Any]]:
-        """The decoder after the transformer as a list of (kind, module, state)."""
+        """The decoder after its stateless front as a list of (kind, module, state)."""
         model = self.model
         plan: list[tuple[str, Any, Any]] = []
+        for conv in getattr(model, "frame_convs", ()):
+            plan.append(("conv", conv, self._conv(conv, rows)))
+        plan.append(("transformer", model.pre_transformer, None))
         for up, convnext in model.upsample:
             if up.conv.kernel_size[0] != up.conv.stride[0]:
                 raise ModelError("streaming Code2Wav: the first up-sampling layers must not overlap")
@@ -152,12 +164,15 @@ class StreamingVocoder:
         for block in blocks[1:-2]:
             snake, trans, *units = block.block
             r = int(trans.conv.stride[0])
-            if trans.conv.kernel_size[0] != 2 * r or trans.left_pad != r or trans.right_pad != r:
+            trim = (int(trans.left_pad), int(trans.right_pad))
+            if trans.conv.kernel_size[0] != 2 * r or trim not in ((r, r), (0, r)):
                 raise ModelError("streaming Code2Wav: a decoder block's transposed convolution is not 2r/r")
             plan.append(("act", snake, None))
             index = self._state(rows, int(trans.conv.in_channels), 1)
-            self._lookahead.append(r)
-            plan.append(("lookahead", trans, (r, len(self._lookahead) - 1, index)))
+            looks_ahead = trim == (r, r)
+            if looks_ahead:
+                self._lookahead.append(r)
+            plan.append(("transposed", trans, (r, looks_ahead, index)))
             for unit in units:
                 plan.append(("unit", unit, (self._conv(unit.conv1, rows), self._conv(unit.conv2, rows))))
         plan.append(("act", blocks[-2], None))
@@ -192,12 +207,16 @@ class StreamingVocoder:
         ``[holdback if positions[i] == 0 else 0, counts[i] · U)``."""
         model = self.model
         is_start = positions == 0
-        hidden = model.code_embedding(codes + model.code_offset).mean(1)
-        hidden = self._transformer(hidden, slots, counts, positions)
-        x = hidden.permute(0, 2, 1)
+        embed = getattr(model, "embed_codes", None)
+        if embed is None:  # Qwen3-Omni: one embedding table, the codebooks averaged
+            x = model.code_embedding(codes + model.code_offset).mean(1).permute(0, 2, 1)
+        else:
+            x = embed(codes)
         factor, prefix = 1, 0  # samples per frame so far; a first chunk's invalid prefix length
         for kind, module, state in self._plan:
-            if kind == "upsample":
+            if kind == "transformer":
+                x = self._transformer(x.permute(0, 2, 1), slots, counts, positions).permute(0, 2, 1)
+            elif kind == "upsample":
                 x = module(x)
                 factor *= state
                 prefix *= state
@@ -215,11 +234,11 @@ class StreamingVocoder:
                 y = self._causal(conv1, module.act1(x), slots, counts * factor, is_start, prefix)
                 y = self._causal(conv2, module.act2(y), slots, counts * factor, is_start, prefix)
                 x = x + y
-            else:  # lookahead
-                r, _, index = state
-                x = self._transposed(module, index, x, slots, counts * factor, is_start, prefix)
+            else:  # transposed
+                r, looks_ahead, index = state
+                x = self._transposed(module, r, index, x, slots, counts * factor, is_start, prefix)
                 factor *= r
-                prefix = (prefix + 1) * r
+                prefix = (prefix + 1) * r if looks_ahead else prefix * r
         return x.clamp(min=-1, max=1)
 
     def _masked(self, x: torch.Tensor, is_start: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -264,6 +283,7 @@ class StreamingVocoder:
     def _transposed(
         self,
         module: Any,
+        r: int,
         index: int,
         x: torch.Tensor,
         slots: torch.Tensor,
@@ -272,11 +292,12 @@ class StreamingVocoder:
         prefix: int,
     ) -> torch.Tensor:
         """``[last input, x]`` through the layer: block ``j`` pairs input ``j − 1`` (the
-        state for ``j = 0``) with input ``j``, so ``T`` inputs give ``T · r`` outputs."""
+        state for ``j = 0``) with input ``j``, so ``T`` inputs give ``T · r`` outputs (the
+        untrimmed convolution's blocks ``1 .. T``, whichever end the layer trims)."""
         x = self._masked(x, is_start, prefix)
         xin = torch.cat([self._history(index, slots, is_start), x], dim=-1)
         self._carry(index, xin, ends, slots)
-        out: torch.Tensor = module(xin)
+        out: torch.Tensor = module.conv(xin)[..., r : (x.shape[-1] + 1) * r]
         return out
 
     def _transformer(
@@ -298,7 +319,8 @@ class StreamingVocoder:
         mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < self.window))
         mask = mask.unsqueeze(1)  # [B, 1, T, past + T]
         ends = (counts.view(b, 1) + torch.arange(past, device=device).view(1, past)).view(b, 1, past, 1)
-        h = hidden
+        project_in = getattr(transformer, "input_proj", None)
+        h = hidden if project_in is None else project_in(hidden)
         for li, layer in enumerate(transformer.layers):
             attn = layer.self_attn
             d = attn.head_dim
@@ -318,7 +340,8 @@ class StreamingVocoder:
             self._keys[li].index_copy_(0, slots, keys.gather(2, idx))
             self._values[li].index_copy_(0, slots, values.gather(2, idx))
         out_h: torch.Tensor = transformer.norm(h)
-        return out_h
+        project_out = getattr(transformer, "output_proj", None)
+        return out_h if project_out is None else project_out(out_h)
 
     # ----------------------------------------------------------------- startup and use
 

@@ -31,7 +31,15 @@ class SmolPromptSide(PromptSide):
     def encode_speech(self, text: str) -> list[int]:
         return self.encode_chat([("system", SPEAK_INSTRUCTION), ("user", text)])
 
-    def speech_prompt(self, text: str) -> SpeechPrompt:
+    def speech_prompt(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        instructions: str | None = None,
+        language: str | None = None,
+    ) -> SpeechPrompt:
+        # One voice, told nothing: voice, instructions and language do not apply.
         # One token a step, then the end-of-turn token: the answer is exactly this long.
         num_tokens = len(self.tokenizer.encode(text)) + 1
         return SpeechPrompt(self.encode_speech(text), inputs={"speak_text": text}, max_tokens=num_tokens)

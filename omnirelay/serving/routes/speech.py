@@ -5,8 +5,9 @@ pipeline's own, or an OpenAI name its file maps to one), ``response_format`` (``
 default as OpenAI's, ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``: see
 :mod:`omnirelay.serving.media.encoding`), ``speed`` (1.0 only), ``stream_format`` (``audio``, or
 ``sse``: OpenAI's ``speech.audio.delta`` / ``speech.audio.done`` events), ``stream: true``
-(as ``stream_format: "audio"``), ``word_timestamps``, ``instructions`` (honoured by a voice
-that follows them, else a 400: the family's prompt side says per voice).
+(as ``stream_format: "audio"``), ``word_timestamps``, ``instructions`` (followed by the
+voices that take them, 400 from those that do not: the prompt side's
+``instructions_refusal``), ``language`` (one of the prompt side's ``languages``).
 
 The audio leaves as it is made, in every format but ``wav``: the response starts with
 the first encoded bytes (a request that fails before them gets a JSON error), then each
@@ -107,7 +108,7 @@ def _mode(fe: Frontend, req: SpeechRequest) -> str:
         raise ApiError(
             400,
             f"word_timestamps needs a pipeline with a forced-aligner stage; {fe.model_name!r} has none "
-            "(serve one with: omnirelay serve --pipeline qwen3-tts-aligner-tiny)",
+            "(serve one with: omnirelay serve --pipeline qwen3-tts-tiny)",
             param="word_timestamps",
         )
     if "audio" not in fe.output_types:
@@ -135,7 +136,7 @@ async def speech(request: Request, fe: Frontend) -> Response:
     fe.check_model(req.model)
     mode = _mode(fe, req)
     voice = fe.check_voice(req.voice)
-    fe.check_instructions(voice, req.instructions)
+    instructions, language = fe.check_speech_options(voice, req.instructions, req.language)
     rid = check_request_id(request.headers.get("x-request-id"), "speech")
     modalities = ["audio", "timestamps"] if req.word_timestamps else ["audio"]
     stream = fe.submit_speech(
@@ -144,7 +145,9 @@ async def speech(request: Request, fe: Frontend) -> Response:
         modalities=modalities,
         request_id=rid,
         extras=speech_extras(req.input, voice),
-        instructions=req.instructions,
+        voice=voice,
+        instructions=instructions,
+        language=language,
     )
     fmt = req.response_format
     emitter = AudioEmitter(require_sample_rate=fmt == "wav")

@@ -5,7 +5,8 @@ Client messages (JSON text frames with a ``type``):
 * ``session.config`` — first, and again whenever settings change (applies to the next
   utterance): ``model``, ``voice``, ``response_format`` (``pcm`` | ``wav``),
   ``stream_audio`` (default true), ``word_timestamps`` (needs an aligner,
-  ``stream_audio: true`` and ``pcm``), ``split`` (``none`` | ``sentence`` | ``clause``).
+  ``stream_audio: true`` and ``pcm``), ``split`` (``none`` | ``sentence`` | ``clause``),
+  ``instructions`` and ``language`` (as ``/v1/audio/speech``'s; ``null`` clears them).
   At most 4 MiB; the first must come within 10 s.
 * ``input.text`` {``text``} — at most 128 KiB a message; appended to the utterance.
 * ``input.done`` — flush: synthesize what was buffered as one utterance; the socket stays.
@@ -84,6 +85,8 @@ class SessionSettings:
     stream_audio: bool = True
     word_timestamps: bool = False
     split: str = "none"
+    instructions: str | None = None
+    language: str | None = None
 
 
 def split_text(text: str, split: str, *, final: bool) -> tuple[list[str], str]:
@@ -253,6 +256,12 @@ class _Session:
                 "word_timestamps": _opt(msg, "word_timestamps", bool, base.word_timestamps),
                 "split": _opt(msg, "split", str, base.split),
             }
+            # Given (null too) they replace the session's; absent they stay.
+            instructions = _opt(msg, "instructions", str) if "instructions" in msg else base.instructions
+            language = _opt(msg, "language", str) if "language" in msg else base.language
+            values["instructions"], values["language"] = self.fe.check_speech_options(
+                values["voice"], instructions, language
+            )
         except _FieldTypeError as exc:
             raise _ProtocolError(f"session.config: {exc}", code="invalid_message", fatal=True) from exc
         except ApiError as exc:
@@ -271,7 +280,7 @@ class _Session:
             if not self.fe.has_aligner:
                 raise _ProtocolError(
                     f"session.config: word_timestamps needs a pipeline with a forced aligner; "
-                    f"{self.fe.model_name!r} has none (omnirelay serve --pipeline qwen3-tts-aligner-tiny)",
+                    f"{self.fe.model_name!r} has none (omnirelay serve --pipeline qwen3-tts-tiny)",
                     code="invalid_config",
                 )
             if not settings.stream_audio or settings.response_format != "pcm":
@@ -341,6 +350,9 @@ class _Session:
                 modalities=["audio", "timestamps"] if s.word_timestamps else ["audio"],
                 request_id=f"{self.id}-{job.utterance_index}-{job.sentence_index}",
                 extras=speech_extras(job.text, s.voice),
+                voice=s.voice,
+                instructions=s.instructions,
+                language=s.language,
             )
         except ApiError as exc:
             # Over capacity: the frame carries what an HTTP 429's Retry-After would.
