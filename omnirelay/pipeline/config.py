@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -62,6 +63,7 @@ __all__ = [
     "PipelineConfig",
     "SamplingConfig",
     "StageConfig",
+    "WorkerRef",
 ]
 
 DEFAULT_MAX_NUM_SEQS = 64
@@ -195,11 +197,47 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: Ray resources the stage's worker needs (a placement of ``backend: ray`` only);
     #: custom ones (``hostB: 1``) pin it to the nodes that offer them
     resources: dict[str, float] = msgspec.field(default_factory=dict)
+    #: Worker processes of the stage (``replicas:``), each with its own engine; a request
+    #: is bound to one of them when it enters the stage (docs/design.md §11).
+    replicas: int = 1
+    #: Per-replica ``devices`` when the file lists one per replica (``devices: [cuda:0,
+    #: cuda:1]``); empty: every replica uses :attr:`devices`, which is replica 0's.
+    replica_devices: tuple[str | None, ...] = ()
+    #: Per-replica ``resources`` when the file lists one mapping per replica; empty:
+    #: every replica uses :attr:`resources`, which is replica 0's.
+    replica_resources: tuple[dict[str, float], ...] = ()
+    #: Which replica this config describes: 0 in the pipeline file; a replica's worker
+    #: sees its own (:meth:`PipelineConfig.for_replica`). Never written in a file.
+    replica: int = 0
 
     @property
     def label(self) -> str:
         """``stage 1 (talker)``: how messages name this stage."""
         return f"stage {self.id} ({self.name})"
+
+    def replica_label(self, replica: int) -> str:
+        """``stage 1 (talker) replica 1`` for a replicated stage, else :attr:`label`."""
+        return self.label if self.replicas == 1 else f"{self.label} replica {replica}"
+
+    def replica_devices_of(self, replica: int) -> str | None:
+        """The ``devices`` of one replica."""
+        return self.replica_devices[replica] if self.replica_devices else self.devices
+
+    def replica_resources_of(self, replica: int) -> dict[str, float]:
+        """The Ray ``resources`` of one replica."""
+        return dict(self.replica_resources[replica]) if self.replica_resources else dict(self.resources)
+
+    def for_replica(self, replica: int) -> StageConfig:
+        """This stage as replica ``replica``'s worker sees it: that replica's devices and
+        resources in :attr:`devices` and :attr:`resources`, :attr:`replica` set."""
+        if type(replica) is not int or not 0 <= replica < self.replicas:
+            raise ConfigError(f"{self.label} has no replica {replica!r}; it has {self.replicas}")
+        return msgspec.structs.replace(
+            self,
+            devices=self.replica_devices_of(replica),
+            resources=self.replica_resources_of(replica),
+            replica=replica,
+        )
 
     def process_env(self) -> dict[str, str]:
         """The environment variables the stage's worker sets before it touches a device:
@@ -231,6 +269,16 @@ class Edge(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def label(self) -> str:
         return f"{self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRef:
+    """One worker process of a pipeline: replica ``replica`` of stage ``stage_id``;
+    ``index`` numbers every worker, stage by stage (the control plane's address)."""
+
+    index: int
+    stage_id: int
+    replica: int
 
 
 class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -279,6 +327,32 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def workers(self) -> tuple[WorkerRef, ...]:
+        """Every worker process of the pipeline: each stage's replicas, stage by stage."""
+        out: list[WorkerRef] = []
+        for s in self.stages:
+            for r in range(s.replicas):
+                out.append(WorkerRef(len(out), s.id, r))
+        return tuple(out)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+    @property
+    def has_replicas(self) -> bool:
+        """Does any stage run more than one worker?"""
+        return any(s.replicas > 1 for s in self.stages)
+
+    def for_replica(self, stage_id: int, replica: int) -> PipelineConfig:
+        """The pipeline as replica ``replica`` of stage ``stage_id`` sees it (its worker):
+        that stage's config is the replica's (:meth:`StageConfig.for_replica`)."""
+        view = self.stage(stage_id).for_replica(replica)
+        if replica == 0 and view == self.stages[stage_id]:
+            return self
+        stages = tuple(view if s.id == stage_id else s for s in self.stages)
+        return msgspec.structs.replace(self, stages=stages)
 
     def stage(self, stage: StageConfig | int) -> StageConfig:
         """The stage with this id (or the stage itself)."""

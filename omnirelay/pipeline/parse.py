@@ -245,18 +245,41 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "max_num_batched_tokens": lambda m, k: ctx.integer(m, k, optional=True),
         "async_scheduling": ctx.strict_bool,
         "sampling": lambda m, k: _parse_sampling(ctx, m[k]),
-        "devices": ctx.optional_string,
+        "devices": ctx.optional_string,  # or one per replica: read below
         "async_chunk_prewarm_prompt_len": lambda m, k: ctx.integer(m, k, optional=True),
         "env": ctx.env_mapping,
         "gpu_share": lambda m, k: ctx.integer(m, k, optional=True),
         "gpu_priority": lambda m, k: ctx.choice(m, k, GpuPriority, optional=True),
         "entry_input": lambda m, k: ctx.choice(m, k, EntryInput, optional=True),
         "resources": lambda m, k: parse_resources(source, ctx.where or "", m[k]),
+        "replicas": ctx.integer,
     }
+    per_replica = {k: raw[k] for k in ("devices", "resources") if isinstance(raw.get(k), list)}
     for key, read in readers.items():
-        if key in raw:
+        if key in raw and key not in per_replica:
             kw[key] = read(raw, key)
+    _parse_per_replica(ctx, source, per_replica, kw)
     return StageConfig(**kw)
+
+
+def _parse_per_replica(ctx: _Ctx, source: str, lists: Mapping[str, list[Any]], kw: dict[str, Any]) -> None:
+    """``devices`` and ``resources`` written as one entry per replica: each list holds
+    ``replicas`` entries; replica 0's goes in the stage's own key."""
+    replicas = kw.get("replicas", 1)
+    for key, items in lists.items():
+        example = "devices: [cuda:0, cuda:1]" if key == "devices" else "resources: [{hostA: 1}, {hostB: 1}]"
+        if type(replicas) is not int or len(items) != replicas:
+            ctx.fail(
+                key,
+                f"lists {len(items)} entries but the stage has replicas: {replicas}",
+                f"give one entry per replica (e.g. 'replicas: 2' and '{example}'), or one value for all",
+            )
+        if key == "devices":
+            values = [ctx.optional_string({key: v}, key) for v in items]
+            kw["replica_devices"], kw["devices"] = tuple(values), values[0]
+        else:
+            maps = [parse_resources(source, ctx.where or "", v) for v in items]
+            kw["replica_resources"], kw["resources"] = tuple(maps), maps[0]
 
 
 def _parse_sampling(ctx: _Ctx, raw: object) -> SamplingConfig:
@@ -298,7 +321,9 @@ PIPELINE_KEYS = (
     "max_audio_streams",
     "hold_audio_while_dry",
 )
-STAGE_KEYS = tuple(StageConfig.__struct_fields__)
+#: What a worker's view of a stage adds (never written in a file).
+_DERIVED_STAGE_FIELDS = ("replica_devices", "replica_resources", "replica")
+STAGE_KEYS = tuple(k for k in StageConfig.__struct_fields__ if k not in _DERIVED_STAGE_FIELDS)
 SAMPLING_KEYS = tuple(SamplingConfig.__struct_fields__)
 CONNECTOR_KEYS = tuple(ConnectorSpec.__struct_fields__)
 

@@ -58,10 +58,11 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     address: str | None = None
     #: edge label ``"src -> dst"`` -> backend
     edges: dict[str, str] = msgspec.field(default_factory=dict)
-    #: filled at start (never in a file): reading stage id -> its nixl notice endpoint
-    endpoints: dict[int, str] = msgspec.field(default_factory=dict)
-    #: filled at start: stage id -> the address of the node its worker runs on
-    node_ips: dict[int, str] = msgspec.field(default_factory=dict)
+    #: filled at start (never in a file): a reading worker's inbox (``"2"``, or
+    #: ``"2.1"`` for a stage's replica 1) -> its nixl notice endpoint
+    endpoints: dict[str, str] = msgspec.field(default_factory=dict)
+    #: filled at start: a worker's inbox name -> the address of the node it runs on
+    node_ips: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def is_ray(self) -> bool:
@@ -69,8 +70,14 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 def stage_host(stage: StageConfig) -> tuple[str, ...] | None:
-    """The custom resources pinning ``stage`` to a host (sorted), None when it names none."""
-    keys = tuple(sorted(k for k in stage.resources if k not in _BUILTIN_RESOURCES))
+    """The custom resources pinning every replica of ``stage`` to one host (sorted); None
+    when one names none, or its replicas are pinned to different hosts."""
+    hosts = {_host(stage.replica_resources_of(r)) for r in range(stage.replicas)}
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def _host(resources: Mapping[str, float]) -> tuple[str, ...] | None:
+    keys = tuple(sorted(k for k in resources if k not in _BUILTIN_RESOURCES))
     return keys or None
 
 
@@ -160,7 +167,7 @@ def check_placement(cfg: PipelineConfig) -> None:
     """Placement against the stages and edges (raises the first problem)."""
     placement, src = cfg.placement, cfg.source
     if not placement.is_ray:
-        pinned = [s for s in cfg.stages if s.resources]
+        pinned = [s for s in cfg.stages if s.resources or any(s.replica_resources)]
         if pinned:
             raise config_error(
                 src, pinned[0].label, "resources", "resources place a stage on a Ray node",

@@ -199,6 +199,45 @@ def _check_stage_values(cfg: PipelineConfig, stage: StageConfig) -> None:
     _check_sampling(cfg, stage)
     _check_process_settings(cfg, stage)
     _check_entry_input(cfg, stage)
+    _check_replicas(cfg, stage)
+
+
+#: The most worker processes one stage may run.
+MAX_REPLICAS = 64
+
+
+def _check_replicas(cfg: PipelineConfig, stage: StageConfig) -> None:
+    """``replicas`` in 1..:data:`MAX_REPLICAS`; per-replica lists one entry per replica;
+    a replica's view names an existing replica; no in-process connector on the edges of a
+    replicated stage (its workers are processes)."""
+
+    def fail(key: str, problem: str, fix: str) -> None:
+        raise config_error(cfg.source, stage.label, key, problem, fix)
+
+    n = stage.replicas
+    if type(n) is not int or not 1 <= n <= MAX_REPLICAS:
+        fail("replicas", f"must be an int in 1..{MAX_REPLICAS}, got {n!r}", "use e.g. 2, or remove the key")
+    for key in ("replica_devices", "replica_resources"):
+        given = getattr(stage, key)
+        if given and len(given) != n:
+            name = key.removeprefix("replica_")
+            fail(name, f"lists {len(given)} entries for {n} replicas", "give one entry per replica")
+    if not 0 <= stage.replica < n:
+        fail(
+            "replica", f"replica {stage.replica} of a stage with {n}", "a worker's view names its own replica"
+        )
+    if n > 1:
+        edges = [stage.id, *(d.id for d in cfg.stages if stage.id in d.input_sources)]
+        for dst in edges:
+            if (
+                cfg.stages[dst].input_sources
+                and cfg.connector_spec(cfg.input_connector(dst)).backend == "inproc"
+            ):
+                fail(
+                    "replicas",
+                    "a replicated stage's workers are processes, which an inproc connector cannot link",
+                    "use the shm connector on its edges (the default), or one replica",
+                )
 
 
 def _check_entry_input(cfg: PipelineConfig, stage: StageConfig) -> None:
