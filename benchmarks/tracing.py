@@ -58,11 +58,11 @@ class TracingConnector(Connector):
         #: Objects removed by :meth:`release_prefix` (the orchestrator's release by id).
         self.num_removed_prefix = 0
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
         if self._on_put_start is not None:
             self._on_put_start(key)
         t0 = time.perf_counter_ns()
-        result = self.inner.put(from_stage, to_stage, key, obj)
+        result = self.inner.put(from_stage, to_stage, key, obj, to_replica)
         t1 = time.perf_counter_ns()
         with self._lock:
             if result.ok:

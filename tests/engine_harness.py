@@ -87,9 +87,9 @@ class CorruptingConnector(InprocConnector):
         super().__init__(namespace, stage_id)
         self.corrupt_keys = corrupt_keys
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> Any:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> Any:
         if key not in self.corrupt_keys:
-            return super().put(from_stage, to_stage, key, obj)
+            return super().put(from_stage, to_stage, key, obj, to_replica)
         self.inject_raw(to_stage, key, b"this is not an omnirelay payload")
         from omnirelay.connectors.base import PutResult
 

@@ -158,7 +158,7 @@ class FakeConnector(Connector):
         self.reaped = threading.Condition(self._lock)  # notified after every reap pass
 
     # --- contract
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
         self.store.note(f"put_start:{key}")
         gate = self.put_gates.get(key)
         if gate is not None:

@@ -3,18 +3,24 @@
 A connector knows keys and bytes, never requests, chunks or models. Every backend
 implements :class:`Connector`:
 
-* ``put(from_stage, to_stage, key, obj) -> PutResult`` — encode ``obj`` and publish it
-  under ``key``. Never raises for transport trouble: a failure is ``PutResult(ok=False,
-  error=...)`` and nothing half-written stays behind. Called on the sender thread, once
-  per chunk.
+* ``put(from_stage, to_stage, key, obj, to_replica=0) -> PutResult`` — encode ``obj`` and
+  publish it under ``key``, announced to replica ``to_replica`` of ``to_stage``. Never
+  raises for transport trouble: a failure is ``PutResult(ok=False, error=...)`` and
+  nothing half-written stays behind. Called on the sender thread, once per chunk.
 * ``get(from_stage, to_stage, key) -> GetResult`` — non-blocking and tri-state:
   ``READY`` (the object, now consumed: no other reader will get it), ``NOT_YET`` (nothing
   published under the key yet, try again on the next arrival), ``FAILED`` (the object
   existed but is unusable — corrupt, wrong schema — it has been consumed and its
   resources removed; retrying will not help).
 * ``wait_arrivals(to_stage, timeout) -> Arrivals`` — block up to ``timeout`` seconds
-  for arrival notices addressed to ``to_stage`` and return the announced keys (may be
-  empty) and what the backend knows about them (:class:`Arrivals`). A notice is a hint: the receiver still calls ``get``.
+  for arrival notices addressed to ``to_stage`` (the replica this connector was made for)
+  and return the announced keys (may be empty) and what the backend knows about them
+  (:class:`Arrivals`). A notice is a hint: the receiver still calls ``get``.
+
+A stage may run several worker processes (replicas, docs/design.md §11). Keys stay the
+stage's (any replica's reader may get any key); only notices are addressed to one replica:
+each connector is made with the ``replica`` it listens for, and a producer names the
+replica that reads a key (``to_replica``; :func:`inbox_name` names an inbox).
 * ``cleanup(key)`` — remove the exact key if still published (idempotent).
 * ``cleanup_prefix(prefix)`` — remove tracked keys ``prefix + <decimal int>`` (docs/protocol.md §2.8).
 * ``reap_consumed() -> int`` — one bounded, rotating pass dropping bookkeeping of keys
@@ -57,6 +63,7 @@ __all__ = [
     "PutResult",
     "ReclaimReport",
     "Reclaimer",
+    "inbox_name",
     "is_prefix_match",
     "validate_key",
     "validate_namespace",
@@ -224,6 +231,12 @@ class Reclaimer(Protocol):
     def __call__(self, namespace: str | None, *, reclaim: bool) -> ReclaimReport: ...
 
 
+def inbox_name(stage: int, replica: int = 0) -> str:
+    """The name of one stage worker's inbox of arrival notices: ``"2"`` for stage 2 (its
+    replica 0, the only one of a stage that is not replicated), ``"2.1"`` for replica 1."""
+    return str(stage) if replica == 0 else f"{stage}.{replica}"
+
+
 def validate_key(key: object) -> str:
     """Return ``key`` if usable as a transfer key, else raise :class:`InvalidKeyError`."""
     if not isinstance(key, str):
@@ -274,7 +287,7 @@ class Connector(ABC):
     backend: str = "abstract"
 
     @abstractmethod
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult: ...
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult: ...
 
     @abstractmethod
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult: ...

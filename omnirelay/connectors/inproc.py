@@ -39,7 +39,7 @@ class InprocHub:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.objects: dict[str, tuple[bytes, int]] = {}  # key -> (encoded, owner id)
-        self.arrivals: dict[int, deque[str]] = {}
+        self.arrivals: dict[tuple[int, int], deque[str]] = {}  # (stage, replica) -> announced keys
 
     def live_keys(self) -> list[str]:
         with self.lock:
@@ -63,9 +63,12 @@ def hub_for(namespace: str) -> InprocHub:
 class InprocConnector(Connector):
     backend = "inproc"
 
-    def __init__(self, namespace: str, stage_id: int | None = None, *, hub: InprocHub | None = None) -> None:
+    def __init__(
+        self, namespace: str, stage_id: int | None = None, *, replica: int = 0, hub: InprocHub | None = None
+    ) -> None:
         self.namespace = validate_namespace(namespace)
         self.stage_id = stage_id
+        self.replica = replica
         self.hub = hub if hub is not None else hub_for(namespace)
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, int] = OrderedDict()  # key -> nbytes
@@ -86,7 +89,7 @@ class InprocConnector(Connector):
             self._counts[kind] += 1
             self._last_error = reason
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
         try:
             validate_key(key)
             if self._closed:
@@ -103,7 +106,7 @@ class InprocConnector(Connector):
                 self._fail("num_put_failures", reason)
                 return PutResult(ok=False, error=reason)
             hub.objects[key] = (data, id(self))
-            hub.arrivals.setdefault(to_stage, deque()).append(key)
+            hub.arrivals.setdefault((to_stage, to_replica), deque()).append(key)
             hub.cond.notify_all()
         with self._lock:
             self._pending[key] = len(data)
@@ -140,7 +143,7 @@ class InprocConnector(Connector):
         """Publish raw bytes under ``key`` (tests: corrupt objects)."""
         with self.hub.cond:
             self.hub.objects[key] = (data, id(self))
-            self.hub.arrivals.setdefault(to_stage, deque()).append(key)
+            self.hub.arrivals.setdefault((to_stage, 0), deque()).append(key)
             self.hub.cond.notify_all()
 
     def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
@@ -148,7 +151,7 @@ class InprocConnector(Connector):
             raise ConnectorError("connector is closed")
         hub = self.hub
         with hub.cond:
-            q = hub.arrivals.setdefault(to_stage, deque())
+            q = hub.arrivals.setdefault((to_stage, self.replica), deque())
             if not q and timeout != 0:
                 hub.cond.wait_for(lambda: bool(q) or self._closed, timeout)
             keys = Arrivals(q)

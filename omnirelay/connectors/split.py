@@ -30,8 +30,8 @@ class SplitConnector(Connector):
         self.output_side = output_side
         self.backend = f"{input_side.backend}+{output_side.backend}"
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
-        return self.output_side.put(from_stage, to_stage, key, obj)
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
+        return self.output_side.put(from_stage, to_stage, key, obj, to_replica)
 
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
         return self.input_side.get(from_stage, to_stage, key)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnirelay.connectors import Connector, create_connector
+from omnirelay.connectors import Connector, create_connector, inbox_name
 from omnirelay.engine.stage_roles import StageRoles
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
 from omnirelay.pipeline.placement import edge_backend
@@ -52,7 +52,7 @@ def _options(pipeline: PipelineConfig, stage: StageConfig, backend: str, *, list
         return {}
     placement = pipeline.placement
     options: dict[str, Any] = {"endpoints": dict(placement.endpoints), "listen": listens}
-    host = placement.node_ips.get(stage.id)
+    host = placement.node_ips.get(inbox_name(stage.id, stage.replica))
     if host:
         options["claim_host"] = host
     for extra in _edge_extras(pipeline, stage):
@@ -78,14 +78,23 @@ def build_stage_connector(
             backend,
             namespace=namespace,
             stage_id=stage.id,
+            replica=stage.replica,
             **_options(pipeline, stage, backend, listens=into is not None),
         )
     input_side = create_connector(
-        into, namespace=namespace, stage_id=stage.id, **_options(pipeline, stage, into, listens=True)
+        into,
+        namespace=namespace,
+        stage_id=stage.id,
+        replica=stage.replica,
+        **_options(pipeline, stage, into, listens=True),
     )
     try:
         output_side = create_connector(
-            out, namespace=namespace, stage_id=stage.id, **_options(pipeline, stage, out, listens=False)
+            out,
+            namespace=namespace,
+            stage_id=stage.id,
+            replica=stage.replica,
+            **_options(pipeline, stage, out, listens=False),
         )
     except BaseException:
         input_side.close()

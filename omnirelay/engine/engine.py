@@ -368,6 +368,7 @@ class StageEngine:
             final_stage_id=sr.final_stage_id,
             stream=sr.stream,
             extras=sr.extras,
+            send_to_replica=sr.send_to_replica,
         )
         self._live[ext] = request.internal_id
         self._counts["num_added"] += 1
@@ -475,6 +476,7 @@ class StageEngine:
             update.next_stage_output,
             context=request.snapshot(update.new_token_ids),
             is_finished=is_terminal,
+            to_replica=request.send_to_replica,
         )
         if not is_terminal:
             return None  # a rejection is recorded as a failure: the next tick fails the request

@@ -59,6 +59,9 @@ class StageRequest(msgspec.Struct, kw_only=True):
     final_stage_id: int = 0
     stream: bool = True
     extras: dict[str, Any] = {}
+    #: the replica of the next stage the request is bound to: where this stage's chunks
+    #: of it are announced (docs/design.md §11); 0 when the next stage has one
+    send_to_replica: int = 0
 
 
 class StageOutput(msgspec.Struct, kw_only=True):

@@ -162,6 +162,7 @@ class Request:
         "prompt_token_ids",
         "runtime_info",
         "sampling",
+        "send_to_replica",
         "stage_id",
         "stream",
     )
@@ -180,8 +181,11 @@ class Request:
         final_stage_id: int = 0,
         stream: bool = True,
         extras: Mapping[str, Any] | None = None,
+        send_to_replica: int = 0,
     ) -> None:
         self.internal_id = internal_id
+        #: The next stage's replica this request is bound to (its chunks are announced there).
+        self.send_to_replica = send_to_replica
         self.extras: Mapping[str, Any] = MappingProxyType(dict(extras or {}))
         self.external_id = external_id
         self.stage_id = stage_id

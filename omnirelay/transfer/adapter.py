@@ -142,6 +142,7 @@ class TransferAdapter:
         is_segment_finished: bool = False,
         num_confirmed_tokens: int | None = None,
         segment_generation: int | None = None,
+        to_replica: int = 0,
     ) -> SaveResult:
         """Enqueue one chunk of ``external_id`` (scheduler thread; never blocks on I/O).
 
@@ -149,8 +150,9 @@ class TransferAdapter:
         ``is_segment_finished`` a segment end of a streaming session. ``context`` is the
         caller's snapshot of the request, passed to the processor. ``num_confirmed_tokens``
         (committed tokens) drops a preempted request's recomputed chunks; a
-        ``segment_generation`` older than the current one is dropped. A rejection records a
-        failure for ``internal_id`` (drained by ``poll_events``).
+        ``segment_generation`` older than the current one is dropped. ``to_replica``: the
+        next stage's replica the request is bound to (docs/design.md §11). A rejection
+        records a failure for ``internal_id`` (drained by ``poll_events``).
         """
         sender = self._sender
         if sender is None or self._is_closed:
@@ -165,6 +167,7 @@ class TransferAdapter:
             is_segment_finished=is_segment_finished,
             num_confirmed_tokens=num_confirmed_tokens,
             segment_generation=segment_generation,
+            to_replica=to_replica,
         )
 
     def has_active_sender(self, external_id: str) -> bool:

@@ -59,12 +59,15 @@ class SenderGeneration:
         "segment_generation",
         "terminal_pending",
         "terminal_sent",
+        "to_replica",
         "watermark",
     )
 
-    def __init__(self, external_id: str, internal_id: str) -> None:
+    def __init__(self, external_id: str, internal_id: str, to_replica: int = 0) -> None:
         self.external_id = external_id
         self.internal_id = internal_id
+        #: the replica of the next stage this request is bound to (its chunks' notices go there)
+        self.to_replica = to_replica
         self.in_flight = False
         self.cancelled = False
         self.terminal_pending = False

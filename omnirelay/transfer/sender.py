@@ -129,8 +129,11 @@ class SendSide:
         is_segment_finished: bool,
         num_confirmed_tokens: int | None,
         segment_generation: int | None,
+        to_replica: int = 0,
     ) -> SaveResult:
-        """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane."""
+        """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane.
+        ``to_replica``: the next stage's replica the request is bound to (read when its
+        generation begins)."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
             problem = request_id_problem(external_id, "external request id")
             if problem is not None:
@@ -172,7 +175,7 @@ class SendSide:
                     return SaveResult.DROPPED
             if failure is None:
                 if g is None:
-                    g = self._gens[external_id] = SenderGeneration(external_id, internal_id)
+                    g = self._gens[external_id] = SenderGeneration(external_id, internal_id, to_replica)
                 if segment_generation is not None and segment_generation > g.segment_generation:
                     g.segment_generation = segment_generation
                 g.admit(
@@ -279,7 +282,7 @@ class SendSide:
             put_id = g.before_put()
         key = make_key(task.external_id, self._stage, put_id)
         try:
-            result = self._connector.put(self._stage, self._to_stage, key, envelope)
+            result = self._connector.put(self._stage, self._to_stage, key, envelope, g.to_replica)
         except Exception as exc:  # the contract says put never raises; treat it as a failed put
             result = PutResult(ok=False, error=f"connector.put raised {type(exc).__name__}: {exc}")
         if not result.ok:

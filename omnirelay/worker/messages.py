@@ -74,6 +74,7 @@ class WireRequest(msgspec.Struct, kw_only=True, frozen=True):
     final_stage_id: int = 0
     stream: bool = True
     extras: bytes | None = None
+    send_to_replica: int = 0
 
 
 class WireOutput(msgspec.Struct, kw_only=True, frozen=True):
@@ -102,6 +103,7 @@ def wire_request(request: StageRequest) -> WireRequest:
         final_stage_id=request.final_stage_id,
         stream=request.stream,
         extras=codec.encode(request.extras) if request.extras else None,
+        send_to_replica=request.send_to_replica,
     )
 
 
@@ -116,6 +118,7 @@ def stage_request(wire: WireRequest) -> StageRequest:
         final_stage_id=wire.final_stage_id,
         stream=wire.stream,
         extras={} if wire.extras is None else dict(codec.decode(wire.extras)),
+        send_to_replica=wire.send_to_replica,
     )
 
 
@@ -195,10 +198,13 @@ ToWorker = Submit | Abort | Release | HealthRequest | LeakStateRequest | Shutdow
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """The worker built its engine and serves requests."""
+    """The worker built its engine and serves requests: which replica of its stage it is,
+    and how many requests it runs at once (what the front's routing weighs its load by)."""
 
     stage_id: int
     pid: int
+    replica: int = 0
+    capacity: int = 0
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", frozen=True):

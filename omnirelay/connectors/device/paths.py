@@ -60,11 +60,20 @@ def edge_path(cfg: PipelineConfig, edge: Edge) -> tuple[EdgePath, str]:
     if edge.contract.value != "chunks":
         return EdgePath.HOST, "the front forwards the finished output"
     src, dst = cfg.stages[edge.src], cfg.stages[edge.dst]
+    # Every replica of both stages must be on a CUDA device (each end decides alike).
+    for stage in (src, dst):
+        for replica in range(stage.replicas):
+            device = stage_device(stage.for_replica(replica))
+            if cuda_index(device) is None:
+                return EdgePath.HOST, f"{stage.replica_label(replica)} is on {device or 'the default device'}"
     devices = [stage_device(src), stage_device(dst)]
     indices = [cuda_index(d) for d in devices]
-    for stage, device, index in zip((src, dst), devices, indices):
-        if index is None:
-            return EdgePath.HOST, f"{stage.label} is on {device or 'the default device'}"
+    if src.replicas > 1 or dst.replicas > 1:
+        used = {
+            cuda_index(stage_device(st.for_replica(r))) or 0 for st in (src, dst) for r in range(st.replicas)
+        }
+        if len(used) > 1:
+            return EdgePath.GPU_PEER, f"replicas on cuda:{sorted(used)}: CUDA IPC handle, peer copy; {_SMALL}"
     if indices[0] == indices[1]:
         return (
             EdgePath.GPU_SAME,

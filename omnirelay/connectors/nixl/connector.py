@@ -9,9 +9,10 @@ or a latency floor), because a claim needs a reply with a timeout (a dead produc
 turn into ``FAILED`` in bounded time), and because notices must reach a reader that has
 never exchanged NIXL metadata with the producer; NIXL carries only the bytes.
 
-Addressing: every stage that reads has a **notice endpoint**, a ZeroMQ address. By default
-``ipc://@omnirelay-<namespace>-nixl-<stage>`` (abstract UNIX socket: one host); across hosts
-pass ``endpoints={stage_id: "tcp://<host>:<port>", ...}`` to every connector of the
+Addressing: every stage worker that reads has a **notice endpoint**, a ZeroMQ address. By
+default ``ipc://@omnirelay-<namespace>-nixl-<inbox>`` (abstract UNIX socket: one host; the
+inbox is the stage id, or ``<stage>.<replica>`` for a stage's replica other than 0); across
+hosts pass ``endpoints={"<inbox>": "tcp://<host>:<port>", ...}`` to every connector of the
 pipeline (placement does). A connector's claim endpoint is bound on ``claim_host`` (default:
 the host of its own stage's endpoint when that is TCP, else an abstract socket) and travels
 in each notice, so nothing else needs configuring.
@@ -39,6 +40,7 @@ from omnirelay.connectors.base import (
     ConnectorHealth,
     GetResult,
     PutResult,
+    inbox_name,
     is_prefix_match,
     validate_namespace,
 )
@@ -50,9 +52,9 @@ from omnirelay.errors import ConnectorError
 __all__ = ["NixlConnector", "NixlOptions", "default_endpoint"]
 
 
-def default_endpoint(namespace: str, stage_id: int) -> str:
-    """A stage's notice endpoint on one host: an abstract UNIX socket (nothing on disk)."""
-    return f"ipc://@omnirelay-{namespace}-nixl-{stage_id}"
+def default_endpoint(namespace: str, stage_id: int, replica: int = 0) -> str:
+    """A stage replica's notice endpoint on one host: an abstract UNIX socket (nothing on disk)."""
+    return f"ipc://@omnirelay-{namespace}-nixl-{inbox_name(stage_id, replica)}"
 
 
 def _tcp_host(endpoint: str) -> str | None:
@@ -65,8 +67,10 @@ def _tcp_host(endpoint: str) -> str | None:
 class NixlOptions:
     """Options of the nixl connector (validated at construction)."""
 
-    #: stage id -> notice endpoint (``tcp://host:port``); stages not named use the default
-    endpoints: dict[int, str] = field(default_factory=dict)
+    #: inbox (:func:`~omnirelay.connectors.base.inbox_name`: ``"2"``, ``"2.1"``; an int
+    #: stage id names replica 0) -> notice endpoint (``tcp://host:port``); those not named
+    #: use the default
+    endpoints: dict[str, str] = field(default_factory=dict)
     #: where the claim server binds (a host/IP; empty: see the module docstring)
     claim_host: str = ""
     #: a claimed object never acknowledged is reclaimed after this long (seconds)
@@ -83,11 +87,13 @@ class NixlOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoints, dict) or not all(
-            isinstance(k, int) and isinstance(v, str) and "://" in v for k, v in self.endpoints.items()
+            isinstance(k, int | str) and not isinstance(k, bool) and isinstance(v, str) and "://" in v
+            for k, v in self.endpoints.items()
         ):
             raise ConnectorError(
-                f"nixl option endpoints must map stage ids to 'tcp://host:port', got {self.endpoints!r}"
+                f"nixl option endpoints must map stage inboxes to 'tcp://host:port', got {self.endpoints!r}"
             )
+        self.endpoints = {str(k): v for k, v in self.endpoints.items()}
         for name in ("lease_s", "claim_timeout_s", "read_timeout_s"):
             value = getattr(self, name)
             if (
@@ -110,10 +116,13 @@ class NixlConnector(Connector):
 
     backend = "nixl"
 
-    def __init__(self, namespace: str, stage_id: int | None = None, **options: Any) -> None:
+    def __init__(
+        self, namespace: str, stage_id: int | None = None, *, replica: int = 0, **options: Any
+    ) -> None:
         self._closed = True  # until constructed
         self.namespace = validate_namespace(namespace)
         self.stage_id = stage_id
+        self.replica = replica
         try:
             self.options = NixlOptions(**options)
         except TypeError as exc:
@@ -127,7 +136,7 @@ class NixlConnector(Connector):
         self.agent = Agent(name, opts.progress_delay_us)
         self.pool = BufferPool(self.agent, opts.pool_max_slots, opts.pool_max_bytes)
         self._ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
-        own = self.endpoint(stage_id) if stage_id is not None else ""
+        own = self.endpoint(stage_id, replica) if stage_id is not None else ""
         host = opts.claim_host or _tcp_host(own)
         claim_at = f"tcp://{host}:0" if host else f"ipc://@{name}-claims"
         try:
@@ -143,22 +152,23 @@ class NixlConnector(Connector):
                 # ``tcp://host:0``: the system picks the port; other connectors of the
                 # pipeline are then given :attr:`listening_at`.
                 self.listening_at = self._reader.listen(own)
-                opts.endpoints[stage_id] = self.listening_at
+                opts.endpoints[inbox_name(stage_id, replica)] = self.listening_at
         except BaseException:
             self._ctx.destroy(linger=0)
             self.agent.close()
             raise
         self._closed = False
 
-    def endpoint(self, stage_id: int) -> str:
-        """Where ``stage_id``'s notices go."""
-        return self.options.endpoints.get(stage_id) or default_endpoint(self.namespace, stage_id)
+    def endpoint(self, stage_id: int, replica: int = 0) -> str:
+        """Where the notices of ``stage_id``'s replica ``replica`` go."""
+        found = self.options.endpoints.get(inbox_name(stage_id, replica))
+        return found or default_endpoint(self.namespace, stage_id, replica)
 
     def _note_error(self, reason: str) -> None:
         self._last_error = reason
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
-        return self._producer.put(from_stage, to_stage, key, obj)
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
+        return self._producer.put(from_stage, to_stage, key, obj, to_replica)
 
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
         return self._reader.get(key)

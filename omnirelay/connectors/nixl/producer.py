@@ -51,6 +51,7 @@ class _Object:
     buf: Buffer
     nbytes: int
     to_stage: int
+    to_replica: int
     claimed_at: float | None = None  # monotonic; None while unclaimed
     claimer: str | None = None
 
@@ -58,7 +59,7 @@ class _Object:
 class Producer:
     """Puts of one connector and the claim server that hands their objects to readers.
 
-    ``notice_endpoint(to_stage)`` names where a stage's notices go; ``claim_at`` is the
+    ``notice_endpoint(to_stage, to_replica)`` names where a stage replica's notices go; ``claim_at`` is the
     endpoint the claim server binds (a ``tcp://host:0`` port is chosen by the system).
     """
 
@@ -68,7 +69,7 @@ class Producer:
         agent: Agent,
         pool: BufferPool,
         ctx: zmq.Context[Any],
-        notice_endpoint: Callable[[int], str],
+        notice_endpoint: Callable[[int, int], str],
         claim_at: str,
         lease_s: float,
         on_error: Callable[[str], None],
@@ -113,7 +114,7 @@ class Producer:
         self._on_error(reason)
         return PutResult(ok=False, error=reason)
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
         try:
             validate_key(key)
             if self.closed:
@@ -131,7 +132,7 @@ class Producer:
             buf = self.pool.take(wire.frame_size(nbytes))
         except Exception as exc:
             return self._fail(f"cannot register {nbytes} bytes with NIXL: {exc!r}")
-        item = _Object(key, next(_OBJ_IDS), buf, nbytes, to_stage)
+        item = _Object(key, next(_OBJ_IDS), buf, nbytes, to_stage, to_replica)
         try:
             view = buf.view()
             plan.write_into(view[wire.HEADER : wire.HEADER + nbytes])
@@ -152,7 +153,7 @@ class Producer:
             key.encode("utf-8", "surrogatepass"), item.obj_id, nbytes, buf.addr, self.agent.name,
             self.claim_at, from_stage, to_stage,
         )  # fmt: skip
-        if not self._send_notice(to_stage, wire.encode(notice)):
+        if not self._send_notice(to_stage, to_replica, wire.encode(notice)):
             self._withdraw(key, tell_reader=False)
             return self._fail(f"the arrival notice to stage {to_stage} could not be queued")
         with self._lock:
@@ -160,8 +161,8 @@ class Producer:
             self.counts["bytes_put"] += nbytes
         return PutResult(ok=True, nbytes=nbytes, handle=f"{self.agent.name}/{item.obj_id}")
 
-    def _send_notice(self, to_stage: int, data: bytes) -> bool:
-        endpoint = self._notice_endpoint(to_stage)
+    def _send_notice(self, to_stage: int, to_replica: int, data: bytes) -> bool:
+        endpoint = self._notice_endpoint(to_stage, to_replica)
         with self._push_lock:
             sock = self._pushes.get(endpoint)
             if sock is None:
@@ -193,7 +194,7 @@ class Producer:
         self.pool.give(item.buf)
         if tell_reader:
             retract = wire.Retract(key.encode("utf-8", "surrogatepass"), obj_id)
-            self._send_notice(item.to_stage, wire.encode(retract))
+            self._send_notice(item.to_stage, item.to_replica, wire.encode(retract))
         return True
 
     def cleanup(self, key: str) -> bool:

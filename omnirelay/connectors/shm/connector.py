@@ -124,6 +124,7 @@ class ShmConnector(Connector):
         namespace: str,
         stage_id: int | None = None,
         *,
+        replica: int = 0,
         allocator: Allocator = default_allocator,
         atomic_ops: atomics.Backend | None = None,
         device_backend: DeviceBackend | None = None,
@@ -132,6 +133,10 @@ class ShmConnector(Connector):
         self._closed = True  # until constructed: __del__ must not touch half-built state
         self.namespace = validate_namespace(namespace)
         self.stage_id = stage_id
+        if type(replica) is not int or replica < 0:
+            raise ConnectorError(f"shm connector replica must be an int >= 0, got {replica!r}")
+        #: the replica of ``stage_id`` this connector listens for
+        self.replica = replica
         try:
             self.options = ShmOptions(**options)
         except TypeError as exc:
@@ -173,6 +178,7 @@ class ShmConnector(Connector):
             on_consumed=self._producer.take_back,
             on_error=self._note_error,
             device=self._device_receiver.take if self._device_receiver is not None else None,
+            replica=replica,
         )
         self._next_dead_scan = 0.0
         self.num_dead_mappings_dropped = 0
@@ -183,7 +189,7 @@ class ShmConnector(Connector):
             sweep(namespace=self.namespace, reclaim=True, shm_dir=shm_dir)
         if self.options.listen and stage_id is not None:
             try:
-                self._inbox.listen(stage_id)
+                self._inbox.listen(stage_id, replica)
             except ConnectorError:
                 pass  # another connector of this namespace listens for the stage
 
@@ -212,8 +218,8 @@ class ShmConnector(Connector):
     def _note_error(self, reason: str) -> None:
         self._last_error = reason
 
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
-        return self._producer.put(from_stage, to_stage, key, obj)
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
+        return self._producer.put(from_stage, to_stage, key, obj, to_replica)
 
     def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
         return self._reader.get(to_stage, key)
@@ -221,7 +227,7 @@ class ShmConnector(Connector):
     def wait_arrivals(self, to_stage: int, timeout: float | None = 0.1) -> Arrivals:
         if self._closed:
             raise ConnectorError("connector is closed")
-        return self._inbox.wait(to_stage, timeout, self._reader.restock)
+        return self._inbox.wait(to_stage, timeout, self._reader.restock, self.replica)
 
     def cleanup(self, key: str) -> bool:
         """Retract ``key`` if this connector published it and nobody claimed it yet (a reader

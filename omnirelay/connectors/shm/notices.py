@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from omnirelay.connectors.base import MAX_KEY_BYTES, SMALL_OBJECT_BYTES, Arrivals
+from omnirelay.connectors.base import MAX_KEY_BYTES, SMALL_OBJECT_BYTES, Arrivals, inbox_name
 from omnirelay.connectors.shm.names import PREFIX
 from omnirelay.errors import ConnectorError
 
@@ -76,9 +76,10 @@ Notice = tuple[int, int, bytes, str]
 Hint = tuple[bytes, int, bool]
 
 
-def address(namespace: str, stage: int) -> bytes:
-    """Abstract-namespace socket address of a stage's arrival notices."""
-    return f"\0{PREFIX}{namespace}-n-{stage}".encode()
+def address(namespace: str, stage: int, replica: int = 0) -> bytes:
+    """Abstract-namespace socket address of the arrival notices of one stage worker (a
+    stage's replica ``replica``; the stage's own address for replica 0)."""
+    return f"\0{PREFIX}{namespace}-n-{inbox_name(stage, replica)}".encode()
 
 
 def encode(tag: int, seq: int, name: bytes, key: bytes) -> bytes:
@@ -195,29 +196,33 @@ class Outbox:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self._ext_send = _EXT.send if _use(use_extension) else None
-        self._addrs: dict[int, bytes] = {}
-        self._overflow: set[int] = set()  # stages owed the marker
+        self._addrs: dict[tuple[int, int], bytes] = {}
+        self._overflow: set[tuple[int, int]] = set()  # (stage, replica) owed the marker
         self._lock = threading.Lock()
         self.num_sent = 0
         self.num_lost = 0
 
-    def announce_slot(self, to_stage: int, seq: int, name: bytes, size: int, key: bytes) -> None:
-        """Tell ``to_stage`` that publish ``seq`` of slot ``name`` (``size`` bytes) holds
-        ``key``; the notice says whether the slot is small."""
-        self._send(to_stage, TAG_SMALL if size <= SMALL_OBJECT_BYTES else TAG_NORMAL, seq, name, key)
+    def announce_slot(
+        self, to_stage: int, seq: int, name: bytes, size: int, key: bytes, replica: int = 0
+    ) -> None:
+        """Tell ``to_stage`` (its replica ``replica``) that publish ``seq`` of slot ``name``
+        (``size`` bytes) holds ``key``; the notice says whether the slot is small."""
+        tag = TAG_SMALL if size <= SMALL_OBJECT_BYTES else TAG_NORMAL
+        self._send((to_stage, replica), tag, seq, name, key)
 
-    def announce_by_name(self, to_stage: int, key: bytes) -> None:
-        """Tell ``to_stage`` to look ``key`` up by its name (a notice naming no slot)."""
-        self._send(to_stage, TAG_NORMAL, 0, b"", key)
+    def announce_by_name(self, to_stage: int, key: bytes, replica: int = 0) -> None:
+        """Tell ``to_stage`` (its replica ``replica``) to look ``key`` up by its name (a
+        notice naming no slot)."""
+        self._send((to_stage, replica), TAG_NORMAL, 0, b"", key)
 
-    def _send(self, to_stage: int, tag: int, seq: int, name: bytes, key: bytes) -> None:
+    def _send(self, to: tuple[int, int], tag: int, seq: int, name: bytes, key: bytes) -> None:
         """Any failure but a full queue means nobody listens yet; a new receiver polls
         everything when it registers."""
-        addr = self._addrs.get(to_stage)
+        addr = self._addrs.get(to)
         if addr is None:
-            addr = self._addrs[to_stage] = address(self._namespace, to_stage)
-        if self._overflow and to_stage in self._overflow:
-            self._send_marker(to_stage)
+            addr = self._addrs[to] = address(self._namespace, *to)
+        if self._overflow and to in self._overflow:
+            self._send_marker(to)
         ext_send = self._ext_send
         if ext_send is not None:
             fd = self._sock.fileno()
@@ -226,7 +231,7 @@ class Outbox:
             err = _py_send(self._sock, addr, tag, seq, name, key)
         with self._lock:
             if err == _errno.EAGAIN:
-                self._overflow.add(to_stage)
+                self._overflow.add(to)
             if err:
                 self.num_lost += 1
             else:
@@ -235,15 +240,15 @@ class Outbox:
     def flush_overflow(self) -> None:
         """Send the overflow marker to every stage owed one (called by the reap pass)."""
         if self._overflow:
-            for stage in list(self._overflow):
-                self._send_marker(stage)
+            for to in list(self._overflow):
+                self._send_marker(to)
 
-    def _send_marker(self, to_stage: int) -> None:
-        addr = self._addrs.get(to_stage) or address(self._namespace, to_stage)
+    def _send_marker(self, to: tuple[int, int]) -> None:
+        addr = self._addrs.get(to) or address(self._namespace, *to)
         if send(self._sock, addr, 0, 0, b"", b"") == _errno.EAGAIN:
             return  # still full: try again on the next notice or reap
         with self._lock:  # sent, or the receiver is gone: nothing more to tell
-            self._overflow.discard(to_stage)
+            self._overflow.discard(to)
 
     def close(self) -> None:
         self._sock.close()
@@ -261,26 +266,27 @@ class Inbox:
     def __init__(self, namespace: str, *, use_extension: bool | None = None) -> None:
         self._namespace = namespace
         self._ext_drain = _EXT.drain if _use(use_extension) else None
-        self._listen: dict[int, tuple[socket.socket, Any]] = {}  # stage -> (socket, its poll object)
+        #: (stage, replica) -> (socket, its poll object)
+        self._listen: dict[tuple[int, int], tuple[socket.socket, Any]] = {}
         self._listen_lock = threading.Lock()
         self.hints: dict[str, Hint] = {}
         self.hints_lock = threading.Lock()  # serializes evictions of old hints only
 
-    def listen(self, stage: int) -> tuple[socket.socket, Any]:
-        """Bind ``stage``'s notice socket (idempotent); ConnectorError if another receiver
-        of the stage holds it."""
+    def listen(self, stage: int, replica: int = 0) -> tuple[socket.socket, Any]:
+        """Bind the notice socket of ``stage``'s replica ``replica`` (idempotent);
+        ConnectorError if another receiver of that replica holds it."""
         with self._listen_lock:
-            listener = self._listen.get(stage)
+            listener = self._listen.get((stage, replica))
             if listener is not None:
                 return listener
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
-                sock.bind(address(self._namespace, stage))
+                sock.bind(address(self._namespace, stage, replica))
             except OSError as exc:
                 sock.close()
                 raise ConnectorError(
-                    f"cannot listen for arrivals of stage {stage} in namespace {self._namespace!r}: {exc} "
-                    "(another receiver of this stage is running in this namespace)"
+                    f"cannot listen for arrivals of stage {inbox_name(stage, replica)} in namespace "
+                    f"{self._namespace!r}: {exc} (another receiver of this stage is running in this namespace)"
                 ) from exc
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -289,14 +295,17 @@ class Inbox:
             sock.setblocking(False)
             poller = select.poll()
             poller.register(sock, select.POLLIN)
-            listener = self._listen[stage] = (sock, poller)
+            listener = self._listen[(stage, replica)] = (sock, poller)
             return listener
 
-    def wait(self, stage: int, timeout: float | None, idle: Callable[[], None] | None = None) -> Arrivals:
-        """Keys announced to ``stage``: those queued now, or else the first to come within
-        ``timeout`` seconds (None: no bound; 0: do not wait). ``idle`` is called when
-        nothing is queued, just before the wait (work best done while idle)."""
-        listener = self._listen.get(stage) or self.listen(stage)
+    def wait(
+        self, stage: int, timeout: float | None, idle: Callable[[], None] | None = None, replica: int = 0
+    ) -> Arrivals:
+        """Keys announced to ``stage`` (its replica ``replica``): those queued now, or else
+        the first to come within ``timeout`` seconds (None: no bound; 0: do not wait).
+        ``idle`` is called when nothing is queued, just before the wait (work best done
+        while idle)."""
+        listener = self._listen.get((stage, replica)) or self.listen(stage, replica)
         keys = self._drain(listener)
         if keys or keys.overflowed or timeout == 0:
             return keys

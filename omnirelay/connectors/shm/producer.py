@@ -160,7 +160,7 @@ class Producer:
         self.num_cleaned = 0
 
     # ------------------------------------------------------------------ put
-    def put(self, from_stage: int, to_stage: int, key: str, obj: Any) -> PutResult:
+    def put(self, from_stage: int, to_stage: int, key: str, obj: Any, to_replica: int = 0) -> PutResult:
         try:
             key_bytes = names.key_bytes(key)
             if self.is_closed:
@@ -171,7 +171,7 @@ class Producer:
         if refused is not None:
             return refused
         off = slot.payload_offset(len(key_bytes))
-        taken = self._announce_early(to_stage, off, key_bytes)
+        taken = self._announce_early(to_stage, to_replica, off, key_bytes)
         placed: list[str] | None = None
         try:
             if self._device_to and to_stage in self._device_to:
@@ -220,7 +220,7 @@ class Producer:
                 raise
             return self._failed(f"{type(exc).__name__}: {exc}")
         sl.seq, sl.payload_len, sl.khash = seq, plan.nbytes, None
-        return self._publish(sl, seq, to_stage, key, key_bytes, announced=announced)
+        return self._publish(sl, seq, (to_stage, to_replica), key, key_bytes, announced=announced)
 
     def _free_key(self, key: str) -> PutResult | None:
         """Refuse a key we published that is not consumed yet; reclaim one that is (not
@@ -236,7 +236,9 @@ class Producer:
         self._release(stale)
         return None
 
-    def _announce_early(self, to_stage: int, off: int, key_bytes: bytes) -> tuple[_Slot, int] | None:
+    def _announce_early(
+        self, to_stage: int, to_replica: int, off: int, key_bytes: bytes
+    ) -> tuple[_Slot, int] | None:
         """Announce a small object before it is encoded, so the receiver's wake-up overlaps
         the encoding: take a pooled slot of the size of the edge's last object, stamp it
         WRITING for a new publish and send its notice. None: no such guess or slot (the
@@ -251,7 +253,7 @@ class Producer:
             self._publish_seq += 1
             seq = self._publish_seq
         sl.word.store(slot.stamp(slot.WRITING, seq))
-        self._outbox.announce_slot(to_stage, seq, sl.notice_head, sl.size, key_bytes)
+        self._outbox.announce_slot(to_stage, seq, sl.notice_head, sl.size, key_bytes, to_replica)
         return sl, seq
 
     def _take_slot(self, need: int) -> tuple[_Slot, int] | str:
@@ -275,7 +277,7 @@ class Producer:
         return sl, seq
 
     def _publish(
-        self, sl: _Slot, seq: int, to_stage: int, key: str, key_bytes: bytes, *, announced: bool
+        self, sl: _Slot, seq: int, to: tuple[int, int], key: str, key_bytes: bytes, *, announced: bool
     ) -> PutResult:
         """Publish the written slot, announce it (again, if a reader that had its early
         notice gave up waiting: the stamp reads WAITING), link the key's name; book it."""
@@ -287,7 +289,7 @@ class Producer:
         if not announced or not sl.word.cas(slot.stamp(slot.WRITING, seq), slot.stamp(slot.PUBLISHED, seq)):
             sl.word.store(slot.stamp(slot.PUBLISHED, seq))
             # The notice goes out before the key's name exists: the receiver wakes while we link.
-            self._outbox.announce_slot(to_stage, seq, sl.notice_head, sl.size, key_bytes)
+            self._outbox.announce_slot(to[0], seq, sl.notice_head, sl.size, key_bytes, to[1])
         khash = names.key_hash_bytes(key_bytes)
         try:
             os.link(sl.path, self._kprefix + khash)

@@ -80,8 +80,10 @@ class Reader:
         on_consumed: Callable[[str], None],
         on_error: Callable[[str], None],
         device: codec.DeviceTaker | None = None,
+        replica: int = 0,
     ) -> None:
         self._namespace = namespace
+        self._replica = replica  # this reader's own replica: where its re-announcements go
         self._device = device
         self._dir = shm_dir
         self._kprefix = os.path.join(shm_dir, f"{names.PREFIX}{namespace}-k-")
@@ -188,7 +190,7 @@ class Reader:
             st = os.fstat(fd)
             if to_stage is not None and st.st_size > SMALL_OBJECT_BYTES:
                 os.close(fd)
-                self._outbox.announce_by_name(to_stage, key_bytes)
+                self._outbox.announce_by_name(to_stage, key_bytes, self._replica)
                 return GetResult(GetStatus.NOT_YET)
             mp = self._maps.pin_cached(st)
             if mp is None:
