@@ -77,5 +77,5 @@ def audit_stopped(pipe: Pipeline, *, expect_reclaimed: bool = False) -> None:
     if not expect_reclaimed:
         assert report.num_reclaimed == 0, "shutdown had to reclaim objects a clean worker should have removed"
     assert report.num_killed == 0, report
-    assert pids_alive(list(pipe.pids().values())) == []
+    assert pids_alive(list(pipe.replica_pids().values())) == []
     assert not os.path.exists(pipe._orch._control.paths.directory if pipe._orch._control else "/nonexistent")

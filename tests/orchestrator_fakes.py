@@ -13,6 +13,8 @@ so leak audits see real /dev/shm objects, without the real scheduler:
 Knobs in ``StageRequest.extras`` (deterministic interleavings, no sleeps):
 
 * ``stall_after`` — stage 0 emits this many tokens then waits forever (until aborted);
+* ``stall_while`` — a file path: stage 0 emits nothing while the file exists (the test
+  removes it to let the request go on);
 * ``fail_stage`` / ``fail_after`` — that stage reports ``error`` after so many outputs;
 * ``reject_stage`` — that stage's ``add_request`` raises;
 * ``crash_stage`` — that stage's ``step`` raises (the engine is broken: the worker exits).
@@ -21,11 +23,16 @@ It has no ``wake()`` (optional in the protocol): the worker waits in slices for 
 while the real engine is woken by the control receive thread. Its releases complete at
 once (``take_released`` hands each out after the step that applied it).
 
+A replica of a replicated stage listens for its own notices and announces its chunks to
+the next stage's replica the request is bound to (``StageRequest.send_to_replica``); its
+health says how many requests it was given (``num_added``).
+
 Build it in a worker with ``runtime=RuntimeHooks(engine_factory="tests.orchestrator_fakes:build_scripted_engine")``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,10 +72,12 @@ class _Req:
 class ScriptedEngine:
     """See the module docstring."""
 
-    def __init__(self, stage_id: int, num_stages: int, connector: Connector) -> None:
+    def __init__(self, stage_id: int, num_stages: int, connector: Connector, replica: int = 0) -> None:
         self.stage_id = stage_id
         self.num_stages = num_stages
         self.connector = connector
+        self.replica = replica
+        self.num_added = 0
         self._reqs: dict[str, _Req] = {}
         self._arrived: set[str] = set()
         self._released: list[str] = []
@@ -81,6 +90,7 @@ class ScriptedEngine:
         if request.extras.get("reject_stage") == self.stage_id:
             raise ValueError(f"stage {self.stage_id} rejects this request on purpose")
         self._reqs[request.request_id] = _Req(request, extras=dict(request.extras))
+        self.num_added += 1
 
     def abort(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)
@@ -134,7 +144,13 @@ class ScriptedEngine:
         return outs
 
     def health(self) -> dict[str, Any]:
-        return {"status": "healthy", "num_requests": len(self._reqs), "num_steps": self.num_steps}
+        return {
+            "status": "healthy",
+            "num_requests": len(self._reqs),
+            "num_steps": self.num_steps,
+            "replica": self.replica,
+            "num_added": self.num_added,
+        }
 
     def leak_state(self) -> dict[str, Any]:
         while self.connector.reap_consumed():  # forget keys consumers already took
@@ -157,7 +173,9 @@ class ScriptedEngine:
     def _runnable(self, r: _Req) -> bool:
         rid = r.request.request_id
         if self.stage_id == 0:
-            stall = r.extras.get("stall_after")
+            stall, hold = r.extras.get("stall_after"), r.extras.get("stall_while")
+            if hold is not None and os.path.exists(hold):
+                return False
             return stall is None or r.num_emitted < stall
         return r.should_probe or self._key(rid, self.stage_id - 1, r.next_chunk) in self._arrived
 
@@ -203,7 +221,11 @@ class ScriptedEngine:
         if self.stage_id + 1 < self.num_stages:
             key = self._key(rid, self.stage_id, r.num_emitted - 1)
             res = self.connector.put(
-                self.stage_id, self.stage_id + 1, key, {"token": token, "finished": finished}
+                self.stage_id,
+                self.stage_id + 1,
+                key,
+                {"token": token, "finished": finished},
+                r.request.send_to_replica,
             )
             assert res.ok, res.error
         if self.stage_id == 2:
@@ -227,8 +249,9 @@ class ScriptedEngine:
 
 def build_scripted_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngine:
     assert pipeline.namespace is not None
-    connector = create_connector("shm", namespace=pipeline.namespace, stage_id=stage_id)
-    return ScriptedEngine(stage_id, pipeline.num_stages, connector)
+    replica = pipeline.stages[stage_id].replica
+    connector = create_connector("shm", namespace=pipeline.namespace, stage_id=stage_id, replica=replica)
+    return ScriptedEngine(stage_id, pipeline.num_stages, connector, replica)
 
 
 def build_broken_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngine:

@@ -44,7 +44,7 @@ def build_held_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngine
     while hold and os.path.exists(hold):
         time.sleep(0.01)  # the worker is "building its engine" until the test lets it go
     plain = build_scripted_engine(pipeline, stage_id)
-    return _StallingEngine(plain.stage_id, plain.num_stages, plain.connector)
+    return _StallingEngine(plain.stage_id, plain.num_stages, plain.connector, plain.replica)
 
 
 def kill_stage(pipe: Pipeline, stage_id: int) -> int:

@@ -88,6 +88,20 @@ def validate_request_id(request_id: object) -> str:
     return request_id
 
 
+#: The longest session key a request may carry.
+MAX_SESSION_CHARS = 256
+
+
+def _validate_session(session: object) -> str | None:
+    if session is None:
+        return None
+    if not isinstance(session, str) or not 0 < len(session) <= MAX_SESSION_CHARS:
+        raise InvalidRequestError(
+            f"session must be a non-empty str of at most {MAX_SESSION_CHARS} characters, got {session!r:.80}"
+        )
+    return session
+
+
 def _validate_prompt(prompt_token_ids: object) -> list[int] | None:
     if prompt_token_ids is None:
         return None
@@ -291,6 +305,7 @@ class Pipeline:
         extras: Mapping[str, Any] | None = None,
         entry_stage_id: int | None = None,
         hold_id: bool = False,
+        session: str | None = None,
     ) -> RequestHandle:
         """Start one request; never blocks. Returns its :class:`RequestHandle`.
 
@@ -307,6 +322,8 @@ class Pipeline:
         down (restarting, or given up on); a request that does not need it is served.
         ``hold_id``: the request id stays in flight until the handle is also closed
         (:meth:`RequestHandle.close`), not only until its last output is delivered.
+        ``session``: a key shared by the requests of one conversation or realtime session;
+        a stage with replicas serves them on one replica where its load allows.
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
         ids = _validate_prompt(prompt_token_ids)
@@ -331,6 +348,7 @@ class Pipeline:
             inputs=inputs,
             extras=req_extras,
             entry_stage_id=entry_stage_id,
+            session=_validate_session(session),
         )
         plan = self._precheck.check_admissible(request)
         down = self._orch.unavailable(plan.path)
@@ -428,8 +446,9 @@ class Pipeline:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def health(self, timeout_s: float = 2.0) -> PipelineHealth:
-        """Per stage: alive, pid, exit code, requests held, queue depth, engine health,
-        state (``starting``, ``healthy``, ``restarting``, ``failed``) and restarts."""
+        """Per stage worker (each replica of a replicated stage): alive, pid, exit code,
+        requests held, queue depth, engine health, state (``starting``, ``healthy``,
+        ``restarting``, ``failed``) and restarts."""
         result: PipelineHealth = self._call(self._orch.health(timeout_s))
         return result
 
@@ -444,9 +463,10 @@ class Pipeline:
         return result
 
     def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:
-        """Each live stage's books (``{"worker": ..., "engine": engine.leak_state()}``),
-        taken once its in-flight cleanup settled (at most ``settle_s``). Every release
-        sent before this call has been applied when it returns. For audits and tests."""
+        """Each live worker's books (``{"worker": ..., "engine": engine.leak_state()}``) by
+        worker index (the stage id when no stage has replicas), taken once its in-flight
+        cleanup settled (at most ``settle_s``). Every release sent before this call has
+        been applied when it returns. For audits and tests."""
         result: dict[int, dict[str, Any]] = self._call(self._orch.leak_state(timeout_s, settle_s))
         return result
 
@@ -472,8 +492,12 @@ class Pipeline:
         return _leak_lines(books)
 
     def pids(self) -> dict[int, int | None]:
-        """Worker pids by stage id."""
+        """Worker pids by stage id (a replicated stage's replica 0)."""
         return self._orch.pids()
+
+    def replica_pids(self) -> dict[tuple[int, int], int | None]:
+        """Every worker's pid by ``(stage id, replica)``."""
+        return self._orch.replica_pids()
 
     # -- shutdown ------------------------------------------------------------------------------
 

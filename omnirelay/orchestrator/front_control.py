@@ -1,4 +1,4 @@
-"""The control plane, front side: the orchestrator's ends of every stage's socket pair.
+"""The control plane, front side: the orchestrator's ends of every worker's socket pair.
 
 :class:`FrontControl` binds the addresses of :class:`~omnirelay.worker.worker_control.ControlPaths`
 (the topology is described in :mod:`omnirelay.worker.worker_control`) before the workers are
@@ -7,7 +7,7 @@ non-blocking sends; the loop watches each event socket's descriptor
 (:meth:`FrontControl.fileno`) and takes what is queued with
 :meth:`FrontControl.recv_ready` — one wake-up per burst, no future per message.
 
-A restarted stage gets a fresh socket pair (:meth:`FrontControl.rebind`): nothing the
+A restarted worker gets a fresh socket pair (:meth:`FrontControl.rebind`): nothing the
 dead worker queued can be read as the new worker's.
 
 Every socket has ``LINGER 0``: at shutdown nothing waits for an unread message (the
@@ -29,7 +29,7 @@ __all__ = ["FrontControl"]
 
 
 class FrontControl:
-    """The front side of every stage's control pair.
+    """The front side of every worker's control pair (a stage, or each of its replicas).
 
     Owned by the orchestrator's event-loop thread: every method is called from that
     thread only (zmq sockets are not thread-safe).
@@ -46,15 +46,15 @@ class FrontControl:
         self._restart_paths: list[ControlPaths] = []
         self._is_closed = False
         try:
-            for stage_id in range(paths.num_stages):
-                cmd, evt = self._bind_pair(paths, stage_id)
+            for worker in range(paths.num_workers):
+                cmd, evt = self._bind_pair(paths, worker)
                 self._cmd.append(cmd)
                 self._evt.append(evt)
         except BaseException:
             self.close()
             raise
 
-    def _bind_pair(self, paths: ControlPaths, stage_id: int) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    def _bind_pair(self, paths: ControlPaths, worker: int) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         cmd = self._ctx.socket(zmq.PUSH)
         cmd.setsockopt(zmq.LINGER, 0)
         cmd.setsockopt(zmq.SNDHWM, 0)  # bounded by the requests in flight
@@ -62,10 +62,10 @@ class FrontControl:
         evt.setsockopt(zmq.LINGER, 0)
         evt.setsockopt(zmq.RCVHWM, 0)
         try:
-            cmd.bind(paths.cmd_addr(stage_id))
-            evt.bind(paths.evt_addr(stage_id))
+            cmd.bind(paths.cmd_addr(worker))
+            evt.bind(paths.evt_addr(worker))
             paths.record(
-                stage_id, cmd.getsockopt_string(zmq.LAST_ENDPOINT), evt.getsockopt_string(zmq.LAST_ENDPOINT)
+                worker, cmd.getsockopt_string(zmq.LAST_ENDPOINT), evt.getsockopt_string(zmq.LAST_ENDPOINT)
             )
         except BaseException:
             cmd.close(linger=0)
@@ -73,49 +73,49 @@ class FrontControl:
             raise
         return cmd, evt
 
-    def rebind(self, stage_id: int) -> ControlPaths:
-        """Fresh sockets for a restarted stage, in a new private directory (the old socket
+    def rebind(self, worker: int) -> ControlPaths:
+        """Fresh sockets for a restarted worker, in a new private directory (the old socket
         files were removed once the first worker connected). Whatever the dead worker
         left unread goes with its old sockets: read it first (:meth:`recv_nowait`). The
         caller removes the returned directory once the new worker said hello."""
         if self._is_closed:
             raise PipelineError("the control plane is closed")
-        paths = ControlPaths.create(self.paths.num_stages, self.paths.tcp_host)
+        paths = ControlPaths.create(self.paths.num_workers, self.paths.tcp_host)
         try:
-            cmd, evt = self._bind_pair(paths, stage_id)
+            cmd, evt = self._bind_pair(paths, worker)
         except BaseException:
             paths.remove()
             raise
-        self._cmd[stage_id].close(linger=0)
-        self._evt[stage_id].close(linger=0)
-        self._cmd[stage_id], self._evt[stage_id] = cmd, evt
+        self._cmd[worker].close(linger=0)
+        self._evt[worker].close(linger=0)
+        self._cmd[worker], self._evt[worker] = cmd, evt
         self._restart_paths.append(paths)
         return paths
 
-    def send(self, stage_id: int, message: ToWorker) -> bool:
-        """Queue ``message`` for the stage; False when no worker is connected (it died)."""
+    def send(self, worker: int, message: ToWorker) -> bool:
+        """Queue ``message`` for the worker; False when no worker is connected (it died)."""
         if self._is_closed:
             return False
         try:
-            self._cmd[stage_id].send(encode_message(message), flags=zmq.NOBLOCK)
+            self._cmd[worker].send(encode_message(message), flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
 
-    def fileno(self, stage_id: int) -> int:
-        """The descriptor that turns readable when the stage's event socket may have
+    def fileno(self, worker: int) -> int:
+        """The descriptor that turns readable when the worker's event socket may have
         messages (``loop.add_reader``). ZMQ signals it per burst of events, not per
         message: whoever sees it readable must call :meth:`recv_ready`."""
-        return cast(int, self._evt[stage_id].getsockopt(zmq.FD))
+        return cast(int, self._evt[worker].getsockopt(zmq.FD))
 
-    def recv_ready(self, stage_id: int, limit: int | None = None) -> tuple[list[ToFront], int, bool]:
-        """The messages of the stage queued now (at most ``limit``), without waiting; the
+    def recv_ready(self, worker: int, limit: int | None = None) -> tuple[list[ToFront], int, bool]:
+        """The messages of the worker queued now (at most ``limit``), without waiting; the
         number of undecodable ones skipped; and whether more are queued (then the caller
         must come back without waiting for :meth:`fileno`: it is only re-armed once
         ``EVENTS`` shows no input left)."""
         if self._is_closed:
             return [], 0, False
-        sock = self._evt[stage_id]
+        sock = self._evt[worker]
         out: list[ToFront] = []
         num_bad = 0
         while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
@@ -131,11 +131,11 @@ class FrontControl:
                 num_bad += 1
         return out, num_bad, False
 
-    def recv_nowait(self, stage_id: int) -> list[ToFront]:
-        """Every message of the stage already queued here, without waiting (used when a
+    def recv_nowait(self, worker: int) -> list[ToFront]:
+        """Every message of the worker already queued here, without waiting (used when a
         worker exits, so its last words are read before its death is reported). Bad
         messages are skipped."""
-        return self.recv_ready(stage_id)[0]
+        return self.recv_ready(worker)[0]
 
     def close(self) -> None:
         """Close every socket, the context and the directory; idempotent."""

@@ -5,8 +5,13 @@ its own, :mod:`omnirelay.api`); every method is called on that loop's thread, so
 router, the handles map and the sockets have exactly one user.
 
 * :meth:`Orchestrator.start` — the :class:`~omnirelay.orchestrator.supervisor.StageSupervisor`
-  spawns one worker per stage and waits for every hello (a failure raises
-  :class:`StageDiedError` naming the stage).
+  spawns one worker per stage (one per replica of a replicated stage) and waits for every
+  hello (a failure raises :class:`StageDiedError` naming the stage).
+* Replicas (docs/design.md §11): the router binds each request to one replica of each
+  stage; the orchestrator sends each action to the bound replica's worker. When a replica
+  dies, the requests bound to it that the client has had nothing of are run again on the
+  others (the router's :class:`Rerun`, admitted once every stage released the id); a stage
+  is down only when none of its replicas is up.
 * :meth:`Orchestrator.admit` / :meth:`Orchestrator.abort` — requests in, by the router.
 * Per stage, a reader task routes what the worker says. The supervisor watches each
   process's sentinel, so a dead worker is seen at once: the router fails every request
@@ -55,6 +60,7 @@ from omnirelay.orchestrator.router import (
     InputBuilder,
     PipelineRequest,
     RequestOutput,
+    Rerun,
     Router,
     StageAbort,
     StageRelease,
@@ -139,11 +145,30 @@ class Orchestrator:
         self._idle_wait_s = idle_wait_s
         self._wait_slice_s = wait_slice_s
         self._handles: dict[str, RequestHandle] = {}
-        self._stages = [StageProcess(s.id, s.label, s.name) for s in self.config.stages]
+        #: every worker process, by its index (:meth:`PipelineConfig.workers`)
+        self._workers = [
+            StageProcess(
+                w.stage_id,
+                self.config.stages[w.stage_id].replica_label(w.replica),
+                self.config.stages[w.stage_id].name,
+                replica=w.replica,
+                index=w.index,
+            )
+            for w in self.config.workers()
+        ]
+        #: (stage id, replica) -> worker index
+        self._index = {(w.stage_id, w.replica): w.index for w in self._workers}
+        #: stage id -> its workers
+        self._replicas_of: dict[int, list[StageProcess]] = {s.id: [] for s in self.config.stages}
+        for w in self._workers:
+            self._replicas_of[w.stage_id].append(w)
+        #: the stage's workers that said hello during the start (for ``on_stage_ready``)
+        self._ready_at_start: dict[int, set[int]] = {s.id: set() for s in self.config.stages}
+        self._on_stage_ready = on_stage_ready
         self._ray: RayPlacement | None = None
         self._supervisor = StageSupervisor(
             namespace=namespace,
-            stages=self._stages,
+            stages=self._workers,
             make_spec=self._worker_spec,
             policy=self.config.restart,
             startup_timeout_s=startup_timeout_s,
@@ -153,7 +178,7 @@ class Orchestrator:
                 stage_up=self._on_stage_up,
                 route=self._on_message,
                 read=self._read,
-                stage_ready=on_stage_ready,
+                stage_ready=self._on_worker_ready,
             ),
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,8 +196,11 @@ class Orchestrator:
         self._unreleased: dict[str, set[int]] = {}
         #: A new request reusing a fenced id waits here until the last fence of the id
         #: goes: before that a stage may still hold the ended request's chunks (or be
-        #: putting them) under the same keys.
-        self._parked: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
+        #: putting them) under the same keys. So does a request run again after losing a
+        #: replica (with how often it ran before).
+        self._parked: dict[str, tuple[PipelineRequest, RequestHandle, int]] = {}
+        #: requests run again after losing a replica (a count for tests and /health)
+        self.num_reruns = 0
         #: Admission by real-time capacity: the audio streams served at once, and the
         #: requests for audio waiting for a stream, in arrival order.
         self.streams = StreamGate(
@@ -201,7 +229,7 @@ class Orchestrator:
         if self.config.placement.is_ray:
             await self._place_on_ray()
         await self._supervisor.start()
-        for st in self._stages:
+        for st in self._workers:
             st.state = StageState.HEALTHY
 
     async def _place_on_ray(self) -> None:
@@ -215,27 +243,43 @@ class Orchestrator:
         self._supervisor.use_placement(placement.process, placement.front_ip)
 
     def pids(self) -> dict[int, int | None]:
-        """Each stage's worker pid (None: not running). A snapshot; safe from any thread."""
-        return {st.stage_id: st.pid for st in self._stages}
+        """Each stage's worker pid (its replica 0's; None: not running). A snapshot; safe
+        from any thread."""
+        return {st.stage_id: st.pid for st in self._workers if st.replica == 0}
+
+    def replica_pids(self) -> dict[tuple[int, int], int | None]:
+        """Every worker's pid by ``(stage id, replica)`` (None: not running). A snapshot;
+        safe from any thread."""
+        return {(st.stage_id, st.replica): st.pid for st in self._workers}
 
     def placement_report(self) -> dict[int, dict[str, Any]]:
-        """Where each stage's worker runs (node id, address, host name); this host for a
-        local pipeline."""
+        """Where each worker runs (node id, address, host name; with ``stage`` and
+        ``replica``), by worker index (the stage id when no stage has replicas); this host
+        for a local pipeline."""
         if self._ray is not None:
             return self._ray.describe()
         host = socket.gethostname()
         return {
-            s.id: {"node_id": "local", "node_ip": "127.0.0.1", "hostname": host} for s in self.config.stages
+            w.index: {
+                "node_id": "local",
+                "node_ip": "127.0.0.1",
+                "hostname": host,
+                "stage": w.stage_id,
+                "replica": w.replica,
+            }
+            for w in self._workers
         }
 
     @property
     def _control(self) -> FrontControl | None:
         return self._supervisor.control
 
-    def _worker_spec(self, stage_id: int, paths: ControlPaths) -> WorkerSpec:
+    def _worker_spec(self, worker: int, paths: ControlPaths) -> WorkerSpec:
+        w = self._workers[worker]
         return WorkerSpec(
-            stage_id=stage_id,
-            pipeline=self.config,
+            stage_id=w.stage_id,
+            pipeline=self.config.for_replica(w.stage_id, w.replica),
+            worker=worker,
             paths=paths,
             parent_pid=os.getpid(),
             engine_factory=self._engine_factory,
@@ -246,17 +290,20 @@ class Orchestrator:
 
     # -- requests ------------------------------------------------------------------------
 
-    def admit(self, request: PipelineRequest, handle: RequestHandle) -> None:
-        """Admit one request (validated by the API); its outputs go to ``handle``."""
+    def admit(self, request: PipelineRequest, handle: RequestHandle, num_reruns: int = 0) -> None:
+        """Admit one request (validated by the API); its outputs go to ``handle``.
+        ``num_reruns``: how often it ran before (a :class:`Rerun` admitted again)."""
         rid = request.request_id
         if self._is_closing:
+            self.streams.release(rid)
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
             return
         if rid in self._handles or rid in self._parked or rid in self._waiting:
             handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
             return
         if rid in self._unreleased:
-            self._parked[rid] = (request, handle)  # admitted once the stages released the id
+            # admitted once the stages released the id
+            self._parked[rid] = (request, handle, num_reruns)
             return
         # A request for audio takes a stream first; behind earlier waiters, or while the gate
         # is shut, it waits (a stream ends, or the one running dry catches up).
@@ -265,7 +312,7 @@ class Orchestrator:
             self._waiting[rid] = (request, handle)
             return
         try:
-            actions = self.router.admit(request)
+            actions = self.router.admit(request, num_reruns=num_reruns)
         except InvalidRequestError as exc:
             self.streams.release(rid)
             handle.deliver(_error_output(rid, str(exc)))
@@ -298,7 +345,7 @@ class Orchestrator:
         """Abort a request in flight; unknown (ended) ids are a no-op."""
         parked = self._parked.pop(request_id, None) or self._waiting.pop(request_id, None)
         if parked is not None:
-            self.streams.release(request_id)  # a parked reuse may hold its stream already
+            self.streams.release(request_id)  # a parked reuse (or rerun) may hold its stream
             parked[1].deliver(
                 RequestOutput(
                     request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="abort"
@@ -321,6 +368,7 @@ class Orchestrator:
         competes with this thread."""
         queue: deque[Action] = deque(actions)
         outputs: list[RequestOutput] = []
+        reruns: list[Rerun] = []
         while queue:
             action = queue.popleft()
             if isinstance(action, ClientOutput):
@@ -328,17 +376,36 @@ class Orchestrator:
             elif isinstance(action, StageSubmit):
                 queue.extend(self._submit(action))
             elif isinstance(action, StageAbort):
-                self._send(action.stage_id, Abort(action.request_id))
-            elif isinstance(action, StageRelease) and self._send(action.stage_id, Release(action.request_id)):
-                self._unreleased.setdefault(action.request_id, set()).add(action.stage_id)
+                self._send(self._worker_of(action.stage_id, action.replica), Abort(action.request_id))
+            elif isinstance(action, StageRelease):
+                worker = self._worker_of(action.stage_id, action.replica)
+                if self._send(worker, Release(action.request_id)):
+                    self._unreleased.setdefault(action.request_id, set()).add(worker)
+            elif isinstance(action, Rerun):
+                reruns.append(action)
         for output in outputs:
             self._deliver(output)
+        for rerun in reruns:
+            self._rerun(rerun)
+
+    def _worker_of(self, stage_id: int, replica: int) -> int:
+        return self._index[(stage_id, replica)]
+
+    def _rerun(self, rerun: Rerun) -> None:
+        """A request that lost a replica before its client had anything: admit it again,
+        under the same id, once every stage released it (parked behind the id's fences)."""
+        rid = rerun.request.request_id
+        handle = self._handles.pop(rid, None)
+        if handle is None:
+            return
+        self.num_reruns += 1
+        self.admit(rerun.request, handle, num_reruns=rerun.num_reruns)
 
     def _submit(self, action: StageSubmit) -> list[Action]:
         rid = action.request.request_id
         if rid not in self.router:  # the request ended earlier in this batch of actions
             return []
-        st = self._stages[action.stage_id]
+        st = self._workers[self._worker_of(action.stage_id, action.replica)]
         if st.is_dead:
             return self.router.fail(
                 rid, st.death_reason or f"{st.label} is not running", stage_id=st.stage_id
@@ -347,31 +414,31 @@ class Orchestrator:
             message = Submit(wire_request(action.request))
         except OmniRelayError as exc:
             return self.router.fail(rid, f"{st.label}: its input cannot be sent: {exc}", stage_id=st.stage_id)
-        if not self._send(st.stage_id, message):
+        if not self._send(st.index, message):
             reason = f"{st.label} worker process (pid {st.pid}) is unreachable"
-            return self._stage_failed(st.stage_id, reason)
+            return self._stage_failed(st.index, reason)
         return []
 
-    def _is_fenced(self, stage_id: int, request_id: str) -> bool:
-        stages = self._unreleased.get(request_id)
-        return stages is not None and stage_id in stages
+    def _is_fenced(self, worker: int, request_id: str) -> bool:
+        workers = self._unreleased.get(request_id)
+        return workers is not None and worker in workers
 
-    def _lift_fence(self, stage_id: int, request_id: str) -> None:
-        """The stage released the id (or died); admit a parked reuse of the id once no
-        stage is left to release it."""
-        stages = self._unreleased.get(request_id)
-        if stages is None or stage_id not in stages:
+    def _lift_fence(self, worker: int, request_id: str) -> None:
+        """The worker released the id (or died); admit a parked reuse (or rerun) of the id
+        once no worker is left to release it."""
+        workers = self._unreleased.get(request_id)
+        if workers is None or worker not in workers:
             return
-        stages.discard(stage_id)
-        if stages:
+        workers.discard(worker)
+        if workers:
             return
         del self._unreleased[request_id]
         parked = self._parked.pop(request_id, None)
         if parked is not None:
             self.admit(*parked)
 
-    def _send(self, stage_id: int, message: Any) -> bool:
-        return self._supervisor.send(stage_id, message)
+    def _send(self, worker: int, message: Any) -> bool:
+        return self._supervisor.send(worker, message)
 
     def _deliver(self, output: RequestOutput) -> None:
         rid = output.request_id
@@ -391,35 +458,37 @@ class Orchestrator:
 
     # -- what workers say -------------------------------------------------------------------
 
-    def _read(self, stage_id: int) -> None:
-        """The stage's event socket may have messages: route the ones queued, a bounded
-        batch at a time (the other stages' messages and the clients' calls get their
+    def _read(self, worker: int) -> None:
+        """The worker's event socket may have messages: route the ones queued, a bounded
+        batch at a time (the other workers' messages and the clients' calls get their
         turn in between)."""
         control = self._control
         if control is None:
             return
         try:
-            messages, num_bad, has_more = control.recv_ready(stage_id, _READ_BATCH)
+            messages, num_bad, has_more = control.recv_ready(worker, _READ_BATCH)
         except zmq.ZMQError:  # the context was terminated at shutdown
             return
         if has_more:
             assert self._loop is not None
-            self._loop.call_soon(self._read, stage_id)
+            self._loop.call_soon(self._read, worker)
         self.num_bad_messages += num_bad
         for message in messages:
             try:
-                self._on_message(stage_id, message)
+                self._on_message(worker, message)
             except Exception as exc:  # a bug: report it, and still route the rest of the burst
                 assert self._loop is not None
+                label = self._workers[worker].label
                 self._loop.call_exception_handler(
-                    {"message": f"routing a message of stage {stage_id} failed", "exception": exc}
+                    {"message": f"routing a message of {label} failed", "exception": exc}
                 )
 
-    def _on_message(self, stage_id: int, message: ToFront) -> None:
-        st = self._stages[stage_id]
+    def _on_message(self, worker: int, message: ToFront) -> None:
+        st = self._workers[worker]
+        stage_id = st.stage_id
         if isinstance(message, Outputs):
             for wire in message.outputs:
-                if self._is_fenced(stage_id, wire.request_id):
+                if self._is_fenced(worker, wire.request_id):
                     self.num_stale_messages += 1
                     continue
                 try:
@@ -430,15 +499,18 @@ class Orchestrator:
                     continue
                 if self._on_stage_output is not None:
                     self._on_stage_output(out)
-                self._execute(self.router.on_output(out))
+                self._execute(self.router.on_output(out, st.replica))
         elif isinstance(message, RequestFailed):
-            if self._is_fenced(stage_id, message.request_id):
+            if self._is_fenced(worker, message.request_id):
                 self.num_stale_messages += 1
+                return
+            if self.router.binding(message.request_id).get(stage_id, st.replica) != st.replica:
+                self.num_stale_messages += 1  # an earlier binding's replica (a rerun's)
                 return
             reason = f"{st.label}: {message.error}"
             self._execute(self.router.fail(message.request_id, reason, stage_id=stage_id))
         elif isinstance(message, Released):
-            self._lift_fence(stage_id, message.request_id)
+            self._lift_fence(worker, message.request_id)
         elif isinstance(message, HealthReply | LeakStateReply):
             fut = self._queries.pop(message.seq, None)
             if fut is not None and not fut.done():
@@ -446,59 +518,86 @@ class Orchestrator:
         elif isinstance(message, Hello):
             if st.pid is None:  # a worker on a Ray node: its pid comes with its hello
                 st.pid = message.pid
+            if message.capacity:
+                self.router.set_capacity(stage_id, st.replica, message.capacity)
             self._supervisor.on_hello(st)
         elif isinstance(message, StartupFailed):
             st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"
             self._supervisor.fail_hello(st, st.cause)
-            self._on_stage_down(stage_id, st.cause, st.cause, None)
+            self._on_stage_down(worker, st.cause, st.cause, None)
         elif isinstance(message, StageFatal):
             st.cause = f"{st.label} failed: {message.error}"
-            self._on_stage_down(stage_id, st.cause, st.cause, None)
+            self._on_stage_down(worker, st.cause, st.cause, None)
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
-    def _stage_failed(self, stage_id: int, reason: str, retry_after_s: float | None = None) -> list[Action]:
-        """Mark the stage dead (once) and fail every request that needs it, with
+    def _stage_failed(self, worker: int, reason: str, retry_after_s: float | None = None) -> list[Action]:
+        """Mark the worker dead (once) and act on every request bound to it: run again on
+        another replica the ones the client has had nothing of, fail the others with
         ``stage_unavailable`` (docs/protocol.md §2.8: each is released in every stage)."""
-        st = self._stages[stage_id]
+        st = self._workers[worker]
         if st.is_dead:
             return []
         st.is_dead = True
-        actions = self.router.on_stage_died(stage_id, reason, retry_after_s=retry_after_s)
-        for rid in [rid for rid, stages in self._unreleased.items() if stage_id in stages]:
+        actions = self.router.on_replica_died(st.stage_id, st.replica, reason, retry_after_s=retry_after_s)
+        for rid in [rid for rid, workers in self._unreleased.items() if worker in workers]:
             # No Released will come; a parked reuse is admitted (and fails at once when it
             # needs this stage).
-            self._lift_fence(stage_id, rid)
+            self._lift_fence(worker, rid)
         return actions
+
+    def _stage_down(self, stage_id: int) -> bool:
+        """Is every worker of the stage dead (restarting, or given up on)?"""
+        return all(w.is_dead for w in self._replicas_of[stage_id])
 
     # -- supervision hooks (docs/design.md §10) -----------------------------------------------
 
-    def _on_stage_down(
-        self, stage_id: int, reason: str, unavailable: str, retry_after_s: float | None
-    ) -> None:
-        """The stage's process died: new requests that need it are refused with
-        ``unavailable`` from now on (on every thread) before the in-flight ones are failed
-        with ``reason`` — a client that resubmits as soon as its request failed already
-        hears that the stage is restarting."""
-        self._on_stage_unavailable(stage_id, unavailable, retry_after_s)
-        actions = self._stage_failed(stage_id, reason, retry_after_s)
-        self.router.set_unavailable(stage_id, unavailable, retry_after_s)  # over the death's reason
+    def _on_stage_down(self, worker: int, reason: str, unavailable: str, retry_after_s: float | None) -> None:
+        """A worker's process died. When it was its stage's last one up, new requests that
+        need the stage are refused with ``unavailable`` from now on (on every thread)
+        before the in-flight ones are failed with ``reason`` — a client that resubmits as
+        soon as its request failed already hears that the stage is restarting. A replica
+        of a stage whose other replicas are up only takes its requests with it (those the
+        client has had nothing of run again elsewhere)."""
+        st = self._workers[worker]
+        others_up = any(not w.is_dead for w in self._replicas_of[st.stage_id] if w is not st)
+        if others_up:
+            st.death_reason = unavailable
+            actions = self._stage_failed(worker, reason, retry_after_s)
+            self._execute(actions)
+            self._wake_state_waiters()
+            return
+        self._on_stage_unavailable(worker, unavailable, retry_after_s)
+        actions = self._stage_failed(worker, reason, retry_after_s)
+        self.router.set_unavailable(st.stage_id, unavailable, retry_after_s)  # over the death's reason
         self._execute(actions)
 
-    def _on_stage_unavailable(self, stage_id: int, reason: str, retry_after_s: float | None) -> None:
-        st = self._stages[stage_id]
+    def _on_stage_unavailable(self, worker: int, reason: str, retry_after_s: float | None) -> None:
+        st = self._workers[worker]
         st.death_reason = reason
-        self.router.set_unavailable(stage_id, reason, retry_after_s)
+        if not all(w.is_dead or w is st for w in self._replicas_of[st.stage_id]):
+            self._wake_state_waiters()  # another replica serves the stage
+            return
+        self.router.set_unavailable(st.stage_id, reason, retry_after_s)
         back = None if retry_after_s is None else time.monotonic() + retry_after_s
         with self._down_lock:
-            self._down[stage_id] = (reason, back)
+            self._down[st.stage_id] = (reason, back)
         self._wake_state_waiters()
 
-    def _on_stage_up(self, stage_id: int) -> None:
-        self.router.on_stage_back(stage_id)
+    def _on_stage_up(self, worker: int) -> None:
+        st = self._workers[worker]
+        self.router.on_replica_back(st.stage_id, st.replica)
         with self._down_lock:
-            self._down.pop(stage_id, None)
+            self._down.pop(st.stage_id, None)
         self._wake_state_waiters()
+
+    def _on_worker_ready(self, worker: int) -> None:
+        """A worker said hello during the start: the stage is ready once all its replicas are."""
+        st = self._workers[worker]
+        ready = self._ready_at_start[st.stage_id]
+        ready.add(worker)
+        if self._on_stage_ready is not None and len(ready) == len(self._replicas_of[st.stage_id]):
+            self._on_stage_ready(st.stage_id)
 
     def _wake_state_waiters(self) -> None:
         waiters, self._state_waiters = self._state_waiters, []
@@ -507,16 +606,21 @@ class Orchestrator:
                 fut.set_result(None)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Return once every stage is ``healthy`` (at once when they are). Raises
-        :class:`StageDiedError` when a stage is ``failed`` (given up on) and
-        :class:`TimeoutError` after ``timeout_s``."""
+        """Return once every worker is ``healthy`` (at once when they are), or, for a
+        stage with replicas, ``failed`` beside a healthy one. Raises
+        :class:`StageDiedError` when every worker of a stage is ``failed`` (given up on)
+        and :class:`TimeoutError` after ``timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            failed = [st for st in self._stages if st.state == StageState.FAILED]
-            if failed:
-                raise StageDiedError(failed[0].death_reason or f"{failed[0].label} failed")
-            if all(st.state == StageState.HEALTHY for st in self._stages):
+            for workers in self._replicas_of.values():
+                if all(w.state == StageState.FAILED for w in workers):
+                    raise StageDiedError(workers[0].death_reason or f"{workers[0].label} failed")
+            if all(
+                all(w.state in (StageState.HEALTHY, StageState.FAILED) for w in workers)
+                and any(w.state == StageState.HEALTHY for w in workers)
+                for workers in self._replicas_of.values()
+            ):
                 return
             fut: asyncio.Future[None] = loop.create_future()
             self._state_waiters.append(fut)
@@ -526,8 +630,9 @@ class Orchestrator:
             await asyncio.wait([fut], timeout=remaining)
 
     def unavailable(self, stage_ids: range | list[int]) -> tuple[int, str, float | None] | None:
-        """The first of ``stage_ids`` that cannot take requests now, as ``(stage id,
-        reason, seconds until it is expected back or None)``; None when all can. Any thread."""
+        """The first of ``stage_ids`` that cannot take requests now (none of its replicas
+        is up), as ``(stage id, reason, seconds until it is expected back or None)``; None
+        when all can. Any thread."""
         now = time.monotonic()
         with self._down_lock:
             for sid in stage_ids:
@@ -540,24 +645,25 @@ class Orchestrator:
     # -- queries --------------------------------------------------------------------------
 
     async def _query(self, make: Any, timeout_s: float) -> dict[int, Any]:
+        """Ask every live worker; the replies by worker index."""
         loop = asyncio.get_running_loop()
         futures: dict[int, asyncio.Future[Any]] = {}
-        for st in self._stages:
+        for st in self._workers:
             if st.is_dead or st.is_exited:
                 continue
             seq = next(self._seq)
             fut: asyncio.Future[Any] = loop.create_future()
             self._queries[seq] = fut
-            if self._send(st.stage_id, make(seq)):
-                futures[st.stage_id] = fut
+            if self._send(st.index, make(seq)):
+                futures[st.index] = fut
             else:
                 del self._queries[seq]
         if futures:
             await asyncio.wait(list(futures.values()), timeout=timeout_s)
         replies: dict[int, Any] = {}
-        for sid, fut in futures.items():
+        for index, fut in futures.items():
             if fut.done():
-                replies[sid] = fut.result()
+                replies[index] = fut.result()
             else:
                 fut.cancel()
         for seq in [s for s, f in self._queries.items() if f.done()]:
@@ -565,12 +671,12 @@ class Orchestrator:
         return replies
 
     async def health(self, timeout_s: float = 2.0) -> PipelineHealth:
-        """Per stage: alive, pid, exit, requests held, the engine's health, its supervision
-        state and restarts."""
+        """Per worker (a stage, or each of its replicas): alive, pid, exit, requests held,
+        the engine's health, its supervision state and restarts."""
         replies = await self._query(HealthRequest, timeout_s)
         stages = []
-        for st in self._stages:
-            reply: HealthReply | None = replies.get(st.stage_id)
+        for st in self._workers:
+            reply: HealthReply | None = replies.get(st.index)
             is_alive = not st.is_dead and not st.is_exited
             error = st.death_reason
             if is_alive and reply is None:
@@ -579,10 +685,12 @@ class Orchestrator:
                 StageHealth(
                     stage_id=st.stage_id,
                     name=st.name,
+                    replica=st.replica,
+                    replicas=len(self._replicas_of[st.stage_id]),
                     is_alive=is_alive,
                     pid=st.pid,
                     exitcode=st.exitcode,
-                    num_requests=self.router.num_requests_on(st.stage_id),
+                    num_requests=self.router.num_requests_on(st.stage_id, st.replica),
                     queue_depth=None if reply is None else reply.num_requests,
                     engine=None if reply is None else reply.engine,
                     error=error,
@@ -601,16 +709,21 @@ class Orchestrator:
         )
 
     async def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:
-        """``{stage_id: {"worker": ..., "engine": ...}}`` of every live stage, each taken
-        once the stage's in-flight cleanup settled (at most ``settle_s``), and under
-        :data:`FRONT` the front's own per-request books when any is left (audio streams
-        admitted, requests waiting for one)."""
+        """``{worker: {"worker": ..., "engine": ...}}`` of every live worker (keyed by its
+        index: the stage id when no stage has replicas), each taken once the worker's
+        in-flight cleanup settled (at most ``settle_s``), and under :data:`FRONT` the
+        front's own per-request books when any is left (audio streams admitted, requests
+        waiting for one or parked)."""
         replies = await self._query(lambda seq: LeakStateRequest(seq, settle_s), timeout_s + settle_s)
-        missing = [st.label for st in self._stages if not st.is_dead and st.stage_id not in replies]
+        missing = [st.label for st in self._workers if not st.is_dead and st.index not in replies]
         if missing:
             raise PipelineError(f"no leak-state reply from {', '.join(missing)} within {timeout_s:g} s")
-        books: dict[int, dict[str, Any]] = {sid: reply.state for sid, reply in replies.items()}
-        front = {**self.streams.leak_state(), **({"waiting": sorted(self._waiting)} if self._waiting else {})}
+        books: dict[int, dict[str, Any]] = {index: reply.state for index, reply in replies.items()}
+        front = {
+            **self.streams.leak_state(),
+            **({"waiting": sorted(self._waiting)} if self._waiting else {}),
+            **({"parked": sorted(self._parked)} if self._parked else {}),
+        }
         if front:
             books[FRONT] = {"front": front}
         return books
@@ -623,11 +736,13 @@ class Orchestrator:
             return self._shutdown_report
         self._is_closing = True
         self._execute(self.router.fail_all("the pipeline is shutting down"))
-        for books in (self._parked, self._waiting):
-            for rid, (_, handle) in list(books.items()):
-                del books[rid]
-                self.streams.release(rid)
-                handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+        handles = [(rid, p[1]) for rid, p in self._parked.items()]
+        handles += [(rid, w[1]) for rid, w in self._waiting.items()]
+        self._parked.clear()
+        self._waiting.clear()
+        for rid, handle in handles:
+            self.streams.release(rid)
+            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
         num_killed = await self._supervisor.stop(timeout_s)
         if self._ray is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._ray.close)
@@ -637,7 +752,7 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         report = await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         self._shutdown_report = ShutdownReport(
-            exitcodes={st.stage_id: st.exitcode for st in self._stages},
+            exitcodes={st.index: st.exitcode for st in self._workers},
             num_killed=num_killed,
             num_reclaimed=len(report.reclaimed),
             num_objects_left=len(report.objects) - len(report.reclaimed),

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from omnirelay.connectors.base import inbox_name
 from omnirelay.errors import PipelineError
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.pipeline.placement import edge_backend
@@ -124,7 +125,7 @@ class RayWorkerProcess:
         must not wait for an actor to start); ``pid`` is known once the worker said hello."""
         start = self._actor.start.remote(self._spec)
         self._watch = threading.Thread(
-            target=self._wait, args=(start,), name=f"ray-watch-s{self._spec.stage_id}", daemon=True
+            target=self._wait, args=(start,), name=f"ray-watch-w{self._spec.worker_index}", daemon=True
         )
         self._watch.start()
 
@@ -199,47 +200,61 @@ class RayPlacement:
         self.front_ip = ray.util.get_node_ip_address()
 
     def place(self) -> PipelineConfig:
-        """Probe where each stage runs; the pipeline with endpoints and node addresses."""
+        """Probe where each worker runs (each replica of a replicated stage with its own
+        resources); the pipeline with endpoints and node addresses filled in, both keyed
+        by the worker's inbox (:func:`~omnirelay.connectors.inbox_name`)."""
         ray, cfg = self._ray, self.config
+        workers = cfg.workers()
         probes = [
-            self._host_cls.options(num_cpus=0, resources=dict(s.resources)).remote() for s in cfg.stages
+            self._host_cls.options(
+                num_cpus=0, resources=cfg.stages[w.stage_id].replica_resources_of(w.replica)
+            ).remote()
+            for w in workers
         ]
         try:
             found = ray.get([p.where.remote() for p in probes], timeout=_PLACE_TIMEOUT_S)
         except Exception as exc:
-            wanted = {s.label: dict(s.resources) for s in cfg.stages}
+            wanted = {
+                cfg.stages[w.stage_id].replica_label(w.replica): cfg.stages[w.stage_id].replica_resources_of(
+                    w.replica
+                )
+                for w in workers
+            }
             raise PipelineError(
                 f"Ray could not place the stages within {_PLACE_TIMEOUT_S:g} s (does a node offer each "
-                f"stage's resources? {wanted}): {exc!r}"
+                f"worker's resources at once? {wanted}): {exc!r}"
             ) from exc
         finally:
             for p in probes:
                 ray.kill(p, no_restart=True)
-        self.nodes = dict(enumerate(found))
-        endpoints: dict[int, str] = {}
-        for d in cfg.stages:
-            for src in d.input_sources:
-                spec = cfg.connector_spec(cfg.input_connector(d))
-                if edge_backend(cfg, src, d.id, spec.backend) == "nixl":
-                    node = self.nodes[d.id]
-                    endpoints[d.id] = f"tcp://{node['node_ip']}:{node['free_port']}"
-        node_ips = {i: n["node_ip"] for i, n in self.nodes.items()}
+        self.nodes = {
+            w.index: {**node, "stage": w.stage_id, "replica": w.replica} for w, node in zip(workers, found)
+        }
+        endpoints: dict[str, str] = {}
+        node_ips: dict[str, str] = {}
+        for w in workers:
+            d, node = cfg.stages[w.stage_id], self.nodes[w.index]
+            inbox = inbox_name(w.stage_id, w.replica)
+            node_ips[inbox] = node["node_ip"]
+            spec = cfg.connector_spec(cfg.input_connector(d))
+            if any(edge_backend(cfg, src, d.id, spec.backend) == "nixl" for src in d.input_sources):
+                endpoints[inbox] = f"tcp://{node['node_ip']}:{node['free_port']}"
         placement = msgspec.structs.replace(cfg.placement, endpoints=endpoints, node_ips=node_ips)
         self.config = cfg.with_placement(placement)
         return self.config
 
-    def process(self, stage_id: int, spec: WorkerSpec) -> RayWorkerProcess:
+    def process(self, worker: int, spec: WorkerSpec) -> RayWorkerProcess:
+        node = self.nodes[worker]
+        stage = self.config.stages[node["stage"]]
         return RayWorkerProcess(
-            self._ray,
-            self._host_cls,
-            spec,
-            self.nodes[stage_id],
-            dict(self.config.stages[stage_id].resources),
+            self._ray, self._host_cls, spec, node, stage.replica_resources_of(node["replica"])
         )
 
     def describe(self) -> dict[int, dict[str, Any]]:
-        """Where each stage runs: node id, address and host name (for reports)."""
-        return {i: {k: n[k] for k in ("node_id", "node_ip", "hostname")} for i, n in self.nodes.items()}
+        """Where each worker runs, by worker index: node id, address, host name, and its
+        stage and replica (for reports)."""
+        keys = ("node_id", "node_ip", "hostname", "stage", "replica")
+        return {i: {k: n[k] for k in keys} for i, n in self.nodes.items()}
 
     def close(self) -> None:
         if self._started_ray and self._ray.is_initialized():

@@ -48,7 +48,9 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     embeds-only prompt (carried in ``inputs``); such a request cannot be prewarmed.
     ``entry_stage_id``: the stage the request enters at, given ``prompt_token_ids`` and
     ``inputs`` (None: the pipeline's prompt stage; its ``entry_input`` stage for a request
-    that carries audio, docs/protocol.md §1.9).
+    that carries audio, docs/protocol.md §1.9). ``session``: requests of one conversation
+    or realtime session share it, so a replicated stage serves them on one replica where
+    that helps (docs/design.md §11); None: no affinity.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     inputs: Any = None
     extras: dict[str, Any] = {}
     entry_stage_id: int | None = None
+    session: str | None = None
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):

@@ -3,22 +3,36 @@
 No I/O, no clocks, no awaits (docs/design.md §7): every entry point takes plain data and returns
 the :data:`Action` s the caller must carry out, in order —
 
-* :class:`StageSubmit` — hand a :class:`StageRequest` to a stage;
+* :class:`StageSubmit` — hand a :class:`StageRequest` to a stage (the replica the request
+  is bound to there);
 * :class:`StageAbort` — abort the request in a stage that still holds it;
 * :class:`StageRelease` — no stage needs the request any more: the stage drops its
-  transfer objects and state for the id (docs/protocol.md §2.8); sent to **every** stage;
+  transfer objects and state for the id (docs/protocol.md §2.8); sent to **every** stage
+  (to the replica the request was bound to; a replicated stage it never entered has
+  nothing of it and is not told);
 * :class:`ClientOutput` — a :class:`RequestOutput` for the client; the one with
-  ``finished=True`` is the last for that request.
+  ``finished=True`` is the last for that request;
+* :class:`Rerun` — the request lost a replica before the client got anything: it ended
+  in every stage (aborts and releases above) and is to be admitted again, unchanged,
+  once the stages released its id (docs/design.md §11).
+
+**Replicas.** A stage may run several worker processes. When a request enters a stage
+(admission, prewarm, forwarding) it is bound to one replica there, chosen by the
+:class:`~omnirelay.orchestrator.replicas.ReplicaBalancer` from the load the router booked,
+the capacity each replica reported, the request's session (affinity) and which replicas
+are up. Its request to the previous stage names that replica (``send_to_replica``), so
+each edge of the request connects exactly the two replicas it is bound to.
 
 Entry points (each called on the orchestrator's thread, once per event):
 
 * :meth:`Router.admit` — admission and prewarm (§2.2, §2.3);
 * :meth:`Router.on_output` — route one :class:`StageOutput` (§2.4), forward finished
   outputs to non-chunk stages through their input builders (§2.5), completion (§2.6);
-* :meth:`Router.abort` (§2.7), :meth:`Router.fail`, :meth:`Router.on_stage_died`,
-  :meth:`Router.fail_all` — the other ways a request ends;
-* :meth:`Router.set_unavailable` / :meth:`Router.on_stage_back` — what admissions that need
-  a down stage are told while it restarts, and its return.
+* :meth:`Router.abort` (§2.7), :meth:`Router.fail`, :meth:`Router.on_replica_died`,
+  :meth:`Router.on_stage_died`, :meth:`Router.fail_all` — the other ways a request ends;
+* :meth:`Router.set_unavailable` / :meth:`Router.on_stage_back` /
+  :meth:`Router.on_replica_back` — what admissions that need a down stage are told while
+  it restarts, and its (or one replica's) return.
 
 Whatever way a request ends, the router forgets it and, in the same action list, tells
 every stage that still holds it to abort and every stage to release it. A failure in any
@@ -40,6 +54,7 @@ import torch
 
 from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageRequest
 from omnirelay.errors import InvalidRequestError
+from omnirelay.orchestrator.replicas import ReplicaBalancer
 from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
@@ -62,6 +77,7 @@ __all__ = [
     "PipelineRequest",
     "RequestOutput",
     "RequestPlan",
+    "Rerun",
     "Router",
     "SourceOutput",
     "StageAbort",
@@ -83,16 +99,19 @@ TRANSCRIPT = "transcript"
 class StageSubmit(msgspec.Struct, frozen=True):
     stage_id: int
     request: StageRequest
+    replica: int = 0
 
 
 class StageAbort(msgspec.Struct, frozen=True):
     stage_id: int
     request_id: str
+    replica: int = 0
 
 
 class StageRelease(msgspec.Struct, frozen=True):
     stage_id: int
     request_id: str
+    replica: int = 0
 
 
 class ClientOutput(msgspec.Struct, frozen=True):
@@ -100,7 +119,18 @@ class ClientOutput(msgspec.Struct, frozen=True):
     output: RequestOutput
 
 
-Action = StageSubmit | StageAbort | StageRelease | ClientOutput
+class Rerun(msgspec.Struct, frozen=True):
+    """Admit ``request`` again once its id is released everywhere; ``num_reruns`` counts
+    this one (the next admission passes it back to :meth:`Router.admit`)."""
+
+    request: PipelineRequest
+    num_reruns: int
+
+
+Action = StageSubmit | StageAbort | StageRelease | ClientOutput | Rerun
+
+#: How often one request may be run again after losing a replica.
+MAX_RERUNS = 3
 
 
 @dataclass
@@ -126,6 +156,14 @@ class _RequestState:
     #: outputs of stages whose finished output will be forwarded (§2.5)
     sources: dict[int, _Accumulator] = field(default_factory=dict)
     last_sample_rate: dict[int, int] = field(default_factory=dict)
+    #: stage id -> the replica the request is bound to there
+    bound: dict[int, int] = field(default_factory=dict)
+    #: stages whose replica's booked load still counts this request
+    loaded: set[int] = field(default_factory=set)
+    #: the client got an output of it (a rerun would deliver it twice)
+    has_delivered: bool = False
+    #: how often it was run again after losing a replica
+    num_reruns: int = 0
 
     @property
     def holders(self) -> list[int]:
@@ -156,6 +194,10 @@ class Router:
             s.id: builders.get(s.id, default_input_builder) for s in config.stages
         }
         self._all_stage_ids = tuple(s.id for s in config.stages)
+        self._num_replicas = {s.id: s.replicas for s in config.stages}
+        self.balancer = ReplicaBalancer(
+            self._num_replicas, capacity={s.id: s.max_num_seqs for s in config.stages}
+        )
         self._requests: dict[str, _RequestState] = {}
         #: stages that cannot take requests now: stage id → (reason, retry-after seconds)
         self._dead: dict[int, tuple[str, float | None]] = {}
@@ -178,9 +220,19 @@ class Router:
         st = self._requests.get(request_id)
         return [] if st is None else st.holders
 
-    def num_requests_on(self, stage_id: int) -> int:
-        """Requests a stage holds (its queue depth as the front sees it)."""
-        return sum(1 for st in self._requests.values() if stage_id in st.submitted - st.finished_stages)
+    def num_requests_on(self, stage_id: int, replica: int | None = None) -> int:
+        """Requests a stage (one replica of it) holds: its queue depth as the front sees it."""
+        return sum(
+            1
+            for st in self._requests.values()
+            if stage_id in st.submitted - st.finished_stages
+            and (replica is None or st.bound.get(stage_id) == replica)
+        )
+
+    def binding(self, request_id: str) -> dict[int, int]:
+        """The replica of each stage the request is bound to ({} for an unknown id)."""
+        st = self._requests.get(request_id)
+        return {} if st is None else dict(st.bound)
 
     def dead_stages(self) -> dict[int, str]:
         """Stages that cannot take requests now, with the reason."""
@@ -235,11 +287,13 @@ class Router:
 
     # -- admission (§2.2, §2.3) -----------------------------------------------------------
 
-    def admit(self, request: PipelineRequest) -> list[Action]:
-        """Create the request's state and submit its entry stage plus the prewarm placeholders.
+    def admit(self, request: PipelineRequest, *, num_reruns: int = 0) -> list[Action]:
+        """Create the request's state, bind it to a replica of its entry stage and of each
+        prewarmed stage, and submit the entry stage plus the prewarm placeholders.
 
         Raises :class:`InvalidRequestError` for a client error (nothing changed). A dead
         stage on the request's path ends the request at once (a failed terminal output).
+        ``num_reruns``: a :class:`Rerun` admitted again says how often it ran before.
         """
         rid = request.request_id
         if rid in self._requests:
@@ -247,7 +301,12 @@ class Router:
                 f"request id {rid!r} is already in flight; wait for it to finish or abort it first"
             )
         plan = self.check_admissible(request)
-        st = _RequestState(request=request, plan=plan, finals=frozenset(plan.final_output_stage_ids))
+        st = _RequestState(
+            request=request,
+            plan=plan,
+            finals=frozenset(plan.final_output_stage_ids),
+            num_reruns=num_reruns,
+        )
         for s in plan.path:
             if s < plan.final_stage_id and self._forwards_from(s):
                 st.sources[s] = _Accumulator()
@@ -256,12 +315,38 @@ class Router:
         if dead:
             return self._fail_unavailable(rid, dead[0])
         entry = plan.entry_stage_id
-        actions: list[Action] = [StageSubmit(entry, self._first_request(st))]
+        for s in (entry, *plan.prewarm_stage_ids):
+            if not self._bind(st, s):
+                return self._fail_no_replica(rid, s)
+        actions: list[Action] = [StageSubmit(entry, self._first_request(st), st.bound[entry])]
         st.submitted.add(entry)
         for s in plan.prewarm_stage_ids:
-            actions.append(StageSubmit(s, self._placeholder_request(st, s)))
+            actions.append(StageSubmit(s, self._placeholder_request(st, s), st.bound[s]))
             st.submitted.add(s)
         return actions
+
+    def _bind(self, st: _RequestState, stage_id: int) -> bool:
+        """Bind the request to a replica of ``stage_id`` and book it there; False when no
+        replica of the stage is up."""
+        replica = self.balancer.choose(stage_id, st.request.session)
+        if replica is None:
+            return False
+        st.bound[stage_id] = replica
+        self.balancer.bind(stage_id, replica)
+        st.loaded.add(stage_id)
+        return True
+
+    def _unload(self, st: _RequestState, stage_id: int) -> None:
+        """The replica of ``stage_id`` is done with the request: its booked load drops."""
+        if stage_id in st.loaded:
+            st.loaded.discard(stage_id)
+            self.balancer.unbind(stage_id, st.bound[stage_id])
+
+    def _fail_no_replica(self, request_id: str, stage_id: int) -> list[Action]:
+        label = self._label(stage_id)
+        return self.fail(
+            request_id, f"{label} has no replica up", stage_id=stage_id, code="stage_unavailable"
+        )
 
     def _forwards_from(self, s: int) -> bool:
         """Is the edge ``s -> s+1`` a forwarding (complete input) edge for the orchestrator?"""
@@ -280,6 +365,7 @@ class Router:
             inputs=req.inputs,
             final_stage_id=st.plan.final_stage_id,
             extras=dict(req.extras),
+            send_to_replica=st.bound.get(st.plan.entry_stage_id + 1, 0),
         )
 
     def _placeholder_request(self, st: _RequestState, stage_id: int) -> StageRequest:
@@ -294,16 +380,28 @@ class Router:
             is_placeholder=True,
             final_stage_id=st.plan.final_stage_id,
             extras=dict(req.extras),
+            send_to_replica=st.bound.get(stage_id + 1, 0),
         )
 
     # -- routing (§2.4) -----------------------------------------------------------------
 
-    def on_output(self, out: StageOutput) -> list[Action]:
-        """Route one stage output of one request."""
+    def on_output(self, out: StageOutput, replica: int | None = None) -> list[Action]:
+        """Route one stage output of one request (from ``replica`` of its stage, when the
+        caller knows: an output of a replica the request is not bound to is dropped)."""
         st = self._requests.get(out.request_id)
         if st is None:
             self.num_dropped_outputs += 1  # the request already ended (abort, failure)
             return []
+        s = out.stage_id
+        if replica is not None and s in st.bound and st.bound[s] != replica:
+            self.num_dropped_outputs += 1  # an earlier binding's (a rerun's former replica)
+            return []
+        actions = self._route(st, out)
+        if out.request_id in self._requests and any(isinstance(a, ClientOutput) for a in actions):
+            st.has_delivered = True
+        return actions
+
+    def _route(self, st: _RequestState, out: StageOutput) -> list[Action]:
         s = out.stage_id
         label = self._label(s)
         if s not in st.submitted:
@@ -339,6 +437,7 @@ class Router:
         is_recognizer = s == self.config.audio_entry_stage_id
         if out.finished:
             st.finished_stages.add(s)
+            self._unload(st, s)
             if is_recognizer and s not in st.finals:
                 actions.append(ClientOutput(out.request_id, self._transcript(out)))
         if s in st.finals:
@@ -411,6 +510,9 @@ class Router:
         if nxt in self._dead:
             actions.extend(self._fail_unavailable(rid, nxt))
             return
+        if nxt not in st.bound and not self._bind(st, nxt):
+            actions.extend(self._fail_no_replica(rid, nxt))
+            return
         acc = st.sources.get(s) or _Accumulator()
         source = SourceOutput(
             stage_id=s,
@@ -441,8 +543,9 @@ class Router:
             inputs=built.inputs,
             final_stage_id=final,
             extras={**st.request.extras, **built.extras},
+            send_to_replica=st.bound.get(nxt + 1, 0),
         )
-        actions.append(StageSubmit(nxt, request))
+        actions.append(StageSubmit(nxt, request, st.bound[nxt]))
         st.submitted.add(nxt)
 
     def _empty_terminal(self, st: _RequestState, stage_id: int) -> RequestOutput:
@@ -518,7 +621,7 @@ class Router:
     def on_stage_died(
         self, stage_id: int, reason: str, *, retry_after_s: float | None = None
     ) -> list[Action]:
-        """A stage worker is gone: fail every request that still needs it, with
+        """Every worker of a stage is gone: fail every request that still needs it, with
         ``stage_unavailable``.
 
         A request needs the stage when the stage is on its path and has not finished it
@@ -527,12 +630,51 @@ class Router:
         need it fail at once, until :meth:`on_stage_back`; requests that do not need it
         (a text-only request when the Talker is down) go on.
         """
+        for replica in range(self._num_replicas[stage_id]):
+            self.balancer.mark_down(stage_id, replica)
         self._dead[stage_id] = (reason, retry_after_s)
         actions: list[Action] = []
         for rid, st in list(self._requests.items()):
             if self._needs(st, stage_id):
                 actions.extend(self._fail_unavailable(rid, stage_id))
         return actions
+
+    def on_replica_died(
+        self, stage_id: int, replica: int, reason: str, *, retry_after_s: float | None = None
+    ) -> list[Action]:
+        """One worker of a stage is gone. While another replica of the stage is up, the
+        requests bound to the dead one that still need it (:meth:`_needs`) are run again
+        (:class:`Rerun`) when the client has had nothing of them yet — at most
+        :data:`MAX_RERUNS` times — and fail with ``stage_unavailable`` otherwise (a stream
+        already playing cannot be resumed elsewhere); new requests avoid the replica until
+        :meth:`on_replica_back`. When it was the stage's last replica up, this is
+        :meth:`on_stage_died`."""
+        self.balancer.mark_down(stage_id, replica)
+        if not self.balancer.has_up(stage_id):
+            return self.on_stage_died(stage_id, reason, retry_after_s=retry_after_s)
+        actions: list[Action] = []
+        for rid, st in list(self._requests.items()):
+            if st.bound.get(stage_id) != replica or not self._needs(st, stage_id):
+                continue
+            if st.has_delivered or st.num_reruns >= MAX_RERUNS:
+                # Another replica serves new requests now: the client may retry at once.
+                actions.extend(
+                    self.fail(rid, reason, stage_id=stage_id, code="stage_unavailable", retry_after_s=0.0)
+                )
+                continue
+            self._end(st, actions)
+            actions.append(Rerun(st.request, st.num_reruns + 1))
+        return actions
+
+    def on_replica_back(self, stage_id: int, replica: int) -> None:
+        """A replica's restarted worker said hello: it takes requests again (and so does
+        its stage, if it was down)."""
+        self.balancer.mark_up(stage_id, replica)
+        self._dead.pop(stage_id, None)
+
+    def set_capacity(self, stage_id: int, replica: int, capacity: int) -> None:
+        """The requests a replica runs at once, as its worker reported (its hello)."""
+        self.balancer.set_capacity(stage_id, replica, capacity)
 
     def _needs(self, st: _RequestState, stage_id: int) -> bool:
         """Does the request still need the stage's process? Yes while the stage has not
@@ -560,6 +702,8 @@ class Router:
     def on_stage_back(self, stage_id: int) -> None:
         """The stage runs again (a restarted worker said hello): admit requests needing it."""
         self._dead.pop(stage_id, None)
+        for replica in range(self._num_replicas[stage_id]):
+            self.balancer.mark_up(stage_id, replica)
 
     def _fail_unavailable(self, request_id: str, stage_id: int) -> list[Action]:
         reason, retry_after_s = self._dead[stage_id]
@@ -582,10 +726,16 @@ class Router:
         """
         rid = st.request.request_id
         del self._requests[rid]
+        for s in list(st.loaded):
+            self._unload(st, s)
         for s in st.holders:
-            actions.append(StageAbort(s, rid))
+            actions.append(StageAbort(s, rid, st.bound.get(s, 0)))
         for s in self._all_stage_ids:
-            actions.append(StageRelease(s, rid))
+            replica = st.bound.get(s)
+            if replica is not None:
+                actions.append(StageRelease(s, rid, replica))
+            elif self._num_replicas[s] == 1:
+                actions.append(StageRelease(s, rid, 0))
 
     # -- naming -------------------------------------------------------------------------
 

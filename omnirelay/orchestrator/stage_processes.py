@@ -37,10 +37,13 @@ class StageState(enum.StrEnum):
 
 
 class StageHealth(msgspec.Struct, kw_only=True):
-    """One stage as the front sees it (and as its worker reports, when alive)."""
+    """One stage worker as the front sees it (and as its worker reports, when alive): a
+    stage's, or one replica's of a replicated stage (``replica`` of ``replicas``)."""
 
     stage_id: int
     name: str
+    replica: int = 0
+    replicas: int = 1
     is_alive: bool
     pid: int | None
     exitcode: int | None = None
@@ -70,11 +73,25 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
     audio_streams: dict[str, int | None] = {}
 
     @property
+    def is_serving(self) -> bool:
+        """Every stage has a healthy worker: all requests are served (with a replica down,
+        on the others)."""
+        up = {
+            s.stage_id
+            for s in self.stages
+            if s.is_alive and s.error is None and s.state == StageState.HEALTHY
+        }
+        return bool(self.stages) and up == {s.stage_id for s in self.stages}
+
+    @property
     def status(self) -> str:
-        """``healthy``; ``failed`` when a stage was given up on; ``restarting`` while a stage
-        comes back; else ``unhealthy`` (a stage does not answer)."""
+        """``healthy``; ``degraded`` when a replica is down but every stage has one up;
+        ``failed`` when a stage was given up on; ``restarting`` while a stage comes back;
+        else ``unhealthy`` (a stage does not answer)."""
         if self.is_healthy:
             return "healthy"
+        if self.is_serving:
+            return "degraded"
         states = {st.state for st in self.stages}
         if StageState.FAILED in states:
             return "failed"
@@ -123,11 +140,16 @@ class WorkerProcess(Protocol):
 
 @dataclass
 class StageProcess:
-    """One stage's worker process as the front tracks it (the orchestrator's thread only)."""
+    """One worker process of a stage as the front tracks it (the orchestrator's thread
+    only): the stage's, or one replica's of a replicated stage. ``index`` is its place
+    among the pipeline's workers (:meth:`PipelineConfig.workers`; the stage id when no
+    stage has replicas)."""
 
     stage_id: int
     label: str
     name: str
+    replica: int = 0
+    index: int = -1
     process: WorkerProcess | None = None
     pid: int | None = None
     exitcode: int | None = None
@@ -152,6 +174,15 @@ class StageProcess:
     startup_began: float = 0.0
     #: what the current process reported before it went down (StageFatal, StartupFailed)
     cause: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.index < 0:
+            self.index = self.stage_id
+
+    @property
+    def process_name(self) -> str:
+        """``s1`` (a stage's worker), ``s1r2`` (replica 2 of stage 1)."""
+        return f"s{self.stage_id}" + (f"r{self.replica}" if self.replica else "")
 
     def new_process(self, process: WorkerProcess) -> None:
         """Books for a freshly spawned worker of this stage (first or restarted)."""

@@ -4,6 +4,8 @@
 orchestrator owns requests. Everything runs on the orchestrator's event loop thread.
 
 * :meth:`StageSupervisor.start` — bind the control sockets, spawn one worker per stage
+  (one per replica of a replicated stage; the supervisor knows workers by their index,
+  :meth:`PipelineConfig.workers`, and supervises each alike)
   (``spawn`` context), wait for every hello; a failure raises :class:`StageDiedError`
   naming the stage (a stage that cannot start at all is not restarted: that is a
   configuration or model error, and retrying it would only hide it).
@@ -50,17 +52,17 @@ __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
 
 
 class RestartBook:
-    """The restart budget of every stage under one :class:`RestartPolicy` (pure; the
-    clock is passed in)."""
+    """The restart budget of every worker (a stage, or each of its replicas) under one
+    :class:`RestartPolicy` (pure; the clock is passed in)."""
 
     def __init__(self, policy: RestartPolicy) -> None:
         self.policy = policy
         self._times: dict[int, deque[float]] = {}
 
-    def next_delay(self, stage_id: int, now: float) -> float | None:
-        """A stage died at ``now``: the wait before its restart (booked as done now), or
+    def next_delay(self, worker: int, now: float) -> float | None:
+        """A worker died at ``now``: the wait before its restart (booked as done now), or
         None when the policy gives up (restarts off, or the window's budget spent)."""
-        times = self._times.setdefault(stage_id, deque())
+        times = self._times.setdefault(worker, deque())
         while times and times[0] <= now - self.policy.window_s:
             times.popleft()
         if len(times) >= self.policy.max_restarts:
@@ -69,13 +71,14 @@ class RestartBook:
         times.append(now)
         return delay
 
-    def num_recent(self, stage_id: int) -> int:
-        return len(self._times.get(stage_id, ()))
+    def num_recent(self, worker: int) -> int:
+        return len(self._times.get(worker, ()))
 
 
 @dataclass(frozen=True, slots=True)
 class SupervisorHooks:
-    """What the supervisor tells the orchestrator (each called on the loop thread)."""
+    """What the supervisor tells the orchestrator (each called on the loop thread, with
+    the worker's index)."""
 
     #: a stage's process died: refuse new requests that need it with the second reason,
     #: fail the in-flight ones with the first; (stage, reason, unavailable, retry-after)
@@ -88,7 +91,7 @@ class SupervisorHooks:
     route: Callable[[int, ToFront], None]
     #: the stage's event socket may be readable
     read: Callable[[int], None]
-    #: a stage's first worker said hello during the pipeline's start (its id)
+    #: a worker said hello during the pipeline's start (its index)
     stage_ready: Callable[[int], None] | None = None
 
 
@@ -167,23 +170,23 @@ class StageSupervisor:
         loop, control = self._loop, self.control
         assert loop is not None and control is not None
         st.hello = loop.create_future()
-        spec = self._make_spec(st.stage_id, paths)
+        spec = self._make_spec(st.index, paths)
         if self._spawn_process is not None:
-            proc = self._spawn_process(st.stage_id, spec)
+            proc = self._spawn_process(st.index, spec)
         else:
             proc = self._ctx.Process(
                 target=worker_main,
                 args=(spec,),
-                name=f"omnirelay-{self.namespace}-s{st.stage_id}",
+                name=f"omnirelay-{self.namespace}-{st.process_name}",
                 daemon=True,
             )
         proc.start()
         st.new_process(proc)
         st.startup_began = time.monotonic()
-        loop.add_reader(proc.sentinel, self._on_exit, st.stage_id)
-        st.reader_fd = control.fileno(st.stage_id)
-        loop.add_reader(st.reader_fd, self._hooks.read, st.stage_id)
-        loop.call_soon(self._hooks.read, st.stage_id)  # anything queued before the watch
+        loop.add_reader(proc.sentinel, self._on_exit, st.index)
+        st.reader_fd = control.fileno(st.index)
+        loop.add_reader(st.reader_fd, self._hooks.read, st.index)
+        loop.call_soon(self._hooks.read, st.index)  # anything queued before the watch
 
     def on_hello(self, st: StageProcess) -> None:
         """The stage's worker said hello (routed by the orchestrator)."""
@@ -194,7 +197,7 @@ class StageSupervisor:
         if not self.is_started:
             st.state = StageState.HEALTHY
             if self._hooks.stage_ready is not None:
-                self._hooks.stage_ready(st.stage_id)
+                self._hooks.stage_ready(st.index)
 
     def fail_hello(self, st: StageProcess, reason: str) -> None:
         if st.hello is not None and not st.hello.done():
@@ -203,9 +206,9 @@ class StageSupervisor:
 
     # -- a worker exited ----------------------------------------------------------------------
 
-    def _on_exit(self, stage_id: int) -> None:
+    def _on_exit(self, worker: int) -> None:
         """The worker's process sentinel became readable: it exited."""
-        st = self.stages[stage_id]
+        st = self.stages[worker]
         loop, proc = self._loop, st.process
         assert loop is not None and proc is not None
         loop.remove_reader(proc.sentinel)
@@ -218,8 +221,8 @@ class StageSupervisor:
         # Its last messages (a StartupFailed with the real reason, final outputs) may be
         # queued but not read yet: handle them before reporting the death.
         if self.control is not None:
-            for message in self.control.recv_nowait(stage_id):
-                self._hooks.route(stage_id, message)
+            for message in self.control.recv_nowait(worker):
+                self._hooks.route(worker, message)
         if self.is_closing and st.said_goodbye:
             return
         where = (
@@ -236,29 +239,29 @@ class StageSupervisor:
         self.fail_hello(st, reason)
         if self.is_closing or not self.is_started:
             down = f"{reason}; its requests were failed"
-            self._hooks.stage_down(stage_id, down, down, None)
+            self._hooks.stage_down(worker, down, down, None)
             self._track(loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace)))
             return
-        delay = self.book.next_delay(stage_id, time.monotonic())
+        delay = self.book.next_delay(worker, time.monotonic())
         if delay is None:
             st.state = StageState.FAILED
             st.expected_back = None
-            failed = f"{reason}; {self._give_up_note(stage_id)}"
-            self._hooks.stage_down(stage_id, failed, failed, None)
+            failed = f"{reason}; {self._give_up_note(worker)}"
+            self._hooks.stage_down(worker, failed, failed, None)
         else:
             st.state = StageState.RESTARTING
             back_in = delay + st.startup_s
             st.expected_back = time.monotonic() + back_in
             down = f"{reason}; its requests were failed, it is being restarted"
             restarting = f"{st.label} is restarting after its worker process died ({st.last_exit})"
-            self._hooks.stage_down(stage_id, down, restarting, back_in)
+            self._hooks.stage_down(worker, down, restarting, back_in)
         self._track(asyncio.ensure_future(self._recover(st, delay)))
 
-    def _give_up_note(self, stage_id: int) -> str:
+    def _give_up_note(self, worker: int) -> str:
         if not self.policy.is_enabled:
             return "restarts are off (max_restarts: 0)"
         return (
-            f"not restarted: {self.book.num_recent(stage_id)} restarts within {self.policy.window_s:g} s "
+            f"not restarted: {self.book.num_recent(worker)} restarts within {self.policy.window_s:g} s "
             f"already (restart policy: {self.policy.describe()})"
         )
 
@@ -278,7 +281,7 @@ class StageSupervisor:
         except Exception as exc:  # no new process (sockets, fork): nothing will bring it back
             st.state = StageState.FAILED
             st.expected_back = None
-            self._hooks.stage_unavailable(st.stage_id, f"{st.label} could not be restarted: {exc!r}", None)
+            self._hooks.stage_unavailable(st.index, f"{st.label} could not be restarted: {exc!r}", None)
 
     async def _restart(self, st: StageProcess, restarting: str) -> None:
         loop, control = self._loop, self.control
@@ -289,12 +292,12 @@ class StageSupervisor:
         if st.process is not None:
             st.process.close()
             st.process = None
-        paths = control.rebind(st.stage_id)
+        paths = control.rebind(st.index)
         try:
             st.num_restarts += 1
             self._spawn(st, paths)
             st.expected_back = time.monotonic() + st.startup_s
-            self._hooks.stage_unavailable(st.stage_id, restarting, st.startup_s)
+            self._hooks.stage_unavailable(st.index, restarting, st.startup_s)
             assert st.hello is not None
             try:
                 await asyncio.wait_for(asyncio.shield(st.hello), self._startup_timeout_s)
@@ -310,7 +313,7 @@ class StageSupervisor:
         st.expected_back = None
         st.is_dead = False
         st.death_reason = None
-        self._hooks.stage_up(st.stage_id)
+        self._hooks.stage_up(st.index)
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.add(fut)
@@ -324,11 +327,11 @@ class StageSupervisor:
 
     # -- stop -------------------------------------------------------------------------------
 
-    def send(self, stage_id: int, message: Any) -> bool:
-        st = self.stages[stage_id]
+    def send(self, worker: int, message: Any) -> bool:
+        st = self.stages[worker]
         if st.is_dead or st.is_exited or self.control is None:
             return False
-        return self.control.send(stage_id, message)
+        return self.control.send(worker, message)
 
     async def stop(self, timeout_s: float) -> int:
         """Stop every worker (Shutdown, then SIGTERM, then SIGKILL), end supervision and
@@ -338,7 +341,7 @@ class StageSupervisor:
             if st.process is None or st.is_exited:
                 continue
             if st.is_ready:
-                self.send(st.stage_id, Shutdown())
+                self.send(st.index, Shutdown())
             else:  # still building its engine: it reads no messages yet
                 st.process.terminate()
         num_killed = await self._reap_processes(timeout_s)

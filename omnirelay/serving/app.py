@@ -189,7 +189,7 @@ def create_app(
         body = _health_body(fe, health)
         if request.query_params.get("audit") in ("1", "true"):
             body["audit"] = await leak_audit(pipeline, fe.admission.num_active)
-        return JSONResponse(body, status_code=200 if health.is_healthy else 503)
+        return JSONResponse(body, status_code=200 if health.is_serving else 503)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -256,6 +256,8 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
             {
                 "stage_id": st.stage_id,
                 "name": st.name,
+                "replica": st.replica,
+                "replicas": st.replicas,
                 "is_alive": st.is_alive,
                 "pid": st.pid,
                 "status": engine.get("status", "unknown" if st.is_alive else "dead"),

@@ -84,7 +84,7 @@ def worker_main(spec: WorkerSpec) -> None:
     def send(message: ToFront) -> None:
         control.send(message, is_peer_alive=is_parent_alive)
 
-    control = WorkerControl(spec.paths, spec.stage_id)
+    control = WorkerControl(spec.paths, spec.worker_index)
     engine: StageEngineProtocol | None = None
     is_clean = False
     try:
@@ -95,7 +95,8 @@ def worker_main(spec: WorkerSpec) -> None:
             control.start_receiving(
                 inbox, wake=loop.wake, is_parent_alive=is_parent_alive, parent_check_s=spec.parent_check_s
             )
-            send(Hello(spec.stage_id, os.getpid()))
+            stage = spec.pipeline.stages[spec.stage_id]
+            send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=stage.max_num_seqs))
             loop.run()
             is_clean = True
     except _Stop:

@@ -31,7 +31,9 @@ class WorkerSpec:
     """Everything a worker needs; pickled to the spawned process."""
 
     stage_id: int
-    pipeline: PipelineConfig  # namespace filled in
+    #: the pipeline as this worker sees it (namespace filled in; a replicated stage's
+    #: config is its replica's, :meth:`PipelineConfig.for_replica`)
+    pipeline: PipelineConfig
     paths: ControlPaths
     parent_pid: int
     engine_factory: str = DEFAULT_ENGINE_FACTORY
@@ -43,11 +45,22 @@ class WorkerSpec:
     wait_slice_s: float = 0.01
     #: how often the receive thread checks that the parent is alive
     parent_check_s: float = 0.5
+    #: the worker's index among the pipeline's workers (its control sockets); None: the
+    #: stage id (a pipeline without replicas)
+    worker: int | None = None
     #: an intermediate stage's progress outputs wait at most this long to go out with a
     #: later message (0: one message per step, as for a final-output stage) …
     progress_flush_s: float = 0.25
     #: … and at most this many of them
     progress_flush_count: int = 256
+
+    @property
+    def worker_index(self) -> int:
+        return self.stage_id if self.worker is None else self.worker
+
+    @property
+    def replica(self) -> int:
+        return self.pipeline.stages[self.stage_id].replica
 
 
 def load_engine_factory(path: str) -> EngineFactory:

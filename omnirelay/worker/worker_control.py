@@ -1,11 +1,12 @@
 """The control plane, worker side: ZeroMQ sockets between a stage worker and the front.
 
-Topology (docs/design.md, processes): per stage, one PUSH/PULL pair each way over
+Topology (docs/design.md, processes): per worker process (a stage, or each of its
+replicas), one PUSH/PULL pair each way over
 ``ipc://`` sockets in a private directory of the deployment (``mkdtemp``, mode 0700,
 removed at close):
 
-* ``s{i}.cmd`` — front PUSH (bound) → worker PULL (connected): :data:`ToWorker`;
-* ``s{i}.evt`` — worker PUSH (connected) → front PULL (bound): :data:`ToFront`.
+* ``w{i}.cmd`` — front PUSH (bound) → worker PULL (connected): :data:`ToWorker`;
+* ``w{i}.evt`` — worker PUSH (connected) → front PULL (bound): :data:`ToFront`.
 
 The front binds everything before it spawns the workers, so a worker only connects.
 
@@ -52,34 +53,35 @@ class ControlPaths:
     paths are sent to the workers)."""
 
     directory: str
-    num_stages: int
+    #: worker processes (a stage's replicas each have a pair; :meth:`PipelineConfig.workers`)
+    num_workers: int
     tcp_host: str | None = None
     bound: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, num_stages: int, tcp_host: str | None = None) -> ControlPaths:
+    def create(cls, num_workers: int, tcp_host: str | None = None) -> ControlPaths:
         """Make a fresh private directory (short enough for ``ipc://`` paths)."""
         base = tempfile.gettempdir()
         if len(base) > _MAX_IPC_DIR - 30:
             base = "/tmp"
         directory = tempfile.mkdtemp(prefix="omnirelay-ctl-", dir=base)
-        return cls(directory=directory, num_stages=num_stages, tcp_host=tcp_host)
+        return cls(directory=directory, num_workers=num_workers, tcp_host=tcp_host)
 
     def _addr(self, name: str) -> str:
         if self.tcp_host is None:
             return f"ipc://{self.directory}/{name}"
         return self.bound.get(name, f"tcp://{self.tcp_host}:0")
 
-    def cmd_addr(self, stage_id: int) -> str:
-        return self._addr(f"s{stage_id}.cmd")
+    def cmd_addr(self, worker: int) -> str:
+        return self._addr(f"w{worker}.cmd")
 
-    def evt_addr(self, stage_id: int) -> str:
-        return self._addr(f"s{stage_id}.evt")
+    def evt_addr(self, worker: int) -> str:
+        return self._addr(f"w{worker}.evt")
 
-    def record(self, stage_id: int, cmd: str, evt: str) -> None:
+    def record(self, worker: int, cmd: str, evt: str) -> None:
         """The addresses the front bound (a ``:0`` port resolved)."""
         if self.tcp_host is not None:
-            self.bound[f"s{stage_id}.cmd"], self.bound[f"s{stage_id}.evt"] = cmd, evt
+            self.bound[f"w{worker}.cmd"], self.bound[f"w{worker}.evt"] = cmd, evt
 
     def remove(self) -> None:
         """Remove the directory and the socket files in it (idempotent)."""
@@ -122,8 +124,8 @@ class WorkerControl:
     event socket (:meth:`send`) and calls :meth:`close`.
     """
 
-    def __init__(self, paths: ControlPaths, stage_id: int) -> None:
-        self.stage_id = stage_id
+    def __init__(self, paths: ControlPaths, worker: int) -> None:
+        self.worker = worker
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._is_closed = False
         self._cmd = self._ctx.socket(zmq.PULL)
@@ -132,8 +134,8 @@ class WorkerControl:
             sock.setsockopt(zmq.LINGER, 0)
         self._cmd.setsockopt(zmq.RCVHWM, 0)
         self._evt.setsockopt(zmq.SNDHWM, 0)
-        self._cmd.connect(paths.cmd_addr(stage_id))
-        self._evt.connect(paths.evt_addr(stage_id))
+        self._cmd.connect(paths.cmd_addr(worker))
+        self._evt.connect(paths.evt_addr(worker))
         self._reader: threading.Thread | None = None
 
     def start_receiving(
@@ -149,7 +151,7 @@ class WorkerControl:
         self._reader = threading.Thread(
             target=self._receive,
             args=(inbox, wake, is_parent_alive, parent_check_s),
-            name=f"omnirelay-control-s{self.stage_id}",
+            name=f"omnirelay-control-w{self.worker}",
             daemon=True,
         )
         self._reader.start()
@@ -204,7 +206,7 @@ class WorkerControl:
             except zmq.Again:
                 pass
             if not is_peer_alive() or time.monotonic() > deadline:
-                raise PipelineError(f"stage {self.stage_id}: the front process is unreachable")
+                raise PipelineError(f"worker {self.worker}: the front process is unreachable")
             self._evt.poll(100, zmq.POLLOUT)
 
     def close(self) -> None:

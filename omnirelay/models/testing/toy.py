@@ -18,7 +18,9 @@ Processor (``toy.forward_chunk``, :func:`forward_chunk`): a step's output as the
 generation receiver takes the 1-D codes as its prompt.
 
 Every executor counts its calls and batch sizes and keeps the set of internal ids it
-holds state for (dropped in ``release``), exposed by ``leak_state()``.
+holds state for (dropped in ``release``), exposed by ``leak_state()``. ``step_s`` gives
+every step a fixed duration whatever its batch (the step sleeps: a stand-in for an
+accelerator's step, which takes time but no CPU), so a stage can be made the bottleneck.
 
 :func:`toy_pipeline_config` builds the three-stage toy pipeline
 ``counter (AR) -> relay (AR) -> synth (generation)`` with chunked edges.
@@ -26,7 +28,8 @@ holds state for (dropped in ``release``), exposed by ``leak_state()``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,8 +66,11 @@ class ToyExecutor:
 
     execution_type = "ar"
 
-    def __init__(self, *, supports_batching: bool = True) -> None:
+    def __init__(self, *, supports_batching: bool = True, step_s: float = 0.0) -> None:
+        if not (isinstance(step_s, int | float) and not isinstance(step_s, bool) and 0 <= step_s <= 60):
+            raise ValueError(f"step_s must be seconds in 0..60, got {step_s!r}")
         self.supports_batching = supports_batching
+        self.step_s = float(step_s)
         self.num_calls = 0
         self.num_items = 0
         self.max_batch_size = 0
@@ -79,6 +85,8 @@ class ToyExecutor:
         self.num_items += len(batch)
         self.max_batch_size = max(self.max_batch_size, len(batch))
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        if self.step_s:
+            time.sleep(self.step_s)  # a fixed cost per step, whatever the batch
         out = []
         for item in batch:
             self.live.add(item.internal_id)
@@ -103,9 +111,14 @@ class CountingLM(ToyExecutor):
     execution_type = "ar"
 
     def __init__(
-        self, *, vocab_size: int = 1000, eos_token_id: int | None = None, supports_batching: bool = True
+        self,
+        *,
+        vocab_size: int = 1000,
+        eos_token_id: int | None = None,
+        supports_batching: bool = True,
+        step_s: float = 0.0,
     ) -> None:
-        super().__init__(supports_batching=supports_batching)
+        super().__init__(supports_batching=supports_batching, step_s=step_s)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
 
@@ -132,8 +145,9 @@ class RelayLM(ToyExecutor):
         multiplier: int = 2,
         offset: int = 1,
         supports_batching: bool = True,
+        step_s: float = 0.0,
     ) -> None:
-        super().__init__(supports_batching=supports_batching)
+        super().__init__(supports_batching=supports_batching, step_s=step_s)
         self.vocab_size = vocab_size
         self.multiplier = multiplier
         self.offset = offset
@@ -170,8 +184,9 @@ class SampleGenerator(ToyExecutor):
         samples_per_code: int = 4,
         sample_rate: int = TOY_SAMPLE_RATE,
         supports_batching: bool = True,
+        step_s: float = 0.0,
     ) -> None:
-        super().__init__(supports_batching=supports_batching)
+        super().__init__(supports_batching=supports_batching, step_s=step_s)
         self.samples_per_code = samples_per_code
         self.sample_rate = sample_rate
 
@@ -254,8 +269,14 @@ def toy_pipeline_config(
     samples_per_code: int = 4,
     supports_batching: bool = True,
     input_wait_timeout_s: float = 600.0,
+    replicas: Mapping[int, int] | None = None,
+    step_s: Mapping[int, float] | None = None,
+    stage_max_num_seqs: Mapping[int, int] | None = None,
 ) -> PipelineConfig:
-    """``counter (AR, text) -> relay (AR) -> synth (generation, audio)``, chunked edges."""
+    """``counter (AR, text) -> relay (AR) -> synth (generation, audio)``, chunked edges.
+
+    Per stage id: ``replicas`` (worker processes), ``step_s`` (a fixed step duration,
+    see the module docstring) and ``stage_max_num_seqs`` (over ``max_num_seqs``)."""
     batching = {"supports_batching": supports_batching}
     data: dict[str, Any] = {
         "name": "toy-relay",
@@ -304,4 +325,11 @@ def toy_pipeline_config(
     }
     if namespace is not None:
         data["namespace"] = namespace
+    for sid, stage in enumerate(data["stages"]):
+        if replicas and sid in replicas:
+            stage["replicas"] = replicas[sid]
+        if step_s and sid in step_s:
+            stage["executor_args"] = {**stage["executor_args"], "step_s": step_s[sid]}
+        if stage_max_num_seqs and sid in stage_max_num_seqs:
+            stage["max_num_seqs"] = stage_max_num_seqs[sid]
     return parse_pipeline(data, source="<toy>", registry=toy_registry())
