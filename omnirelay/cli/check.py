@@ -104,6 +104,10 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "process_env": s.process_env(),
                 "entry": _entry_text(cfg, s.id),
                 "resources": dict(s.resources),
+                "replicas": [
+                    {"replica": r, "devices": s.replica_devices_of(r), "resources": s.replica_resources_of(r)}
+                    for r in range(s.replicas)
+                ],
             }
         )
     edges = [
@@ -213,7 +217,18 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             w(f"      input builder (forwarded input): {s['input_builder']}\n")
         final = s["final_output_type"] if s["final_output"] else "no (intermediate)"
         w(f"      final output: {final}\n")
-        if s["resources"]:
+        if len(s["replicas"]) > 1:
+            w(
+                f"      replicas: {len(s['replicas'])} worker processes (each request bound to one; load-aware)\n"
+            )
+            for rep in s["replicas"]:
+                where = f"devices {rep['devices'] or '(default)'}"
+                if rep["resources"]:
+                    where += ", on a Ray node offering " + ", ".join(
+                        f"{k}: {v:g}" for k, v in rep["resources"].items()
+                    )
+                w(f"        replica {rep['replica']}: {where}\n")
+        elif s["resources"]:
             res = ", ".join(f"{k}: {v:g}" for k, v in s["resources"].items())
             w(f"      placed on a Ray node offering {res}\n")
         if s["process_env"]:

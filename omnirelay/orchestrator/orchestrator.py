@@ -706,6 +706,7 @@ class Orchestrator:
             num_requests=self.router.num_requests,
             stages=stages,
             audio_streams=self.streams.health(num_queued=len(self._waiting)).to_dict(),
+            num_reruns=self.num_reruns,
         )
 
     async def leak_state(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> dict[int, dict[str, Any]]:

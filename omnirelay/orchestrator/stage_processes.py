@@ -71,6 +71,8 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
     #: admission by real-time capacity (:class:`~omnirelay.orchestrator.capacity.StreamGate`):
     #: its limit, the audio streams admitted and waiting, those running dry
     audio_streams: dict[str, int | None] = {}
+    #: requests run again on another replica after theirs died (since the start)
+    num_reruns: int = 0
 
     @property
     def is_serving(self) -> bool:

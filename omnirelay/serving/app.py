@@ -277,6 +277,7 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         "model": fe.model_name,
         "namespace": health.namespace,
         "num_requests": health.num_requests,
+        "num_reruns": health.num_reruns,
         "num_in_flight": fe.admission.num_active,
         "max_concurrency": fe.admission.max_concurrency,
         "live_bytes": fe.admission.live_bytes,
