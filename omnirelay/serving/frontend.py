@@ -269,11 +269,14 @@ class Frontend:
         extras: dict[str, Any] | None = None,
         inputs: Any = None,
         entry_stage_id: int | None = None,
+        session: str | None = None,
     ) -> RequestStream:
         """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
         ``inputs``: the entry stage's full input (a speech request's, see
         :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.media.chat_turns`);
-        ``entry_stage_id``: where it enters (None: the prompt stage)."""
+        ``entry_stage_id``: where it enters (None: the prompt stage); ``session``: the
+        conversation it belongs to (a replicated stage keeps one conversation on one
+        replica where its load allows)."""
         # A client id stays taken until its response is sent, even when the pipeline is
         # already done with it: the pipeline holds it until the stream closes the handle.
         if self.pipeline.is_in_flight(request_id):  # before a slot is taken: 409, not 429
@@ -307,6 +310,7 @@ class Frontend:
                 extras=extras,
                 entry_stage_id=entry_stage_id,
                 hold_id=True,
+                session=session,
             )
         except OmniRelayError as exc:
             slot.release()

@@ -204,6 +204,9 @@ class ChatCompletionRequest(_Model):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
+    #: OpenAI's key for requests that share a prompt prefix; here: the conversation a
+    #: replicated stage keeps on one replica (docs/design.md §11)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's fields that omnirelay cannot honour: refused by unsupported() when they ask
     # for something, rather than ignored (a client would silently get another answer).
     tools: Any = None

@@ -169,15 +169,26 @@ def submit_turns(
     request_id: str,
     sampling: SamplingParams | None = None,
     extras: dict[str, Any] | None = None,
+    session: str | None = None,
 ) -> tuple[RequestStream, list[int]]:
     """Start a chat request of ``turns`` (see the module docstring); returns its stream
-    and the prompt the front made (empty when the prompt is made after recognition)."""
+    and the prompt the front made (empty when the prompt is made after recognition).
+    ``session``: the conversation it belongs to (replica affinity)."""
     extras = dict(extras or {})
     clips = [p for _, ps in turns for p in ps if isinstance(p, np.ndarray)]
     images = [p.pixels for _, ps in turns for p in ps if isinstance(p, DecodedImage)]
     if images:
         return _submit_media(
-            fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=images
+            fe,
+            endpoint,
+            turns,
+            modalities,
+            request_id,
+            sampling,
+            extras,
+            clips=clips,
+            images=images,
+            session=session,
         )
     if not clips:
         prompt = fe.prompts.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
@@ -188,6 +199,7 @@ def submit_turns(
             request_id=request_id,
             sampling=sampling,
             extras=extras,
+            session=session,
         )
         return stream, prompt
     config = fe.pipeline.config
@@ -213,10 +225,11 @@ def submit_turns(
             extras=extras,
             inputs=audio_inputs(clips),
             entry_stage_id=config.audio_entry_stage_id,
+            session=session,
         )
         return stream, []
     return _submit_media(
-        fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=[]
+        fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=[], session=session
     )
 
 
@@ -231,6 +244,7 @@ def _submit_media(
     *,
     clips: list[np.ndarray],
     images: list[np.ndarray],
+    session: str | None = None,
 ) -> tuple[RequestStream, list[int]]:
     """A request with clips and images laid out in the prompt stage's own prompt."""
     prompts = fe.prompts
@@ -254,6 +268,7 @@ def _submit_media(
         sampling=sampling,
         extras=extras,
         inputs=inputs,
+        session=session,
     )
     return stream, prompt
 

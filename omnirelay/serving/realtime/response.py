@@ -139,6 +139,7 @@ class ResponseRunner:
                 request_id=resp.id,
                 sampling=sampling,
                 extras={"voice": settings.voice} if kind == "audio" else {},
+                session=s.id,  # a replicated stage keeps the session's turns on one replica
             )
         except ApiError as exc:
             await self._refused(resp, exc)

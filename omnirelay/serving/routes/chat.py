@@ -224,6 +224,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
         request_id=rid,
         sampling=sampling,
         extras=extras,
+        session=req.prompt_cache_key,
     )
     fmt = audio[0] if audio else None
     answer = _Answer(
