@@ -30,7 +30,6 @@ router, the handles map and the sockets have exactly one user.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import socket
 import threading
@@ -54,6 +53,7 @@ from omnirelay.errors import (
 from omnirelay.orchestrator.capacity import StreamGate
 from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
+from omnirelay.orchestrator.queries import WorkerQueries
 from omnirelay.orchestrator.router import (
     Action,
     ClientOutput,
@@ -182,8 +182,7 @@ class Orchestrator:
             ),
         )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._seq = itertools.count(1)
-        self._queries: dict[int, asyncio.Future[Any]] = {}
+        self._queries = WorkerQueries(self._send)
         #: stages that cannot take requests now → (reason, retry-after s), for callers on
         #: other threads (:meth:`unavailable`); the router keeps its own copy
         self._down: dict[int, tuple[str, float | None]] = {}
@@ -512,9 +511,7 @@ class Orchestrator:
         elif isinstance(message, Released):
             self._lift_fence(worker, message.request_id)
         elif isinstance(message, HealthReply | LeakStateReply):
-            fut = self._queries.pop(message.seq, None)
-            if fut is not None and not fut.done():
-                fut.set_result(message)
+            self._queries.answer(message.seq, message)
         elif isinstance(message, Hello):
             if st.pid is None:  # a worker on a Ray node: its pid comes with its hello
                 st.pid = message.pid
@@ -644,36 +641,10 @@ class Orchestrator:
 
     # -- queries --------------------------------------------------------------------------
 
-    async def _query(self, make: Any, timeout_s: float) -> dict[int, Any]:
-        """Ask every live worker; the replies by worker index."""
-        loop = asyncio.get_running_loop()
-        futures: dict[int, asyncio.Future[Any]] = {}
-        for st in self._workers:
-            if st.is_dead or st.is_exited:
-                continue
-            seq = next(self._seq)
-            fut: asyncio.Future[Any] = loop.create_future()
-            self._queries[seq] = fut
-            if self._send(st.index, make(seq)):
-                futures[st.index] = fut
-            else:
-                del self._queries[seq]
-        if futures:
-            await asyncio.wait(list(futures.values()), timeout=timeout_s)
-        replies: dict[int, Any] = {}
-        for index, fut in futures.items():
-            if fut.done():
-                replies[index] = fut.result()
-            else:
-                fut.cancel()
-        for seq in [s for s, f in self._queries.items() if f.done()]:
-            del self._queries[seq]
-        return replies
-
     async def health(self, timeout_s: float = 2.0) -> PipelineHealth:
         """Per worker (a stage, or each of its replicas): alive, pid, exit, requests held,
         the engine's health, its supervision state and restarts."""
-        replies = await self._query(HealthRequest, timeout_s)
+        replies = await self._queries.ask(self._workers, HealthRequest, timeout_s)
         stages = []
         for st in self._workers:
             reply: HealthReply | None = replies.get(st.index)
@@ -715,7 +686,9 @@ class Orchestrator:
         in-flight cleanup settled (at most ``settle_s``), and under :data:`FRONT` the
         front's own per-request books when any is left (audio streams admitted, requests
         waiting for one or parked)."""
-        replies = await self._query(lambda seq: LeakStateRequest(seq, settle_s), timeout_s + settle_s)
+        replies = await self._queries.ask(
+            self._workers, lambda seq: LeakStateRequest(seq, settle_s), timeout_s + settle_s
+        )
         missing = [st.label for st in self._workers if not st.is_dead and st.index not in replies]
         if missing:
             raise PipelineError(f"no leak-state reply from {', '.join(missing)} within {timeout_s:g} s")
@@ -747,9 +720,7 @@ class Orchestrator:
         num_killed = await self._supervisor.stop(timeout_s)
         if self._ray is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._ray.close)
-        for fut in self._queries.values():
-            fut.cancel()
-        self._queries.clear()
+        self._queries.cancel_all()
         loop = asyncio.get_running_loop()
         report = await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         self._shutdown_report = ShutdownReport(
