@@ -107,3 +107,19 @@ def test_bind_socket_says_why() -> None:
             bind_socket("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+def test_serve_takes_a_checkpoint_directory_and_no_abbreviated_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omnirelay.cli.main import main
+
+    missing = tmp_path / "no-such-checkpoint"
+    # --model is serve's own option (not a prefix of --model-name): a missing directory is an
+    # error naming it before any port is bound or process started.
+    assert main(["serve", "--pipeline", "qwen3-tts", "--model", str(missing), "--port", "0"]) == 1
+    assert str(missing) in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model-n", "x"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --model-n" in capsys.readouterr().err

@@ -26,6 +26,7 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnirelay",
+        allow_abbrev=False,
         description="Serve multi-stage model pipelines (Thinker -> Talker -> Code2Wav) "
         "with a leak-proof stage-edge protocol.",
     )
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    # No abbreviations: a prefix of a long option (`--model` of `--model-name`) must be an
+    # error, not silently another option.
+    for command in sub.choices.values():
+        command.allow_abbrev = False
     return parser
 
 

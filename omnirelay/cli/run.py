@@ -48,8 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="PATH",
         default=None,
-        help="a local Qwen3-Omni checkpoint directory (config.json, safetensors, tokenizer) loaded by "
-        "every Qwen3-Omni stage; never downloaded",
+        help="a local checkpoint directory (config.json, safetensors, tokenizer) of the pipeline's model "
+        "family (Qwen3-Omni, Qwen3-TTS), loaded by every stage of that family; never downloaded",
     )
     p.add_argument(
         "--device",

@@ -8,6 +8,9 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from omnirelay.cli.run import add_model_arguments
+from omnirelay.cli.session import DEFAULT_MODEL_PIPELINE
+
 if TYPE_CHECKING:
     from omnirelay.pipeline import PipelineConfig
     from omnirelay.serving.server_config import ServerConfig
@@ -31,22 +34,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--pipeline",
-        default=DEFAULT_PIPELINE,
-        help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE}; the protocol test "
-        "bed: qwen3-omni-tiny)",
-    )
-    p.add_argument(
-        "--device",
         default=None,
-        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: the pipeline file's",
+        help=f"a shipped pipeline name or a YAML path (default {DEFAULT_PIPELINE}, or "
+        f"{DEFAULT_MODEL_PIPELINE} with --model or --load-format dummy; the protocol test bed: "
+        "qwen3-omni-tiny)",
     )
-    p.add_argument(
-        "--load-format",
-        choices=("auto", "dummy", "tiny"),
-        default=None,
-        help="dummy: random weights from the config alone (no checkpoint; the shipped full-size config); "
-        "tiny: the tiny seeded model of a Qwen3-TTS pipeline (with --device cpu: no GPU)",
-    )
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument(
@@ -279,12 +272,18 @@ def _serve(args: argparse.Namespace) -> int:
     from omnirelay.serving.server import bind_socket
     from omnirelay.serving.server_config import ServerConfig
 
-    if args.device is None and args.load_format is None:
-        pipeline_config = load_pipeline(args.pipeline)
+    if args.model is None and args.device is None and args.load_format is None and args.runner is None:
+        pipeline_config = load_pipeline(args.pipeline or DEFAULT_PIPELINE)
     else:
         from omnirelay.cli.session import load_run_config
 
-        pipeline_config = load_run_config(args.pipeline, device=args.device, load_format=args.load_format)
+        pipeline_config = load_run_config(
+            args.pipeline,
+            model=args.model,
+            device=args.device,
+            load_format=args.load_format,
+            runner=args.runner,
+        )
     if args.max_restarts is not None:
         pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
     if args.max_audio_streams is not None:
@@ -345,14 +344,18 @@ def _serve_while_starting(
 
             config = server_config(pipeline_config, **_limits(args, door))
             prepare_models(pipeline_config.stages, lambda label, done="ready": _Step(board, label, done))
-            board.step(f"starting {pipeline_config.num_stages} stage processes")
-            print(f"omnirelay serve: starting pipeline {args.pipeline!r} ...", file=sys.stderr, flush=True)
+            board.step(f"starting {pipeline_config.num_workers} stage processes")
+            print(
+                f"omnirelay serve: starting pipeline {pipeline_config.name!r} ...",
+                file=sys.stderr,
+                flush=True,
+            )
             pipeline = Pipeline.start(pipeline_config, on_stage_ready=board.stage_ready)
             started.append(pipeline)
             late.ready(create_app(pipeline, config))
             print(
                 f"omnirelay serve: {pipeline.config.name} on {url} "
-                f"({pipeline.config.num_stages} stage workers, namespace {pipeline.namespace})"
+                f"({pipeline.config.num_workers} stage workers, namespace {pipeline.namespace})"
                 + (f"; the browser page: {url}/" if args.ui else ""),
                 file=sys.stderr,
                 flush=True,
