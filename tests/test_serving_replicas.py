@@ -64,6 +64,10 @@ def test_concurrent_chat_with_audio_is_served_by_both_replicas(srv: Served) -> N
     srv.audit()
     served = {(s.stage_id, s.replica): (s.engine or {}).get("num_added") for s in srv.pipe.health().stages}
     assert len(served) == 5
+    metrics = httpx.get(srv.url + "/metrics").text  # one series per replica, none twice
+    for label in ("0:thinker", "1:talker#0", "1:talker#1", "2:code2wav#0", "2:code2wav#1"):
+        assert f'omnirelay_stage_up{{stage="{label}"}} 1.0' in metrics
+    assert metrics.count('omnirelay_edge_pending_keys{edge="1 -> 2"}') <= 1  # (absent while none pend)
 
 
 def test_a_conversation_with_a_prompt_cache_key_stays_on_one_replica(srv: Served) -> None:

@@ -96,8 +96,10 @@ class _HealthCollector(Collector):
         edge_keys = GaugeMetricFamily(
             "omnirelay_edge_pending_keys", "unconsumed transfer objects on an edge", labels=["edge"]
         )
+        edges: dict[str, list[float]] = {}  # an edge's books summed over its replicas
         for st in snap.stages:
-            label = f"{st.stage_id}:{st.name}"
+            # one series per worker: a replicated stage's replicas as ``1:talker#0``, ``1:talker#1``
+            label = f"{st.stage_id}:{st.name}" + (f"#{st.replica}" if st.replicas > 1 else "")
             up.add_metric([label], 1.0 if st.is_alive else 0.0)
             restarts.add_metric([label], float(st.num_restarts))
             held.add_metric([label], float(st.num_requests))
@@ -110,8 +112,12 @@ class _HealthCollector(Collector):
                 moved.add_metric([label, "put"], float(conn.get("bytes_put", 0)))
                 moved.add_metric([label, "got"], float(conn.get("bytes_got", 0)))
             for edge, books in _edges(st.engine).items():
-                edge_bytes.add_metric([edge], float(books.get("pending_bytes", 0)))
-                edge_keys.add_metric([edge], float(books.get("pending_keys", 0)))
+                sums = edges.setdefault(edge, [0.0, 0.0])
+                sums[0] += float(books.get("pending_bytes", 0))
+                sums[1] += float(books.get("pending_keys", 0))
+        for edge, (nbytes, nkeys) in edges.items():
+            edge_bytes.add_metric([edge], nbytes)
+            edge_keys.add_metric([edge], nkeys)
         yield from (up, restarts, depth, held, pending, live, moved, edge_bytes, edge_keys)
 
 
