@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import torch
 
-from omnirelay.api import Pipeline
+from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.errors import StageUnavailableError
 from omnirelay.models.qwen3_omni import encode_chat_prompt, load_tokenizer
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
@@ -126,6 +126,39 @@ def test_a_killed_remote_stage_fails_its_requests_fast_and_is_refused_until_back
     assert _audio(pipe, prompt, "cut").numel() > 0  # the failed id is free again
     assert stage_state(pipe) == {}
     assert not_free_slots(pipe.namespace) == []
+
+
+def test_replicas_placed_one_per_host_share_the_load_over_nixl(cluster: Any) -> None:
+    from benchmarks.replicas import TOY_FACTORY, Load, closed_loop, toy_config
+
+    load = Load(step_s=0.02, batch=2, tokens=4, requests=12, concurrency=6)
+    p = Pipeline.start(
+        toy_config(2, load, hosts=("hostA", "hostB")),
+        runtime=RuntimeHooks(engine_factory=TOY_FACTORY),
+        startup_timeout_s=300,
+    )
+    try:
+        placed = p.placement()
+        workers = placed["stages"]  # by worker: counter, relay replica 0, relay replica 1, synth
+        assert [(w["stage"], w["replica"]) for _, w in sorted(workers.items())] == [
+            (0, 0),
+            (1, 0),
+            (1, 1),
+            (2, 0),
+        ]
+        assert (
+            workers[0]["node_id"] == workers[1]["node_id"] == workers[3]["node_id"] != workers[2]["node_id"]
+        )
+        assert placed["edges"] == {"0 -> 1": "nixl", "1 -> 2": "nixl"}  # the relay spans two hosts
+        outcomes, _ = closed_loop(p, load)
+        assert all(o.ok and o.exact for o in outcomes), [o for o in outcomes if not o.exact]
+        given = {
+            s.replica: (s.engine or {}).get("num_added", 0) for s in p.health().stages if s.stage_id == 1
+        }
+        assert min(given.values()) > 0, given
+        assert stage_state(p) == {}
+    finally:
+        audit_stopped(p)
 
 
 def test_a_lost_host_fails_its_stages_requests_at_once_and_refuses_new_ones(
