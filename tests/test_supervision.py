@@ -148,15 +148,17 @@ def test_gives_up_after_max_restarts_in_the_window_and_health_says_why() -> None
     policy = RestartPolicy(max_restarts=1, window_s=600, backoff_s=0.0, max_backoff_s=0.0)
     pipe = Pipeline.start(fake_config(), runtime=RuntimeHooks(engine_factory=FACTORY), restart=policy)
     try:
-        kill_mid_stream(pipe, 1, prefix="a", n=1)
+        kill_mid_stream(pipe, 0, prefix="a", n=1)
         pipe.wait_ready(60)
+        # The budget is the pipeline's: after the Thinker's restart, the Talker's death is one too many.
         kill_mid_stream(pipe, 1, prefix="b", n=1)
-        with pytest.raises(StageDiedError, match=r"killed by SIGKILL.*1 restarts within 600 s"):
+        with pytest.raises(StageDiedError, match=r"killed by SIGKILL.*restarted 1 times within 600 s"):
             pipe.wait_ready(60)
         health = pipe.health()
         st = health.stages[1]
         assert health.status == "failed" and not health.is_healthy
-        assert st.state == "failed" and st.num_restarts == 1 and st.last_exit == "killed by SIGKILL"
+        assert st.state == "failed" and st.num_restarts == 0 and st.last_exit == "killed by SIGKILL"
+        assert health.stages[0].state == "healthy" and health.stages[0].num_restarts == 1
         assert "stage 1 (talker)" in (st.error or "") and "not restarted" in (st.error or "")
         with pytest.raises(StageUnavailableError) as info:
             pipe.submit([4], modalities=["text", "audio"], sampling=sampling(3))
@@ -214,10 +216,12 @@ def test_a_failed_request_is_a_request_failed_error_with_the_code() -> None:
 
 def test_the_restart_book_backs_off_exponentially_and_gives_up_within_the_window() -> None:
     book = RestartBook(RestartPolicy(max_restarts=3, window_s=10, backoff_s=0.5, max_backoff_s=1.5))
-    assert [book.next_delay(1, t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]
-    assert book.next_delay(1, 3.0) is None  # a 4th restart within 10 s: give up
-    assert book.next_delay(2, 3.0) == 0.5  # each stage has its own budget
-    assert book.next_delay(1, 10.5) == 1.5  # the restart at 0.0 left the window
+    assert [book.next_delay(1, t) for t in (0.0, 1.0)] == [0.5, 1.0]
+    assert book.next_delay(2, 2.0) == 0.5  # its own backoff: its first restart …
+    assert book.next_delay(1, 3.0) is None  # … but the pipeline's 4th within 10 s: give up
+    assert book.next_delay(2, 3.0) is None  # whichever stage dies
+    assert book.num_recent() == 3 and book.num_recent(1) == 2
+    assert book.next_delay(1, 10.5) == 1.0  # the restart at 0.0 left the window (the one at 1.0 did not)
     assert RestartBook(NO_RESTARTS).next_delay(0, 0.0) is None
 
 

@@ -52,27 +52,31 @@ __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
 
 
 class RestartBook:
-    """The restart budget of every worker (a stage, or each of its replicas) under one
-    :class:`RestartPolicy` (pure; the clock is passed in)."""
+    """The restart budget of one pipeline under its :class:`RestartPolicy` (pure; the clock
+    is passed in): ``max_restarts`` in ``window_s`` for all its workers together (every
+    stage, every replica) — a pipeline whose processes keep dying stops being restarted,
+    whichever of them dies — while each worker's backoff doubles with its own restarts
+    in the window."""
 
     def __init__(self, policy: RestartPolicy) -> None:
         self.policy = policy
-        self._times: dict[int, deque[float]] = {}
+        self._times: deque[tuple[float, int]] = deque()  # (when, worker) of each restart
 
     def next_delay(self, worker: int, now: float) -> float | None:
         """A worker died at ``now``: the wait before its restart (booked as done now), or
         None when the policy gives up (restarts off, or the window's budget spent)."""
-        times = self._times.setdefault(worker, deque())
-        while times and times[0] <= now - self.policy.window_s:
+        times = self._times
+        while times and times[0][0] <= now - self.policy.window_s:
             times.popleft()
         if len(times) >= self.policy.max_restarts:
             return None
-        delay = self.policy.backoff(len(times))
-        times.append(now)
+        delay = self.policy.backoff(self.num_recent(worker))
+        times.append((now, worker))
         return delay
 
-    def num_recent(self, worker: int) -> int:
-        return len(self._times.get(worker, ()))
+    def num_recent(self, worker: int | None = None) -> int:
+        """Restarts in the window (of ``worker`` alone, when given)."""
+        return sum(1 for _, w in self._times if worker is None or w == worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +265,8 @@ class StageSupervisor:
         if not self.policy.is_enabled:
             return "restarts are off (max_restarts: 0)"
         return (
-            f"not restarted: {self.book.num_recent(worker)} restarts within {self.policy.window_s:g} s "
-            f"already (restart policy: {self.policy.describe()})"
+            f"not restarted: the pipeline's workers were restarted {self.book.num_recent()} times within "
+            f"{self.policy.window_s:g} s already (restart policy: {self.policy.describe()})"
         )
 
     async def _recover(self, st: StageProcess, delay: float | None) -> None:

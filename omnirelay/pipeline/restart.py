@@ -4,9 +4,10 @@
 
     restart: {max_restarts: 5, window_s: 300, backoff_s: 0.5, max_backoff_s: 10}
 
-A stage whose process dies is started again after ``backoff_s``, doubling with each
-restart still inside the window, up to ``max_backoff_s``. More than ``max_restarts``
-restarts within ``window_s`` seconds and the orchestrator gives up: the stage stays
+A stage whose process dies is started again after ``backoff_s``, doubling with each of its
+restarts still inside the window, up to ``max_backoff_s``. More than ``max_restarts``
+restarts within ``window_s`` seconds, counted for the whole pipeline (all its stages and
+replicas together), and the orchestrator gives up: the stage that died then stays
 ``failed`` and ``/health`` says why. ``max_restarts: 0`` turns restarts off (what
 ``omnirelay run`` uses: a one-shot command fails fast instead of waiting for a stage).
 """
@@ -56,7 +57,7 @@ class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not self.is_enabled:
             return "restarts are off (max_restarts: 0)"
         return (
-            f"at most {self.max_restarts} restarts in {self.window_s:g} s, "
+            f"at most {self.max_restarts} restarts in {self.window_s:g} s (all stages together), "
             f"backoff {self.backoff_s:g} s doubling up to {self.max_backoff_s:g} s"
         )
 
