@@ -6,7 +6,10 @@ sample rate: 22.05 kHz for the default voice, 24 kHz for Qwen3-Omni); then the t
 first playable audio and the gaps a listener would hear (:mod:`omnirelay.timeline.playback`),
 each audio chunk's arrival and length, the total, and the critical paths to the first
 audio and to the last output with the share of their wall time spent outside model
-compute (see :mod:`omnirelay.timeline`). ``--json`` writes all of it.
+compute (see :mod:`omnirelay.timeline`). When the pipeline has a forced aligner after its
+voice (``voice-cpu``) and the answer was spoken, each word of the answer with its start
+and end in the audio comes between the answer and the timeline (:func:`align_answer`).
+``--json`` writes all of it.
 
 The pipeline is shut down before the command returns (no process or /dev/shm object
 left); Ctrl-C aborts the request, shuts down, and exits with 130.
@@ -20,8 +23,11 @@ import os
 import sys
 import tempfile
 import wave
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from omnirelay.cli.session import (
     DEFAULT_MODEL_PIPELINE,
@@ -35,10 +41,23 @@ from omnirelay.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
+    from omnirelay.api import Pipeline
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.family import PromptSide
     from omnirelay.orchestrator.router import RequestOutput
+    from omnirelay.pipeline import PipelineConfig
     from omnirelay.timeline import CriticalPath, RequestTimeline
 
-__all__ = ["WavWriter", "last_text_s", "register", "render_timeline", "run_run"]
+__all__ = [
+    "WavWriter",
+    "align_answer",
+    "aligns_answer",
+    "last_text_s",
+    "register",
+    "render_timeline",
+    "render_words",
+    "run_run",
+]
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +109,9 @@ def register(sub: Any) -> None:
             "Qwen3-Omni models with seeded random weights (noise: it exercises the runtime, not a voice).\n"
             f"--model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline, or\n"
             "--pipeline) in every stage.\n\n"
+            "When the pipeline has a forced aligner after its voice (voice-cpu) and audio is asked\n"
+            "for, the answer's words follow the answer, each with its start and end in the audio\n"
+            "(seconds).\n\n"
             "The timeline (times from the submit): first text token, first audio, first playable audio\n"
             "(the earliest moment a player could start and never run dry) with the gaps a player that\n"
             "starts at the first audio would hear, each audio chunk's\n"
@@ -247,6 +269,10 @@ def _run(args: argparse.Namespace) -> int:
     pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True)
     writer = WavWriter(args.out) if args.out is not None else None
     out = sys.stdout
+    answer: list[str] = []
+    spoken: list[Any] = []  # the answer's audio, kept only when its words will be aligned
+    keep_audio = aligns_answer(config, modalities)
+    words: list[dict[str, Any]] | None = None
     try:
         print(
             f"request: {len(prompt_ids)} prompt tokens, modalities {'+'.join(modalities)}",
@@ -255,18 +281,27 @@ def _run(args: argparse.Namespace) -> int:
         )
 
         def on_output(output: RequestOutput, at_s: float) -> None:
-            if output.text:
+            if output.text and output.modality == "text":
+                answer.append(output.text)
                 out.write(output.text)
                 out.flush()
-            if writer is not None and output.audio is not None:
-                writer.write(output.audio, output.sample_rate)
+            if output.audio is not None:
+                if writer is not None:
+                    writer.write(output.audio, output.sample_rate)
+                if keep_audio:
+                    spoken.append(output.audio)
 
         timeline = drive_request(
             pipe, trace, prompt_ids, modalities=modalities, sampling=sampling, on_output=on_output
         )
         placement = pipe.placement()
         out.write("\n")
+        out.flush()
         wrote = writer.commit() if writer is not None else False
+        if keep_audio and timeline.finish_reason not in ("abort", "error"):
+            words = align_answer(pipe, tokenizer, "".join(answer), spoken, sampling)
+            if words:
+                out.write(render_words(words))
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -300,6 +335,7 @@ def _run(args: argparse.Namespace) -> int:
             "wav_samples": writer.num_samples if writer is not None and wrote else 0,
             **timeline.to_dict(),
             "last_text_s": last_text_s(timeline),
+            "words": words,
             "stages": [s.name for s in config.stages],
             "placement": placement,
             "shutdown": {"num_killed": report.num_killed, "num_objects_left": report.num_objects_left},
@@ -308,6 +344,111 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     out.flush()
     return 0 if timeline.finish_reason not in ("abort", "error") else 1
+
+
+# ----------------------------------------------------------------------- word timestamps
+
+#: The modalities of the request that aligns a spoken answer's words.
+_ALIGN_MODALITIES = ("audio", "timestamps")
+
+
+def aligns_answer(config: PipelineConfig, modalities: Sequence[str]) -> bool:
+    """Does ``config`` give the words of a spoken answer with their times: audio is asked
+    for, and the pipeline answers in text, speaks it, and has a forced aligner (a final
+    output of type ``timestamps``: ``voice-cpu``)."""
+    produced = {str(s.final_output_type) for s in config.stages if s.final_output}
+    return "audio" in modalities and {"text", "audio", "timestamps"} <= produced
+
+
+def align_answer(
+    pipe: Pipeline,
+    prompts: PromptSide,
+    answer: str,
+    spoken: Sequence[Any],
+    sampling: Mapping[int, SamplingParams],
+) -> list[dict[str, Any]] | None:
+    """The words of ``answer`` with their start and end (``start_s``, ``end_s``: seconds
+    into ``spoken``, the answer's audio as it streamed), from the pipeline's aligner.
+
+    The aligner needs the text with the audio, and a chat answer's text is complete only
+    after its audio began, so the answer is spoken again as a speech request (the prompt
+    stage reads it verbatim; the voice speaks a sentence the same way whenever it gets
+    it) and aligned with that audio. The words are kept only when that audio is
+    ``spoken`` sample for sample; otherwise (or when the request fails) a note goes to
+    stderr and the result is None.
+    """
+    import numpy as np
+    import torch
+
+    from omnirelay.errors import OmniRelayError
+    from omnirelay.orchestrator.router import stage_sampling_defaults
+
+    if not answer.strip() or not spoken:
+        return None
+    heard = torch.cat([torch.as_tensor(a).reshape(-1).to(torch.float32) for a in spoken])
+    try:
+        prompt = prompts.speech_prompt(answer)
+    except ValueError as exc:
+        print(f"omnirelay run: no word timestamps: {exc}", file=sys.stderr)
+        return None
+    first = pipe.config.prompt_stage_id
+    params = dict(sampling)
+    if prompt.max_tokens is not None:
+        base = params.get(first) or stage_sampling_defaults(pipe.config.stages[first])
+        params[first] = msgspec.structs.replace(base, max_tokens=prompt.max_tokens)
+    print("aligning the answer's words…", file=sys.stderr, flush=True)
+    handle = pipe.submit(
+        prompt.prompt_token_ids,
+        modalities=list(_ALIGN_MODALITIES),
+        sampling=params,
+        inputs=prompt.inputs,
+        extras={"additional_information": {"text": answer}},
+    )
+    pieces: list[torch.Tensor] = []
+    stamps: Any = None
+    try:
+        for output in handle:
+            if output.audio is not None:
+                pieces.append(torch.as_tensor(output.audio).reshape(-1).to(torch.float32))
+            elif output.modality == "timestamps" and output.stage_finished:
+                stamps = _parse_stamps(output.text)
+    except KeyboardInterrupt:
+        handle.abort()
+        raise
+    except OmniRelayError as exc:
+        print(f"omnirelay run: no word timestamps: {exc}", file=sys.stderr)
+        return None
+    again = torch.cat(pieces) if pieces else torch.zeros(0)
+    if stamps is None or not np.array_equal(again.numpy(), heard.numpy()):
+        why = "the aligner gave none" if stamps is None else "the voice spoke the answer differently"
+        print(f"omnirelay run: no word timestamps: {why}", file=sys.stderr)
+        return None
+    return [{"word": w, "start_s": start / 1000.0, "end_s": end / 1000.0} for w, start, end in stamps]
+
+
+def _parse_stamps(text: str | None) -> list[tuple[str, int, int]] | None:
+    """The aligner's output (the JSON of ``[{"word", "start_ms", "end_ms"}, ...]``), or None."""
+    try:
+        value = json.loads(text or "")
+        return [(str(w["word"]), int(w["start_ms"]), int(w["end_ms"])) for w in value]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def render_words(words: Sequence[Mapping[str, Any]], width: int = 96) -> str:
+    """The words block ``omnirelay run`` prints after the answer: ``word start-end`` in
+    seconds, as many to a line as fit in ``width`` columns."""
+    lines = ["\nwords (seconds into the audio)\n"]
+    line = ""
+    for w in words:
+        item = f"{w['word']} {w['start_s']:.2f}-{w['end_s']:.2f}"
+        if line and 2 + len(line) + 2 + len(item) > width:
+            lines.append(f"  {line}\n")
+            line = ""
+        line = f"{line}  {item}" if line else item
+    if line:
+        lines.append(f"  {line}\n")
+    return "".join(lines)
 
 
 # ----------------------------------------------------------------------- rendering
