@@ -58,6 +58,9 @@ class PipelineOptions:
     benchmarks); it must be quick and must not raise or block. ``on_stage_ready``:
     called on the front thread with a stage's id when its worker is up during the
     start (a server's ``/health`` shows the start's progress); the same rules.
+    ``audio_input``: False starts the pipeline without the stage only requests with audio
+    input enter (an ``entry_input: audio`` stage, a speech recognizer): one process less
+    for text-only work; a request with audio is then refused.
     """
 
     namespace: str | None = None
@@ -68,9 +71,12 @@ class PipelineOptions:
     trace_steps: bool = False
     on_stage_output: Callable[[StageOutput], None] | None = None
     on_stage_ready: Callable[[int], None] | None = None
+    audio_input: bool = True
 
     def __post_init__(self) -> None:
         _positive("PipelineOptions", "startup_timeout_s", self.startup_timeout_s)
+        if not isinstance(self.audio_input, bool):
+            raise ConfigError(f"PipelineOptions.audio_input must be True or False, got {self.audio_input!r}")
         for name in ("async_chunk",):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

@@ -88,6 +88,12 @@ def validate_request_id(request_id: object) -> str:
     return request_id
 
 
+
+def _off_stages(config: PipelineConfig, opts: PipelineOptions) -> frozenset[int]:
+    """The stages not to start: the audio entry stage when audio input is off."""
+    entry = config.audio_entry_stage_id
+    return frozenset() if opts.audio_input or entry is None else frozenset({entry})
+
 #: The longest session key a request may carry.
 MAX_SESSION_CHARS = 256
 
@@ -239,6 +245,7 @@ class Pipeline:
             on_stage_output=opts.on_stage_output,
             tracer_factory=StepRecorder if opts.trace_steps else None,
             on_stage_ready=opts.on_stage_ready,
+            off_stages=_off_stages(config, opts),
         )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=_run_loop, args=(loop,), name=f"omnirelay-front-{ns}", daemon=True)
@@ -351,6 +358,11 @@ class Pipeline:
             session=_validate_session(session),
         )
         plan = self._precheck.check_admissible(request)
+        if plan.entry_stage_id in self._orch.off_stages:
+            raise InvalidRequestError(
+                f"request {rid!r} carries audio, but this pipeline was started without audio input "
+                "(PipelineOptions.audio_input=False): its recognizer stage is not running"
+            )
         down = self._orch.unavailable(plan.path)
         if down is not None:
             _, reason, retry_after_s = down

@@ -1,8 +1,9 @@
 """Setting up a pipeline for a one-shot job (``omnirelay run``, ``bench pipeline``).
 
-* :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model PATH`` (a
-  local checkpoint for every Qwen3-Omni stage, checked before anything starts) and
-  ``--device`` overrides.
+* :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model`` (a local
+  checkpoint or a Hugging Face repo id for every stage that loads one — Qwen3-Omni's,
+  Qwen3-TTS's, the voice pipeline's Thinker — fetched and checked before anything
+  starts) and ``--device`` overrides.
 * :func:`open_prompt_side` — the prompt stage's prompt side (its tokenizer and chat
   layout); models that need work on first use (the tiny model, SmolLM2's converted
   checkpoint, the voice's graph) are made ready first and cached (announced on stderr,
@@ -63,7 +64,11 @@ class Progress:
     is one line when it starts and one when it ends.
     """
 
-    def __init__(self, label: str, stream: TextIO | None = None, *, done: str = "done") -> None:
+    def __init__(
+        self, label: str, stream: TextIO | None = None, *, done: str = "done", tick: bool = True
+    ) -> None:
+        """``tick=False``: a start and an end line even on a terminal (a step that draws
+        its own progress there, such as a download's bars)."""
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.done = done
@@ -71,7 +76,7 @@ class Progress:
         self._start = 0.0
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
-        self._is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._is_tty = tick and bool(getattr(self.stream, "isatty", lambda: False)())
 
     def __enter__(self) -> Progress:
         self._start = time.monotonic()
@@ -115,6 +120,28 @@ def _model_stages(config: PipelineConfig) -> tuple[list[int], CheckpointOptions 
     return checkpoint_stages(config)
 
 
+def _fetch(spec: str) -> str:
+    """``spec`` as a local path: a Hugging Face repo id is fetched into the hub's cache now
+    (:func:`omnirelay.models.resolve_model`; the hub's progress bars on stderr)."""
+    from omnirelay.models import resolve_model
+
+    def announce(label: str, *, done: str = "ready") -> Progress:
+        return Progress(label, sys.stderr, done=done, tick=False)
+
+    return resolve_model(spec, announce)
+
+
+def _fetch_stage_models(config: PipelineConfig, stage_ids: list[int]) -> PipelineConfig:
+    """The stages' ``model_dir`` repo ids replaced by their snapshot directories, fetched
+    now: every stage process then loads the same revision from the cache."""
+
+    def fetched(args: dict[str, Any]) -> dict[str, Any]:
+        spec = args.get("model_dir")
+        return {**args, "model_dir": _fetch(spec)} if isinstance(spec, str) and spec else args
+
+    return _replace_executor_args(config, stage_ids, fetched)
+
+
 def _replace_executor_args(
     config: PipelineConfig, stage_ids: list[int], edit: Callable[[dict[str, Any]], dict[str, Any]]
 ) -> PipelineConfig:
@@ -137,13 +164,17 @@ def load_run_config(
     :data:`DEFAULT_PIPELINE`, or :data:`DEFAULT_MODEL_PIPELINE` with ``model`` or with
     ``load_format="dummy"``).
 
-    ``model``: a local Qwen3-Omni checkpoint directory for every Qwen3-Omni stage (its
-    ``tiny``/``seed``/``model_dir`` replaced); it is opened here, so a missing or wrong
-    directory is a :class:`~omnirelay.errors.ModelError` before any process starts.
-    ``device``: ``executor_args.device`` of every Qwen3-Omni stage (``cpu``, ``cuda:0``).
-    ``load_format``: ``executor_args.load_format`` of every Qwen3-Omni stage; ``dummy``
-    without ``model`` builds each stage's part from the shipped full-size config (a tiny
-    stage stays tiny), so no checkpoint is needed. ``runner``: ``executor_args.runner``.
+    The overrides apply to the stages that load a checkpoint
+    (:func:`omnirelay.models.checkpoint_stages`: Qwen3-Omni's, Qwen3-TTS's, the voice
+    pipeline's Thinker). ``model``: a checkpoint for each of them (their
+    ``tiny``/``seed``/``model_dir`` replaced) — a local directory, or a Hugging Face repo
+    id (``owner/name``) fetched into the hub's cache now (offline: taken from it); it is
+    opened here, so a missing or wrong checkpoint is a :class:`~omnirelay.errors.ModelError`
+    before any process starts. A stage's own ``model_dir`` that is a repo id is fetched
+    the same way. ``device``: ``executor_args.device`` (``cpu``, ``cuda:0``).
+    ``load_format``: ``executor_args.load_format``; ``dummy`` without ``model`` builds
+    each stage's part from the shipped full-size config (a tiny stage stays tiny), so no
+    checkpoint is needed. ``runner``: ``executor_args.runner``.
     """
     dummy = load_format == "dummy"
     default = DEFAULT_MODEL_PIPELINE if model or dummy else DEFAULT_PIPELINE
@@ -151,8 +182,8 @@ def load_run_config(
     stage_ids, options = _model_stages(config)
     if (model or device or load_format or runner) and options is None:
         raise ConfigError(
-            f"pipeline {config.name!r} has no Qwen3-Omni stage; --model, --device, --load-format and "
-            "--runner apply to those"
+            f"pipeline {config.name!r} has no stage that loads a checkpoint (no Qwen3-Omni stage, no "
+            "Qwen3-TTS stage, no text-model Thinker); --model, --device, --load-format and --runner apply to those"
         )
     if load_format is not None:
         assert options is not None
@@ -173,8 +204,8 @@ def load_run_config(
         config = _replace_executor_args(config, stage_ids, lambda args: {**args, "runner": runner})
     if model is not None:
         assert options is not None
-        path = str(Path(model).expanduser().resolve())
-        options.check(path, load_format or "auto")  # ModelError: missing, not Qwen3-Omni …
+        path = str(Path(_fetch(model)).expanduser().resolve())
+        options.check(path, load_format or "auto")  # ModelError: missing, not the family's …
         source_keys = options.source_keys
 
         def use_model(args: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +215,7 @@ def load_run_config(
         config = _replace_executor_args(config, stage_ids, use_model)
     if device is not None:
         config = _replace_executor_args(config, stage_ids, lambda args: {**args, "device": device})
-    return config
+    return _fetch_stage_models(config, stage_ids)
 
 
 def open_prompt_side(config: PipelineConfig, stream: TextIO | None = None) -> PromptSide:
@@ -294,13 +325,17 @@ def start_pipeline(
 
     Dead stages are not restarted (:data:`~omnirelay.pipeline.NO_RESTARTS`): a one-shot
     command fails at once with the stage's exit in its message, instead of waiting for a
-    stage that would come back without the request it was running."""
+    stage that would come back without the request it was running. Its requests are
+    text: a stage only audio input enters (a speech recognizer) is not started."""
     from omnirelay.api import Pipeline
     from omnirelay.pipeline import NO_RESTARTS
 
     out = stream if stream is not None else sys.stderr
-    names = " -> ".join(s.name for s in config.stages)
-    label = f"starting {config.num_stages} stage processes of {config.name} ({names})"
+    entry = config.audio_entry_stage_id
+    started = [s for s in config.stages if s.id != entry]
+    names = " -> ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in started)
+    num = sum(s.replicas for s in started)
+    label = f"starting {num} stage processes of {config.name} ({names})"
     with _deferred_interrupt(out) as held, Progress(label, out, done="ready") as progress:
         pipe = Pipeline.start(
             config,
@@ -308,6 +343,7 @@ def start_pipeline(
             trace_steps=trace_steps,
             startup_timeout_s=startup_timeout(config),
             restart=NO_RESTARTS,
+            audio_input=False,
         )
     if held:
         pipe.shutdown()

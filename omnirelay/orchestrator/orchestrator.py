@@ -132,6 +132,7 @@ class Orchestrator:
         on_stage_output: Callable[[StageOutput], None] | None = None,
         tracer_factory: Callable[[], StepTracer] | None = None,
         on_stage_ready: Callable[[int], None] | None = None,
+        off_stages: frozenset[int] = frozenset(),
     ) -> None:
         self.config = msgspec.structs.replace(config, namespace=namespace)
         #: Sees every stage's outputs (intermediate stages too) before they are routed.
@@ -211,6 +212,14 @@ class Orchestrator:
         self._is_closing = False
         self._shutdown_report: ShutdownReport | None = None
         self.num_bad_messages = 0
+        #: stages not started (the pipeline runs without them); requests needing one are refused
+        self.off_stages = off_stages
+        for sid in off_stages:
+            reason = f"{self.config.stage(sid).label} was not started (the pipeline runs without it)"
+            for st in self._replicas_of[sid]:
+                st.is_off, st.is_dead, st.state, st.death_reason = True, True, StageState.OFF, reason
+            self.router.set_unavailable(sid, reason, None)
+            self._down[sid] = (reason, None)
 
     # -- startup -------------------------------------------------------------------------
 
@@ -229,7 +238,8 @@ class Orchestrator:
             await self._place_on_ray()
         await self._supervisor.start()
         for st in self._workers:
-            st.state = StageState.HEALTHY
+            if not st.is_off:
+                st.state = StageState.HEALTHY
 
     async def _place_on_ray(self) -> None:
         """Connect to the Ray cluster and place the stages (blocking calls: off the loop)."""
@@ -610,13 +620,14 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            for workers in self._replicas_of.values():
+            started = [ws for ws in self._replicas_of.values() if not ws[0].is_off]
+            for workers in started:
                 if all(w.state == StageState.FAILED for w in workers):
                     raise StageDiedError(workers[0].death_reason or f"{workers[0].label} failed")
             if all(
                 all(w.state in (StageState.HEALTHY, StageState.FAILED) for w in workers)
                 and any(w.state == StageState.HEALTHY for w in workers)
-                for workers in self._replicas_of.values()
+                for workers in started
             ):
                 return
             fut: asyncio.Future[None] = loop.create_future()
@@ -649,7 +660,7 @@ class Orchestrator:
         for st in self._workers:
             reply: HealthReply | None = replies.get(st.index)
             is_alive = not st.is_dead and not st.is_exited
-            error = st.death_reason
+            error = None if st.is_off else st.death_reason
             if is_alive and reply is None:
                 error = f"{st.label} did not answer a health request within {timeout_s:g} s"
             stages.append(
@@ -672,7 +683,11 @@ class Orchestrator:
                 )
             )
         return PipelineHealth(
-            is_healthy=all(s.is_alive and s.error is None and s.state == StageState.HEALTHY for s in stages),
+            is_healthy=all(
+                s.is_alive and s.error is None and s.state == StageState.HEALTHY
+                for s in stages
+                if s.state != StageState.OFF
+            ),
             namespace=self.namespace,
             num_requests=self.router.num_requests,
             stages=stages,

@@ -34,6 +34,8 @@ class StageState(enum.StrEnum):
     HEALTHY = "healthy"
     RESTARTING = "restarting"
     FAILED = "failed"
+    #: not started: the pipeline runs without it (``PipelineOptions.audio_input=False``)
+    OFF = "off"
 
 
 class StageHealth(msgspec.Struct, kw_only=True):
@@ -76,14 +78,15 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
 
     @property
     def is_serving(self) -> bool:
-        """Every stage has a healthy worker: all requests are served (with a replica down,
-        on the others)."""
+        """Every stage that was started has a healthy worker: all requests are served
+        (with a replica down, on the others)."""
         up = {
             s.stage_id
             for s in self.stages
             if s.is_alive and s.error is None and s.state == StageState.HEALTHY
         }
-        return bool(self.stages) and up == {s.stage_id for s in self.stages}
+        started = {s.stage_id for s in self.stages if s.state != StageState.OFF}
+        return bool(started) and up == started
 
     @property
     def status(self) -> str:
@@ -176,6 +179,8 @@ class StageProcess:
     startup_began: float = 0.0
     #: what the current process reported before it went down (StageFatal, StartupFailed)
     cause: str | None = None
+    #: never started: the pipeline runs without this stage
+    is_off: bool = False
 
     def __post_init__(self) -> None:
         if self.index < 0:

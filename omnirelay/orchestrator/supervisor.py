@@ -153,7 +153,8 @@ class StageSupervisor:
             paths.remove()
             raise
         for st in self.stages:
-            self._spawn(st, paths)
+            if not st.is_off:
+                self._spawn(st, paths)
         hellos = [st.hello for st in self.stages if st.hello is not None]
         done, pending = await asyncio.wait(
             hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -161,7 +162,7 @@ class StageSupervisor:
         for fut in done:
             fut.result()  # raises the first StageDiedError
         if pending:
-            late = ", ".join(st.label for st in self.stages if not st.is_ready)
+            late = ", ".join(st.label for st in self.stages if not st.is_ready and not st.is_off)
             raise StageDiedError(
                 f"{late} did not start within {self._startup_timeout_s:g} s (building the engine took too long)"
             )
