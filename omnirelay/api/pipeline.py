@@ -88,11 +88,11 @@ def validate_request_id(request_id: object) -> str:
     return request_id
 
 
-
 def _off_stages(config: PipelineConfig, opts: PipelineOptions) -> frozenset[int]:
     """The stages not to start: the audio entry stage when audio input is off."""
     entry = config.audio_entry_stage_id
     return frozenset() if opts.audio_input or entry is None else frozenset({entry})
+
 
 #: The longest session key a request may carry.
 MAX_SESSION_CHARS = 256
@@ -483,7 +483,8 @@ class Pipeline:
         return result
 
     def placement(self) -> dict[str, Any]:
-        """Where each stage runs (``stages``: id -> node id, address, host name) and each
+        """Where each stage worker runs (``stages``: by worker index — the stage id when no
+        stage has replicas — node id, address, host name, stage and replica) and each
         edge's connector backend (``edges``: ``"src -> dst"`` -> backend)."""
         config = self._orch.config
         return {
@@ -496,12 +497,12 @@ class Pipeline:
         """Where any stage still holds per-request state or transfer objects, as
         ``"stage N: path=value"`` lines of :meth:`leak_state`; ``[]`` when every request
         that ended left nothing behind. Call it when no request is in flight."""
-        return _leak_lines(self.leak_state(timeout_s, settle_s))
+        return _leak_lines(self.leak_state(timeout_s, settle_s), self.config)
 
     async def leaks_async(self, timeout_s: float = 5.0, settle_s: float = 2.0) -> list[str]:
         """:meth:`leaks` from an event loop (the server's ``/health?audit=1``)."""
         books = await self._call_async(self._orch.leak_state(timeout_s, settle_s))
-        return _leak_lines(books)
+        return _leak_lines(books, self.config)
 
     def pids(self) -> dict[int, int | None]:
         """Worker pids by stage id (a replicated stage's replica 0)."""
@@ -589,9 +590,16 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
         thread.join()
 
 
-def _leak_lines(books: dict[int, dict[str, Any]]) -> list[str]:
-    return [
-        f"{'front' if stage_id < 0 else f'stage {stage_id}'}: {path}"
-        for stage_id, state in sorted(books.items())
-        for path in leak_paths(state)
-    ]
+def _leak_lines(books: dict[int, dict[str, Any]], config: PipelineConfig) -> list[str]:
+    """``stage N: path`` (``stage N replica R: path`` for a replicated stage's worker)."""
+    workers = {w.index: w for w in config.workers()}
+
+    def where(index: int) -> str:
+        if index < 0:
+            return "front"
+        w = workers.get(index)
+        if w is None or config.stages[w.stage_id].replicas == 1:
+            return f"stage {index if w is None else w.stage_id}"
+        return f"stage {w.stage_id} replica {w.replica}"
+
+    return [f"{where(index)}: {path}" for index, state in sorted(books.items()) for path in leak_paths(state)]
