@@ -21,7 +21,7 @@ they import no family module:
 * :mod:`~omnirelay.models.inputs` — the contract of a request's audio and image input;
 * here: :data:`FAMILIES`, :func:`family_of`, :func:`register_executors`,
   :func:`prompt_side`, :func:`prepare_models`, :func:`stage_voice`,
-  :func:`checkpoint_stages`, and :func:`encode_chat_prompt`.
+  :func:`checkpoint_stages`, :func:`resolve_model` and :func:`encode_chat_prompt`.
 
 Executors are registered by name into a registry the caller owns::
 
@@ -59,6 +59,7 @@ __all__ = [
     "prepare_models",
     "prompt_side",
     "register_executors",
+    "resolve_model",
     "stage_voice",
 ]
 
@@ -112,17 +113,28 @@ def stage_voice(pipeline: PipelineConfig) -> StageVoice | None:
 
 
 def checkpoint_stages(pipeline: PipelineConfig) -> tuple[list[int], CheckpointOptions | None]:
-    """The ids of the stages whose models load from a local checkpoint (``--model``,
+    """The ids of the stages whose models load from a checkpoint (``--model``,
     ``--load-format``, ``--runner`` and ``--device`` apply to them), and how (the options
     of the first such family; every shipped pipeline has at most one)."""
     ids: list[int] = []
     options: CheckpointOptions | None = None
     for stage in pipeline.stages:
         family = family_of(stage.executor)
-        if family is not None and family.checkpoints is not None:
+        found = family.checkpoint_options(stage) if family is not None else None
+        if found is not None:
             ids.append(stage.id)
-            options = options or family.checkpoints
+            options = options or found
     return ids, options
+
+
+def resolve_model(spec: str, announce: Announce = quiet) -> str:
+    """``spec`` as a local path: a Hugging Face repo id (``owner/name``, and no local path
+    of that name) becomes its snapshot directory in the hub's cache, downloaded now when
+    the hub is reachable (inside ``announce``; a :class:`~omnirelay.errors.ModelError`
+    line when it cannot be had). Anything else is returned as it is."""
+    from omnirelay.models.checkpoints import is_repo_id, resolve_checkpoint
+
+    return str(resolve_checkpoint(spec, announce=announce)) if is_repo_id(spec) else spec
 
 
 def encode_chat_prompt(prompts: PromptSide, text: str, *, system: str | None = None) -> list[int]:

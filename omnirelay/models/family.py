@@ -9,7 +9,8 @@ pipeline's stages, and get these types back:
   :meth:`~ModelFamily.prompt_side` (the stage is a text model the front writes prompts
   for), :meth:`~ModelFamily.prepare` (models made ready once, on first use),
   :meth:`~ModelFamily.voice` (the voice a speaking stage speaks with) and
-  :attr:`~ModelFamily.checkpoints` (how its models load from a local checkpoint).
+  :meth:`~ModelFamily.checkpoint_options` (how a stage's model loads from a checkpoint:
+  a local directory or a Hugging Face repo id).
 * :class:`PromptSide` — the prompt side of a text model: chat formatting, speech
   prompts, media placeholders, incremental detokenization. The base class takes no
   media; a family whose model hears audio or sees images in its prompt overrides the
@@ -179,13 +180,14 @@ class StageVoice:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointOptions:
-    """How a family's stages load their models from a local checkpoint directory
-    (``omnirelay run --model/--load-format/--runner/--device`` apply to these stages).
+    """How a family's stages load their models from a checkpoint directory (a local one,
+    or a Hugging Face repo id's snapshot in the hub's cache; ``omnirelay run
+    --model/--load-format/--runner/--device`` apply to these stages).
 
     ``source_keys``: the ``executor_args`` keys that name where the weights come from
     (replaced by ``model_dir`` when a checkpoint is given). ``check(path, load_format)``
-    opens the checkpoint and raises :class:`~omnirelay.errors.ModelError` when it is
-    missing or not one of the family's.
+    opens the checkpoint (a local directory) and raises
+    :class:`~omnirelay.errors.ModelError` when it is missing or not one of the family's.
     """
 
     label: str
@@ -202,11 +204,17 @@ class ModelFamily:
     name: str = "model"
     #: The executor names the family registers.
     executors: tuple[str, ...] = ()
-    #: How its stages load from a checkpoint (None: they take no checkpoint).
+    #: How its stages load from a checkpoint (None: they take no checkpoint, or only some
+    #: of its executors do: see :meth:`checkpoint_options`).
     checkpoints: CheckpointOptions | None = None
 
     def owns(self, executor: str) -> bool:
         return executor in self.executors
+
+    def checkpoint_options(self, stage: StageConfig) -> CheckpointOptions | None:
+        """How ``stage`` loads its model from a checkpoint (None: it takes none). The
+        family's :attr:`checkpoints` unless it says otherwise per executor."""
+        return self.checkpoints
 
     def register_executors(self, executors: Registry[Any], *, replace: bool = False) -> None:
         """Add the family's executor factories (each called as ``factory(**executor_args)``)."""

@@ -3,7 +3,8 @@
 One file per role:
 
 * ``loader`` — :class:`ModelArgs` (a stage's ``executor_args``), :class:`Checkpoint`
-  (a local checkpoint directory; one part loaded per stage), :func:`open_checkpoint`.
+  (a checkpoint directory, local or a repo id's snapshot in the hub's cache; one part
+  loaded per stage), :func:`open_checkpoint`.
 * ``tiny`` — the tiny Qwen3-Omni (seeded random weights, cached on first use):
   :func:`build_tiny`; ``dummy`` — ``load_format: dummy``, the full-size model from its
   shipped config (``configs/``) with random weights.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from omnirelay.models.checkpoints import fetch_checkpoint
 from omnirelay.models.family import Announce, CheckpointOptions, ModelFamily, PromptSide, quiet
 from omnirelay.models.qwen3_omni.loader import LOAD_FORMATS, RUNNERS, Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.prompt import encode_chat_prompt, format_chat_prompt, load_tokenizer
@@ -102,6 +104,10 @@ class Qwen3OmniFamily(ModelFamily):
         executors.add(THINKER_EXECUTOR, create_thinker, replace=replace)
         executors.add(TALKER_EXECUTOR, create_talker, replace=replace)
         executors.add(CODE2WAV_EXECUTOR, create_code2wav, replace=replace)
+
+    def prepare(self, stage: StageConfig, announce: Announce = quiet) -> None:
+        """A ``model_dir`` that is a Hugging Face repo id is fetched into the hub's cache."""
+        fetch_checkpoint(stage.executor_args.get("model_dir"), announce)
 
     def prompt_side(self, stage: StageConfig, announce: Announce = quiet) -> PromptSide | None:
         from omnirelay.models.qwen3_omni.prompt import open_prompt_side

@@ -1,10 +1,12 @@
-"""Loading Qwen3-Omni parts from a local checkpoint directory (never from a hub).
+"""Loading Qwen3-Omni parts from a checkpoint directory: a local one, or a Hugging Face
+repo id's snapshot in the hub's cache (:mod:`omnirelay.models.checkpoints`).
 
 * :class:`ModelArgs` — the executors' ``executor_args`` (``tiny``, ``seed``,
   ``model_dir``, ``load_format``, ``device``, ``dtype``, ``num_threads`` and the GPU
   runner's ``runner``, ``cuda_graphs``, ``max_num_seqs``, ``max_model_len``), validated at
-  construction; :meth:`ModelArgs.resolve_dir` builds the tiny model on first use, checks
-  ``model_dir``, or names the shipped full-size config.
+  construction; :meth:`ModelArgs.resolve_dir` builds the tiny model on first use, finds
+  ``model_dir`` (a path, or a repo id in the hub's cache), or names the shipped full-size
+  config.
 * :class:`Checkpoint` — one opened checkpoint directory: its composite config, and
   :meth:`~Checkpoint.load_thinker` / :meth:`~Checkpoint.load_talker` /
   :meth:`~Checkpoint.load_code2wav` / :meth:`~Checkpoint.load_tokenizer`.
@@ -19,7 +21,8 @@ directory without tokenizer files then gets the dummy byte-level tokenizer.
 A stage loads only its own part: ``thinker.*`` / ``talker.*`` / ``code2wav.*`` weights of
 the full checkpoint, through ``from_pretrained`` with the part's prefix stripped, so the
 library's own weight conversions (fused MoE experts, renamed modules) still apply. Every
-call passes ``local_files_only=True``; a part with weights missing from the checkpoint is
+load passes ``local_files_only=True`` (a repo id was fetched before, by the front's
+``prepare`` or ``--model``); a part with weights missing from the checkpoint is
 an error, never a silently random model. Errors are :class:`~omnirelay.errors.ModelError`
 and say what to fix.
 """
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from omnirelay.errors import ConfigError, ModelError
+from omnirelay.models.checkpoints import resolve_checkpoint
 from omnirelay.models.qwen3_omni.tiny import build_tiny, quiet_transformers
 
 __all__ = [
@@ -176,10 +180,11 @@ class ModelArgs:
         return self.model_dir is None and (self.tiny or not self.is_dummy)
 
     def resolve_dir(self) -> Path:
-        """The checkpoint: the cached tiny model (built on first use), ``model_dir``, or
-        (dummy with neither) the shipped full-size config file."""
+        """The checkpoint: the cached tiny model (built on first use), ``model_dir`` (a local
+        path, or a repo id's snapshot in the hub's cache), or (dummy with neither) the
+        shipped full-size config file."""
         if self.model_dir is not None:
-            return Path(self.model_dir).expanduser()
+            return resolve_checkpoint(self.model_dir, prefer_cache=True)
         if self.is_tiny:
             return build_tiny(None, seed=self.seed)
         from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG
@@ -251,10 +256,11 @@ class Checkpoint:
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
         dummy = load_format == "dummy"
-        root = Path(path).expanduser()
+        root = resolve_checkpoint(path, prefer_cache=True)
         if not root.exists():
             raise ModelError(
-                f"model directory {str(root)!r} does not exist; pass --model with a local checkpoint path"
+                f"model directory {str(root)!r} does not exist; pass --model with a local checkpoint path "
+                "or a Hugging Face repo id (owner/name)"
             )
         if dummy and root.is_file():
             config_file, root = root, root.parent

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from omnirelay.models.checkpoints import fetch_checkpoint
 from omnirelay.models.family import Announce, CheckpointOptions, ModelFamily, PromptSide, StageVoice, quiet
 from omnirelay.models.qwen3_tts.loader import (
     LOAD_FORMATS,
@@ -97,6 +98,10 @@ class Qwen3TTSFamily(ModelFamily):
     def register_executors(self, executors: Registry[Any], *, replace: bool = False) -> None:
         executors.add(TALKER_EXECUTOR, create_talker, replace=replace)
         executors.add(CODE2WAV_EXECUTOR, create_code2wav, replace=replace)
+
+    def prepare(self, stage: StageConfig, announce: Announce = quiet) -> None:
+        """A ``model_dir`` that is a Hugging Face repo id is fetched into the hub's cache."""
+        fetch_checkpoint(stage.executor_args.get("model_dir"), announce)
 
     def prompt_side(self, stage: StageConfig, announce: Announce = quiet) -> PromptSide | None:
         if stage.executor != TALKER_EXECUTOR:

@@ -18,7 +18,9 @@ or misshapen tensor is a :class:`~omnirelay.errors.ModelError` naming it — nev
 silently random model. ``load_format: dummy`` builds from the configs alone with weights
 drawn by parameter name on the device (:mod:`~omnirelay.models.qwen3_tts.seeded`); a
 directory without tokenizer files, and the shipped configs, get a byte-level tokenizer
-with the config's special ids. Nothing is ever downloaded.
+with the config's special ids. ``model_dir`` may also be a Hugging Face repo id: its
+snapshot in the hub's cache (:mod:`omnirelay.models.checkpoints`), fetched by the front
+(``--model``, the family's ``prepare``) before any stage loads it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from omnirelay.errors import ConfigError, ModelError
+from omnirelay.models.checkpoints import resolve_checkpoint
 from omnirelay.models.qwen3_tts.codec import TTSCodec
 from omnirelay.models.qwen3_tts.model_config import CodecConfig, TTSConfig
 from omnirelay.models.qwen3_tts.seeded import fill_seeded
@@ -315,9 +318,12 @@ class TTSCheckpoint:
         dtype: str = "auto",
         seed: int = 0,
     ) -> TTSCheckpoint:
-        directory = Path(path).expanduser()
+        directory = resolve_checkpoint(path, prefer_cache=True)
         if not directory.is_dir():
-            raise ModelError(f"the Qwen3-TTS checkpoint directory {directory} does not exist")
+            raise ModelError(
+                f"the Qwen3-TTS checkpoint directory {directory} does not exist; pass a local checkpoint "
+                "directory or a Hugging Face repo id (owner/name)"
+            )
         config = TTSConfig.from_dict(_read_json(directory / "config.json"))
         codec = CodecConfig.from_dict(_read_json(directory / "speech_tokenizer" / "config.json"))
         generation_path = directory / "generation_config.json"
