@@ -1,6 +1,7 @@
 """Finding and reading pipeline YAML: shipped names, strict YAML, syntax errors.
 
-* :func:`shipped_pipeline_names` — the files in ``omnirelay/pipelines/``.
+* :func:`shipped_pipeline_names` — the files in ``omnirelay/pipelines/`` (found beside this
+  package's own files, whatever else answers to the name ``omnirelay`` on ``sys.path``).
 * :func:`read_pipeline_text` — ``path_or_name`` → ``(source, text)``: a path, or a bare
   shipped name such as ``qwen3-omni-tiny``.
 * :func:`parse_yaml` — text → plain data with a *strict* loader: only ``true``/``false``
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,10 @@ from omnirelay.errors import ConfigError, PipelineConfigError
 
 __all__ = ["parse_yaml", "read_pipeline_text", "shipped_pipeline_names"]
 
-_SHIPPED_PACKAGE = "omnirelay"
-_SHIPPED_DIR = "pipelines"
+#: ``omnirelay/pipelines/``, from this file (``omnirelay/pipeline/yamlfile.py``): not from
+#: what ``import omnirelay`` finds, which run from a checkout's parent folder can be the
+#: checkout itself taken for a namespace package.
+_SHIPPED = Path(__file__).parent.parent / "pipelines"
 _YAML_SUFFIXES = (".yaml", ".yml")
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -80,13 +82,12 @@ def parse_yaml(text: str, source: str) -> object:
 
 def shipped_pipeline_names() -> tuple[str, ...]:
     """Names of the pipelines shipped with omnirelay (file stems), sorted."""
-    folder = resources.files(_SHIPPED_PACKAGE).joinpath(_SHIPPED_DIR)
-    if not folder.is_dir():
+    if not _SHIPPED.is_dir():
         return ()
     return tuple(
         sorted(
             entry.name.rsplit(".", 1)[0]
-            for entry in folder.iterdir()
+            for entry in _SHIPPED.iterdir()
             if entry.is_file() and entry.name.endswith(_YAML_SUFFIXES)
         )
     )
@@ -104,7 +105,7 @@ def read_pipeline_text(path_or_name: str | os.PathLike[str]) -> tuple[str, str]:
         raise ConfigError(_missing_message("''", "the pipeline name is empty"))
     looks_like_path = raw.endswith(_YAML_SUFFIXES) or os.sep in raw or "/" in raw
     if not looks_like_path:
-        shipped = resources.files(_SHIPPED_PACKAGE).joinpath(_SHIPPED_DIR).joinpath(f"{raw}.yaml")
+        shipped = _SHIPPED / f"{raw}.yaml"
         if shipped.is_file():
             return str(shipped), _read_text(str(shipped), shipped.read_text)
     path = Path(raw)
