@@ -1,15 +1,88 @@
 """``omnirelay doctor``: list transfer objects on this host; reclaim dead owners' objects;
-say whether the shm connector can run and which Python build runs omnirelay."""
+say whether the shm connector can run, whether Ray and NIXL (for pipelines across hosts)
+are installed, and which Python build runs omnirelay.
+
+:func:`check_multihost` is the same question asked by ``run`` and ``serve`` before they
+start anything: a pipeline placed on Ray (or ``--local-cluster``) needs Ray, an edge that
+resolves to ``nixl`` needs NIXL; a missing one is one line naming what to install.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirelay.connectors import reclaim_namespace
+from omnirelay.errors import PipelineError
 from omnirelay.interpreter import SLOW_BUILD_ADVICE, interpreter_info
+
+if TYPE_CHECKING:
+    from omnirelay.pipeline import PipelineConfig
+
+__all__ = ["NIXL_INSTALL", "check_multihost", "multihost_problem", "ray_install", "ray_version", "register"]
+
+#: NIXL's wheel, without its declared requirements (they pull a CUDA build of torch).
+NIXL_INSTALL = "pip install --no-deps 'nixl-cu12>=1.5,<2'"
+
+
+def ray_version() -> str | None:
+    """The version of the Ray that imports here; None when none does."""
+    try:
+        ray = importlib.import_module("ray")
+    except ImportError:
+        return None
+    return str(getattr(ray, "__version__", "unknown version"))
+
+
+def ray_install() -> str:
+    """The command that installs Ray: the checkout's ``multihost`` extra (Ray alone) when
+    omnirelay runs from a checkout, else Ray's wheel in the range that extra gives."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        return "pip install 'ray>=2.40,<3'"
+    command = "pip install -e '.[multihost]'"
+    try:
+        here = Path.cwd().resolve() == root
+    except OSError:  # the working directory is gone
+        here = False
+    return command if here else f"cd {shlex.quote(str(root))} && {command}"
+
+
+def _nixl_installed() -> bool:
+    from omnirelay.connectors.nixl import unavailable_reason
+
+    return unavailable_reason() is None
+
+
+def multihost_problem(config: PipelineConfig, *, local_cluster: bool = False) -> str | None:
+    """What running ``config`` (on a ``--local-cluster``) lacks on this machine: one line
+    naming the missing packages and the commands that install them; None when nothing."""
+    missing: list[tuple[str, str]] = []
+    commands: list[str] = []
+    if (local_cluster or config.placement.is_ray) and ray_version() is None:
+        missing.append(("Ray", "--local-cluster" if local_cluster else "placement backend ray"))
+        commands.append(ray_install())
+    nixl_edges = [f"{e.src} -> {e.dst}" for e in config.edges() if e.backend == "nixl"]
+    if nixl_edges and not _nixl_installed():
+        word = "edge" if len(nixl_edges) == 1 else "edges"
+        missing.append(("NIXL", f"{word} {', '.join(nixl_edges)} over nixl"))
+        commands.append(NIXL_INSTALL)
+    if not missing:
+        return None
+    needs = " and ".join(f"{name} ({why})" for name, why in missing)
+    verb = "is" if len(missing) == 1 else "are"
+    return f"pipeline {config.name!r} needs {needs}, which {verb} not installed: {' && '.join(commands)}"
+
+
+def check_multihost(config: PipelineConfig, *, local_cluster: bool = False) -> None:
+    """:func:`multihost_problem` as a :class:`PipelineError` (before anything starts)."""
+    problem = multihost_problem(config, local_cluster=local_cluster)
+    if problem is not None:
+        raise PipelineError(problem)
 
 
 def register(sub: Any) -> None:
@@ -20,8 +93,9 @@ def register(sub: Any) -> None:
             "Lists every omnirelay transfer object on this host, by namespace, with its owner "
             "process (alive or dead), age and size. Published objects show the transfer key they "
             "carry. With --reclaim, objects whose owner process is dead are removed; objects of "
-            "live processes are never touched. It also says whether the shm connector can run here "
-            "and which Python build runs omnirelay, with a warning for builds known to be slow."
+            "live processes are never touched. It also says whether the shm connector can run here, "
+            "whether NIXL and Ray (for pipelines across hosts) are installed, and which Python build "
+            "runs omnirelay, with a warning for builds known to be slow."
         ),
     )
     p.add_argument("--namespace", help="only this deployment namespace (default: all)")
@@ -90,6 +164,14 @@ def run_doctor(args: argparse.Namespace) -> int:
     print(
         "nixl connector: ready" if nixl_reason is None else f"nixl connector: not installed ({nixl_reason})"
     )
+    # Optional too: only pipelines placed on Ray hosts (and --local-cluster) need it.
+    ray = ray_version()
+    ray_problem = None if ray is not None else f"Ray is not installed: {ray_install()}"
+    print(
+        f"ray placement: ready (Ray {ray})"
+        if ray is not None
+        else f"ray placement: not installed ({ray_problem})"
+    )
     interp = interpreter_info()
     print(f"python: {interp.describe()}")
     if interp.is_likely_slow:
@@ -103,5 +185,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         out["shm_notices"] = notices.backend()
         out["python"] = interp.to_dict()
         out["nixl_connector_problem"] = nixl_reason
+        out["ray_version"] = ray
+        out["ray_problem"] = ray_problem
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0 if atomics.available() else 1

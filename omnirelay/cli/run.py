@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from omnirelay.cli.doctor import check_multihost
 from omnirelay.cli.session import (
     DEFAULT_MODEL_PIPELINE,
     DEFAULT_PIPELINE,
@@ -241,25 +242,28 @@ def _modalities(value: str) -> list[str]:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    if not getattr(args, "local_cluster", False):
-        return _run(args)
+    modalities = _modalities(args.modalities)
+    if args.out is not None and "audio" not in modalities:
+        raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
+    config = load_run_config(
+        args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
+    )
+    local = bool(getattr(args, "local_cluster", False))
+    # Ray and NIXL, where the pipeline needs them, before a cluster or a stage starts.
+    check_multihost(config, local_cluster=local)
+    if not local:
+        return _run(args, config, modalities)
     from omnirelay.orchestrator.local_cluster import local_cluster
 
     print("starting a local two-node Ray cluster (hostA, hostB; UCX over TCP)", file=sys.stderr, flush=True)
     with local_cluster() as address:
         os.environ["RAY_ADDRESS"] = address
-        return _run(args)
+        return _run(args, config, modalities)
 
 
-def _run(args: argparse.Namespace) -> int:
-    modalities = _modalities(args.modalities)
-    if args.out is not None and "audio" not in modalities:
-        raise ConfigError("--out needs audio: add audio to --modalities (text,audio)")
+def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]) -> int:
     from omnirelay.timeline import StageTrace, drive_request
 
-    config = load_run_config(
-        args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
-    )
     tokenizer = open_tokenizer(config)
     from omnirelay.models import encode_chat_prompt
 

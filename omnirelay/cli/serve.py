@@ -255,7 +255,16 @@ def with_max_audio_streams(pipeline: PipelineConfig, max_streams: int) -> Pipeli
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if not getattr(args, "local_cluster", False):
+    from omnirelay.cli.doctor import check_multihost
+    from omnirelay.cli.session import load_run_config
+
+    local = bool(getattr(args, "local_cluster", False))
+    # Ray and NIXL, where the pipeline needs them, before a cluster, the port or a stage.
+    pipeline = load_run_config(
+        args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
+    )
+    check_multihost(pipeline, local_cluster=local)
+    if not local:
         return _serve(args)
     from omnirelay.orchestrator.local_cluster import local_cluster
 
