@@ -56,6 +56,20 @@ def test_self_started_cli(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert set(child_pids()) <= before  # every stage worker it started is gone
 
 
+def test_self_started_on_the_default_voice(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default pipeline (voice-cpu: SmolLM2 reads the text, Piper speaks it), reduced to
+    one request: it is served, and the bench's leak audit is clean."""
+    out = tmp_path / "voice.json"
+    args = ["--pipeline", "voice-cpu", "--concurrency", "1", "--requests", "1", "--warmup", "0"]
+    rc = main(["bench", "serve", *args, "--text", TEXT, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "leak audit: clean" in printed
+    report = json.loads(out.read_text())
+    assert report["pipeline"] == "voice-cpu" and report["ok"] and report["audit"]["clean"]
+    _check_levels(report, [1], 1)
+
+
 @pytest.mark.parametrize(
     "url", ["http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1", "127.0.0.1:8000"]
 )
