@@ -59,7 +59,8 @@ def build_stage_engine(
 def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig:
     """The pipeline with stage ``stage_id``'s ``devices`` handed to its model executor.
 
-    An executor that loads from a checkpoint (Qwen3-Omni's) places its model by
+    An executor that loads from a checkpoint (Qwen3-Omni's, Qwen3-TTS's, the voice
+    family's Thinker) places its model by
     ``executor_args.device``; a stage that names ``devices`` (``cuda:1``) and no
     ``executor_args.device`` gets ``device: <devices>``. An explicit
     ``executor_args.device`` wins; other executors (toys) are left alone.
@@ -68,7 +69,7 @@ def with_stage_device(pipeline: PipelineConfig, stage_id: int) -> PipelineConfig
 
     stage = pipeline.stage(stage_id)
     family = family_of(stage.executor)
-    takes_device = family is not None and family.checkpoints is not None
+    takes_device = family is not None and family.checkpoint_options(stage) is not None
     if stage.devices is None or not takes_device or "device" in stage.executor_args:
         return pipeline
     placed = msgspec.structs.replace(stage, executor_args={**stage.executor_args, "device": stage.devices})
