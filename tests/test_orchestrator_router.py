@@ -548,3 +548,45 @@ def test_requested_modalities_and_sampling_defaults() -> None:
     cfg = omni()
     assert stage_sampling_defaults(cfg.stage(1)) == SamplingParams(max_tokens=7, seed=42)
     assert stage_sampling_defaults(cfg.stage(0)) == SamplingParams()
+
+
+def test_a_chat_answers_text_reaches_the_aligner_once_the_answer_is_whole() -> None:
+    """Thinker (text) -> voice (audio, chunks) -> aligner (complete input): the aligner's
+    source carries the Thinker's whole answer (what the voice spoke), and it is forwarded
+    only once the Thinker's last output was routed too, even when the voice finished first."""
+    cfg = parse_pipeline(
+        {
+            "name": "voice",
+            "stages": [
+                _stage(0, "thinker", chunk_processor="c0", final_output=True, final_output_type="text"),
+                _stage(1, "voice", execution_type="generation", final_output=True, final_output_type="audio"),
+                _stage(
+                    2,
+                    "aligner",
+                    execution_type="generation",
+                    async_chunk=False,
+                    input_builder="code2wav_to_aligner",
+                    final_output=True,
+                    final_output_type="timestamps",
+                ),
+            ],
+        }
+    )
+    seen: list[SourceOutput] = []
+
+    def builder(source: SourceOutput, request: PipelineRequest, stage: StageConfig) -> ForwardedInput:
+        seen.append(source)
+        return ForwardedInput(prompt_token_ids=[1])
+
+    r = Router(cfg, input_builders={2: builder})
+    r.admit(req("a", modalities=("text", "audio", "timestamps")))
+    r.on_output(out("a", 0, text="Paris is "))
+    r.on_output(out("a", 1, audio=torch.ones(4)))
+    acts = r.on_output(out("a", 1, finished=True, audio=torch.ones(2), finish_reason="stop"))
+    assert 2 not in submits(acts) and seen == []  # the Thinker's last words are not in yet
+    acts = r.on_output(out("a", 0, finished=True, text="the capital.", finish_reason="stop"))
+    assert 2 in submits(acts)
+    (source,) = seen
+    assert source.stage_id == 1 and source.answer_text == "Paris is the capital."
+    acts = r.on_output(out("a", 2, finished=True, text="[]", finish_reason="stop"))
+    assert client(acts)[-1].finished and "a" not in r

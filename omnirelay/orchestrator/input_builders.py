@@ -39,7 +39,10 @@ def code2wav_to_aligner_builder(
     if not source.audio:
         return None
     waveform = torch.cat([torch.as_tensor(a).reshape(-1) for a in source.audio])
-    prompt = {"additional_information": dict(request.extras.get("additional_information") or {})}
+    info = dict(request.extras.get("additional_information") or {})
+    if not info.get("text") and source.answer_text:
+        info["text"] = source.answer_text  # a chat answer: the words the voice spoke
+    prompt = {"additional_information": info}
     if "language" in request.extras:
         prompt["language"] = request.extras["language"]
     built = build_aligner_input(

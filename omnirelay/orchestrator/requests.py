@@ -105,6 +105,9 @@ class SourceOutput:
     audio: list[Any]  # the waveform pieces, in order
     sample_rate: int | None
     finished: bool
+    #: the request's answer as its prompt stage wrote it (what a voice spoke from it), when
+    #: that stage is not this one: an aligner's text when the request carries none
+    answer_text: str = ""
 
 
 @dataclass(frozen=True, slots=True)

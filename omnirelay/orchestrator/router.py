@@ -164,6 +164,9 @@ class _RequestState:
     has_delivered: bool = False
     #: how often it was run again after losing a replica
     num_reruns: int = 0
+    #: the prompt stage's text so far, when a later stage gets a forwarded input (what a
+    #: voice spoke of the answer: an aligner's text, :attr:`SourceOutput.answer_text`)
+    answer: list[str] = field(default_factory=list)
 
     @property
     def holders(self) -> list[int]:
@@ -424,6 +427,8 @@ class Router:
             return self.fail(out.request_id, f"{label} reported an output after it finished", stage_id=s)
         if out.sample_rate is not None:
             st.last_sample_rate[s] = out.sample_rate
+        if out.text and s == self.config.prompt_stage_id and any(f > s for f in st.sources):
+            st.answer.append(out.text)
         acc = st.sources.get(s)
         if acc is not None:
             acc.token_ids.extend(out.token_ids)
@@ -444,7 +449,7 @@ class Router:
             msg = self._transcript(out) if is_recognizer else self._message(st, out)
             self._final_message(st, msg, actions)
         if out.finished and out.request_id in self._requests:
-            self._forward(st, s, actions)
+            self._forward_ready(st, actions)
         if out.request_id in self._requests:
             self._release_pending(st, actions)
         return actions
@@ -501,6 +506,16 @@ class Router:
 
     # -- forwarding (§2.5) ------------------------------------------------------------
 
+    def _forward_ready(self, st: _RequestState, actions: list[Action]) -> None:
+        """Forward every finished source whose input is complete: it and every stage before
+        it on the request's path finished (their last outputs routed, so the answer's text is
+        whole too), lowest first."""
+        for s in sorted(st.sources):
+            done = all(p in st.finished_stages for p in st.plan.path if p <= s)
+            if not done or st.request.request_id not in self._requests:
+                return
+            self._forward(st, s, actions)
+
     def _forward(self, st: _RequestState, s: int, actions: list[Action]) -> None:
         final = st.plan.final_stage_id
         nxt = s + 1
@@ -521,6 +536,7 @@ class Router:
             audio=list(acc.audio),
             sample_rate=acc.sample_rate,
             finished=True,
+            answer_text="".join(st.answer),
         )
         stage = self.config.stage(nxt)
         try:

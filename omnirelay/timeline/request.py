@@ -199,8 +199,8 @@ def drive_request(
                         step=step_of(out.stage_id, out.metrics),
                     )
                 )
-                if out.text:
-                    texts.append(out.text)
+                if out.text and out.modality == "text":
+                    texts.append(out.text)  # the answer (not a transcript's or the aligner's words)
                 if n and out.sample_rate:
                     rate = out.sample_rate
                 if out.finished:
