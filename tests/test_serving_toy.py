@@ -334,35 +334,46 @@ def test_ws_errors_keep_the_session_and_split_sentences(srv: Served) -> None:
         json.dumps(
             {"type": "session.config", "word_timestamps": True, "response_format": "wav"}
         ),  # needs pcm
+        json.dumps({"type": "session.config", "model": "gpt-4o-mini-tts"}),  # not this server's
+        json.dumps({"type": "session.config", "response_format": "ogg"}),  # not one of speech's
         json.dumps(cfg),
         json.dumps({"type": "input.text", "text": "x" * 3000}),  # over 2,048 bytes a message
         json.dumps({"type": "input.done"}),  # nothing buffered
         json.dumps({"type": "input.text", "text": "One. Two"}),
         json.dumps({"type": "input.text", "text": "! Three"}),
         json.dumps({"type": "input.done"}),
+        json.dumps({"type": "session.config", "split": "clause", "model": srv.model}),
+        json.dumps({"type": "input.text", "text": "Four, five"}),
+        json.dumps({"type": "input.done"}),
         json.dumps({"type": "session.close"}),
     ]
     got = asyncio.run(_ws_messages(srv.ws_url, *msgs))
     events = _json(got)
-    errors = [e["code"] for e in events if e["type"] == "error"]
-    assert errors == [
+    errors = [(e["code"], e["message"]) for e in events if e["type"] == "error"]
+    assert [code for code, _ in errors] == [
+        "invalid_config",
+        "invalid_config",
         "invalid_config",
         "invalid_config",
         "message_too_large",
         "empty_input",
     ]
+    assert "the model 'gpt-4o-mini-tts' does not exist" in errors[2][1]
+    assert "'mp3', 'opus', 'aac', 'flac', 'wav', 'pcm'" in errors[3][1]
     starts = [e for e in events if e["type"] == "audio.start"]
     assert [(s["utterance_index"], s["sentence_index"], s["sentence_text"]) for s in starts] == [
         (0, 0, "One."),
         (0, 1, "Two!"),
         (0, 2, "Three"),
+        (1, 0, "Four,"),
+        (1, 1, "five"),
     ]
     assert all(s["sample_rate"] == 24000 and s["format"] == "pcm" for s in starts)
     dones = [e for e in events if e["type"] == "audio.done"]
     audio = [m for m in got if isinstance(m, bytes)]
     assert sum(int(d["total_bytes"]) for d in dones) == sum(map(len, audio)) > 0
     assert all(d["error"] is None for d in dones)
-    assert events[-1] == {"type": "session.done", "num_utterances": 1}
+    assert events[-1] == {"type": "session.done", "num_utterances": 2}
 
 
 def test_ws_idle_timeout_closes(srv: Served) -> None:

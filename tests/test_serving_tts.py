@@ -165,13 +165,29 @@ def test_websocket_word_timestamps(srv: Served, reference: bytes) -> None:
     assert events[-1]["type"] == "session.done"
 
 
-def test_websocket_instructions_reach_the_talker(srv: Served, reference: bytes) -> None:
-    got = asyncio.run(_ws(srv.ws_url, TEXT, word_timestamps=False, instructions="Speak slowly and warmly."))
-    audio = b"".join(m for m in got if isinstance(m, bytes))
-    assert audio and len(audio) == len(audio) // 2 * 2
-    events = [json.loads(m) for m in got if isinstance(m, str)]
-    assert events[-1]["type"] == "session.done" and not [e for e in events if e["type"] == "error"]
-    assert _differs(audio, reference)
+def test_websocket_instructions_and_language_reach_the_talker(srv: Served, reference: bytes) -> None:
+    for settings in ({"instructions": "Speak slowly and warmly."}, {"language": "English"}):
+        got = asyncio.run(_ws(srv.ws_url, TEXT, word_timestamps=False, **settings))
+        audio = b"".join(m for m in got if isinstance(m, bytes))
+        assert audio and len(audio) == len(audio) // 2 * 2
+        events = [json.loads(m) for m in got if isinstance(m, str)]
+        assert events[-1]["type"] == "session.done" and not [e for e in events if e["type"] == "error"]
+        assert _differs(audio, reference), settings
+    # A language the model is not told: an error frame, and the session goes on.
+
+    async def refused() -> list[dict[str, Any]]:
+        async with websockets.connect(srv.ws_url) as ws:
+            for msg in ({"type": "session.config"}, {"type": "session.config", "language": "klingon"}):
+                await ws.send(json.dumps(msg))
+            await ws.send(json.dumps({"type": "session.close"}))
+            return [json.loads(m) async for m in ws]
+
+    events = asyncio.run(refused())
+    assert [(e["type"], e.get("code")) for e in events] == [
+        ("error", "invalid_config"),
+        ("session.done", None),
+    ]
+    assert "unsupported language 'klingon'" in events[0]["message"]
 
 
 # ------------------------------------------------------------------- on their own

@@ -1,6 +1,7 @@
 """The default ``voice-cpu`` pipeline end to end (real models, real processes, the default
 ``omnirelay serve`` configuration): the chunked Thinker -> voice edge, speech read
-verbatim, word timestamps over HTTP and the WebSocket, chat with audio. Every test ends
+verbatim, word timestamps over HTTP and the WebSocket, every audio format of the
+WebSocket decoding to the speech endpoint's duration, chat with audio. Every test ends
 with a leak audit; the module ends with the shutdown audit.
 
 Sampling is seeded in the pipeline file (Thinker and voice), so one prompt gives one
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import av
 import httpx
 import numpy as np
 import openai
@@ -37,6 +40,7 @@ from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving.media.audio_in import decode_audio
 from omnirelay.serving.media.audio_out import parse_wav
+from omnirelay.serving.media.encoding import FORMATS
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import Served, serve
 
@@ -45,7 +49,10 @@ SPEECH = "/v1/audio/speech"
 TEXT = "Good morning to you all. The train leaves at nine o'clock sharp."
 #: A prompt whose answer (seeded) has several sentences, so the voice starts before the end.
 PROMPT = "Tell me about the moon in three sentences."
+#: The voice's own rate (a WAV's header says it) ...
 RATE = 22050
+#: ... and raw pcm's on the wire, OpenAI's, whatever the voice's rate.
+PCM_RATE = 24000
 
 
 def test_voice_cpu_is_the_default_of_run_and_serve() -> None:
@@ -179,16 +186,71 @@ def test_websocket_streams_each_sentence_with_word_timestamps(srv: Served) -> No
     sentences = ["Good morning to you all.", "The train leaves at nine o'clock sharp."]
     starts = [e for e in events if e["type"] == "audio.start"]
     assert [e["sentence_text"] for e in starts] == sentences
-    assert all(e["sample_rate"] == RATE and e["word_timestamps"] is True for e in starts)
+    assert all(e["sample_rate"] == PCM_RATE and e["word_timestamps"] is True for e in starts)
     for index, sentence in enumerate(sentences):
         chunks = [e for e in events if e["type"] == "audio.chunk" and _sentence_of(events, e) == index]
         *body, trailer = chunks
         audio = b"".join(base64.b64decode(str(c["audio_b64"])) for c in body)
         assert body and audio and trailer["audio_b64"] == ""
-        _check_words(trailer["timestamps"], sentence, len(audio) / 2 / RATE * 1000)
+        assert all(c["sample_rate"] == PCM_RATE for c in chunks)
+        _check_words(trailer["timestamps"], sentence, len(audio) / 2 / PCM_RATE * 1000)
     done = [e for e in events if e["type"] == "audio.done"]
     assert [d["error"] for d in done] == [None, None]
     assert events[-1]["type"] == "session.done"
+
+
+async def _ws_speech(url: str, fmt: str, text: str) -> tuple[dict[str, Any], bytes]:
+    """One utterance over the WebSocket in ``fmt``: its ``audio.start`` and its bytes."""
+    events: list[dict[str, Any]] = []
+    audio = b""
+    async with websockets.connect(url) as ws:
+        for msg in (
+            {"type": "session.config", "response_format": fmt, "voice": "joe"},
+            {"type": "input.text", "text": text},
+            {"type": "input.done"},
+            {"type": "session.close"},
+        ):
+            await ws.send(json.dumps(msg))
+        async for m in ws:
+            if isinstance(m, bytes):
+                audio += m
+            else:
+                events.append(json.loads(m))
+    assert [e["type"] for e in events] == ["audio.start", "audio.done", "session.done"], events
+    assert events[1]["total_bytes"] == len(audio) and events[1]["error"] is None
+    return events[0], audio
+
+
+def _decoded(data: bytes, fmt: str, rate: int) -> tuple[int, int]:
+    """``(samples, sample rate)`` of a body, decoded with PyAV (raw pcm: as s16le at ``rate``)."""
+    options = {"sample_rate": str(rate), "ch_layout": "mono"} if fmt == "pcm" else {}
+    with av.open(io.BytesIO(data), format="s16le" if fmt == "pcm" else None, options=options) as container:
+        stream = container.streams.audio[0]
+        num_samples = sum(frame.samples for frame in container.decode(stream))
+        return num_samples, stream.codec_context.sample_rate
+
+
+#: The rate each format is sent at for the 22,050 Hz voice: the encoders' own (encoding.py).
+FORMAT_RATES = {"mp3": RATE, "opus": 48000, "aac": RATE, "flac": RATE, "wav": RATE, "pcm": PCM_RATE}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_websocket_speaks_every_format_as_the_speech_endpoint(srv: Served, fmt: str) -> None:
+    """The same two sentences over ``/v1/audio/speech`` and the WebSocket (one utterance,
+    ``split: none``): the streamed bytes decode to as many samples, at the same rate, as
+    the HTTP response's; ``audio.start`` names that rate."""
+    http = httpx.post(
+        srv.url + SPEECH,
+        json={"model": srv.model, "input": TEXT, "voice": "joe", "response_format": fmt},
+        timeout=300,
+    )
+    assert http.status_code == 200, http.text
+    start, streamed = asyncio.run(_ws_speech(srv.ws_url, fmt, TEXT))
+    assert start["format"] == fmt and start["sample_rate"] == int(http.headers["x-sample-rate"])
+    want, rate = _decoded(http.content, fmt, start["sample_rate"])
+    got, got_rate = _decoded(streamed, fmt, start["sample_rate"])
+    assert got_rate == rate == FORMAT_RATES[fmt]
+    assert got == want and want > rate  # over a second of speech, to the sample
 
 
 def _sentence_of(events: list[dict[str, Any]], event: dict[str, Any]) -> int:

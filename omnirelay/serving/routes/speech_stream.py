@@ -3,11 +3,14 @@
 Client messages (JSON text frames with a ``type``):
 
 * ``session.config`` — first, and again whenever settings change (applies to the next
-  utterance): ``model``, ``voice``, ``response_format`` (``pcm`` | ``wav``),
-  ``stream_audio`` (default true), ``word_timestamps`` (needs an aligner,
-  ``stream_audio: true`` and ``pcm``), ``split`` (``none`` | ``sentence`` | ``clause``),
-  ``instructions`` and ``language`` (as ``/v1/audio/speech``'s; ``null`` clears them).
-  At most 4 MiB; the first must come within 10 s.
+  utterance): ``model``, ``voice``, ``response_format`` (default ``pcm``; every format
+  of ``/v1/audio/speech``: ``mp3``, ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``, made
+  by the same encoders, :mod:`omnirelay.serving.media.encoding`: ``pcm`` is 24 kHz,
+  ``wav`` the voice's own rate), ``stream_audio`` (default true), ``word_timestamps``
+  (needs an aligner, ``stream_audio: true`` and ``pcm``), ``split`` (``none`` |
+  ``sentence`` | ``clause``), ``instructions`` and ``language`` (as
+  ``/v1/audio/speech``'s; ``null`` clears them). At most 4 MiB; the first must come
+  within 10 s.
 * ``input.text`` {``text``} — at most 128 KiB a message; appended to the utterance.
 * ``input.done`` — flush: synthesize what was buffered as one utterance; the socket stays.
 * ``session.close`` — finish what is queued, answer ``session.done``, close.
@@ -16,9 +19,10 @@ Server messages, per sentence (one pipeline request each; ``split: none`` makes 
 whole utterance one sentence):
 
 * ``audio.start`` {utterance_index, sentence_index, sentence_text, format, sample_rate
-  (pcm), word_timestamps};
-* the audio: binary frames (``stream_audio``: as it is made, a WAV stream starts with
-  its header; else one frame at the end), or with ``word_timestamps`` JSON
+  (of the bytes that follow: 24,000 for ``pcm``, 48,000 for ``opus``), word_timestamps};
+* the audio: binary frames (``stream_audio``: the encoder's bytes as the audio is made,
+  their concatenation a playable file — a WAV stream starts with its header of unknown
+  length; else one frame at the end holding the whole file), or with ``word_timestamps`` JSON
   ``audio.chunk`` frames {chunk_id, chunk_start_ms, chunk_end_ms, sample_rate,
   audio_b64, timestamps: null} and **one trailing ``audio.chunk`` with empty audio** whose
   ``timestamps`` are sentence-relative (a list: aligned; ``[]``: silence; ``null``: failed);
@@ -49,27 +53,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import Frontend, RequestStream
-from omnirelay.serving.media.audio_out import (
-    DEFAULT_SAMPLE_RATE,
-    AudioEmitter,
-    AudioStreamError,
-    pcm16,
-    wav_bytes,
-    wav_header,
-)
+from omnirelay.serving.media.audio_out import DEFAULT_SAMPLE_RATE, AudioEmitter, AudioStreamError
+from omnirelay.serving.media.encoding import FORMATS as ENCODINGS
+from omnirelay.serving.media.encoding import AudioEncoder
 from omnirelay.serving.protocol import loads_object
 from omnirelay.serving.routes.speech import parse_timestamps, speech_extras
 
 __all__ = ["SessionSettings", "serve_session", "split_text"]
 
 SPLITS = ("none", "sentence", "clause")
-FORMATS = ("pcm", "wav")
+FORMATS = tuple(ENCODINGS)
 _SENTENCE_END = r"[.!?。！？]+"
 _CLAUSE_END = r"[.!?。！？,;:，；：]+"
 _POLICY = 1008  # close code: the client broke the protocol
@@ -378,21 +376,23 @@ class _Session:
         await self.send_json({"type": "audio.done", **ids, "total_bytes": sent.total, "error": error})
 
     async def _start_once(self, sent: _Sent, rate: int | None) -> None:
-        """``audio.start`` goes right before the first audio, so it names the real rate."""
+        """``audio.start`` goes right before the first audio, so it names the real rate of
+        the bytes (None: no audio was made; the format's own rate, else the default)."""
         if sent.has_started:
             return
         sent.has_started = True
-        if sent.start["format"] == "pcm":
-            sent.start["sample_rate"] = rate or DEFAULT_SAMPLE_RATE
+        fmt = ENCODINGS[sent.start["format"]]
+        sent.start["sample_rate"] = rate or fmt.fixed_rate or DEFAULT_SAMPLE_RATE
         await self.send_json(sent.start)
 
     async def _send_audio(self, stream: RequestStream, s: SessionSettings, sent: _Sent) -> None:
-        """Send one sentence's audio the way ``s`` says (``sent.total``: audio bytes sent)."""
+        """Send one sentence's audio the way ``s`` says (``sent.total``: audio bytes sent),
+        encoded as ``/v1/audio/speech`` encodes it: a streaming encoder's bytes as the audio
+        is made, or the whole file at the end."""
         emitter = AudioEmitter(require_sample_rate=s.response_format == "wav")
-        chunk_id = 0
-        pieces: list[Any] = []
+        encoder = AudioEncoder(s.response_format, is_streaming=s.stream_audio)
+        chunks = _Chunks() if s.word_timestamps else None
         timestamps: list[Any] | None = None
-        has_header = False
         async for out in stream:
             if out.modality == "timestamps" and out.stage_finished:
                 timestamps = parse_timestamps(out)
@@ -405,53 +405,57 @@ class _Session:
             rate = emitter.sample_rate
             assert rate is not None
             stream.note_audio_sent(new.numel(), rate)
-            if not s.stream_audio:
-                pieces.append(new)
-                continue
-            await self._start_once(sent, rate)
-            data = pcm16(new)
-            if s.word_timestamps:
-                start_ms = sent.total / 2 / rate * 1000
-                sent.total += len(data)
-                await self.send_json(
-                    {
-                        "type": "audio.chunk",
-                        "chunk_id": chunk_id,
-                        "chunk_start_ms": round(start_ms, 3),
-                        "chunk_end_ms": round(sent.total / 2 / rate * 1000, 3),
-                        "sample_rate": rate,
-                        "audio_b64": base64.b64encode(data).decode("ascii"),
-                        "timestamps": None,
-                    }
-                )
-                chunk_id += 1
-                continue
-            if s.response_format == "wav" and not has_header:
-                data = wav_header(rate) + data
-                has_header = True
-            sent.total += len(data)
+            data = encoder.push(new, rate)
+            await self._start_once(sent, encoder.output_rate)
+            await self._send_encoded(sent, data, encoder, chunks)
+        tail = encoder.finish(emitter.sample_rate or emitter.default_sample_rate)
+        await self._start_once(sent, encoder.output_rate)
+        if s.stream_audio:
+            await self._send_encoded(sent, tail, encoder, chunks)
+        else:  # one frame: the whole file, with its sizes
+            sent.total = len(tail)
+            await self.send_bytes(tail)
+        if chunks is not None:
+            # The sentence's timestamps, in one trailing chunk with empty audio.
+            rate = encoder.output_rate or DEFAULT_SAMPLE_RATE
+            await self.send_json(chunks.frame(sent.total, sent.total, rate, b"", timestamps))
+
+    async def _send_encoded(
+        self, sent: _Sent, data: bytes, encoder: AudioEncoder, chunks: _Chunks | None
+    ) -> None:
+        """Streamed bytes: a binary frame, or with word timestamps a JSON ``audio.chunk``."""
+        if not data:
+            return
+        start = sent.total
+        sent.total += len(data)
+        if chunks is None:
             await self.send_bytes(data)
-        rate = emitter.sample_rate or emitter.default_sample_rate
-        if not s.stream_audio:
-            samples = torch.cat(pieces) if pieces else torch.zeros(0)
-            data = wav_bytes(samples, rate) if s.response_format == "wav" else pcm16(samples)
-            await self._start_once(sent, rate)
-            sent.total = len(data)
-            await self.send_bytes(data)
-        if s.word_timestamps:
-            await self._start_once(sent, rate)
-            end_ms = round(sent.total / 2 / rate * 1000, 3)
-            await self.send_json(
-                {
-                    "type": "audio.chunk",
-                    "chunk_id": chunk_id,
-                    "chunk_start_ms": end_ms,
-                    "chunk_end_ms": end_ms,
-                    "sample_rate": rate,
-                    "audio_b64": "",
-                    "timestamps": timestamps,
-                }
-            )
+            return
+        assert encoder.output_rate is not None  # Invariant: bytes come after the first audio
+        await self.send_json(chunks.frame(start, sent.total, encoder.output_rate, data, None))
+
+
+class _Chunks:
+    """The ``audio.chunk`` frames of one sentence (word timestamps: 16-bit ``pcm`` only)."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def frame(
+        self, start: int, end: int, rate: int, data: bytes, timestamps: list[Any] | None
+    ) -> dict[str, Any]:
+        """The frame of audio bytes ``[start, end)`` of the sentence."""
+        frame = {
+            "type": "audio.chunk",
+            "chunk_id": self.next_id,
+            "chunk_start_ms": round(start / 2 / rate * 1000, 3),
+            "chunk_end_ms": round(end / 2 / rate * 1000, 3),
+            "sample_rate": rate,
+            "audio_b64": base64.b64encode(data).decode("ascii"),
+            "timestamps": timestamps,
+        }
+        self.next_id += 1
+        return frame
 
 
 class _FieldTypeError(ValueError):
