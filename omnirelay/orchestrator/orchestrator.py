@@ -553,9 +553,9 @@ class Orchestrator:
             self._lift_fence(worker, rid)
         return actions
 
-    def _stage_down(self, stage_id: int) -> bool:
-        """Is every worker of the stage dead (restarting, or given up on)?"""
-        return all(w.is_dead for w in self._replicas_of[stage_id])
+    def _others_up(self, st: StageProcess) -> bool:
+        """Does another worker of ``st``'s stage serve it?"""
+        return any(not w.is_dead for w in self._replicas_of[st.stage_id] if w is not st)
 
     # -- supervision hooks (docs/design.md §10) -----------------------------------------------
 
@@ -567,8 +567,7 @@ class Orchestrator:
         of a stage whose other replicas are up only takes its requests with it (those the
         client has had nothing of run again elsewhere)."""
         st = self._workers[worker]
-        others_up = any(not w.is_dead for w in self._replicas_of[st.stage_id] if w is not st)
-        if others_up:
+        if self._others_up(st):
             st.death_reason = unavailable
             actions = self._stage_failed(worker, reason, retry_after_s)
             self._execute(actions)
@@ -582,7 +581,7 @@ class Orchestrator:
     def _on_stage_unavailable(self, worker: int, reason: str, retry_after_s: float | None) -> None:
         st = self._workers[worker]
         st.death_reason = reason
-        if not all(w.is_dead or w is st for w in self._replicas_of[st.stage_id]):
+        if self._others_up(st):
             self._wake_state_waiters()  # another replica serves the stage
             return
         self.router.set_unavailable(st.stage_id, reason, retry_after_s)
