@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import ConfigError
 from omnirelay.orchestrator.replicas import ReplicaBalancer
 from omnirelay.orchestrator.router import (
@@ -26,19 +25,9 @@ from omnirelay.orchestrator.router import (
     Router,
     StageAbort,
     StageRelease,
-    StageSubmit,
 )
 from omnirelay.pipeline import PipelineConfig, parse_pipeline
-
-PROMPT = [151644, 872, 11, 12, 13, 151644, 77091]
-
-
-def _stage(sid: int, name: str, **kw: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": sid, "name": name, "execution_type": "ar", "executor": f"fake.{name}"}
-    if sid > 0:
-        out["input_sources"] = [sid - 1]
-    out.update(kw)
-    return out
+from tests.test_orchestrator_router import PROMPT, _stage, of, out, submits
 
 
 def omni(talkers: int = 2, vocoders: int = 2, **talker: Any) -> PipelineConfig:
@@ -90,18 +79,6 @@ def tts_aligner() -> PipelineConfig:
 def req(rid: str, modalities: tuple[str, ...] | None = ("audio",), **kw: Any) -> PipelineRequest:
     kw.setdefault("prompt_token_ids", list(PROMPT))
     return PipelineRequest(request_id=rid, modalities=modalities, **kw)
-
-
-def out(rid: str, stage: int, *, finished: bool = False, **kw: Any) -> StageOutput:
-    return StageOutput(request_id=rid, stage_id=stage, finished=finished, **kw)
-
-
-def of(actions: list[Action], kind: type) -> list[Any]:
-    return [a for a in actions if isinstance(a, kind)]
-
-
-def submits(actions: list[Action]) -> dict[int, StageSubmit]:
-    return {a.stage_id: a for a in of(actions, StageSubmit)}
 
 
 def assert_idle(r: Router) -> None:
