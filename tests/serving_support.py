@@ -57,8 +57,18 @@ class Served:
             )
             time.sleep(0.01)
 
+    def wait_websockets(self, num_open: int = 0, timeout_s: float = 20.0) -> None:
+        """Until exactly ``num_open`` WebSockets hold a connection slot (a socket's route
+        frees its slot when its session has ended, a moment after the client saw the close)."""
+        deadline = time.monotonic() + timeout_s
+        while (n := self.frontend.admission.num_websockets) != num_open:
+            assert time.monotonic() < deadline, f"{n} WebSockets open after {timeout_s} s, not {num_open}"
+            time.sleep(0.01)
+
     def audit(self) -> None:
+        """Nothing in flight, no WebSocket open, nothing left in the pipeline."""
         self.wait_idle()
+        self.wait_websockets(0)
         audit_running(self.pipe)
 
     def metric(self, name: str, **labels: str) -> float:

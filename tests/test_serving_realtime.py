@@ -299,9 +299,9 @@ def test_an_unknown_model_is_refused(srv: Served) -> None:
 
 @pytest.fixture
 def guarded(served: Served) -> Iterator[tuple[str, AdmissionGate]]:
-    """A second server over the same pipeline: a key, one admission slot, one session."""
-    admission = AdmissionGate(1)
-    config = ServerConfig(api_keys=("sk-rt",), realtime_max_sessions=1)
+    """A second server over the same pipeline: a key, one request slot, one WebSocket."""
+    admission = AdmissionGate(1, max_websockets=1)
+    config = ServerConfig(api_keys=("sk-rt",))
     with ServerThread(create_app(served.pipe, config, admission=admission)) as server:
         yield server.base_url, admission
     served.audit()
@@ -321,9 +321,10 @@ def test_keys_origins_capacity_and_the_session_limit(guarded: tuple[str, Admissi
 
     async def go() -> None:
         c = await RealtimeClient.connect(rt_url(url, "?api_key=sk-rt"))
-        # One session at most: a second is told why and closed with 1013.
+        # One WebSocket at most: a second is told why and closed with 1013.
         async with websockets.connect(rt_url(url, "?api_key=sk-rt")) as ws:
-            assert json.loads(await ws.recv())["error"]["code"] == "session_limit"
+            error = json.loads(await ws.recv())["error"]
+            assert error["code"] == "server_busy" and error["retry_after_s"] == 1
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
             assert ws.close_code == 1013

@@ -178,6 +178,25 @@ def test_admission_limits_and_releases() -> None:
     assert "budget of 100" in _error(budget.acquire).message
 
 
+def test_websockets_hold_connection_slots_of_their_own() -> None:
+    """An open socket is counted against max_websockets (by default max_concurrency), not
+    against the requests: a server full of sockets still admits requests, and the reverse."""
+    assert AdmissionGate(3).max_websockets == 3
+    adm = AdmissionGate(1, max_websockets=2, retry_after_s=4)
+    a, b = adm.open_websocket(), adm.open_websocket()
+    err = _error(adm.open_websocket)
+    assert err.status == 429 and err.code == "server_busy" and err.headers == {"Retry-After": "4"}
+    assert "limit of 2 open WebSocket connections" in err.message and adm.num_websockets_refused == 1
+    request = adm.acquire()  # the request slot is another pool
+    assert (adm.num_active, adm.num_websockets, adm.num_rejected) == (1, 2, 0)
+    a.release()
+    a.release()  # idempotent
+    c = adm.open_websocket()
+    for slot in (b, c, request):
+        slot.release()
+    assert (adm.num_active, adm.num_websockets) == (0, 0)
+
+
 def test_server_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="max_concurrency"):
         ServerConfig(max_concurrency=0)
@@ -185,6 +204,9 @@ def test_server_config_is_validated() -> None:
         ServerConfig(default_voice="nobody")
     with pytest.raises(ConfigError, match="ws_idle_timeout_s"):
         ServerConfig(ws_idle_timeout_s=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_websockets"):
+        ServerConfig(max_websockets=0)
+    assert ServerConfig(max_concurrency=5).max_websockets is None  # the gate takes max_concurrency
 
 
 def test_timestamps_header_fits_or_says_why_not() -> None:

@@ -16,13 +16,17 @@ route                                   serves
 ``GET /health``                         per stage, from ``pipeline.health_async()``:
                                         state (starting, healthy, restarting, failed),
                                         restarts, last exit; 503 unless all healthy;
+                                        the admission books: requests in flight and
+                                        open WebSockets against their limits;
                                         ``?audit=1`` adds the leak audit
                                         (:mod:`omnirelay.serving.audit`)
 ``GET /metrics``                        Prometheus text (:mod:`omnirelay.serving.metrics`)
 ======================================  =================================================
 
 The app does not own the pipeline: whoever started it shuts it down (the ``serve``
-command, a test fixture). Every error leaves as OpenAI's JSON error body with a 4xx/5xx
+command, a test fixture). Each WebSocket holds a connection slot of the admission gate
+while it is open (:mod:`omnirelay.serving.admission`); past ``max_websockets`` a new one
+is told why and closed with 1013 before its session starts. Every error leaves as OpenAI's JSON error body with a 4xx/5xx
 and a string ``code`` (``not_found``, ``method_not_allowed`` …). API keys, browser
 origins and CORS are checked before routing (:mod:`omnirelay.serving.security`).
 """
@@ -116,7 +120,8 @@ def create_app(
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
     """The app serving ``pipeline``. ``prompts`` (default: the pipeline's prompt side),
-    ``admission`` and ``metrics`` are injectable (tests hold slots, read counters)."""
+    ``admission`` and ``metrics`` are injectable (tests hold slots, read counters; an
+    injected gate's limits are the server's, in place of ``config``'s)."""
     cfg = config or ServerConfig()
     fe = Frontend(pipeline, cfg, prompts or prompt_side_for(pipeline), admission=admission, metrics=metrics)
 
@@ -157,11 +162,9 @@ def create_app(
     async def _speech_stream(ws: WebSocket) -> None:
         await speech_stream.serve_session(ws, fe)
 
-    sessions = realtime.SessionBooks(cfg.realtime_max_sessions)
-
     @app.websocket(realtime.REALTIME_PATH)
     async def _realtime(ws: WebSocket) -> None:
-        await realtime.serve_realtime(ws, fe, sessions)
+        await realtime.serve_realtime(ws, fe)
 
     if cfg.ui:
 
@@ -280,6 +283,9 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         "num_reruns": health.num_reruns,
         "num_in_flight": fe.admission.num_active,
         "max_concurrency": fe.admission.max_concurrency,
+        # open WebSockets (speech streams and realtime sessions), each a connection slot
+        "num_websockets": fe.admission.num_websockets,
+        "max_websockets": fe.admission.max_websockets,
         "live_bytes": fe.admission.live_bytes,
         "audio_streams": dict(health.audio_streams),
         "stages": stages,

@@ -9,6 +9,9 @@ A request's life on the server::
     stream.close()                              # always (finally): aborts it through every
                                                 # stage when it has not ended, frees the slot
 
+A WebSocket holds a connection slot (:meth:`Frontend.open_websocket`) while it is open;
+each response it asks for is a request as above.
+
 ``close`` is synchronous and idempotent, so a cancelled task (a client that went away)
 can call it from its ``finally``. :meth:`RequestStream.abort` records why.
 """
@@ -148,7 +151,10 @@ class Frontend:
         #: the prompt stage's prompt side (chat and speech prompts, media, detokenizing)
         self.prompts = prompts
         self.admission = admission or AdmissionGate(
-            config.max_concurrency, max_live_bytes=config.max_live_bytes, retry_after_s=config.retry_after_s
+            config.max_concurrency,
+            max_live_bytes=config.max_live_bytes,
+            retry_after_s=config.retry_after_s,
+            max_websockets=config.max_websockets,
         )
         self.metrics = metrics or ServerMetrics(config.latency_buckets_s)
         self.model_name = config.model_name or pipeline.config.name
@@ -319,6 +325,24 @@ class Frontend:
             slot.release()
             raise
         return RequestStream(self, handle, slot, endpoint)
+
+    def open_websocket(self, endpoint: str) -> Slot:
+        """A connection slot for one WebSocket of ``endpoint`` (``speech_ws``,
+        ``realtime``), held until the socket closes: release it in the route's ``finally``.
+        Over ``max_websockets``: :class:`ApiError` 429 ``server_busy``, counted."""
+        try:
+            slot = self.admission.open_websocket()
+        except ApiError:
+            self.metrics.websockets_refused.labels(endpoint).inc()
+            raise
+        gauge = self.metrics.websockets.labels(endpoint)
+        gauge.inc()
+
+        def close() -> None:
+            slot.release()
+            gauge.dec()
+
+        return Slot(close)
 
     def check_speech_options(
         self, voice: str, instructions: str | None, language: str | None

@@ -15,6 +15,10 @@ omnirelay_aborts_total{reason}              aborts: client_disconnect, stop_sequ
                                             session_closed
 omnirelay_failures_total{endpoint}          requests the pipeline failed
 omnirelay_requests_in_flight                admitted requests not yet done
+omnirelay_websockets_open{endpoint}         open WebSockets, each holding a connection
+                                            slot (``speech_ws``, ``realtime``)
+omnirelay_websockets_refused_total          WebSockets refused at ``max_websockets``
+{endpoint}
 omnirelay_time_to_first_audio_seconds       submit → first audio sample sent
 omnirelay_first_playable_audio_seconds      submit → the earliest moment a player could
                                             start and never run dry (per stream, at its end)
@@ -153,6 +157,15 @@ class ServerMetrics:
             "omnirelay_failures", "requests the pipeline failed", ["endpoint"], registry=r
         )
         self.in_flight = Gauge("omnirelay_requests_in_flight", "admitted requests not yet done", registry=r)
+        self.websockets = Gauge(
+            "omnirelay_websockets_open", "open WebSockets (connection slots held)", ["endpoint"], registry=r
+        )
+        self.websockets_refused = Counter(
+            "omnirelay_websockets_refused",
+            "WebSockets refused at the server's limit of open connections",
+            ["endpoint"],
+            registry=r,
+        )
         buckets = tuple(latency_buckets_s)
         self.ttfa = Histogram(
             "omnirelay_time_to_first_audio_seconds",

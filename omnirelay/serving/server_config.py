@@ -33,8 +33,14 @@ class ServerConfig:
 
     #: the model name clients pass (default: the pipeline's name)
     model_name: str | None = None
-    #: requests served at once; one more gets 429 with Retry-After
+    #: requests served at once (HTTP requests, and each response a WebSocket asks for);
+    #: one more gets 429 with Retry-After
     max_concurrency: int = 64
+    #: WebSockets open at once (``/v1/audio/speech/stream`` and ``/v1/realtime`` sessions
+    #: together), each held for its whole life; one more is refused before its session
+    #: starts: an ``error`` message, then close 1013 (try again later). A pool of its own:
+    #: an open socket holds no request slot. None: as many as ``max_concurrency``.
+    max_websockets: int | None = None
     #: live transfer bytes (all stages, from the last health probe) past which new
     #: requests get 429; None: no byte budget
     max_live_bytes: int | None = None
@@ -76,8 +82,6 @@ class ServerConfig:
     realtime_max_buffer_s: float = 60.0
     #: conversation items a session keeps; older ones are dropped first
     realtime_max_items: int = 64
-    #: realtime sessions open at once; one more is refused (close 1013, try again later)
-    realtime_max_sessions: int = 64
     #: a session closes after this long without a client event while no response runs
     realtime_idle_timeout_s: float = 600.0
     #: serve the browser page at ``/`` (``omnirelay serve --ui``)
@@ -106,7 +110,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("model_name", "max_live_bytes") and value is None:
+            if f.name in ("model_name", "max_live_bytes", "max_websockets") and value is None:
                 continue
             if f.name in (
                 "api_keys",

@@ -49,8 +49,11 @@ Server events: ``session.created`` / ``session.updated``;
   kept); at most ``realtime_max_items`` conversation items and ``max_input_chars`` of text
   (the oldest items are dropped: ``conversation.item.deleted`` each, then
   ``session.updated`` with ``conversation.num_dropped_items``); at most
-  ``realtime_max_sessions`` sessions (one more is closed with 1013); a response needs an
-  admission slot like any request (``error`` ``server_busy`` with ``retry_after_s``).
+  ``max_websockets`` open WebSockets, this session's counted among them from before its
+  handshake is accepted until it closes (one more gets an ``error`` ``server_busy`` with
+  ``retry_after_s`` and is closed with 1013 before any session starts); a response needs
+  a request slot like any request (``error`` ``server_busy`` with ``retry_after_s``; the
+  session goes on).
 * **Errors.** A malformed frame — binary, too large, not a JSON object — gets an
   ``error`` event and the socket is closed with 1008. A well-formed event omnirelay cannot
   honour (an unknown type, a bad field, a value out of range) gets an ``error`` event
@@ -70,6 +73,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.models.inputs import AUDIO_INPUT_RATE
+from omnirelay.serving.admission import BUSY_CLOSE_CODE, BUSY_CLOSE_REASON
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media import audio_in as audio_input
@@ -95,7 +99,6 @@ __all__ = ["REALTIME_PATH", "serve_realtime"]
 
 REALTIME_PATH = "/v1/realtime"
 _POLICY = 1008  # close code: the client broke the protocol
-_TRY_LATER = 1013  # close code: the server is at its session limit
 _INTERNAL = 1011
 #: the shortest commit OpenAI accepts
 MIN_COMMIT_MS = 100
@@ -461,42 +464,52 @@ def _to_input_rate(audio: np.ndarray, rate: int) -> np.ndarray:
     return audio_input.decode_audio(wav, "wav", sample_rate=AUDIO_INPUT_RATE, limits=limits)
 
 
-class SessionBooks:
-    """Realtime sessions open on one server, against ``realtime_max_sessions``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.num_open = 0
-
-
-async def serve_realtime(ws: WebSocket, fe: Frontend, books: SessionBooks) -> None:
-    """Serve one ``/v1/realtime`` connection (see the module docstring)."""
+async def serve_realtime(ws: WebSocket, fe: Frontend) -> None:
+    """Serve one ``/v1/realtime`` connection (see the module docstring). The socket holds a
+    connection slot until it is closed, whichever way (client close, client gone, server
+    error, shutdown); at the limit it is refused with 1013 before any session starts."""
     offered = ws.scope.get("subprotocols") or []
     # Browsers' OpenAI clients offer "realtime"; a server that names none fails their handshake.
-    await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+    subprotocol = "realtime" if "realtime" in offered else None
     try:
         fe.check_model(ws.query_params.get("model"))
     except ApiError as exc:
-        await _refuse(ws, EventError(exc.message, code="model_not_found", param="model"), _POLICY)
+        error = EventError(exc.message, code="model_not_found", param="model")
+        await _refuse(ws, subprotocol, error, _POLICY)
         return
-    if books.num_open >= books.limit:
-        message = f"the server is at its limit of {books.limit} realtime sessions; retry later"
-        await _refuse(ws, EventError(message, code="session_limit", type="server_error"), _TRY_LATER)
-        return
-    books.num_open += 1
     try:
+        slot = fe.open_websocket("realtime")
+    except ApiError as exc:
+        # Accepted only to say why: a browser sees a refused handshake as a bare 1006.
+        error = EventError(exc.message, code=exc.code or "server_busy", type=exc.type)
+        await _refuse(ws, subprotocol, error, BUSY_CLOSE_CODE, retry_after_s=fe.admission.retry_after_s)
+        return
+    try:
+        await ws.accept(subprotocol=subprotocol)
         await Session(ws, fe).run()
     except (WebSocketDisconnect, OSError):
         pass
     finally:
-        books.num_open -= 1
+        slot.release()
         if ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await ws.close()
 
 
-async def _refuse(ws: WebSocket, exc: EventError, code: int) -> None:
-    error = {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param, "event_id": None}
+async def _refuse(
+    ws: WebSocket, subprotocol: str | None, exc: EventError, code: int, *, retry_after_s: int | None = None
+) -> None:
+    """Accept the handshake only to send ``exc`` as an ``error`` event and close with ``code``."""
+    error: dict[str, Any] = {
+        "type": exc.type,
+        "code": exc.code,
+        "message": exc.message,
+        "param": exc.param,
+        "event_id": None,
+    }
+    if retry_after_s is not None:
+        error["retry_after_s"] = retry_after_s
     with contextlib.suppress(Exception):
+        await ws.accept(subprotocol=subprotocol)
         await ws.send_text(json.dumps({"event_id": new_id("event"), "type": "error", "error": error}))
-        await ws.close(code=code)
+        await ws.close(code=code, reason=BUSY_CLOSE_REASON if code == BUSY_CLOSE_CODE else None)

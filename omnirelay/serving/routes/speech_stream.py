@@ -37,7 +37,14 @@ violation). A well-formed message with a value to fix (an unknown voice, a
 ``error`` frame and the session goes on. A sentence refused for capacity gets ``error``
 {code: ``server_busy``, status: 429, retry_after_s} and its ``audio.done`` with the error.
 A client that goes away aborts the sentence in flight through every stage. The session
-closes after 30 s without a client message while nothing is being synthesized.
+closes after 30 s without a client message while nothing is being synthesized; a bug in
+the server ends it with an ``error`` frame and close 1011.
+
+An open socket holds one of the server's ``max_websockets`` connection slots until it
+closes (:mod:`omnirelay.serving.admission`); each sentence still takes a request slot
+while it is spoken. Past the limit a new socket gets one ``error`` frame {code:
+``server_busy``, status: 429, retry_after_s} and close 1013 (try again later) before
+its session starts.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
+from omnirelay.serving.admission import BUSY_CLOSE_CODE, BUSY_CLOSE_REASON
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import Frontend, RequestStream
 from omnirelay.serving.media.audio_out import DEFAULT_SAMPLE_RATE, AudioEmitter, AudioStreamError
@@ -169,15 +177,26 @@ class _Session:
             if reader in done and reader.exception() is None and not reader.result():
                 # session.close: the worker finishes what is queued and ends the session;
                 # a client gone meanwhile only ends it early (its request is aborted).
-                with contextlib.suppress(WebSocketDisconnect, OSError, RuntimeError):
-                    await worker
+                await asyncio.wait({worker})
         finally:
             for task in (reader, worker):
                 task.cancel()
             await asyncio.gather(reader, worker, return_exceptions=True)
+            await self._report_failure(worker)
             if self.ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):
                     await self.ws.close()
+
+    async def _report_failure(self, worker: asyncio.Task[None]) -> None:
+        """A synthesis task that died of a bug (not of the client going away) is logged and
+        said: an ``error`` frame, then close 1011."""
+        if not worker.done() or worker.cancelled():
+            return
+        exc = worker.exception()
+        if exc is None or isinstance(exc, WebSocketDisconnect | OSError | RuntimeError):
+            return  # done, or the client is gone (sending to a closed socket)
+        logger.error("websocket session %s: synthesis failed", self.id, exc_info=exc)
+        await self._fail(f"internal error: {type(exc).__name__}", "internal_error", code=_INTERNAL)
 
     async def _read(self) -> bool:
         """Read client messages until ``session.close`` (False) or the socket ends (True)."""
@@ -501,9 +520,30 @@ def _decode(message: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:
 
 
 async def serve_session(ws: WebSocket, fe: Frontend) -> None:
-    """Serve one WebSocket connection (see the module docstring)."""
-    await ws.accept()
+    """Serve one WebSocket connection (see the module docstring). The socket holds a
+    connection slot until it is closed, whichever way (client close, client gone, server
+    error, shutdown); at the server's limit it is refused before any session starts."""
     try:
+        slot = fe.open_websocket("speech_ws")
+    except ApiError as exc:
+        await _refuse(ws, exc)
+        return
+    try:
+        await ws.accept()
         await _Session(ws, fe).run()
     except WebSocketDisconnect:
         pass
+    finally:
+        slot.release()
+
+
+async def _refuse(ws: WebSocket, exc: ApiError) -> None:
+    """Accept the handshake only to say why (a browser sees a refused handshake as a bare
+    1006): an ``error`` frame as a sentence refused for capacity gets, then close 1013."""
+    retry = exc.headers.get("Retry-After")
+    extra = {"retry_after_s": int(retry)} if retry is not None and retry.isdigit() else {}
+    error = {"type": "error", "message": exc.message, "code": exc.code or exc.type, "status": exc.status}
+    with contextlib.suppress(Exception):
+        await ws.accept()
+        await ws.send_text(json.dumps({**error, **extra}, separators=(",", ":")))
+        await ws.close(code=BUSY_CLOSE_CODE, reason=BUSY_CLOSE_REASON)
