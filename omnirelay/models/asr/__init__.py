@@ -6,6 +6,8 @@ weight-free VAD aligner.
 * ``sphinx`` — ``aligner.pocketsphinx``: forced alignment of the voice's words; the
   recognizer itself and word error rate.
 * ``vad_aligner`` — ``aligner.vad``: a forced aligner that needs no trained weights.
+* ``speech_span`` — where a whole clip's speech starts and ends (weight-free): the
+  recognizer hears that, between fixed silence.
 
 None of them is a text model the front writes prompts for; :data:`FAMILY` only registers
 their executors. Modules are imported when a factory is called.

@@ -11,6 +11,11 @@ instead: the text is the JSON list of :func:`timed_transcripts`, one entry per c
 
 PocketSphinx's bundled US English acoustic model, dictionary and language model
 (:class:`~omnirelay.models.asr.sphinx.Recognizer`); lower-case words, no punctuation.
+Each clip is heard on its own, its speech cut from the background around it and put
+between fixed silence (:mod:`omnirelay.models.asr.speech_span`), so a clip is heard the
+same whichever endpoint it came from — a chat ``input_audio`` part, a transcription's
+file, a realtime turn (the server VAD's segment of the same recording) — and whatever
+the stage heard before; a clip with no speech is heard as nothing (an empty line).
 Recognition runs on the engine thread, one clip at a time: a clip costs about a fifth of
 its duration on one core.
 """

@@ -12,7 +12,14 @@ language model; nothing is downloaded.
   end of the audio. When the decoder cannot align (noise, a text that was not said), the
   weight-free VAD allocation of :mod:`omnirelay.models.asr.vad_aligner` answers instead.
 * :class:`Recognizer` — free recognition with the bundled language model: what a
-  listener would have heard (the intelligibility checks and the benchmarks use it).
+  listener would have heard (the recognizer stage, the intelligibility checks and the
+  benchmarks use it). Each clip is heard on its own and the same way whatever surrounds
+  its speech: the decoder starts every utterance afresh (its feature state — cepstral
+  mean, noise estimate — would otherwise carry over from the clips before, and the same
+  clip would be heard differently in turn), and it hears the clip's speech
+  (:func:`~omnirelay.models.asr.speech_span.speech_span`) between :data:`PAD_MS` of
+  silence, not the background around it: a chat clip and a realtime turn cut from the
+  same recording are heard alike. Word times are the clip's own.
 * :func:`word_error_rate` — the edit distance of two word lists over the reference's length.
 * :class:`SphinxAlignerExecutor` / :func:`create_sphinx_aligner` — the aligner stage's
   generation executor: one step per request on the complete waveform and text that the
@@ -32,11 +39,13 @@ import numpy as np
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.asr import SPHINX_ALIGNER_EXECUTOR
+from omnirelay.models.asr.speech_span import speech_span
 from omnirelay.models.asr.vad_aligner import align_words
 from omnirelay.models.voice.phonemizer import Phonemizer
 from omnirelay.models.voice.spoken import spoken_tokens
 
 __all__ = [
+    "PAD_MS",
     "SPHINX_ALIGNER_EXECUTOR",
     "SPHINX_RATE",
     "ForcedAligner",
@@ -49,6 +58,8 @@ __all__ = [
 
 #: The acoustic model's sample rate.
 SPHINX_RATE = 16_000
+#: The silence the recognizer hears before and after a clip's speech.
+PAD_MS = 200
 _FRAME_MS = 10  # one feature frame
 _FILLERS = ("<s>", "</s>", "<sil>", "[NOISE]", "[SPEECH]")
 
@@ -69,7 +80,11 @@ def resample(waveform: Any, rate: int, target: int = SPHINX_RATE) -> np.ndarray:
 
 
 def _pcm16(waveform: Any, rate: int) -> bytes:
-    y = resample(waveform, rate)
+    return _to_pcm16(resample(waveform, rate))
+
+
+def _to_pcm16(y: np.ndarray) -> bytes:
+    """Samples at :data:`SPHINX_RATE` as the decoder takes them (scaled down past full scale)."""
     peak = float(np.abs(y).max()) if y.size else 0.0
     if peak > 1.0:
         y = y / peak
@@ -92,22 +107,37 @@ def _base_word(name: str) -> str:
 
 
 class Recognizer:
-    """Free recognition (bundled language model); one utterance at a time."""
+    """Free recognition (bundled language model); one utterance at a time, each heard on
+    its own (see the module docstring)."""
 
     def __init__(self) -> None:
         self._decoder = _decoder()
 
     def transcribe(self, waveform: Any, sample_rate: int) -> list[tuple[str, int, int]]:
-        """``[(word, start_ms, end_ms), ...]`` heard in the waveform (fillers left out)."""
+        """``[(word, start_ms, end_ms), ...]`` heard in the waveform (fillers left out), in
+        the clip's own time; ``[]`` when it holds no speech."""
+        y = resample(waveform, sample_rate)
+        span = speech_span(y, SPHINX_RATE)
+        if span is None:
+            return []
+        start, end = span
+        pad = np.zeros(PAD_MS * SPHINX_RATE // 1000, dtype=np.float32)
+        heard = np.concatenate([pad, y[start:end], pad])
         d = self._decoder
+        d.reinit_feat()  # nothing of the clips heard before
         d.start_utt()
-        d.process_raw(_pcm16(waveform, sample_rate), full_utt=True)
+        d.process_raw(_to_pcm16(heard), full_utt=True)
         d.end_utt()
+        # The padded clip's time → the clip's: less the padding, plus where the speech starts.
+        shift = start * 1000 // SPHINX_RATE - PAD_MS
+        duration = y.size * 1000 // SPHINX_RATE
         out = []
         for seg in d.seg():
             if seg.word in _FILLERS or seg.word.startswith("["):
                 continue
-            out.append((_base_word(seg.word), seg.start_frame * _FRAME_MS, (seg.end_frame + 1) * _FRAME_MS))
+            a = min(max(seg.start_frame * _FRAME_MS + shift, 0), duration)
+            b = min(max((seg.end_frame + 1) * _FRAME_MS + shift, a), duration)
+            out.append((_base_word(seg.word), a, b))
         return out
 
     def words(self, waveform: Any, sample_rate: int) -> list[str]:
