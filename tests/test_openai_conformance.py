@@ -5,15 +5,22 @@ client (``client.beta.realtime``, events).
 * ``pcm`` is 24 kHz (``X-Sample-Rate: 24000``) and lasts as long as the ``wav`` (at the
   voice's own 22,050 Hz) to within one sample period per 1,000.
 * Chat with audio: the text is ``message.audio.transcript`` (``content`` null), streamed
-  as ``delta.audio.transcript``; ``pcm16`` deltas are 24 kHz.
+  as ``delta.audio.transcript``; ``pcm16`` deltas are 24 kHz. Chat's sampling:
+  ``temperature`` 0 is greedy, ``seed`` repeats a draw, a ``top_p`` that leaves one token
+  is greedy again, ``max_completion_tokens`` bounds the answer.
 * ``/v1/audio/transcriptions`` on the question spoken by the pipeline's own voice: the
   words exactly, in every response format, with word timestamps inside the audio; what
   the recognizer cannot do is a 400 naming the field.
 * Realtime: a spoken question in OpenAI's 24 kHz ``pcm16``, sent by a client that sets
-  only OpenAI's session fields (server VAD, ``input_audio_transcription``), said by another
-  voice than the pipeline's (its voice played 10 % faster: higher and quicker, as no
-  permissively licensed second voice ships as a wheel), is heard as the transcription
-  endpoint hears the same clip and answered as chat answers it.
+  only OpenAI's session fields (server VAD, ``input_audio_transcription``), is heard as
+  the transcription endpoint and chat hear the same clip and answered as chat answers it:
+  said by the pipeline's voice played 10 % faster (higher and quicker), and by another
+  voice altogether (eSpeak NG's ``en-us``, ``tests/fixtures/espeak-en-us-question.wav``,
+  made once with eSpeak NG 1.51: ``espeak-ng -v en-us -w
+  tests/fixtures/espeak-en-us-question.wav "What is the capital of France?"``), which the
+  recognizer hears wrong — the same wrong words whichever endpoint the clip came through.
+  A session's ``temperature`` and ``instructions`` and a response's ``temperature`` sample
+  the answer as chat's ``temperature`` and system message do.
 
 Every test ends with a leak audit.
 """
@@ -26,6 +33,7 @@ import io
 import re
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,14 +41,19 @@ import openai
 import pytest
 
 from omnirelay.cli.serve import DEFAULT_PIPELINE, server_config
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving.media.audio_in import decode_audio
 from omnirelay.serving.media.audio_out import wav_bytes
-from tests.realtime_support import noise
+from tests.realtime_support import RealtimeClient, noise
 from tests.serving_support import Served, chat_stream_audio, serve
 
 QUESTION = "What is the capital of France?"
 PCM_RATE = 24000
+#: The question said by eSpeak NG's en-us voice (see the module docstring).
+ESPEAK_QUESTION = Path(__file__).parent / "fixtures" / "espeak-en-us-question.wav"
+FRUIT = "Name a fruit."
+FRENCH = "Answer in French."
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +143,33 @@ def test_chat_audio_text_is_the_audio_transcript(srv: Served) -> None:
     assert abs(len(audio) / 2 / PCM_RATE - samples.size / rate) <= samples.size / 1000 / rate
 
 
+def test_chat_temperature_top_p_seed_and_max_completion_tokens(srv: Served) -> None:
+    """The prompt stage's sampling, as OpenAI's: ``temperature`` 0 is greedy (a seed changes
+    nothing); above it the answer is drawn, the same for the same ``seed`` and another for
+    another; a ``top_p`` that leaves only the likeliest token is greedy again;
+    ``max_completion_tokens`` bounds the answer (over ``max_tokens``)."""
+    client = srv.client()
+
+    def ask(**kwargs: Any) -> str:
+        r = client.chat.completions.create(
+            model=srv.model, messages=[{"role": "user", "content": FRUIT}], max_completion_tokens=8, **kwargs
+        )
+        return r.choices[0].message.content or ""
+
+    greedy = ask(temperature=0)
+    assert ask(temperature=0, seed=7) == greedy
+    drawn = ask(temperature=1.5, top_p=1.0, seed=1)
+    assert ask(temperature=1.5, top_p=1.0, seed=1) == drawn
+    other = ask(temperature=1.5, top_p=1.0, seed=2)
+    assert len({greedy, drawn, other}) == 3, (greedy, drawn, other)
+    assert ask(temperature=1.5, top_p=1e-9, seed=2) == greedy
+    bounded = client.chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": FRUIT}], max_tokens=40, max_completion_tokens=3
+    )
+    assert bounded.usage is not None and bounded.usage.completion_tokens == 3
+    assert bounded.choices[0].finish_reason == "length"
+
+
 # ------------------------------------------------------------------------ transcriptions
 
 
@@ -169,6 +209,10 @@ def test_transcriptions_hear_the_question_word_for_word(srv: Served, question_wa
         ({"response_format": "diarized_json"}, "response_format"),
         ({"timestamp_granularities": ["word"]}, "timestamp_granularities"),
         ({"file": ("question.txt", b"hello")}, "file"),
+        ({"stream": True}, "stream"),
+        ({"include": ["logprobs"]}, "include"),
+        ({"chunking_strategy": "auto"}, "chunking_strategy"),
+        ({"known_speaker_names": ["ann"]}, "known_speaker_names"),
     ],
 )
 def test_transcriptions_refuse_what_the_recognizer_cannot_do(
@@ -190,22 +234,10 @@ def _another_voice(wav: bytes) -> np.ndarray:
     return decode_audio(faster, "wav", sample_rate=PCM_RATE)
 
 
-def test_realtime_hears_openai_pcm16_as_chat_does(srv: Served, question_wav: bytes) -> None:
-    clip = _another_voice(question_wav)
-    signal = np.concatenate([noise(PCM_RATE, 0.5), clip, noise(PCM_RATE, 1.2, seed=3)])
-    as_wav = wav_bytes(signal, PCM_RATE)
-    client = srv.client()
-    heard = client.audio.transcriptions.create(model=srv.model, file=("clip.wav", as_wav)).text
-    assert _words(heard) == _words(QUESTION)
-    part: Any = {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(as_wav).decode(), "format": "wav"},
-    }
-    chat = client.chat.completions.create(
-        model=srv.model, messages=[{"role": "user", "content": [part]}], max_tokens=24
-    )
-    answer = chat.choices[0].message.content or ""
-    assert "Paris" in answer
+def _realtime_turn(srv: Served, signal: np.ndarray) -> dict[str, Any]:
+    """``signal`` (24 kHz) spoken to a realtime session by OpenAI's client, setting only
+    OpenAI's session fields: what the session said (its events' types, the session, the
+    transcript, the answer, its audio and status)."""
 
     async def talk() -> dict[str, Any]:
         ws_base = srv.url.replace("http://", "ws://") + "/v1"
@@ -246,6 +278,105 @@ def test_realtime_hears_openai_pcm16_as_chat_does(srv: Served, question_wav: byt
         "input_audio_buffer.speech_stopped",
         "input_audio_buffer.committed",
     ]
+    return seen
+
+
+#: a realtime response's status for a chat answer's finish reason
+STATUS = {"stop": "completed", "length": "incomplete"}
+
+
+def _chat_hears(srv: Served, wav: bytes) -> tuple[str, str, str]:
+    """``(transcript, answer, finish reason)`` of a WAV sent as chat's ``input_audio``: the
+    transcript read off the recognizer's output of the request chat makes of it (through
+    the API; chat itself shows only the answer), the answer from chat."""
+    clip = decode_audio(wav, "wav", sample_rate=AUDIO_INPUT_RATE)  # as the chat route decodes it
+    handle = srv.pipe.submit(
+        [0],
+        modalities=["text"],
+        inputs=audio_inputs([clip]),
+        extras={"chat_turns": [["user", [{"audio": 0}]]]},
+        entry_stage_id=srv.pipe.config.audio_entry_stage_id,
+    )
+    heard = next(o.text or "" for o in handle if o.modality == "transcript")
+    handle.abort()  # the transcript is all this request is for; chat's answers below
+    assert [o.finish_reason for o in handle if o.finished] == ["abort"]
+    part: Any = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+    }
+    chat = srv.client().chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": [part]}], max_tokens=24
+    )
+    return heard, chat.choices[0].message.content or "", chat.choices[0].finish_reason
+
+
+def test_realtime_hears_openai_pcm16_as_chat_does(srv: Served, question_wav: bytes) -> None:
+    clip = _another_voice(question_wav)
+    signal = np.concatenate([noise(PCM_RATE, 0.5), clip, noise(PCM_RATE, 1.2, seed=3)])
+    as_wav = wav_bytes(signal, PCM_RATE)
+    heard = srv.client().audio.transcriptions.create(model=srv.model, file=("clip.wav", as_wav)).text
+    assert _words(heard) == _words(QUESTION)
+    _, answer, finish = _chat_hears(srv, as_wav)
+    assert "Paris" in answer
+    seen = _realtime_turn(srv, signal)
     assert _words(seen["heard"]) == _words(heard)  # heard as the transcription endpoint hears it
-    assert seen["said"] == answer and seen["status"] == "completed"  # answered as chat answers it
+    assert seen["said"] == answer and seen["status"] == STATUS[finish]  # answered as chat answers it
     assert seen["audio"] > PCM_RATE // 2
+
+
+def test_realtime_hears_another_voice_as_chat_and_transcriptions_do(srv: Served) -> None:
+    """eSpeak NG's en-us voice, which the recognizer mishears: the realtime turn (the
+    server VAD's segment: its speech with 300 ms before and 500 ms after) is heard as the
+    whole clip is by the transcription endpoint and by chat — the same words — and
+    answered as chat answers it."""
+    clip = decode_audio(ESPEAK_QUESTION.read_bytes(), "wav", sample_rate=PCM_RATE)
+    signal = np.concatenate([noise(PCM_RATE, 0.5), clip, noise(PCM_RATE, 1.2, seed=3)])
+    as_wav = wav_bytes(signal, PCM_RATE)
+    transcribed = srv.client().audio.transcriptions.create(model=srv.model, file=("clip.wav", as_wav)).text
+    chat_heard, chat_answer, finish = _chat_hears(srv, as_wav)
+    seen = _realtime_turn(srv, signal)
+    assert _words(seen["heard"]) == _words(transcribed) == _words(chat_heard) != [], (
+        seen["heard"],
+        transcribed,
+    )
+    assert seen["said"] == chat_answer and seen["status"] == STATUS[finish]
+
+
+def test_realtime_temperature_and_instructions_sample_as_chat_does(srv: Served) -> None:
+    """A session's ``temperature`` and ``instructions`` (the system turn), and a
+    ``response.create``'s ``temperature``, ``instructions`` and ``modalities`` over the
+    session's: each answer is chat's with that temperature and system message (the prompt
+    stage's seed makes a draw repeat)."""
+    client = srv.client()
+
+    def chat(temperature: float, system: str | None = None) -> str:
+        messages: Any = [{"role": "system", "content": system}] if system else []
+        r = client.chat.completions.create(
+            model=srv.model,
+            messages=[*messages, {"role": "user", "content": FRUIT}],
+            temperature=temperature,
+            max_tokens=8,
+        )
+        return r.choices[0].message.content or ""
+
+    greedy, drawn, instructed = chat(0), chat(1.5), chat(0, FRENCH)
+    assert len({greedy, drawn, instructed}) == 3, (greedy, drawn, instructed)
+
+    async def realtime(session: dict[str, Any], response: dict[str, Any] | None = None) -> str:
+        c = await RealtimeClient.connect(srv.url.replace("http://", "ws://") + "/v1/realtime")
+        await c.send({"type": "session.update", "session": {"max_response_output_tokens": 8, **session}})
+        updated = (await c.until("session.updated"))["session"]
+        assert updated["temperature"] == session["temperature"]
+        assert updated["instructions"] == session.get("instructions", "")
+        done = await c.text_turn(FRUIT, response)
+        await c.close()
+        assert not c.of("response.audio.delta")  # a text answer, as the modalities say
+        return str(done["response"]["output"][0]["content"][0]["text"])
+
+    text = ["text"]
+    assert asyncio.run(realtime({"modalities": text, "temperature": 0})) == greedy
+    assert asyncio.run(realtime({"modalities": text, "temperature": 1.5})) == drawn
+    assert asyncio.run(realtime({"modalities": text, "temperature": 0}, {"temperature": 1.5})) == drawn
+    assert asyncio.run(realtime({"modalities": text, "temperature": 0, "instructions": FRENCH})) == instructed
+    response = {"modalities": text, "instructions": FRENCH}  # over the session's (text and audio)
+    assert asyncio.run(realtime({"temperature": 0}, response)) == instructed

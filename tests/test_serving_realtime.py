@@ -1,8 +1,10 @@
 """``WS /v1/realtime`` over ``qwen3-omni-tiny`` (real processes; the tiny models speak
 noise): the session's lifecycle, text turns with transcript and audio deltas, several
-turns, server VAD events from a synthesized WAV, cancel and barge-in, bad events, the
-bounds, and the server's security and admission on this route. Every test ends with a
-leak audit: nothing of any response left in any stage.
+turns, a response's own voice, format and conversation (its audio is chat's for the same
+turn and voice), server VAD events from a synthesized WAV, turn detection without
+``create_response`` or without ``interrupt_response``, cancel and barge-in, bad events,
+the bounds, and the server's security and admission on this route. Every test ends with
+a leak audit: nothing of any response left in any stage.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import wave
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -20,7 +23,7 @@ import websockets
 
 from omnirelay.serving import AdmissionGate, ServerConfig, ServerThread, create_app
 from tests.realtime_support import RealtimeClient, append_events, pcm16, pcm_of, utterance
-from tests.serving_support import Served, serve
+from tests.serving_support import Served, assert_same_pcm, chat_stream_audio, serve
 
 MODEL = "qwen3-omni-tiny"
 RATE = 24000
@@ -86,7 +89,9 @@ def test_a_text_turn_streams_its_transcript_and_audio(srv: Served) -> None:
         c = await RealtimeClient.connect(rt_url(srv))
         done = await c.text_turn("Hello there", {"max_response_output_tokens": 8})
         resp = done["response"]
-        assert resp["status"] == "completed" and resp["usage"]["output_tokens"] == 8
+        # All its 8 tokens, as many as it was given: incomplete, as OpenAI's.
+        assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
+        assert resp["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
         kinds = [r.event["type"] for r in c.events]
         start = kinds.index("response.created")
         assert kinds[start : start + 4] == [
@@ -129,6 +134,51 @@ def test_text_only_answers_and_later_turns_see_the_earlier_ones(srv: Served) -> 
         await c.close()
 
     run(go())
+
+
+def _differs(a: bytes, b: bytes) -> bool:
+    """Another waveform, not the same one rounded differently (see ``assert_same_pcm``)."""
+    if len(a) != len(b):
+        return True
+    x, y = np.frombuffer(a, dtype="<i2").astype(np.int32), np.frombuffer(b, dtype="<i2").astype(np.int32)
+    return bool((np.abs(x - y) > 1).mean() > 0.5)
+
+
+def test_a_session_and_a_response_speak_in_their_own_voices(srv: Served) -> None:
+    """A session's ``voice`` (``session.update``), and a ``response.create``'s {voice,
+    output_audio_format: pcm16, conversation: auto} over it: each answer to the
+    conversation is chat's answer to the same turn in that voice, sample for sample, and
+    the two voices differ."""
+
+    def chat_pcm(voice: str) -> bytes:
+        stream = srv.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello there"}],
+            modalities=["text", "audio"],
+            audio={"voice": voice, "format": "pcm16"},
+            max_tokens=8,
+            stream=True,
+        )
+        return chat_stream_audio(stream)[1]
+
+    async def answer(response: dict[str, object]) -> tuple[dict[str, Any], bytes]:
+        c = await RealtimeClient.connect(rt_url(srv))
+        await c.send({"type": "session.update", "session": {"voice": "aiden"}})
+        assert (await c.until("session.updated"))["session"]["voice"] == "aiden"
+        done = await c.text_turn("Hello there", {"max_response_output_tokens": 8, **response})
+        await c.close()
+        resp = done["response"]
+        return resp, pcm_of([r.event for r in c.events], str(resp["id"]))
+
+    aiden, aiden_audio = asyncio.run(answer({}))
+    ethan, ethan_audio = asyncio.run(
+        answer({"voice": "Ethan", "output_audio_format": "pcm16", "conversation": "auto"})
+    )
+    assert (aiden["voice"], ethan["voice"]) == ("aiden", "ethan")
+    assert aiden["output_audio_format"] == ethan["output_audio_format"] == "pcm16"
+    assert_same_pcm(aiden_audio, chat_pcm("aiden"))
+    assert_same_pcm(ethan_audio, chat_pcm("ethan"))
+    assert _differs(aiden_audio, ethan_audio)
 
 
 def test_the_conversation_drops_its_oldest_items(srv: Served) -> None:
@@ -180,6 +230,62 @@ def test_vad_events_match_the_speech_edges_of_a_wav(srv: Served, tmp_path: Path)
         done = await c.until("response.done")
         assert done["response"]["status"] in ("completed", "incomplete")
         assert pcm_of([r.event for r in c.events], done["response"]["id"])
+        await c.close()
+
+    run(go())
+
+
+def test_turn_detection_without_create_response_commits_and_waits(srv: Served) -> None:
+    async def go() -> None:
+        c = await RealtimeClient.connect(rt_url(srv))
+        session = {"turn_detection": {"create_response": False}, "max_response_output_tokens": 6}
+        await c.send({"type": "session.update", "session": session})
+        assert (await c.until("session.updated"))["session"]["turn_detection"]["create_response"] is False
+        for event in append_events(utterance(RATE, 0.5, 0.8, 0.8), RATE):
+            await c.send(event)
+        committed = await c.until("input_audio_buffer.committed")
+        assert (await c.until("conversation.item.created"))["item"]["id"] == committed["item_id"]
+        # The server handles events in order: had the turn started a response, it would
+        # have said so before answering this later event.
+        await c.send({"type": "session.update", "session": {}})
+        await c.until("session.updated")
+        assert c.of("input_audio_buffer.speech_stopped") and not c.of("response.created")
+        # The turn waits in the conversation for the client to ask.
+        await c.send({"type": "response.create"})
+        done = await c.until("response.done")
+        assert done["response"]["status"] in ("completed", "incomplete")
+        await c.close()
+
+    run(go())
+
+
+def test_turn_detection_without_interrupt_response_lets_the_answer_finish(srv: Served) -> None:
+    """Speech while an answer plays does not cut it; the turn it ends is answered after."""
+
+    async def go() -> None:
+        c = await RealtimeClient.connect(rt_url(srv))
+        session = {"turn_detection": {"interrupt_response": False}, "max_response_output_tokens": 6}
+        await c.send({"type": "session.update", "session": session})
+        await c.until("session.updated")
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}
+        await c.send({"type": "conversation.item.create", "item": item})
+        await c.send({"type": "response.create", "response": {"max_response_output_tokens": 100}})
+        playing = (await c.until("response.audio.delta"))["response_id"]
+        for event in append_events(utterance(RATE, 0.3, 0.5, 0.8), RATE):
+            await c.send(event)
+        started = await c.until("input_audio_buffer.speech_started")
+        first = await c.until("response.done")
+        # The turn started and ended while the answer played (its done came after), and
+        # did not cut it.
+        (stopped,) = c.of("input_audio_buffer.speech_stopped")
+        assert first["response"]["id"] == playing and c.at(started) <= c.at(stopped) <= c.at(first)
+        assert first["response"]["status"] in ("completed", "incomplete")
+        assert c.of("input_audio_buffer.committed")
+        # The turn's own answer, asked by the server once the first was done.
+        created = await c.until("response.created")
+        second = await c.until("response.done")
+        assert second["response"]["id"] == created["response"]["id"] != playing and not c.of("error")
+        assert second["response"]["status"] in ("completed", "incomplete")
         await c.close()
 
     run(go())
@@ -336,7 +442,7 @@ def test_keys_origins_capacity_and_the_session_limit(guarded: tuple[str, Admissi
         err = c.of("error")[0]["error"]
         assert err["code"] == "server_busy" and err["retry_after_s"] == 1
         assert done["response"]["status"] == "failed"
-        assert (await c.text_turn("Hi", SHORT))["response"]["status"] == "completed"
+        assert (await c.text_turn("Hi", SHORT))["response"]["status"] == "incomplete"  # served: 6 of 6
         await c.close()
 
     run(go())

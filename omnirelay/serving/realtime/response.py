@@ -102,6 +102,8 @@ class ResponseRunner:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.current: Response | None = None
+        #: a turn ended while :attr:`current` played: answer the conversation once it is done
+        self.answer_next = False
         self._tasks: set[asyncio.Task[None]] = set()
         #: transcription-only requests in flight (aborted when the session closes)
         self._transcriptions: set[RequestStream] = set()
@@ -145,6 +147,7 @@ class ResponseRunner:
             await self._refused(resp, exc)
             return
         self.current = resp
+        self.answer_next = False  # this response hears every turn so far
         await s.send("response.created", {"response": resp.body("in_progress")})
         await s.send(
             "response.output_item.added",
@@ -198,7 +201,9 @@ class ResponseRunner:
                 if resp.is_over:
                     break
                 await self._output(resp, out, emitter)
-                if out.finished and out.finish_reason == "length":
+                # The answer's text stage ran out of tokens (its end, not the request's: a
+                # spoken answer's last output is the voice's, which ends it normally).
+                if out.modality == "text" and out.stage_finished and out.finish_reason == "length":
                     status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except RequestFailedError as exc:
             err = request_failed(exc)
@@ -299,7 +304,7 @@ class ResponseRunner:
                         await self._heard([item], out.text or "")
             except RequestFailedError as exc:
                 err = request_failed(exc)
-                error = {"type": err.type, "code": err.code, "message": err.message}
+                error = {"type": err.type, "code": err.code or "transcription_failed", "message": err.message}
             finally:
                 self._transcriptions.discard(stream)
                 stream.close()
@@ -345,6 +350,12 @@ class ResponseRunner:
         )
         await s.send("response.done", {"response": resp.body(status, details)})
         await s.notify_dropped(s.conversation.trim())
+        if self.answer_next and self.current is None:
+            self.answer_next = False  # asked once: a refused answer is said, not retried
+            try:
+                await self.start(s.settings)
+            except EventError as exc:
+                await s.send_error(exc)
 
     async def shutdown(self) -> None:
         """The session is closing: abort what is in flight and wait for its request to end."""

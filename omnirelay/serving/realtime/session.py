@@ -31,7 +31,9 @@ Server events: ``session.created`` / ``session.updated``;
 * **Turns.** With ``turn_detection`` (server VAD, on by default), speech in the appended
   audio starts and ends a turn: ``speech_started``, then at the end ``speech_stopped``,
   the commit of the speech (from ``prefix_padding_ms`` before its onset) and, with
-  ``create_response``, a response. Without it the client commits and asks itself. A
+  ``create_response``, a response (one that ends while an answer still plays — with
+  ``interrupt_response`` false — is answered once that answer is done). Without it the
+  client commits and asks itself. A
   committed turn is a user item of ``input_audio``, resampled to the pipeline's input
   rate and heard the way chat's ``input_audio`` parts are
   (:mod:`omnirelay.serving.media.chat_turns`: a recognizer stage, or the Thinker's audio
@@ -380,11 +382,12 @@ class Session:
         item = await self._commit(audio, item_id)
         if item is None:
             return
-        answering = create_response and self.runner.current is None
-        if not answering:
-            self._transcribe(item)  # no response hears it now: the transcript is asked alone
-        if create_response:
+        if not create_response:
+            self._transcribe(item)  # no response hears it: the transcript is asked alone
+        elif self.runner.current is None:
             await self.runner.start(self.settings)
+        else:  # an answer plays on (interrupt_response false): this turn's comes after it
+            self.runner.answer_next = True
 
     async def _commit_all(self) -> None:
         item_id = self._speech[0] if self._speech is not None else new_id("item")
