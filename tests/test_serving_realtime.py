@@ -65,11 +65,10 @@ def test_session_created_and_updated(srv: Served) -> None:
             "create_response": True,
             "interrupt_response": True,
         }
-        await c.send(
-            {"type": "session.update", "session": {"voice": "ethan", "turn_detection": {"threshold": 0.7}}}
-        )
+        update = {"voice": "ethan", "turn_detection": {"threshold": 0.7}, "sample_rate": RATE}
+        await c.send({"type": "session.update", "session": update})
         s = (await c.until("session.updated"))["session"]
-        assert s["voice"] == "ethan" and s["turn_detection"]["threshold"] == 0.7
+        assert s["voice"] == "ethan" and s["turn_detection"]["threshold"] == 0.7 and s["sample_rate"] == RATE
         # A bad field: an error naming it, and nothing of the update applied.
         bad = {"voice": "chelsie", "turn_detection": {"silence_duration_ms": 5}}
         await c.send({"type": "session.update", "event_id": "evt_1", "session": bad})
@@ -338,6 +337,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(srv: Served) -> None:
             ({"type": "transcription_session.update", "session": {}}, "invalid_event_type"),
             ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value"),
             ({"type": "session.update", "session": {"output_audio_format": "g711_alaw"}}, "invalid_value"),
+            ({"type": "session.update", "session": {"sample_rate": 16000}}, "invalid_value"),
             (
                 {"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}},
                 "invalid_value",
