@@ -193,6 +193,12 @@ class RequestHandle:
 
     async def __anext__(self) -> RequestOutput:
         loop = asyncio.get_running_loop()
+        # One turn of the event loop per output, even when it is already here: a consumer
+        # that fell behind would otherwise take output after output without ever suspending
+        # (a streaming response's send does not suspend while its socket is writable, or
+        # gone), and nothing else on its loop — its cancellation when the client went
+        # away, a disconnect, the other streams — would run until the backlog was drained.
+        await asyncio.sleep(0)
         while True:
             with self._cond:
                 try:
