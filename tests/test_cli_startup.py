@@ -123,3 +123,16 @@ def test_serve_takes_a_checkpoint_directory_and_no_abbreviated_option(
         main(["serve", "--model-n", "x"])
     assert info.value.code == 2
     assert "unrecognized arguments: --model-n" in capsys.readouterr().err
+
+
+def test_serve_max_websockets_reaches_the_server_config() -> None:
+    from omnirelay.cli.main import build_parser
+    from omnirelay.cli.serve import _limits, security_limits, server_config
+    from omnirelay.pipeline import load_pipeline
+    from omnirelay.serving.server_config import ServerConfig
+
+    for argv, want in ((["--max-websockets", "3"], 3), ([], None)):
+        args = build_parser().parse_args(["serve", "--pipeline", "toy-3stage", *argv])
+        door = ServerConfig(**security_limits(args, {}))
+        config = server_config(load_pipeline("toy-3stage"), **_limits(args, door))
+        assert config.max_websockets == want and config.max_concurrency == 64

@@ -46,7 +46,21 @@ def register(sub: Any) -> None:
         "--model-name", default=None, help="the model name clients pass (default: the pipeline's name)"
     )
     p.add_argument(
-        "--max-concurrency", type=int, default=64, help="requests served at once; more get 429 (default 64)"
+        "--max-concurrency",
+        type=int,
+        default=64,
+        help="requests served at once, each response a WebSocket asks for included; more get 429 "
+        "(default 64)",
+    )
+    p.add_argument(
+        "--max-websockets",
+        type=int,
+        default=None,
+        metavar="N",
+        help="WebSocket connections open at once (/v1/audio/speech/stream and /v1/realtime together), each "
+        "held for the connection's life; one more gets an error message (server_busy) and close 1013 "
+        "(try again later). A pool of its own: an open socket holds no request slot, each response it "
+        "asks for takes one as any request does (default: --max-concurrency)",
     )
     p.add_argument(
         "--max-live-bytes",
@@ -312,6 +326,7 @@ def _limits(args: argparse.Namespace, door: ServerConfig) -> dict[str, Any]:
     return {
         "model_name": args.model_name,
         "max_concurrency": args.max_concurrency,
+        "max_websockets": args.max_websockets,
         "max_live_bytes": args.max_live_bytes,
         "max_audio_input_s": args.max_audio_input_s,
         "max_audio_input_bytes": args.max_audio_input_bytes,
