@@ -29,7 +29,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the server must import before it can answer at all: the floor its first answer is
+# judged against, measured in the same run (a loaded machine slows both alike).
+_FRONT_DOOR = (
+    "import uvicorn, omnirelay.cli.serve, omnirelay.cli.doctor, omnirelay.pipeline, "
+    "omnirelay.serving.startup, omnirelay.serving.security, omnirelay.serving.server"
+)
+
+
+def _front_door_floor_s() -> float:
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", _FRONT_DOOR], cwd=ROOT, check=True)
+    return time.monotonic() - t0
+
+
 def test_health_answers_at_once_and_shows_the_start() -> None:
+    # Within a second, or 2.5 times the bare front door's imports on a machine so loaded
+    # that those alone take more than 0.4 s; a model family imported before the port is
+    # bound (torch: seconds) fails either.
+    bound_s = max(1.0, 2.5 * _front_door_floor_s())
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -67,7 +85,9 @@ def test_health_answers_at_once_and_shows_the_start() -> None:
             time.sleep(0.05)
         assert first is not None
         seconds, status, body = first
-        assert seconds < 1.0, f"/health first answered {seconds:.2f} s after the start"
+        assert seconds < bound_s, (
+            f"/health first answered {seconds:.2f} s after the start (bound {bound_s:.2f} s)"
+        )
         assert status == 503 and body["status"] == "starting" and body["step"], body
         assert [s["name"] for s in body["stages"]] == ["asr", "thinker", "voice", "aligner"]
         assert states <= {"starting", "ready"} and "starting" in states

@@ -271,15 +271,25 @@ def with_max_audio_streams(pipeline: PipelineConfig, max_streams: int) -> Pipeli
 def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.cli.doctor import check_multihost
     from omnirelay.cli.session import load_run_config
+    from omnirelay.pipeline import load_pipeline
 
     local = bool(getattr(args, "local_cluster", False))
+    if args.model is None and args.device is None and args.load_format is None and args.runner is None:
+        # The file alone: no model family is imported (torch would take seconds) before
+        # the port is bound and /health answers.
+        pipeline = load_pipeline(args.pipeline or DEFAULT_PIPELINE)
+    else:  # the checkpoint is opened now: a wrong one fails before the port is taken
+        pipeline = load_run_config(
+            args.pipeline,
+            model=args.model,
+            device=args.device,
+            load_format=args.load_format,
+            runner=args.runner,
+        )
     # Ray and NIXL, where the pipeline needs them, before a cluster, the port or a stage.
-    pipeline = load_run_config(
-        args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
-    )
     check_multihost(pipeline, local_cluster=local)
     if not local:
-        return _serve(args)
+        return _serve(args, pipeline)
     from omnirelay.orchestrator.local_cluster import local_cluster
 
     print(
@@ -287,26 +297,13 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     with local_cluster() as address:
         os.environ["RAY_ADDRESS"] = address
-        return _serve(args)
+        return _serve(args, pipeline)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from omnirelay.pipeline import load_pipeline
+def _serve(args: argparse.Namespace, pipeline_config: PipelineConfig) -> int:
     from omnirelay.serving.server import bind_socket
     from omnirelay.serving.server_config import ServerConfig
 
-    if args.model is None and args.device is None and args.load_format is None and args.runner is None:
-        pipeline_config = load_pipeline(args.pipeline or DEFAULT_PIPELINE)
-    else:
-        from omnirelay.cli.session import load_run_config
-
-        pipeline_config = load_run_config(
-            args.pipeline,
-            model=args.model,
-            device=args.device,
-            load_format=args.load_format,
-            runner=args.runner,
-        )
     if args.max_restarts is not None:
         pipeline_config = with_max_restarts(pipeline_config, args.max_restarts)
     if args.max_audio_streams is not None:
