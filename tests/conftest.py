@@ -26,3 +26,14 @@ def namespace() -> str:
     ns = f"t{os.getpid()}x{next(_COUNTER)}"
     yield ns
     assert_no_shm_leaks(ns)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stage workers of every test start from one fork server that has imported what every
+    model family's workers need (a process's first pipeline would otherwise choose, and
+    the suite's first pipeline is a toy): each worker then starts without importing torch
+    or transformers again (docs/design.md §10)."""
+    from omnirelay.models import FAMILIES
+    from omnirelay.worker.processes import worker_context
+
+    worker_context(m for family in FAMILIES for m in family.worker_imports)

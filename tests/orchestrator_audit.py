@@ -19,9 +19,10 @@ from omnirelay.worker import leak_paths
 
 
 def child_pids() -> list[int]:
-    """Live children of this process, except multiprocessing's resource tracker."""
+    """Live children of this process — the stage workers its fork server forked included —
+    except multiprocessing's own helpers (the resource tracker and the fork server)."""
     me = os.getpid()
-    out = []
+    procs: dict[int, tuple[int, str]] = {}  # pid -> (ppid, cmdline) of the live processes
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -33,11 +34,15 @@ def child_pids() -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid != me or state == "Z" or "resource_tracker" in cmdline:
-            continue
-        out.append(int(entry))
-    return out
+        if fields[0] != "Z":
+            procs[int(entry)] = (int(fields[1]), cmdline)
+    helpers = {pid for pid, (ppid, cmd) in procs.items() if ppid == me and _is_helper(cmd)}
+    parents = helpers | {me}
+    return sorted(pid for pid, (ppid, _) in procs.items() if ppid in parents and pid not in helpers)
+
+
+def _is_helper(cmdline: str) -> bool:
+    return "multiprocessing.resource_tracker" in cmdline or "multiprocessing.forkserver" in cmdline
 
 
 def pids_alive(pids: list[int | None]) -> list[int]:

@@ -270,3 +270,17 @@ def build_env_checked_engine(pipeline: PipelineConfig, stage_id: int) -> Scripte
         if os.environ.get(name) != value:
             raise RuntimeError(f"{name} is {os.environ.get(name)!r} in the worker, expected {value!r}")
     return build_scripted_engine(pipeline, stage_id)
+
+
+#: set by the front after its fork server started (tests/test_stage_process_env.py)
+FRONT_FLAG = "OMNIRELAY_TEST_FRONT_FLAG"
+
+
+def build_front_env_checked_engine(pipeline: PipelineConfig, stage_id: int) -> ScriptedEngine:
+    """A scripted engine built only where the front's variable :data:`FRONT_FLAG` is
+    ``front-now`` (the front set it after its fork server had started)."""
+    import os
+
+    if os.environ.get(FRONT_FLAG) != "front-now":
+        raise RuntimeError(f"{FRONT_FLAG} is {os.environ.get(FRONT_FLAG)!r} in the worker")
+    return build_scripted_engine(pipeline, stage_id)

@@ -337,6 +337,24 @@ time.sleep(600)
 """
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
 def test_workers_exit_when_the_front_dies() -> None:
     import json
     import subprocess
@@ -350,12 +368,16 @@ def test_workers_exit_when_the_front_dies() -> None:
         info = json.loads(front.stdout.readline())
         assert pids_alive(info["pids"]) == info["pids"]
         assert not os.path.exists(info["ctl"])  # socket files go once every worker connected
+        # the workers were forked by the front's fork server, not by the front
+        fork_server = [pid for pid in _children(front.pid) if "multiprocessing.forkserver" in _cmdline(pid)]
+        assert len(fork_server) == 1 and set(info["pids"]) <= set(_children(fork_server[0]))
         os.kill(front.pid, signal.SIGKILL)
         front.wait(10)
         deadline = time.monotonic() + 10
-        while pids_alive(info["pids"]) and time.monotonic() < deadline:
+        while pids_alive(info["pids"] + fork_server) and time.monotonic() < deadline:
             time.sleep(0.05)  # waiting for other processes to exit: nothing to synchronize on
         assert pids_alive(info["pids"]) == []
+        assert pids_alive(fork_server) == []  # it goes once the front and its workers are gone
         # the orphaned workers shut their engines down: their objects are gone too
         assert sweep(info["namespace"]).objects == []
     finally:

@@ -109,3 +109,24 @@ def test_the_worker_sets_the_environment_before_building_its_engine() -> None:
         audit_running(pipe)
     finally:
         audit_stopped(pipe)
+
+
+def test_a_worker_forked_from_the_fork_server_has_the_fronts_environment_of_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing.forkserver
+
+    from tests.orchestrator_fakes import FRONT_FLAG
+
+    multiprocessing.forkserver.ensure_running()  # its environment is the front's before the flag
+    monkeypatch.setenv(FRONT_FLAG, "front-now")
+    pipe = Pipeline.start(
+        _config(),
+        runtime=RuntimeHooks(engine_factory="tests.orchestrator_fakes:build_front_env_checked_engine"),
+    )
+    try:
+        res = pipe.submit([3], modalities=["text"], sampling=SamplingParams(max_tokens=2)).result(timeout=30)
+        assert res.token_ids("text") == expected_text_tokens([3], 2)
+        audit_running(pipe)
+    finally:
+        audit_stopped(pipe)

@@ -21,7 +21,8 @@ they import no family module:
 * :mod:`~omnirelay.models.inputs` — the contract of a request's audio and image input;
 * here: :data:`FAMILIES`, :func:`family_of`, :func:`register_executors`,
   :func:`prompt_side`, :func:`prepare_models`, :func:`stage_voice`,
-  :func:`checkpoint_stages`, :func:`resolve_model` and :func:`encode_chat_prompt`.
+  :func:`checkpoint_stages`, :func:`worker_imports`, :func:`resolve_model` and
+  :func:`encode_chat_prompt`.
 
 Executors are registered by name into a registry the caller owns::
 
@@ -61,6 +62,7 @@ __all__ = [
     "register_executors",
     "resolve_model",
     "stage_voice",
+    "worker_imports",
 ]
 
 #: The shipped model families, in the order their executors are registered.
@@ -125,6 +127,17 @@ def checkpoint_stages(pipeline: PipelineConfig) -> tuple[list[int], CheckpointOp
             ids.append(stage.id)
             options = options or found
     return ids, options
+
+
+def worker_imports(pipeline: PipelineConfig) -> tuple[str, ...]:
+    """The modules the pipeline's stage workers import to build their models (each stage's
+    family's :attr:`~omnirelay.models.family.ModelFamily.worker_imports`), in order, once."""
+    found: dict[str, None] = {}
+    for stage in pipeline.stages:
+        family = family_of(stage.executor)
+        if family is not None:
+            found.update(dict.fromkeys(family.worker_imports))
+    return tuple(found)
 
 
 def resolve_model(spec: str, announce: Announce = quiet) -> str:

@@ -207,6 +207,10 @@ class ModelFamily:
     #: How its stages load from a checkpoint (None: they take no checkpoint, or only some
     #: of its executors do: see :meth:`checkpoint_options`).
     checkpoints: CheckpointOptions | None = None
+    #: The modules its stage workers import to build and run their models: the fork server
+    #: workers start from imports them once (:mod:`omnirelay.worker.processes`). Importing
+    #: them must start no thread and touch no device.
+    worker_imports: tuple[str, ...] = ()
 
     def owns(self, executor: str) -> bool:
         return executor in self.executors

@@ -181,6 +181,7 @@ class Orchestrator:
                 read=self._read,
                 stage_ready=self._on_worker_ready,
             ),
+            preload=_worker_imports(self.config),
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queries = WorkerQueries(self._send)
@@ -759,3 +760,11 @@ def _error_output(request_id: str, reason: str) -> RequestOutput:
     return RequestOutput(
         request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="error", error=reason
     )
+
+
+def _worker_imports(config: PipelineConfig) -> tuple[str, ...]:
+    """What the pipeline's stage workers import to build their models (the fork server
+    imports it once; :mod:`omnirelay.worker.processes`)."""
+    from omnirelay.models import worker_imports
+
+    return worker_imports(config)

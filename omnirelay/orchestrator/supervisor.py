@@ -6,7 +6,8 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
 * :meth:`StageSupervisor.start` — bind the control sockets, spawn one worker per stage
   (one per replica of a replicated stage; the supervisor knows workers by their index,
   :meth:`PipelineConfig.workers`, and supervises each alike)
-  (``spawn`` context), wait for every hello; a failure raises :class:`StageDiedError`
+  (forked from the front's fork server with the models' imports done,
+  :mod:`omnirelay.worker.processes`), wait for every hello; a failure raises :class:`StageDiedError`
   naming the stage (a stage that cannot start at all is not restarted: that is a
   configuration or model error, and retrying it would only hide it).
 * Each process's sentinel is watched with ``loop.add_reader``, so a dead worker is seen
@@ -32,10 +33,11 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import dataclasses
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,7 @@ from omnirelay.orchestrator.stage_processes import StageProcess, StageState, des
 from omnirelay.pipeline.restart import RestartPolicy
 from omnirelay.worker import WorkerSpec, worker_main
 from omnirelay.worker.messages import Shutdown, ToFront
+from omnirelay.worker.processes import worker_context
 from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
@@ -113,6 +116,7 @@ class StageSupervisor:
         hooks: SupervisorHooks,
         spawn: Callable[[int, WorkerSpec], Any] | None = None,
         tcp_host: str | None = None,
+        preload: Iterable[str] = (),
     ) -> None:
         self.namespace = namespace
         self.stages = stages
@@ -122,7 +126,8 @@ class StageSupervisor:
         self._hooks = hooks
         self.control: FrontControl | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ctx = multiprocessing.get_context("spawn")
+        #: local workers start from the fork server, which imports ``preload`` once
+        self._ctx = worker_context(preload)
         #: builds a stage's worker process (placement on Ray); None: a spawned local process
         self._spawn_process = spawn
         #: the front's address when workers run on other hosts (control plane over TCP)
@@ -178,10 +183,10 @@ class StageSupervisor:
         spec = self._make_spec(st.index, paths)
         if self._spawn_process is not None:
             proc = self._spawn_process(st.index, spec)
-        else:
+        else:  # the environment as it is now, not as the fork server found it
             proc = self._ctx.Process(
                 target=worker_main,
-                args=(spec,),
+                args=(dataclasses.replace(spec, environ=dict(os.environ)),),
                 name=f"omnirelay-{self.namespace}-{st.process_name}",
                 daemon=True,
             )

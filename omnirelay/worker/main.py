@@ -1,9 +1,10 @@
 """The stage worker process: :func:`worker_main`, one stage engine behind the control plane.
 
-:func:`worker_main` is the process target (``spawn`` context only: the front may have
-imported torch, and forking a process with torch's threads is undefined behaviour). It
+:func:`worker_main` is the process target (forked from the front's fork server or
+spawned, never forked from the front: :mod:`omnirelay.worker.processes`). It
 
-1. sets the stage's process environment (``env``, ``gpu_share``, ``gpu_priority`` of
+1. takes the front's environment (:attr:`WorkerSpec.environ`), sets the stage's process
+   environment (``env``, ``gpu_share``, ``gpu_priority`` of
    its :class:`~omnirelay.pipeline.StageConfig`), connects its control sockets, builds the engine through the factory named in
    :class:`~omnirelay.worker.spec.WorkerSpec` (``"module:function"``, called as
    ``factory(pipeline, stage_id)``, plus ``tracer=`` a new step tracer when the spec has
@@ -26,14 +27,16 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from types import FrameType
 
 from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.errors import ConfigError, PipelineError
 from omnirelay.worker.loop import WorkerLoop
 from omnirelay.worker.messages import Goodbye, Hello, StartupFailed, ToFront
+from omnirelay.worker.processes import watch_parent
 from omnirelay.worker.spec import WorkerSpec, load_engine_factory
-from omnirelay.worker.worker_control import CommandInbox, WorkerControl, parent_alive
+from omnirelay.worker.worker_control import CommandInbox, WorkerControl
 
 __all__ = ["worker_main"]
 
@@ -46,7 +49,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
-def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtocol | None:
+def _build_engine(
+    spec: WorkerSpec, control: WorkerControl, is_front_alive: Callable[[], bool]
+) -> StageEngineProtocol | None:
     """The engine, or None after telling the front why it could not be built."""
     try:
         factory = load_engine_factory(spec.engine_factory)
@@ -65,7 +70,7 @@ def _build_engine(spec: WorkerSpec, control: WorkerControl) -> StageEngineProtoc
         detail = f"{exc!r}\n{traceback.format_exc()}"
         control.send(
             StartupFailed(spec.stage_id, os.getpid(), detail),
-            is_peer_alive=lambda: parent_alive(spec.parent_pid),
+            is_peer_alive=is_front_alive,
             timeout_s=5.0,
         )
         return None
@@ -75,11 +80,12 @@ def worker_main(spec: WorkerSpec) -> None:
     """The process target of one stage worker (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if spec.environ is not None:  # forked from the fork server: the front's environment now
+        os.environ.clear()
+        os.environ.update(spec.environ)
     # Before anything creates a CUDA context: the driver reads MPS settings only then.
     os.environ.update(spec.pipeline.stages[spec.stage_id].process_env())
-
-    def is_parent_alive() -> bool:
-        return parent_alive(spec.parent_pid)
+    is_parent_alive = watch_parent(spec.parent_pid)
 
     def send(message: ToFront) -> None:
         control.send(message, is_peer_alive=is_parent_alive)
@@ -88,7 +94,7 @@ def worker_main(spec: WorkerSpec) -> None:
     engine: StageEngineProtocol | None = None
     is_clean = False
     try:
-        engine = _build_engine(spec, control)
+        engine = _build_engine(spec, control, is_parent_alive)
         if engine is not None:
             inbox = CommandInbox()
             loop = WorkerLoop(engine, inbox, send, spec)

@@ -53,6 +53,9 @@ class WorkerSpec:
     progress_flush_s: float = 0.25
     #: … and at most this many of them
     progress_flush_count: int = 256
+    #: the front's environment when it started the worker (a worker forked from the fork
+    #: server takes it first, :mod:`omnirelay.worker.processes`); None: keep its own
+    environ: dict[str, str] | None = None
 
     @property
     def worker_index(self) -> int:

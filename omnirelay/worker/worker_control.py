@@ -15,7 +15,6 @@ The front binds everything before it spawns the workers, so a worker only connec
   binds them).
 * :class:`WorkerControl` — worker side, plain blocking zmq: a receive thread feeds an
   :class:`CommandInbox` and wakes the engine; ``send(message)`` from the engine thread.
-* :func:`parent_alive` — a spawned worker's watch of the front process.
 
 Every socket has ``LINGER 0``: at shutdown nothing waits for an unread message (the
 peer is going away too). A PUSH socket with no live peer cannot send; both sides turn
@@ -24,7 +23,6 @@ that into a value (``False`` / a :class:`PipelineError`) instead of blocking.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -38,7 +36,7 @@ import zmq
 from omnirelay.errors import PipelineError
 from omnirelay.worker.messages import Shutdown, ToFront, ToWorker, decode_to_worker, encode_message
 
-__all__ = ["CommandInbox", "ControlPaths", "WorkerControl", "parent_alive"]
+__all__ = ["CommandInbox", "ControlPaths", "WorkerControl"]
 
 #: ``sun_path`` holds 108 bytes; leave room for ``ipc://`` parsing and the file name.
 _MAX_IPC_DIR = 80
@@ -224,8 +222,3 @@ class WorkerControl:
         self._ctx.term()
         if self._reader is not None:
             self._reader.join()
-
-
-def parent_alive(parent_pid: int) -> bool:
-    """True while ``parent_pid`` is still this process's parent (spawned workers' watch)."""
-    return os.getppid() == parent_pid

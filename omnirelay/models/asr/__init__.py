@@ -67,6 +67,13 @@ class SpeechFamily(ModelFamily):
 
     name = "speech recognition and alignment"
     executors = (RECOGNIZER_EXECUTOR, SPHINX_ALIGNER_EXECUTOR, ALIGNER_EXECUTOR)
+    worker_imports = (
+        "torch",
+        "pocketsphinx",
+        "omnirelay.models.asr.recognizer",
+        "omnirelay.models.asr.sphinx",
+        "omnirelay.models.asr.vad_aligner",
+    )
 
     def register_executors(self, executors: Registry[Any], *, replace: bool = False) -> None:
         executors.add(ALIGNER_EXECUTOR, create_aligner, replace=replace)

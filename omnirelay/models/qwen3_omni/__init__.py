@@ -92,6 +92,15 @@ class Qwen3OmniFamily(ModelFamily):
 
     name = "Qwen3-Omni"
     executors = EXECUTOR_NAMES
+    worker_imports = (
+        "torch",
+        "transformers",
+        "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+        "omnirelay.models.qwen3_omni.thinker",
+        "omnirelay.models.qwen3_omni.talker",
+        "omnirelay.models.qwen3_omni.code2wav",
+        "omnirelay.models.runner",
+    )
     checkpoints = CheckpointOptions(
         label="Qwen3-Omni",
         load_formats=LOAD_FORMATS,

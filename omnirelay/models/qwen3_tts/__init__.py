@@ -87,6 +87,12 @@ class Qwen3TTSFamily(ModelFamily):
 
     name = "Qwen3-TTS"
     executors = EXECUTOR_NAMES
+    worker_imports = (
+        "torch",
+        "omnirelay.models.qwen3_tts.talker",
+        "omnirelay.models.qwen3_tts.code2wav",
+        "omnirelay.models.runner",
+    )
     checkpoints = CheckpointOptions(
         label="Qwen3-TTS",
         load_formats=LOAD_FORMATS,

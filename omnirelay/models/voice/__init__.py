@@ -89,6 +89,15 @@ class VoiceFamily(ModelFamily):
 
     name = "voice"
     executors = (SMOLLM2_EXECUTOR, VOICE_EXECUTOR)
+    worker_imports = (
+        "torch",
+        "transformers",
+        "transformers.models.llama.modeling_llama",
+        "tokenizers",
+        "onnxruntime",
+        "omnirelay.models.voice.smollm2",
+        "omnirelay.models.voice.piper",
+    )
 
     def checkpoint_options(self, stage: StageConfig) -> CheckpointOptions | None:
         return THINKER_CHECKPOINTS if stage.executor == SMOLLM2_EXECUTOR else None
