@@ -176,8 +176,8 @@ def run_env() -> Iterator[dict[str, str]]:
 
 
 def _stage_workers(pid: int) -> list[int]:
-    """Children of ``pid`` started by multiprocessing's spawn (its resource tracker excluded)."""
-    out = []
+    """The stage workers of the front ``pid``: the children of its fork server."""
+    procs: dict[int, tuple[int, str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -188,9 +188,9 @@ def _stage_workers(pid: int) -> list[int]:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid and "spawn_main" in cmdline:
-            out.append(int(entry))
-    return out
+        procs[int(entry)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), cmdline)
+    servers = {p for p, (ppid, cmd) in procs.items() if ppid == pid and "multiprocessing.forkserver" in cmd}
+    return [p for p, (ppid, _) in procs.items() if ppid in servers]
 
 
 def _default_sigint() -> None:
