@@ -18,11 +18,9 @@ from omnirelay.connectors.shm import sweep
 from omnirelay.worker import leak_paths
 
 
-def child_pids() -> list[int]:
-    """Live children of this process — the stage workers its fork server forked included —
-    except multiprocessing's own helpers (the resource tracker and the fork server)."""
-    me = os.getpid()
-    procs: dict[int, tuple[int, str]] = {}  # pid -> (ppid, cmdline) of the live processes
+def processes() -> dict[int, tuple[int, str]]:
+    """Every live process (zombies excluded): pid -> (parent pid, command line)."""
+    out: dict[int, tuple[int, str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -33,16 +31,29 @@ def child_pids() -> list[int]:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
         if fields[0] != "Z":
-            procs[int(entry)] = (int(fields[1]), cmdline)
-    helpers = {pid for pid, (ppid, cmd) in procs.items() if ppid == me and _is_helper(cmd)}
+            out[int(entry)] = (int(fields[1]), cmdline)
+    return out
+
+
+def fork_servers(pid: int, procs: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """The multiprocessing fork servers ``pid`` started (its stage workers' parent)."""
+    procs = processes() if procs is None else procs
+    return [p for p, (ppid, cmd) in procs.items() if ppid == pid and "multiprocessing.forkserver" in cmd]
+
+
+def child_pids() -> list[int]:
+    """Live children of this process — the stage workers its fork server forked included —
+    except multiprocessing's own helpers (the resource tracker and the fork server)."""
+    me = os.getpid()
+    procs = processes()
+    helpers = {
+        p for p, (ppid, cmd) in procs.items() if ppid == me and "multiprocessing.resource_tracker" in cmd
+    }
+    helpers.update(fork_servers(me, procs))
     parents = helpers | {me}
-    return sorted(pid for pid, (ppid, _) in procs.items() if ppid in parents and pid not in helpers)
-
-
-def _is_helper(cmdline: str) -> bool:
-    return "multiprocessing.resource_tracker" in cmdline or "multiprocessing.forkserver" in cmdline
+    return sorted(p for p, (ppid, _) in procs.items() if ppid in parents and p not in helpers)
 
 
 def pids_alive(pids: list[int | None]) -> list[int]:

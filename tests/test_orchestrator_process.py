@@ -23,7 +23,15 @@ from omnirelay.connectors.shm import sweep
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedError, StageDiedError
 from omnirelay.pipeline import PipelineConfig, parse_pipeline
-from tests.orchestrator_audit import audit_running, audit_stopped, child_pids, pids_alive, transfer_objects
+from tests.orchestrator_audit import (
+    audit_running,
+    audit_stopped,
+    child_pids,
+    fork_servers,
+    pids_alive,
+    processes,
+    transfer_objects,
+)
 from tests.orchestrator_fakes import SAMPLE_RATE, expected_audio, expected_text_tokens
 from tests.orchestrator_load import run_concurrent
 
@@ -337,24 +345,6 @@ time.sleep(600)
 """
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            out.append(int(entry))
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().decode(errors="replace")
-
-
 def test_workers_exit_when_the_front_dies() -> None:
     import json
     import subprocess
@@ -369,8 +359,10 @@ def test_workers_exit_when_the_front_dies() -> None:
         assert pids_alive(info["pids"]) == info["pids"]
         assert not os.path.exists(info["ctl"])  # socket files go once every worker connected
         # the workers were forked by the front's fork server, not by the front
-        fork_server = [pid for pid in _children(front.pid) if "multiprocessing.forkserver" in _cmdline(pid)]
-        assert len(fork_server) == 1 and set(info["pids"]) <= set(_children(fork_server[0]))
+        procs = processes()
+        fork_server = fork_servers(front.pid, procs)
+        assert len(fork_server) == 1
+        assert set(info["pids"]) <= {p for p, (ppid, _) in procs.items() if ppid == fork_server[0]}
         os.kill(front.pid, signal.SIGKILL)
         front.wait(10)
         deadline = time.monotonic() + 10

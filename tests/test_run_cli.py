@@ -28,7 +28,7 @@ from omnirelay.connectors.shm import sweep
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
 from omnirelay.pipeline import load_pipeline
-from tests.orchestrator_audit import pids_alive
+from tests.orchestrator_audit import fork_servers, pids_alive, processes
 from tests.test_models_support import tiny_cache, tiny_dir
 
 # --------------------------------------------------------------------------- errors
@@ -177,19 +177,8 @@ def run_env() -> Iterator[dict[str, str]]:
 
 def _stage_workers(pid: int) -> list[int]:
     """The stage workers of the front ``pid``: the children of its fork server."""
-    procs: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        procs[int(entry)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), cmdline)
-    servers = {p for p, (ppid, cmd) in procs.items() if ppid == pid and "multiprocessing.forkserver" in cmd}
+    procs = processes()
+    servers = set(fork_servers(pid, procs))
     return [p for p, (ppid, _) in procs.items() if ppid in servers]
 
 
