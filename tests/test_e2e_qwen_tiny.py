@@ -137,7 +137,10 @@ def test_text_and_audio_come_back_and_audio_length_is_exact(
     # re-emits the previous tail and holds back its own), small first, at most 25 frames.
     sizes = [a.num_samples for a in tl.audio_chunks]
     assert len(sizes) > 2 and (sizes[0] + holdback) % U == 0 and all(n % U == 0 for n in sizes[1:])
-    assert (sizes[0] + holdback) // U <= 2 and max(sizes) <= LARGEST * U
+    # Small first: its size follows the slowest recent frame interval (the pacing tests pin
+    # that rule: 1-2 frames when frames come fast, more on a machine so loaded that a frame
+    # takes longer than the audio of two), never a whole chunk.
+    assert (sizes[0] + holdback) // U < LARGEST and max(sizes) <= LARGEST * U
 
     # The timeline and its critical paths are consistent.
     assert tl.ttft_s is not None and tl.ttfa_s is not None and 0 < tl.ttft_s <= tl.ttfa_s <= tl.total_s
