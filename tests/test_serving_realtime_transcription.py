@@ -25,23 +25,11 @@ from omnirelay.pipeline import load_pipeline
 from omnirelay.serving import ServerThread, create_app
 from omnirelay.serving.frontend import Frontend
 from tests.realtime_support import RealtimeClient, append_events, utterance
+from tests.test_serving_speech import HeldHandle
 
 RATE = 24000
 #: what the stand-in's recognizer says of every clip
 FAILURE = "stage 0 (asr) failed: the recognizer cannot take this clip"
-
-
-class _Handle:
-    def __init__(self, request_id: str, outputs: AsyncIterator[RequestOutput], held: set[str]) -> None:
-        self.request_id = request_id
-        self._outputs = outputs
-        self._held = held
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._outputs
-
-    def close(self) -> None:
-        self._held.discard(self.request_id)
 
 
 class FailingRecognizer:
@@ -54,11 +42,11 @@ class FailingRecognizer:
         self.held: set[str] = set()  # ids whose handle the server has not closed
         self.busy: str | None = None
 
-    def submit(self, prompt: list[int], *, request_id: str, **kwargs: Any) -> _Handle:
+    def submit(self, prompt: list[int], *, request_id: str, **kwargs: Any) -> HeldHandle:
         self.submitted.append(kwargs)
         self.active.add(request_id)
         self.held.add(request_id)
-        return _Handle(request_id, self._outputs(request_id), self.held)
+        return HeldHandle(request_id, self._outputs(request_id), self.held)
 
     async def _outputs(self, rid: str) -> AsyncIterator[RequestOutput]:
         try:

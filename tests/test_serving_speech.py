@@ -261,7 +261,10 @@ def test_chat_refuses_an_audio_format_openai_does_not_have(srv: Served) -> None:
 # ------------------------------------------------------------------- streaming, forced
 
 
-class _Handle:
+class HeldHandle:
+    """A request handle of the fake pipelines: its outputs, and its id held until the
+    server closes it (tests/test_serving_realtime_transcription.py uses it too)."""
+
     def __init__(self, request_id: str, outputs: AsyncIterator[RequestOutput], held: set[str]) -> None:
         self.request_id = request_id
         self._outputs = outputs
@@ -289,10 +292,10 @@ class GatedPipeline:
         self.held: set[str] = set()  # ids whose handle the server has not closed yet
         self.aborted: set[str] = set()
 
-    def submit(self, prompt: list[int], *, request_id: str, **_: Any) -> _Handle:
+    def submit(self, prompt: list[int], *, request_id: str, **_: Any) -> HeldHandle:
         self.active.add(request_id)
         self.held.add(request_id)
-        return _Handle(request_id, self._outputs(request_id), self.held)
+        return HeldHandle(request_id, self._outputs(request_id), self.held)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
