@@ -1,7 +1,7 @@
 """The benchmarks' command line: ``omnirelay bench BENCH ...`` (or ``python -m benchmarks BENCH ...``).
 
 :func:`main` parses the arguments after ``bench`` and runs one benchmark: ``transfer``,
-``stress``, ``adapter``, ``pipeline``, ``runner``, ``serve`` or ``speech``. Each prints its table, writes its
+``stress``, ``adapter``, ``pipeline``, ``runner``, ``tts-talker``, ``serve`` or ``speech``. Each prints its table, writes its
 figures with ``--json PATH`` and returns the exit status (1 when a target is missed or
 something leaked). ``omnirelay bench`` (:mod:`omnirelay.cli.bench`) imports this module
 only when a benchmark runs.
@@ -257,6 +257,36 @@ def _register_benches(bsub: Any) -> None:
     r.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     r.set_defaults(func=run_bench_runner)
 
+    tt = bsub.add_parser(
+        "tts-talker",
+        help="where a Qwen3-TTS Talker step's time goes, by batch (frame, tail, admitting a request)",
+        description=(
+            "Builds the Qwen3-TTS Talker stage as the pipeline does (random weights of a shipped config, or "
+            "the tiny model) alone on a device and times, per batch of continuing requests: the Talker's "
+            "frame step, the whole step (the code-predictor tail over every row, host work and the codes' "
+            "copy included) and a step that admits one new request. --profile B adds the kernels per step "
+            "and the largest kernels at batch B (torch.profiler)."
+        ),
+    )
+    tt.add_argument("--model", default="1.7b-customvoice", help="shipped config (default 1.7b-customvoice)")
+    tt.add_argument("--device", default="cuda:0", help="torch device (default cuda:0)")
+    tt.add_argument(
+        "--load-format",
+        choices=("dummy", "tiny"),
+        default="dummy",
+        help="dummy: random weights of the shipped config (default); tiny: the tiny model",
+    )
+    tt.add_argument(
+        "--batches", default="1,8,16,32,48,64", help="comma-separated batch sizes (default 1,8,16,32,48,64)"
+    )
+    tt.add_argument("--reps", type=int, default=20, help="timed runs per figure (default 20)")
+    tt.add_argument(
+        "--prefill-tokens", type=int, default=64, help="a new request's prefill rows (default 64)"
+    )
+    tt.add_argument("--profile", type=int, default=None, metavar="B", help="profile the steps at batch B")
+    tt.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    tt.set_defaults(func=run_bench_tts_talker)
+
     v = bsub.add_parser(
         "serve",
         help="load generator for the OpenAI-compatible server: TTFA, real-time factor, requests/s",
@@ -333,6 +363,14 @@ def _register_benches(bsub: Any) -> None:
     )
     sp.add_argument(
         "--timeout", type=float, default=900.0, help="bound on each rate in seconds (default 900)"
+    )
+    sp.add_argument(
+        "--mps",
+        action="store_true",
+        help=(
+            "run the stages under a private CUDA MPS daemon started for this run and stopped after it "
+            "(the Talker's and Code2Wav's kernels share the GPU at once instead of in time slices)"
+        ),
     )
     sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     sp.set_defaults(func=run_bench_speech)
@@ -495,6 +533,27 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
     return 0 if report["ok"] and target_met(report) is not False else 1
 
 
+def run_bench_tts_talker(args: argparse.Namespace) -> int:
+    from benchmarks.tts_talker import render_tts_talker_bench, run_tts_talker_bench
+
+    try:
+        batches = [int(x) for x in args.batches.split(",") if x.strip()]
+        report = run_tts_talker_bench(
+            model=args.model,
+            device=args.device,
+            load_format=args.load_format,
+            batches=batches,
+            reps=args.reps,
+            prefill_tokens=args.prefill_tokens,
+            profile=args.profile,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench tts-talker: {exc}") from exc
+    print(render_tts_talker_bench(report))
+    _write_json(args.json, report)
+    return 0 if not report["leak_state"] else 1
+
+
 def run_bench_runner(args: argparse.Namespace) -> int:
     from benchmarks.runner import render_runner_bench, run_runner_bench
 
@@ -537,6 +596,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 
 def run_bench_speech(args: argparse.Namespace) -> int:
+    from benchmarks.mps import MpsError
     from benchmarks.speech import render_speech_bench, run_speech_bench
 
     try:
@@ -555,8 +615,9 @@ def run_bench_speech(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_frames=args.max_frames,
             timeout_s=args.timeout,
+            mps=args.mps,
         )
-    except ValueError as exc:
+    except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench speech: {exc}") from exc
     print(render_speech_bench(report))
     _write_json(args.json, report)

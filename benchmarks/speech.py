@@ -29,6 +29,7 @@ model stage ran on CUDA): first playable audio p50 ≤ 100 ms at 1 request/s and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -298,11 +299,28 @@ def run_speech_bench(
     device: str | None = None,
     load_format: str | None = None,
     stream: TextIO | None = None,
+    mps: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Start ``pipeline`` (``device``/``load_format`` as in
     :func:`~omnirelay.cli.session.load_run_config`), run :func:`bench_running_speech`
-    (``options``) on it, shut it down and add the shutdown to the audit."""
+    (``options``) on it, shut it down and add the shutdown to the audit. ``mps``: the
+    whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`), so the
+    stages' kernels share the GPU at once instead of in time slices."""
+    daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if mps:
+        from benchmarks.mps import mps_daemon
+
+        daemon = mps_daemon()
+    with daemon:
+        report = _run_speech_bench(pipeline, device, load_format, stream, **options)
+    report["mps"] = mps
+    return report
+
+
+def _run_speech_bench(
+    pipeline: str, device: str | None, load_format: str | None, stream: TextIO | None, **options: Any
+) -> dict[str, Any]:
     err = stream if stream is not None else sys.stderr
     config = load_run_config(pipeline, device=device, load_format=load_format)
     open_prompt_side(config, err)  # what the models need first is made (and announced) here
@@ -354,7 +372,8 @@ def _ms(summary: dict[str, float] | None, key: str) -> str:
 def render_speech_bench(report: dict[str, Any]) -> str:
     """The report as a table."""
     lines = [
-        f"bench speech: {report['pipeline']} (open-loop Poisson arrivals; {report['warmup']} warm-up requests)",
+        f"bench speech: {report['pipeline']} (open-loop Poisson arrivals; {report['warmup']} warm-up requests"
+        + ("; under MPS)" if report.get("mps") else ")"),
         f"{'rate/s':>7} {'n':>5} {'req/s':>6} {'audio s/s':>9} {'playable p50/p95/p99 ms':>24} "
         f"{'first audio p50 ms':>18} {'gap-free':>9} {'worst gap p95 ms':>16} {'rtf p50/p95':>12} {'lag max ms':>10}",
     ]
@@ -368,6 +387,15 @@ def render_speech_bench(report: dict[str, Any]) -> str:
             f"{playable:>24} {_ms(lv['first_audio_s'], 'p50'):>18} {lv['gap_free_share']:>8.1%} "
             f"{_ms(lv['worst_gap_s'], 'p95'):>16} {rtf_s:>12} {_ms(lv['dispatch_lag_s'], 'max'):>10}"
         )
+        steps = lv.get("step_s") or {}
+        if steps:
+            lines.append(
+                f"{'':>7} step p50/p99 ms: "
+                + ", ".join(
+                    f"stage {sid} {v['p50'] * 1000:.1f}/{v['p99'] * 1000:.1f} ({v['count']} steps)"
+                    for sid, v in sorted(steps.items(), key=lambda kv: int(kv[0]))
+                )
+            )
     met = report.get("targets_met") or {}
     if met:
         lines.append(

@@ -4,11 +4,13 @@ real run on ``qwen3-tts-tiny`` (open loop, leak audit at the end)."""
 from __future__ import annotations
 
 import itertools
+import shutil
 import statistics
 from typing import Any
 
 import pytest
 
+from benchmarks.mps import CONTROL
 from benchmarks.speech import (
     GAP_FREE_TARGET,
     PLAYABLE_TARGETS_S,
@@ -59,6 +61,10 @@ def test_cli_wiring(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--rates" in out and "Poisson" in out and "first playable" in out and "--json" in out
     with pytest.raises(SystemExit, match="numbers like 1,20"):
         main(["bench", "speech", "--rates", "fast"])
+    assert "--mps" in out
+    if shutil.which(CONTROL) is None:  # no MPS here: a clear error before any stage starts
+        with pytest.raises(SystemExit, match="speech: nvidia-cuda-mps-control is not installed"):
+            main(["bench", "speech", "--mps", "--pipeline", "qwen3-tts-tiny"])
 
 
 def test_a_short_open_loop_run_on_the_tiny_pipeline() -> None:

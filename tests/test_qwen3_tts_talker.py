@@ -89,6 +89,39 @@ def test_batched_requests_speak_what_they_speak_alone(model: tuple[TTSTalker, TT
     assert ex.runner.slots.holders() == []
 
 
+class _CountedTail:
+    """The runner's code predictor, recording the batch of every call."""
+
+    def __init__(self, predictor: Any) -> None:
+        self.predictor = predictor
+        self.batches: list[int] = []
+
+    def __call__(self, last: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        self.batches.append(last.shape[0])
+        return self.predictor(last, *args, **kw)
+
+
+def test_a_request_admitted_mid_stream_shares_the_steps_one_tail(model: tuple[TTSTalker, TTSConfig]) -> None:
+    """A step that admits a request runs one code-predictor tail for the new row and the
+    continuing ones together, and both still speak exactly what they speak alone."""
+    a, b = CASES["ryan_english"], CASES[sorted(CASES)[-1]]
+    alone_a = speak(executor(model, text_streaming=False), {"a": a}, 5)["a"]
+    alone_b = speak(executor(model, text_streaming=False), {"b": b}, 3)["b"]
+    ex = executor(model, text_streaming=False)
+    tail = _CountedTail(ex.runner.predictor)
+    ex.runner.predictor = tail  # type: ignore[assignment]
+    got: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(5):
+        batch = [item("a", a, step)] + ([item("b", b, step - 2)] if step >= 2 else [])
+        for it, result in zip(batch, ex.step(batch)):
+            got[it.internal_id].append(result.next_stage_output[0].tolist())
+    assert got == {"a": alone_a, "b": alone_b}
+    assert tail.batches == [1, 1, 2, 2, 2]  # one tail a step, the admitting step included
+    for rid in "ab":
+        ex.release(rid)
+    assert ex.num_live_requests() == 0 and ex.leak_state() == {}
+
+
 def test_eos_waits_for_the_minimum_length_and_ends_the_request(model: tuple[TTSTalker, TTSConfig]) -> None:
     talker, config = model
     eos = config.talker_config.codec_eos_token_id

@@ -292,7 +292,8 @@ class TalkerExecutor:
 
     def _step_static(self, batch: list[BatchItem]) -> list[ItemResult]:
         """One frame per item on the static runner: new requests' conditioning in one
-        batched prefill (+ the frame's tail), the others in one frame graph per bucket."""
+        batched prefill, the others' Talker step in one frame graph per bucket, then one
+        code-predictor tail for every row."""
         runner = self.runner
         assert runner is not None
         seqs: list[_Sequence] = []
@@ -316,10 +317,8 @@ class TalkerExecutor:
             TalkerRow(item.internal_id, self._next_text(seq), item.sampling, seq.generator)
             for item, seq in continuing
         ]
-        codes: dict[str, torch.Tensor] = {}
-        for rows, run in ((prefills, runner.prefill), (decodes, runner.decode)):
-            if rows:
-                codes.update(zip((r.rid for r in rows), run(rows)))
+        made = runner.step(prefills, decodes)  # one code-predictor tail for all rows
+        codes = dict(zip((r.rid for r in (*prefills, *decodes)), made))
         frames = torch.stack([codes[item.internal_id] for item in batch])
         eos = frames[:, 0] == self.spec.codec_eos_token_id
         frames[eos, 1:] = 0  # an EOS frame carries no residual codes

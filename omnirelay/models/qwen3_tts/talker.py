@@ -22,8 +22,9 @@ Steps, as the reference's ``generate`` splits into them:
   request is greedy). Codec EOS finishes the request.
 
 Every step runs on :class:`~omnirelay.models.runner.TalkerRunner` — slot KV caches
-allocated at startup, and on CUDA one graph replay per frame (the Talker's step and the
-whole code-predictor tail, compiled) — on the CPU too, eagerly: there is one path.
+allocated at startup, and on CUDA a few graph replays per step (the new requests'
+prefill, the Talker's step for the others, then one compiled code-predictor tail for
+every row of the step) — on the CPU too, eagerly: there is one path.
 ``ItemResult.token_ids`` is ``[first codebook]``; ``next_stage_output`` the frame
 ``[1, Q]`` (int64, CPU) for the Talker → Code2Wav processor (an EOS frame ``[EOS, 0 …]``,
 which that processor drops). A Talker request cannot be recomputed after a preemption.
@@ -199,11 +200,9 @@ class TTSTalkerExecutor:
                     TalkerRow(rid, text, item.sampling, seq.generator, gen.repetition_penalty, may_stop)
                 )
             seqs.append(seq)
-        codes: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
-            for rows, run in ((prefills, self.runner.prefill), (decodes, self.runner.decode)):
-                if rows:
-                    codes.update(zip((r.rid for r in rows), run(rows)))
+            frames = self.runner.step(prefills, decodes)
+        codes = dict(zip((r.rid for r in (*prefills, *decodes)), frames))
         eos = self.config.talker_config.codec_eos_token_id
         results = []
         for item, seq in zip(batch, seqs):

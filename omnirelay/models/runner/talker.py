@@ -1,19 +1,24 @@
-"""The Talker on the static runner: a whole codec frame per CUDA graph replay.
+"""The Talker on the static runner: a codec frame in two CUDA graph replays.
 
 One Talker frame is the Talker decoder's step (first codebook from ``codec_head``) and
 then ``Q − 1`` code-predictor steps, each a small transformer pass over a per-frame cache,
 sampling the next codebook — ~6,700 kernel launches eagerly. :class:`TalkerRunner`
 captures all of it, sampling included (:func:`~omnirelay.models.runner.sampler.sample`),
-as one graph per batch bucket and attention length; the tail after the decoder step is
+as graphs per batch bucket (and attention length); the tail after the decoder step is
 :class:`~omnirelay.models.runner.predictor.CodePredictor`, compiled into fused kernels
-with ``compile="inductor"``:
+with ``compile="inductor"``. A step (:meth:`TalkerRunner.step`) runs:
 
-* **frame** (a decode) — input: each row's slot, position and the text row of this
-  step; the codec part of the input (the summed embeddings of the row's previous frame)
-  is read from a per-slot buffer that the previous frame wrote. Output: ``[B, Q]`` codes.
-* **prefill** — the conditioning rows of new requests, batched and padded like the
-  Thinker's, then the **tail** (codec head, sampling, the code predictor) on their last
-  hidden states: two replays.
+* **prefill** — the conditioning rows of the step's new requests, batched and padded
+  like the Thinker's; keeps each row's last hidden state;
+* **frame** — the Talker's decoder step for every continuing request. Input: each row's
+  slot, position and the text row of this step; the codec part of the input (the summed
+  embeddings of the row's previous frame) is read from a per-slot buffer that the
+  previous frame's tail wrote. Keeps each row's last hidden state;
+* **tail** — codec head, sampling and the code predictor over *all* those hidden states
+  at once, new rows and continuing ones: ``[B, Q]`` codes. The tail is the frame's
+  kernel-count-bound part (the ``Q`` passes cost about the same at 1 row as at 64), so a
+  step that admits requests runs it once, not once for the new rows and again for the
+  others.
 
 The host's part per step: the text rows, the sampling parameters as ``[B]`` tensors and
 ``Q`` uniform numbers per sampling row drawn from the request's own generator (the same
@@ -198,7 +203,7 @@ class TalkerRunner:
                 last, _ = self.decoder.forward(
                     embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len
                 )
-            return {"codes": self._tail(last, b)}
+            return {"last": last}
 
         return step
 
@@ -213,29 +218,29 @@ class TalkerRunner:
         self._counts[:b].copy_(torch.tensor(counts + [1] * pad, dtype=torch.long))
 
     def _set_sampling(self, b: int, rows: Sequence[TalkerRow]) -> None:
-        temperature = torch.zeros(b)
-        top_k = torch.zeros(b, dtype=torch.long)
-        top_p = torch.ones(b)
-        uniform = torch.zeros((b, self.q))
-        for i, row in enumerate(rows):
+        """Each row's sampling parameters and ``Q`` uniform numbers (drawn from the row's
+        own generator when it samples); padding rows are greedy. Built as lists and copied
+        once per buffer: per-element tensor writes cost microseconds each, per row."""
+        pad = b - len(rows)
+        temperature, top_k, top_p, draws = [], [], [], []
+        greedy = torch.zeros(self.q)
+        for row in rows:
             params = row.sampling
-            if params.temperature > 0:
-                temperature[i] = params.temperature
-                top_k[i] = params.top_k
-                top_p[i] = params.top_p
-                uniform[i] = torch.rand(self.q, generator=row.generator)
-        self._temperature[:b].copy_(temperature)
-        self._top_k[:b].copy_(top_k)
-        self._top_p[:b].copy_(top_p)
-        self._uniform[:b].copy_(uniform)
+            sampled = params.temperature > 0
+            temperature.append(params.temperature if sampled else 0.0)
+            top_k.append(params.top_k if sampled else 0)
+            top_p.append(params.top_p if sampled else 1.0)
+            draws.append(torch.rand(self.q, generator=row.generator) if sampled else greedy)
+        draws += [greedy] * pad
+        self._temperature[:b].copy_(torch.tensor(temperature + [0.0] * pad))
+        self._top_k[:b].copy_(torch.tensor(top_k + [0] * pad, dtype=torch.long))
+        self._top_p[:b].copy_(torch.tensor(top_p + [1.0] * pad))
+        self._uniform[:b].copy_(torch.stack(draws))
         if self.row_controls:
-            penalty = torch.ones(b)
-            eos_bias = torch.zeros(b)
-            for i, row in enumerate(rows):
-                penalty[i] = row.repetition_penalty
-                eos_bias[i] = 0.0 if row.may_stop else float("-inf")
-            self._penalty[:b].copy_(penalty)
-            self._eos_bias[:b].copy_(eos_bias)
+            penalty = [row.repetition_penalty for row in rows] + [1.0] * pad
+            eos_bias = [0.0 if row.may_stop else float("-inf") for row in rows] + [0.0] * pad
+            self._penalty[:b].copy_(torch.tensor(penalty))
+            self._eos_bias[:b].copy_(torch.tensor(eos_bias))
 
     def _prefill_launch(self, launch: Launch, rows: Sequence[TalkerRow]) -> torch.Tensor:
         b, t = launch.batch, launch.tokens
@@ -253,53 +258,72 @@ class TalkerRunner:
         out = self.graphs.run(("prefill", b, t, launch.attn_len), self._prefill_step(b, t, launch.attn_len))
         return out["last"][: len(launch.pieces)].clone()
 
-    def prefill(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
-        """Conditioning of new requests (slots acquired) → their first frames ``[n, Q]`` (CPU)."""
+    def _prefill_lasts(self, rows: Sequence[TalkerRow], into: torch.Tensor) -> None:
+        """Prefill new requests' conditioning (slots acquired); each row's last hidden
+        state goes to ``into[row]``."""
         for row in rows:
             self.slots.check_room(row.rid, 0, row.embeds.shape[0])
             if self.row_controls:
                 self._seen[self.slots.slot(row.rid)].zero_()
-        lasts: list[torch.Tensor | None] = [None] * len(rows)
         for launch in plan_prefill([(0, row.embeds.shape[0]) for row in rows], self.buckets):
             last = self._prefill_launch(launch, rows)
             for i, piece in enumerate(launch.pieces):
                 if piece.is_last:
-                    lasts[piece.row] = last[i]
+                    into[piece.row].copy_(last[i])
         for row in rows:
             self.slots.set_length(row.rid, row.embeds.shape[0])
+
+    def _frame_lasts(self, rows: Sequence[TalkerRow], into: torch.Tensor) -> list[int]:
+        """The Talker step of one frame for each row (prefilled before); each row's last
+        hidden state goes to ``into[row]``. Returns the rows' positions."""
+        positions = [self.slots.length(row.rid) for row in rows]
+        for launch in plan_decode(positions, self.buckets):
+            group = [rows[p.row] for p in launch.pieces]
+            b, n = launch.batch, len(group)
+            first = launch.pieces[0].row  # a launch holds consecutive rows
+            self._embeds[:n, 0].copy_(torch.cat([row.embeds.reshape(1, -1) for row in group]))
+            self._set_rows(
+                b, group, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n
+            )
+            out = self.graphs.run(
+                ("frame", b, launch.attn_len), self._frame_step(b, int(launch.attn_len or 0))
+            )
+            into[first : first + n].copy_(out["last"][:n])
+        return positions
+
+    def step(self, prefills: Sequence[TalkerRow], decodes: Sequence[TalkerRow]) -> torch.Tensor:
+        """New requests' first frames and one more frame of each continuing request:
+        ``[len(prefills) + len(decodes), Q]`` codes (CPU), in that order.
+
+        The Talker runs per launch (the new rows' prefill, the continuing rows' frame
+        step), then **one** tail samples every row's frame: a step that admits new
+        requests costs one code-predictor tail, not one for them and one for the rest."""
+        rows = [*prefills, *decodes]
+        if not rows:
+            return torch.zeros((0, self.q), dtype=torch.long)
+        lasts = torch.empty((len(rows), self.hidden), dtype=self.dtype, device=self.device)
+        if prefills:
+            self._prefill_lasts(prefills, lasts[: len(prefills)])
+        positions = self._frame_lasts(decodes, lasts[len(prefills) :]) if decodes else []
         codes = []
         step = self.buckets.max_batch
         for first in range(0, len(rows), step):
             group = rows[first : first + step]
-            b = self.buckets.batch(len(group))
-            self._last[: len(group)].copy_(
-                torch.stack([x for x in lasts[first : first + step] if x is not None])
-            )
-            self._set_rows(
-                b, group, [self.slots.slot(r.rid) for r in group], [0] * len(group), [1] * len(group)
-            )
+            n = len(group)
+            b = self.buckets.batch(n)
+            self._last[:n].copy_(lasts[first : first + n])
+            self._set_rows(b, group, [self.slots.slot(r.rid) for r in group], [0] * n, [1] * n)
             self._set_sampling(b, group)
             out = self.graphs.run(("tail", b), self._tail_step(b))
-            codes.append(out["codes"][: len(group)].to("cpu"))
+            codes.append(out["codes"][:n].to("cpu"))
+        for row, position in zip(decodes, positions):
+            self.slots.set_length(row.rid, position + 1)
         return torch.cat(codes)
+
+    def prefill(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
+        """Conditioning of new requests (slots acquired) → their first frames ``[n, Q]`` (CPU)."""
+        return self.step(rows, [])
 
     def decode(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
         """One frame for each row (prefilled before) → ``[n, Q]`` codes (CPU)."""
-        positions = [self.slots.length(row.rid) for row in rows]
-        codes = []
-        for launch in plan_decode(positions, self.buckets):
-            group = [rows[p.row] for p in launch.pieces]
-            b, n = launch.batch, len(group)
-            text = torch.cat([row.embeds.reshape(1, -1) for row in group])
-            self._embeds[:n, 0].copy_(text)
-            self._set_rows(
-                b, group, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n
-            )
-            self._set_sampling(b, group)
-            out = self.graphs.run(
-                ("frame", b, launch.attn_len), self._frame_step(b, int(launch.attn_len or 0))
-            )
-            codes.append(out["codes"][:n].to("cpu"))
-            for row, position in zip(group, (p.start for p in launch.pieces)):
-                self.slots.set_length(row.rid, position + 1)
-        return torch.cat(codes)
+        return self.step([], rows)

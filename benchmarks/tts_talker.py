@@ -1,0 +1,222 @@
+"""``omnirelay bench tts-talker``: where a Qwen3-TTS Talker step's time goes, by batch.
+
+Builds the Talker stage exactly as the pipeline does (the shipped config with random
+weights, ``load_format: dummy``, or the tiny model; the static runner with its CUDA
+graphs and compiled code-predictor tail on a GPU), alone on its device, and times the
+parts of one step for ``B`` continuing requests (median of ``reps``, each ended by a
+device synchronization):
+
+* **frame** — the Talker's decoder step for the ``B`` rows (the frame graph);
+* **step** — a whole step as the engine calls it: the frame, the code-predictor tail
+  over every row (codec head, sampling, ``Q − 1`` passes), the host's preparation and
+  the device→host copy of the codes; **tail + host** is the difference;
+* **admit** — a step that admits one new request (a prefill of ``prefill_tokens`` rows)
+  beside ``B − 1`` continuing ones: the extra cost a new stream puts on everyone's frame.
+
+With ``profile`` the steps at that batch also run under ``torch.profiler``: kernels per
+step and the kernels that take the most device time. The rows are the runner's own
+(random conditioning of the model's width, the checkpoint's sampling: temperature 0.9,
+top-k 50, repetition penalty 1.05), so the figures are the model's, not a prompt's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["DEFAULT_BATCHES", "render_tts_talker_bench", "run_tts_talker_bench"]
+
+DEFAULT_BATCHES = (1, 8, 16, 32, 48, 64)
+#: positions already cached per row when a frame is timed (a conditioning plus ~2 s of speech)
+CACHED = 96
+
+
+def _median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000.0 * statistics.median(times)
+
+
+def _executor(model: str, device: str, load_format: str, max_num_seqs: int) -> Any:
+    from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+    from omnirelay.models.qwen3_tts.talker import TTSTalkerExecutor
+
+    args = TTSModelArgs(
+        model=model, load_format=load_format, device=device, max_num_seqs=max_num_seqs, max_model_len=1024
+    )
+    return TTSTalkerExecutor.from_checkpoint(TTSCheckpoint.open(args), args)
+
+
+def run_tts_talker_bench(
+    *,
+    model: str = "1.7b-customvoice",
+    device: str = "cuda:0",
+    load_format: str = "dummy",
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    reps: int = 20,
+    prefill_tokens: int = 64,
+    profile: int | None = None,
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Time the Talker's step parts at each batch of ``batches`` (see the module
+    docstring); ``profile``: also profile the steps at that batch. The figures as a dict."""
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import TalkerRow
+
+    err = stream if stream is not None else sys.stderr
+    if not batches or any(b < 1 for b in batches):
+        raise ValueError(f"batches must be sizes >= 1, got {list(batches)}")
+    if profile is not None and profile not in batches:
+        raise ValueError(f"--profile {profile} must be one of the batches {list(batches)}")
+    top = max(batches)
+    start = time.monotonic()
+    executor = _executor(model, device, load_format, top + 1)
+    runner = executor.runner
+    dev = runner.device
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    report: dict[str, Any] = {
+        "model": model,
+        "load_format": load_format,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "reps": reps,
+        "prefill_tokens": prefill_tokens,
+        "cached_positions": CACHED,
+        "num_graphs": len(runner.graphs),
+        "ready_s": time.monotonic() - start,
+        "batches": {},
+    }
+    gen = torch.Generator().manual_seed(0)
+    sampled = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, seed=42)
+    penalty = executor.generation.repetition_penalty
+
+    def row(rid: str, n: int) -> TalkerRow:
+        embeds = (torch.randn(n, runner.hidden, generator=gen) * 0.02).to(dev, runner.dtype)
+        return TalkerRow(rid, embeds, sampled, torch.Generator().manual_seed(1), penalty, False)
+
+    rows = [row(f"r{i}", CACHED) for i in range(top)]
+    newcomer = row("new", prefill_tokens)
+    with torch.inference_mode():
+        for r in rows:
+            runner.slots.acquire(r.rid)
+        runner.prefill(rows)
+        text = [row(r.rid, 1) for r in rows]
+        for b in batches:
+            err.write(f"bench tts-talker: batch {b}\n")
+            err.flush()
+            lasts = torch.empty((b, runner.hidden), dtype=runner.dtype, device=dev)
+
+            def rewind(b: int = b) -> None:
+                for r in rows[:b]:
+                    runner.slots.set_length(r.rid, CACHED)
+
+            def frame(b: int = b, lasts: torch.Tensor = lasts) -> None:
+                rewind()
+                runner._frame_lasts(text[:b], lasts)
+
+            def step(b: int = b) -> None:
+                rewind()
+                runner.step([], text[:b])
+
+            def admit(b: int = b) -> None:
+                rewind()
+                runner.slots.acquire(newcomer.rid)
+                runner.step([newcomer], text[: b - 1])
+                runner.slots.release(newcomer.rid)
+
+            figures = {
+                "frame_ms": _median_ms(frame, reps, sync),
+                "step_ms": _median_ms(step, reps, sync),
+                "admit_ms": _median_ms(admit, reps, sync),
+            }
+            figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
+            report["batches"][str(b)] = figures
+            if profile == b:
+                report["profile"] = _profile(step, sync, dev, b)
+        for r in rows:
+            runner.slots.release(r.rid)
+    report["leak_state"] = executor.leak_state()
+    return report
+
+
+def _profile(
+    step: Callable[[], None], sync: Callable[[], None], device: torch.device, b: int
+) -> dict[str, Any]:
+    """Kernels per step and the largest by device time, over 5 steps of ``b`` rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steps = 5
+    step()
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "device_time_total", 0.0) if on_device else e.self_cpu_time_total)
+
+    kernels = [e for e in events if device_us(e) > 0 and (not on_device or e.device_type.name == "CUDA")]
+    total = sum(device_us(e) for e in kernels)
+    kernels.sort(key=device_us, reverse=True)
+    return {
+        "batch": b,
+        "steps": steps,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "device_ms_per_step": total / steps / 1000.0,
+        "top": [
+            {
+                "name": e.key[:120],
+                "count_per_step": e.count / steps,
+                "ms_per_step": device_us(e) / steps / 1000.0,
+            }
+            for e in kernels[:15]
+        ],
+    }
+
+
+def render_tts_talker_bench(report: dict[str, Any]) -> str:
+    lines = [
+        f"bench tts-talker: Qwen3-TTS {report['model']} ({report['load_format']}) on {report['device']}, "
+        f"torch {report['torch']}, median of {report['reps']}; {report['cached_positions']} positions cached "
+        f"per row, a new request prefills {report['prefill_tokens']} rows; ready in {report['ready_s']:.1f} s "
+        f"({report['num_graphs']} graphs)",
+        f"{'batch':>6} {'frame ms':>9} {'tail+host ms':>13} {'step ms':>8} {'admit ms':>9} {'frames/s':>9}",
+    ]
+    for b, f in report["batches"].items():
+        rate = int(b) / (f["step_ms"] / 1000.0) if f["step_ms"] > 0 else 0.0
+        lines.append(
+            f"{b:>6} {f['frame_ms']:>9.2f} {f['tail_and_host_ms']:>13.2f} {f['step_ms']:>8.2f} "
+            f"{f['admit_ms']:>9.2f} {rate:>9.0f}"
+        )
+    prof = report.get("profile")
+    if prof:
+        lines.append(
+            f"profile at batch {prof['batch']}: {prof['kernels_per_step']:.0f} kernels and "
+            f"{prof['device_ms_per_step']:.2f} ms of kernel time per step; largest:"
+        )
+        for k in prof["top"]:
+            lines.append(f"  {k['ms_per_step']:>8.3f} ms {k['count_per_step']:>6.0f}x  {k['name']}")
+    left = report.get("leak_state")
+    lines.append("state left: none" if not left else f"state left: {left}")
+    return "\n".join(lines)

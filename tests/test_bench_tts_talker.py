@@ -1,0 +1,47 @@
+"""``omnirelay bench tts-talker``: the Talker step's parts by batch, reduced to the tiny
+model on the CPU (the figures that matter are a GPU's; here: it runs whole, profiles,
+renders and leaves no slot held)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.tts_talker import render_tts_talker_bench, run_tts_talker_bench
+from omnirelay.cli.main import main
+
+
+def test_a_reduced_run_times_every_part_and_leaves_no_slot() -> None:
+    report = run_tts_talker_bench(device="cpu", load_format="tiny", batches=(2,), reps=1, profile=2)
+    assert set(report["batches"]) == {"2"}
+    for figures in report["batches"].values():
+        assert figures["frame_ms"] > 0 and figures["step_ms"] > 0 and figures["admit_ms"] > 0
+        assert figures["tail_and_host_ms"] == pytest.approx(figures["step_ms"] - figures["frame_ms"])
+    prof = report["profile"]
+    assert prof["batch"] == 2 and prof["kernels_per_step"] > 0 and prof["top"]
+    assert report["leak_state"] == {}
+    text = render_tts_talker_bench(report)
+    assert "frame ms" in text and "profile at batch 2" in text and "state left: none" in text
+
+
+def test_cli_wiring(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "tts-talker", "--help"])
+    assert exc.value.code == 0
+    assert "--batches" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="must be one of the batches"):
+        main(
+            [
+                "bench",
+                "tts-talker",
+                "--device",
+                "cpu",
+                "--load-format",
+                "tiny",
+                "--batches",
+                "1",
+                "--profile",
+                "4",
+            ]
+        )
+    with pytest.raises(SystemExit, match="batches must be sizes >= 1"):
+        main(["bench", "tts-talker", "--device", "cpu", "--load-format", "tiny", "--batches", "0"])
