@@ -2,12 +2,12 @@
 
 Ray decides *where*; it is never on a request's path. For each stage the front
 
-1. **places** it: a short-lived probe actor with the stage's ``resources`` tells which node
-   Ray chose, that node's address and a free TCP port there (the stage's nixl notice
+1. **places** it: a :class:`StageHost` actor with the stage's ``resources`` tells which
+   node Ray chose, that node's address and a free TCP port there (the stage's nixl notice
    endpoint, when its input edge crosses hosts): :meth:`RayPlacement.place` returns the
    pipeline with ``placement.endpoints`` and ``placement.node_ips`` filled in;
-2. **starts** its worker through a :class:`StageHost` actor pinned to that node
-   (``NodeAffinitySchedulingStrategy``): the actor spawns :func:`worker_main` as its own
+2. **starts** its worker through that actor (a restarted worker through a new one pinned
+   to the same node, ``NodeAffinitySchedulingStrategy``): the actor spawns :func:`worker_main` as its own
    child process, so the worker is the same process as on one machine (its signals, its
    exit code, its parent watch: it exits when the actor, or the node, goes) and the actor
    only reports. :class:`RayWorkerProcess` is what the supervisor holds instead of a
@@ -50,6 +50,10 @@ def load_ray() -> Any:
             "placement backend 'ray' needs Ray: pip install 'omnirelay[multihost]' (or 'ray>=2.40,<3')"
         ) from exc
     return ray
+
+
+#: a host's concurrent calls: wait() blocks for the worker's life; signal() must still get through
+_HOST_CONCURRENCY = 4
 
 
 class StageHost:
@@ -99,18 +103,28 @@ class RayWorkerProcess:
     """A stage worker under a :class:`StageHost` actor, as the supervisor sees a process."""
 
     def __init__(
-        self, ray: Any, host_cls: Any, spec: WorkerSpec, node: dict[str, Any], resources: dict[str, float]
+        self,
+        ray: Any,
+        host_cls: Any,
+        spec: WorkerSpec,
+        node: dict[str, Any],
+        resources: dict[str, float],
+        actor: Any = None,
     ):
+        """``actor``: a host already running on ``node`` (the placement's probe, for a
+        worker's first incarnation); None: a new one pinned to the node."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._ray = ray
         self.node = node
-        self._actor = host_cls.options(
-            num_cpus=0,
-            resources=resources,
-            max_concurrency=4,  # wait() blocks; signal() must still get through
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False),
-        ).remote()
+        if actor is None:
+            actor = host_cls.options(
+                num_cpus=0,
+                resources=resources,
+                max_concurrency=_HOST_CONCURRENCY,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False),
+            ).remote()
+        self._actor = actor
         self._spec = spec
         self.pid: int | None = None
         self.exitcode: int | None = None
@@ -185,6 +199,8 @@ class RayPlacement:
         self._started_ray = False
         self.nodes: dict[int, dict[str, Any]] = {}
         self.front_ip: str | None = None
+        #: each worker's probe, kept as the host of its first incarnation
+        self._spare: dict[int, Any] = {}
 
     def connect(self) -> None:
         ray = self._ray
@@ -205,15 +221,21 @@ class RayPlacement:
         by the worker's inbox (:func:`~omnirelay.connectors.inbox_name`)."""
         ray, cfg = self._ray, self.config
         workers = cfg.workers()
+        # Each probe stays on as its worker's first host: a Ray worker process boots once
+        # per worker, not once to probe and again to host.
         probes = [
             self._host_cls.options(
-                num_cpus=0, resources=cfg.stages[w.stage_id].replica_resources_of(w.replica)
+                num_cpus=0,
+                resources=cfg.stages[w.stage_id].replica_resources_of(w.replica),
+                max_concurrency=_HOST_CONCURRENCY,
             ).remote()
             for w in workers
         ]
         try:
             found = ray.get([p.where.remote() for p in probes], timeout=_PLACE_TIMEOUT_S)
         except Exception as exc:
+            for p in probes:
+                ray.kill(p, no_restart=True)
             wanted = {
                 cfg.stages[w.stage_id].replica_label(w.replica): cfg.stages[w.stage_id].replica_resources_of(
                     w.replica
@@ -224,9 +246,7 @@ class RayPlacement:
                 f"Ray could not place the stages within {_PLACE_TIMEOUT_S:g} s (does a node offer each "
                 f"worker's resources at once? {wanted}): {exc!r}"
             ) from exc
-        finally:
-            for p in probes:
-                ray.kill(p, no_restart=True)
+        self._spare = {w.index: p for w, p in zip(workers, probes)}
         self.nodes = {
             w.index: {**node, "stage": w.stage_id, "replica": w.replica} for w, node in zip(workers, found)
         }
@@ -247,7 +267,12 @@ class RayPlacement:
         node = self.nodes[worker]
         stage = self.config.stages[node["stage"]]
         return RayWorkerProcess(
-            self._ray, self._host_cls, spec, node, stage.replica_resources_of(node["replica"])
+            self._ray,
+            self._host_cls,
+            spec,
+            node,
+            stage.replica_resources_of(node["replica"]),
+            actor=self._spare.pop(worker, None),
         )
 
     def describe(self) -> dict[int, dict[str, Any]]:
@@ -257,5 +282,11 @@ class RayPlacement:
         return {i: {k: n[k] for k in keys} for i, n in self.nodes.items()}
 
     def close(self) -> None:
+        for actor in self._spare.values():  # probes no worker took (a start that failed)
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self._spare.clear()
         if self._started_ray and self._ray.is_initialized():
             self._ray.shutdown()
