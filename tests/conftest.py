@@ -37,16 +37,3 @@ def pytest_configure(config: pytest.Config) -> None:
     from omnirelay.worker.processes import worker_context
 
     worker_context(m for family in FAMILIES for m in family.worker_imports)
-
-
-def _is_slow_module(item: pytest.Item) -> bool:
-    marks = getattr(getattr(item, "module", None), "pytestmark", [])
-    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules marked ``slow`` (``pytestmark = pytest.mark.slow``) run first, each whole and
-    in file order otherwise. The suite is spread over processes by file (pytest-xdist,
-    ``--dist loadfile``): the longest files then start at once instead of leaving one
-    process running the last of them alone at the end."""
-    items.sort(key=lambda item: not _is_slow_module(item))  # stable: modules stay whole

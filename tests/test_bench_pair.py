@@ -13,9 +13,6 @@ import pytest
 from benchmarks import pair_adapter_runs as pair
 from tests.test_bench_adapter import _run_result
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 
 

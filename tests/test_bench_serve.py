@@ -15,9 +15,6 @@ from omnirelay.serving import ServerConfig
 from tests.orchestrator_audit import child_pids
 from tests.serving_support import Served, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MODEL = "qwen3-omni-tiny"
 TEXT = "Hello there."
 

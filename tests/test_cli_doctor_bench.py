@@ -15,9 +15,6 @@ from omnirelay.cli.main import main
 from omnirelay.connectors import create_connector
 from tests.conftest import shm_entries
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 CTX = mp.get_context("spawn")
 
 

@@ -35,9 +35,6 @@ from omnirelay.worker import leak_paths
 from tests.orchestrator_audit import audit_stopped, child_pids
 from tests.test_models_support import tiny_cache, tiny_dir
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 U = 1920  # samples per codec frame
 LARGEST = 25  # the pipeline's largest codec chunk (its adaptive schedule sizes the others)
 TALKER, CODE2WAV = 1, 2

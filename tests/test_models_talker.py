@@ -21,9 +21,6 @@ from omnirelay.payload import OmniPayload
 from omnirelay.processors import TalkerToCode2WavProcessor
 from tests.test_models_support import item, run_thinker, single_thread, tiny_dir
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 EOS = 2150
 Q = 16
 GREEDY = SamplingParams()

@@ -32,9 +32,6 @@ from tests.orchestrator_audit import audit_stopped, child_pids
 from tests.test_e2e_qwen_tiny import not_free_slots
 from tests.test_models_support import tiny_cache, tiny_dir
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 pytest.importorskip("ray")
 pytest.importorskip("nixl_cu12")
 

@@ -48,9 +48,6 @@ from omnirelay.serving.media.audio_out import wav_bytes
 from tests.realtime_support import RealtimeClient, noise
 from tests.serving_support import Served, chat_stream_audio, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 QUESTION = "What is the capital of France?"
 PCM_RATE = 24000
 #: The question said by eSpeak NG's en-us voice (see the module docstring).

@@ -24,11 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
-
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

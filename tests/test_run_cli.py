@@ -31,9 +31,6 @@ from omnirelay.pipeline import load_pipeline
 from tests.orchestrator_audit import fork_servers, pids_alive, processes
 from tests.test_models_support import tiny_cache, tiny_dir
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 # --------------------------------------------------------------------------- errors
 
 

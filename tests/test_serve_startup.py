@@ -19,10 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,14 +19,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving import ServerConfig, create_app
 from omnirelay.serving.text import ByteCodec
-
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = 10

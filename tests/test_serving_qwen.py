@@ -31,9 +31,6 @@ from tests.serving_support import (
     serve,
 )
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MODEL = "qwen3-omni-tiny"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 

@@ -25,9 +25,6 @@ from omnirelay.serving import AdmissionGate, ServerConfig, ServerThread, create_
 from tests.realtime_support import RealtimeClient, append_events, pcm16, pcm_of, utterance
 from tests.serving_support import Served, assert_same_pcm, chat_stream_audio, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MODEL = "qwen3-omni-tiny"
 RATE = 24000
 CONFIG = ServerConfig(realtime_max_buffer_s=3.0, realtime_max_items=6)

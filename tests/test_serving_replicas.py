@@ -24,9 +24,6 @@ from omnirelay.serving import ServerConfig
 from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import Served, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MODEL = "qwen3-omni-tiny-replicas"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 

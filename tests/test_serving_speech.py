@@ -38,9 +38,6 @@ from omnirelay.serving import ServerConfig, ServerThread, create_app
 from omnirelay.serving.media.encoding import FORMATS
 from tests.serving_support import Served, serve, sse_events
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 SPEECH = "/v1/audio/speech"
 RATE = 24_000
 SAMPLES_PER_CODE = 48

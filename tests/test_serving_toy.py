@@ -28,9 +28,6 @@ from omnirelay.pipeline import PipelineConfig, parse_pipeline
 from omnirelay.serving import AdmissionGate, ServerConfig
 from tests.serving_support import Served, chat_stream_audio, disconnect_after_first_audio, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MAX_CONCURRENCY = 64
 CONFIG = ServerConfig(
     max_concurrency=MAX_CONCURRENCY,

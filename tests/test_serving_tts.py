@@ -33,9 +33,6 @@ from omnirelay.serving.frontend import Frontend
 from omnirelay.serving.media.audio_out import parse_wav
 from tests.serving_support import Served, assert_same_pcm, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 MODEL = "qwen3-tts-tiny"
 SPEECH = "/v1/audio/speech"
 TEXT = "Hello big, wide world."

@@ -21,9 +21,6 @@ from omnirelay.connectors.shm import names, slot, sweep
 from omnirelay.connectors.shm.connector import ShmConnector
 from tests.conftest import shm_entries
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 CTX = mp.get_context("spawn")
 
 

@@ -44,9 +44,6 @@ from omnirelay.serving.media.encoding import FORMATS
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.serving_support import Served, serve
 
-#: one of the suite's longest modules: it starts first (tests/conftest.py)
-pytestmark = pytest.mark.slow
-
 SPEECH = "/v1/audio/speech"
 #: Two sentences: the WebSocket splits them into two requests; speech reads both at once.
 TEXT = "Good morning to you all. The train leaves at nine o'clock sharp."
