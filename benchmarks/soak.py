@@ -78,6 +78,41 @@ def _check(outs: list[Any], prompt: list[int], n: int, *, complete: bool) -> boo
     return got_text == text[: len(got_text)] and torch.equal(got_wave, wave[: got_wave.numel()])
 
 
+def _difference(outs: list[Any], prompt: list[int], n: int) -> str:
+    """How a request's outputs differ from the expected ones (for the report)."""
+    text = expected_counting_tokens(prompt, n)
+    wave = expected_waveform(expected_relay_tokens(text))
+    got_text = [t for o in outs if o.modality == "text" for t in o.token_ids]
+    pieces = [o.audio.reshape(-1) for o in outs if o.modality == "audio" and o.audio is not None]
+    got = torch.cat(pieces) if pieces else torch.zeros(0)
+    first = next((i for i, (a, b) in enumerate(zip(got_text, text)) if a != b), None)
+    same = min(got.numel(), wave.numel())
+    wave_at = (got[:same] != wave[:same]).nonzero()
+    where = ""
+    if wave_at.numel():  # which piece differs, and whose samples it carries instead
+        at, start = int(wave_at[0]), 0
+        for i, piece in enumerate(pieces):
+            if start + piece.numel() > at:
+                expected = wave[start : start + piece.numel()]
+                others = [
+                    j
+                    for j in range(0, wave.numel() - piece.numel() + 1, max(1, piece.numel()))
+                    if torch.equal(wave[j : j + piece.numel()], piece)
+                ]
+                where = (
+                    f"; piece {i} (samples {start}..{start + piece.numel()}) is {piece.tolist()} where "
+                    f"{expected.tolist()} was expected; it equals the expected samples at {others}"
+                )
+                break
+            start += piece.numel()
+    return (
+        f"text {len(got_text)}/{len(text)} tokens (first difference at {first}), audio "
+        f"{got.numel()}/{wave.numel()} samples in {len(pieces)} pieces (first difference at "
+        f"{int(wave_at[0]) if wave_at.numel() else None}), finish {outs[-1].finish_reason if outs else None!r}, "
+        f"{len(outs)} outputs{where}"
+    )
+
+
 class Soak:
     def __init__(self, pipe: Pipeline, args: argparse.Namespace) -> None:
         self.pipe = pipe
@@ -127,7 +162,7 @@ class Soak:
                     handle.abort()
         except StageUnavailableError:
             self.books.failed_by_kill += 1
-            self._check_prefix(outs, prompt, n)
+            self._check_prefix(rid, "failed by a kill", outs, prompt, n)
             return
         except RequestFailedError as exc:
             self.books.failed_other += 1
@@ -135,11 +170,11 @@ class Soak:
             return
         if outs[-1].finish_reason == "abort":
             self.books.aborted += 1
-            self._check_prefix(outs, prompt, n)
+            self._check_prefix(rid, "aborted", outs, prompt, n)
             return
         if not _check(outs, prompt, n, complete=True):
             self.books.wrong_output += 1
-            print(f"  {rid}: wrong output", file=sys.stderr)
+            print(f"  {rid}: wrong output: {_difference(outs, prompt, n)}", file=sys.stderr)
             return
         self.books.completed += 1
         self.books.transfers += 2 * n
@@ -147,9 +182,10 @@ class Soak:
             self.next_kill += self.args.kill_every
             self.kill_tasks.append(asyncio.ensure_future(self.kill()))
 
-    def _check_prefix(self, outs: list[Any], prompt: list[int], n: int) -> None:
+    def _check_prefix(self, rid: str, how: str, outs: list[Any], prompt: list[int], n: int) -> None:
         if not _check(outs, prompt, n, complete=False):
             self.books.duplicate_or_wrong_prefix += 1
+            print(f"  {rid} ({how}): not a prefix: {_difference(outs, prompt, n)}", file=sys.stderr)
 
     async def kill(self) -> None:
         async with self.killing:
