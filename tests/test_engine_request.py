@@ -56,7 +56,10 @@ _EVENTS = {
     "park_for_chunk": lambda r: r.park_for_chunk(),
     "unpark": lambda r: r.unpark(),
     "preempt": lambda r: r.preempt(),
-    **{f"finish:{s.name}": (lambda r, s=s: r.finish(s, 5.0)) for s in FINISHED_STATUSES},
+    **{
+        f"finish:{s.name}": (lambda r, s=s: r.finish(s, 5.0))
+        for s in sorted(FINISHED_STATUSES, key=lambda s: s.name)
+    },
     "finish:RUNNING": lambda r: r.finish(S.RUNNING, 5.0),
 }
 
