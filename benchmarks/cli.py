@@ -538,6 +538,11 @@ def run_bench_tts_talker(args: argparse.Namespace) -> int:
 
     try:
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(
+            f"omnirelay bench tts-talker: --batches must be integers like 1,8,64: {exc}"
+        ) from exc
+    try:
         report = run_tts_talker_bench(
             model=args.model,
             device=args.device,

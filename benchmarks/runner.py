@@ -32,13 +32,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["render_runner_bench", "run_runner_bench"]
+__all__ = ["median_ms", "render_runner_bench", "run_runner_bench"]
 
 PROMPT_TOKENS = 30
 TALKER_ROWS = 40
 
 
-def _median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+def median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` in ms, each ended by ``sync()``, after
+    one uncounted call."""
     fn()
     sync()
     times = []
@@ -52,9 +54,9 @@ def _median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> fl
 
 def _pair(graphs: Any, fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> dict[str, float]:
     graphs.bypass = True
-    eager = _median_ms(fn, max(3, reps // 4), sync)
+    eager = median_ms(fn, max(3, reps // 4), sync)
     graphs.bypass = False
-    graph = _median_ms(fn, reps, sync)
+    graph = median_ms(fn, reps, sync)
     return {"eager_ms": eager, "graph_ms": graph, "speedup": eager / graph if graph > 0 else 0.0}
 
 
@@ -220,8 +222,8 @@ def _compiled_frames(
             )
 
         out[f"frame_{n}"] = {
-            "plain_ms": _median_ms(functools.partial(frame, plain), reps, sync),
-            "compiled_ms": _median_ms(functools.partial(frame, compiled), reps, sync),
+            "plain_ms": median_ms(functools.partial(frame, plain), reps, sync),
+            "compiled_ms": median_ms(functools.partial(frame, compiled), reps, sync),
         }
     greedy = [TalkerRow(r.rid, t, SamplingParams(), r.generator) for r, t in zip(rows[:16], text)]
     compiled._codec_embed.copy_(previous)  # the input plain_codes were made from

@@ -21,7 +21,6 @@ top-k 50, repetition penalty 1.05), so the figures are the model's, not a prompt
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,23 +28,13 @@ from typing import Any, TextIO
 
 import torch
 
+from benchmarks.runner import median_ms
+
 __all__ = ["DEFAULT_BATCHES", "render_tts_talker_bench", "run_tts_talker_bench"]
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 48, 64)
 #: positions already cached per row when a frame is timed (a conditioning plus ~2 s of speech)
 CACHED = 96
-
-
-def _median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1000.0 * statistics.median(times)
 
 
 def _executor(model: str, device: str, load_format: str, max_num_seqs: int) -> Any:
@@ -140,9 +129,9 @@ def run_tts_talker_bench(
                 runner.slots.release(newcomer.rid)
 
             figures = {
-                "frame_ms": _median_ms(frame, reps, sync),
-                "step_ms": _median_ms(step, reps, sync),
-                "admit_ms": _median_ms(admit, reps, sync),
+                "frame_ms": median_ms(frame, reps, sync),
+                "step_ms": median_ms(step, reps, sync),
+                "admit_ms": median_ms(admit, reps, sync),
             }
             figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
             report["batches"][str(b)] = figures

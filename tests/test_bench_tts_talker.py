@@ -43,5 +43,7 @@ def test_cli_wiring(capsys: pytest.CaptureFixture[str]) -> None:
                 "4",
             ]
         )
+    with pytest.raises(SystemExit, match="--batches must be integers like 1,8,64"):
+        main(["bench", "tts-talker", "--batches", "one"])
     with pytest.raises(SystemExit, match="batches must be sizes >= 1"):
         main(["bench", "tts-talker", "--device", "cpu", "--load-format", "tiny", "--batches", "0"])
