@@ -256,7 +256,7 @@ class TalkerRunner:
             [p.count for p in launch.pieces],
         )
         out = self.graphs.run(("prefill", b, t, launch.attn_len), self._prefill_step(b, t, launch.attn_len))
-        return out["last"][: len(launch.pieces)].clone()
+        return out["last"][: len(launch.pieces)]  # the graph's own output: copy it before the next replay
 
     def _prefill_lasts(self, rows: Sequence[TalkerRow], into: torch.Tensor) -> None:
         """Prefill new requests' conditioning (slots acquired); each row's last hidden
