@@ -13,9 +13,11 @@ import argparse
 import json
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+N = TypeVar("N", int, float)
 
 __all__ = ["build_parser", "main"]
 
@@ -505,12 +507,7 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
     from benchmarks.mps import MpsError
     from benchmarks.pipeline import render_pipeline_bench, run_pipeline_bench, target_met
 
-    try:
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    except ValueError as exc:
-        raise SystemExit(
-            f"omnirelay bench pipeline: --concurrency must be integers like 1,4,16: {exc}"
-        ) from exc
+    levels = _numbers(args.concurrency, int, "pipeline: --concurrency", "integers like 1,4,16")
     try:
         report = run_pipeline_bench(
             concurrency=levels,
@@ -536,12 +533,7 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
 def run_bench_tts_talker(args: argparse.Namespace) -> int:
     from benchmarks.tts_talker import render_tts_talker_bench, run_tts_talker_bench
 
-    try:
-        batches = [int(x) for x in args.batches.split(",") if x.strip()]
-    except ValueError as exc:
-        raise SystemExit(
-            f"omnirelay bench tts-talker: --batches must be integers like 1,8,64: {exc}"
-        ) from exc
+    batches = _numbers(args.batches, int, "tts-talker: --batches", "integers like 1,8,64")
     try:
         report = run_tts_talker_bench(
             model=args.model,
@@ -578,10 +570,7 @@ def run_bench_runner(args: argparse.Namespace) -> int:
 def run_bench_serve(args: argparse.Namespace) -> int:
     from benchmarks.serve import DEFAULT_TEXT, render_serve_bench, run_serve_bench
 
-    try:
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    except ValueError as exc:
-        raise SystemExit(f"omnirelay bench serve: --concurrency must be integers like 1,8,32: {exc}") from exc
+    levels = _numbers(args.concurrency, int, "serve: --concurrency", "integers like 1,8,32")
     try:
         report = run_serve_bench(
             pipeline=args.pipeline,
@@ -604,10 +593,7 @@ def run_bench_speech(args: argparse.Namespace) -> int:
     from benchmarks.mps import MpsError
     from benchmarks.speech import render_speech_bench, run_speech_bench
 
-    try:
-        rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    except ValueError as exc:
-        raise SystemExit(f"omnirelay bench speech: --rates must be numbers like 1,20: {exc}") from exc
+    rates = _numbers(args.rates, float, "speech: --rates", "numbers like 1,20")
     try:
         report = run_speech_bench(
             pipeline=args.pipeline,
@@ -627,6 +613,15 @@ def run_bench_speech(args: argparse.Namespace) -> int:
     print(render_speech_bench(report))
     _write_json(args.json, report)
     return 0 if report["ok"] and all(report["targets_met"].values()) else 1
+
+
+def _numbers(text: str, kind: Callable[[str], N], option: str, example: str) -> list[N]:
+    """A comma-separated option's numbers, or a clear exit naming the bench and option
+    (``option``: ``"speech: --rates"``) and what it takes (``example``)."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"omnirelay bench {option} must be {example}: {exc}") from exc
 
 
 def _write_json(path: str | None, data: dict[str, Any]) -> None:
