@@ -125,6 +125,9 @@ class Soak:
         self.kill_stage = 0
         self.killing = asyncio.Lock()
         self.kill_tasks: list[asyncio.Future[None]] = []
+        self.t0 = time.monotonic()
+        #: Every request as it ran, for the report of a wrong output: (id, prompt, n, start, end, how).
+        self.history: list[list[Any]] = []
 
     async def one(self) -> None:
         rid = self.free_ids.pop(self.rng.randrange(len(self.free_ids)))
@@ -140,6 +143,19 @@ class Soak:
             self.free_ids.append(rid)
 
     async def _run(self, rid: str, prompt: list[int], n: int, cancel_at: int | None) -> None:
+        entry: list[Any] = [rid, prompt, n, None, None, "running"]
+        self.history.append(entry)
+        try:
+            await self._attempt(entry, rid, prompt, n, cancel_at)
+        finally:
+            entry[4] = self._now()
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+    async def _attempt(
+        self, entry: list[Any], rid: str, prompt: list[int], n: int, cancel_at: int | None
+    ) -> None:
         while True:
             try:
                 handle = self.pipe.submit(
@@ -148,6 +164,7 @@ class Soak:
                     sampling=SamplingParams(max_tokens=n),
                     request_id=rid,
                 )
+                entry[3] = self._now()
                 break
             except StageUnavailableError:
                 self.books.refused_while_down += 1
@@ -161,13 +178,16 @@ class Soak:
                 if cancel_at is not None and len(outs) == cancel_at:
                     handle.abort()
         except StageUnavailableError:
+            entry[5] = "failed by a kill"
             self.books.failed_by_kill += 1
             self._check_prefix(rid, "failed by a kill", outs, prompt, n)
             return
         except RequestFailedError as exc:
+            entry[5] = "failed"
             self.books.failed_other += 1
             print(f"  {rid}: failed: {exc}", file=sys.stderr)
             return
+        entry[5] = outs[-1].finish_reason
         if outs[-1].finish_reason == "abort":
             self.books.aborted += 1
             self._check_prefix(rid, "aborted", outs, prompt, n)
@@ -175,6 +195,7 @@ class Soak:
         if not _check(outs, prompt, n, complete=True):
             self.books.wrong_output += 1
             print(f"  {rid}: wrong output: {_difference(outs, prompt, n)}", file=sys.stderr)
+            self._provenance(rid, outs, prompt, n)
             return
         self.books.completed += 1
         self.books.transfers += 2 * n
@@ -186,6 +207,27 @@ class Soak:
         if not _check(outs, prompt, n, complete=False):
             self.books.duplicate_or_wrong_prefix += 1
             print(f"  {rid} ({how}): not a prefix: {_difference(outs, prompt, n)}", file=sys.stderr)
+            self._provenance(rid, outs, prompt, n)
+
+    def _provenance(self, rid: str, outs: list[Any], prompt: list[int], n: int) -> None:
+        """Which earlier request a wrong audio piece belongs to, and the kills around it."""
+        wave = expected_waveform(expected_relay_tokens(expected_counting_tokens(prompt, n)))
+        pieces = [o.audio.reshape(-1) for o in outs if o.modality == "audio" and o.audio is not None]
+        start = 0
+        for i, piece in enumerate(pieces):
+            if not torch.equal(piece, wave[start : start + piece.numel()]):
+                owners = []
+                for other in self.history:
+                    o_prompt, o_n = other[1:3]
+                    o_wave = expected_waveform(expected_relay_tokens(expected_counting_tokens(o_prompt, o_n)))
+                    for j in range(0, o_wave.numel() - piece.numel() + 1, piece.numel()):
+                        if torch.equal(o_wave[j : j + piece.numel()], piece):
+                            owners.append((other, j // piece.numel()))
+                print(f"    piece {i} belongs to: {owners}", file=sys.stderr)
+            start += piece.numel()
+        mine = [e for e in self.history if e[0] == rid]
+        print(f"    incarnations of {rid}: {mine[-4:]}", file=sys.stderr)
+        print(f"    kills: {self.books.kills}", file=sys.stderr)
 
     async def kill(self) -> None:
         async with self.killing:
@@ -195,11 +237,15 @@ class Soak:
             in_flight = self.pipe.num_active
             at_transfers = self.books.transfers
             t0 = time.monotonic()
+            at_s = self._now()
+            if self.args.verbose:
+                print(f"  {at_s:.3f}: kill stage {stage_id}", file=sys.stderr)
             os.kill(pid, signal.SIGKILL)
             await wait_restarted(self.pipe, stage_id, pid)
             self.books.kills.append(
                 {
                     "stage": stage_id,
+                    "at_s": at_s,
                     "at_transfers": at_transfers,
                     "in_flight": in_flight,
                     "restart_s": round(time.monotonic() - t0, 3),
@@ -308,6 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="print each kill as it happens")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     return p.parse_args(argv)
 

@@ -223,6 +223,33 @@ def test_a_dead_stage_drops_its_fences_and_an_aborted_reuse_leaves_nothing() -> 
     assert_front_books_empty(orch)
 
 
+def test_the_ids_a_dead_stage_held_stay_fenced_until_its_objects_are_swept() -> None:
+    # A reader may have mapped a slot of the dead process and hold the notice of an object
+    # of the ended request: until the sweep withdraws it, a reuse of the id could get it.
+    orch, front = make_orchestrator()
+    first = RequestHandle("R")
+    orch.admit(PipelineRequest(request_id="R", prompt_token_ids=[1], modalities=("text", "audio")), first)
+    front.take()
+    orch._execute(orch._stage_failed(1, "stage 1 died", swept_later=True))
+    with pytest.raises(RequestFailedError):
+        first.result(1)
+    assert (1, "Release") not in front.take()  # the dead worker is told nothing
+    orch._on_message(0, Released(0, "R"))
+    orch._on_message(2, Released(2, "R"))
+    orch._workers[1].is_dead = False  # restarted (its hello)
+    orch._on_stage_up(1)
+    again = RequestHandle("R")
+    orch.admit(text_only("R"), again)
+    assert front.take() == [] and not again.is_finished  # parked: the sweep has not run
+    orch._on_swept(1)
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    for sid in range(3):
+        orch._on_message(sid, Released(sid, "R"))
+    assert_front_books_empty(orch)
+
+
 def test_a_handle_frees_its_id_before_the_consumer_can_see_the_end() -> None:
     # A client that reads the last output and at once resubmits the same id must not be
     # told the id is still in flight: on_done runs before the terminal is visible.

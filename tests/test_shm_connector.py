@@ -307,6 +307,45 @@ def test_sigkilled_producer_is_swept_live_owner_kept(namespace: str) -> None:
     cons.close()
 
 
+def _producer_then_killed(namespace: str, pipe: Any) -> None:
+    """Put R_1_0, wait until it was read, then R_1_1 into the same pooled slot; then wait
+    to be killed with R_1_1 unread."""
+    conn = create_connector("shm", namespace=namespace, stage_id=1, sweep_on_start=False)
+    assert conn.put(1, 2, "R_1_0", {"t": torch.full((64,), 1)}).ok
+    pipe.send("put")
+    pipe.recv()  # read by the consumer
+    assert conn.reap_consumed() == 1  # its slot is pooled again
+    assert conn.put(1, 2, "R_1_1", {"t": torch.full((64,), 2)}).ok
+    pipe.send("put")
+    pipe.recv()  # never comes: the test kills this process
+
+
+def test_a_swept_dead_producers_object_is_gone_for_a_reader_that_mapped_its_slot(namespace: str) -> None:
+    # The consumer mapped the producer's pooled slot for R_1_0 and holds the arrival notice
+    # of R_1_1 (same slot). The producer dies; the sweep removes its names. A request that
+    # reuses the id R must not get the dead incarnation's R_1_1 through the cached mapping
+    # and the notice.
+    cons = create_connector("shm", namespace=namespace, stage_id=2)
+    here, there = CTX.Pipe()
+    p = CTX.Process(target=_producer_then_killed, args=(namespace, there))
+    p.start()
+    try:
+        assert here.poll(60) and here.recv() == "put"
+        assert "R_1_0" in cons.wait_arrivals(2, timeout=30)
+        assert cons.get(1, 2, "R_1_0").obj["t"][0] == 1
+        here.send("read")
+        assert here.poll(60) and here.recv() == "put"
+        assert "R_1_1" in cons.wait_arrivals(2, timeout=30)  # its hint names the mapped slot
+    finally:
+        os.kill(p.pid or 0, signal.SIGKILL)
+        p.join(60)
+    report = sweep(namespace, reclaim=True)
+    assert {o.key for o in report.reclaimed if o.kind == "object"} == {"R_1_1"}
+    got = cons.get(1, 2, "R_1_1")
+    assert got.status is GetStatus.NOT_YET, got.obj
+    cons.close()
+
+
 def test_names_are_prefixed_and_fixed_length(namespace: str) -> None:
     prod = create_connector("shm", namespace=namespace, stage_id=1)
     assert prod.put(1, 2, "../" * 300, {"x": 1}).ok

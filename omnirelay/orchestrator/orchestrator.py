@@ -16,8 +16,8 @@ router, the handles map and the sockets have exactly one user.
 * Per stage, a reader task routes what the worker says. The supervisor watches each
   process's sentinel, so a dead worker is seen at once: the router fails every request
   that needed it with ``stage_unavailable`` (the reason names the stage, the pid and the
-  signal), the stage's fences go, the connectors reclaim what the dead process owned, and the
-  stage is restarted by the pipeline's restart policy (or given up on). While it is down,
+  signal), the stage's fences go, the connectors reclaim what the dead process owned (the
+  ids it held stay fenced until then), and the stage is restarted by the pipeline's restart policy (or given up on). While it is down,
   requests that need it are refused at once (:meth:`Orchestrator.unavailable`); requests
   that do not need it are served.
 * :meth:`Orchestrator.health`, :meth:`Orchestrator.leak_state` — queries over the
@@ -180,6 +180,7 @@ class Orchestrator:
                 route=self._on_message,
                 read=self._read,
                 stage_ready=self._on_worker_ready,
+                swept=self._on_swept,
             ),
             preload=_worker_imports(self.config),
         )
@@ -193,7 +194,9 @@ class Orchestrator:
         self._state_waiters: list[asyncio.Future[None]] = []
         #: The id-reuse fence: id → the stages told to release it that have not reported
         #: :class:`Released` yet. What a fenced stage says about the id belongs to the
-        #: ended request (stale), never to a new one reusing the id.
+        #: ended request (stale), never to a new one reusing the id. A dead worker's
+        #: fences become its sweep's (:func:`_sweep_fence`): its objects of the id may still
+        #: be claimable until the sweep withdrew them.
         self._unreleased: dict[str, set[int]] = {}
         #: A new request reusing a fenced id waits here until the last fence of the id
         #: goes: before that a stage may still hold the ended request's chunks (or be
@@ -539,20 +542,44 @@ class Orchestrator:
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
-    def _stage_failed(self, worker: int, reason: str, retry_after_s: float | None = None) -> list[Action]:
+    def _stage_failed(
+        self, worker: int, reason: str, retry_after_s: float | None = None, *, swept_later: bool = False
+    ) -> list[Action]:
         """Mark the worker dead (once) and act on every request bound to it: run again on
         another replica the ones the client has had nothing of, fail the others with
-        ``stage_unavailable`` (docs/protocol.md §2.8: each is released in every stage)."""
+        ``stage_unavailable`` (docs/protocol.md §2.8: each is released in every stage).
+
+        ``swept_later``: the worker's process is gone and the supervisor sweeps its objects
+        next (:meth:`_on_swept`). Until then the ids it held stay fenced: a reader that
+        mapped one of its slots could still claim an object of the ended request under
+        the key a reuse of the id puts."""
         st = self._workers[worker]
         if st.is_dead:
             return []
         st.is_dead = True
         actions = self.router.on_replica_died(st.stage_id, st.replica, reason, retry_after_s=retry_after_s)
+        sweep = _sweep_fence(worker)
+        if swept_later:
+            for action in actions:
+                rid = (
+                    action.request.request_id
+                    if isinstance(action, Rerun | StageSubmit)
+                    else action.request_id
+                )
+                self._unreleased.setdefault(rid, set()).add(sweep)
         for rid in [rid for rid, workers in self._unreleased.items() if worker in workers]:
             # No Released will come; a parked reuse is admitted (and fails at once when it
-            # needs this stage).
+            # needs this stage) — after the sweep, when it follows.
+            if swept_later:
+                self._unreleased[rid].add(sweep)
             self._lift_fence(worker, rid)
         return actions
+
+    def _on_swept(self, worker: int) -> None:
+        """The dead worker's objects are withdrawn and reclaimed: lift its sweep's fences."""
+        sweep = _sweep_fence(worker)
+        for rid in [rid for rid, workers in self._unreleased.items() if sweep in workers]:
+            self._lift_fence(sweep, rid)
 
     def _others_up(self, st: StageProcess) -> bool:
         """Does another worker of ``st``'s stage serve it?"""
@@ -570,12 +597,12 @@ class Orchestrator:
         st = self._workers[worker]
         if self._others_up(st):
             st.death_reason = unavailable
-            actions = self._stage_failed(worker, reason, retry_after_s)
+            actions = self._stage_failed(worker, reason, retry_after_s, swept_later=True)
             self._execute(actions)
             self._wake_state_waiters()
             return
         self._on_stage_unavailable(worker, unavailable, retry_after_s)
-        actions = self._stage_failed(worker, reason, retry_after_s)
+        actions = self._stage_failed(worker, reason, retry_after_s, swept_later=True)
         self.router.set_unavailable(st.stage_id, unavailable, retry_after_s)  # over the death's reason
         self._execute(actions)
 
@@ -745,6 +772,11 @@ class Orchestrator:
             num_objects_left=len(report.objects) - len(report.reclaimed),
         )
         return self._shutdown_report
+
+
+def _sweep_fence(worker: int) -> int:
+    """The fence a dead worker's sweep holds on an id (never a worker's index)."""
+    return -1 - worker
 
 
 #: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).

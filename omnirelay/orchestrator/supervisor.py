@@ -100,6 +100,8 @@ class SupervisorHooks:
     read: Callable[[int], None]
     #: a worker said hello during the pipeline's start (its index)
     stage_ready: Callable[[int], None] | None = None
+    #: the objects of a dead worker's process were reclaimed (after ``stage_down``)
+    swept: Callable[[int], None] | None = None
 
 
 class StageSupervisor:
@@ -250,7 +252,7 @@ class StageSupervisor:
         if self.is_closing or not self.is_started:
             down = f"{reason}; its requests were failed"
             self._hooks.stage_down(worker, down, down, None)
-            self._track(loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace)))
+            self._track(asyncio.ensure_future(self._sweep(st)))
             return
         delay = self.book.next_delay(worker, time.monotonic())
         if delay is None:
@@ -275,12 +277,21 @@ class StageSupervisor:
             f"{self.policy.window_s:g} s already (restart policy: {self.policy.describe()})"
         )
 
+    async def _sweep(self, st: StageProcess) -> None:
+        """Reclaim the dead process's objects, then tell the orchestrator (its fences)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
+        finally:  # a sweep that failed must not fence the dead worker's ids for ever
+            if self._hooks.swept is not None:
+                self._hooks.swept(st.index)
+
     async def _recover(self, st: StageProcess, delay: float | None) -> None:
         """Reclaim the dead process's objects, then restart the stage (unless given up)."""
-        loop = asyncio.get_running_loop()
-        # Before any new process of the stage can put: a reused id must not find a dead
-        # incarnation's key (docs/protocol.md §3.5 crash safety).
-        await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
+        # Before any new process of the stage can put, and before an id the dead process
+        # held is admitted again: a reused id must not find a dead incarnation's object
+        # (docs/protocol.md §3.5 crash safety).
+        await self._sweep(st)
         if self.is_closing or delay is None:
             return
         await asyncio.sleep(delay)

@@ -6,15 +6,24 @@ whose owner process is dead.
 namespace). An object is reclaimed only when its owner is known and dead; objects of
 live processes, and objects whose owner cannot be determined, are left alone (and
 listed).
+
+A dead producer's object is *withdrawn* before its names are removed: its slot's stamp goes
+from PUBLISHED (or WRITING, WAITING) to RETIRED. Unlinking alone is not enough: a reader
+that mapped the slot earlier keeps the mapping, and an arrival notice it holds for the key
+names the slot and its publish, so it could still claim the object after the sweep — and
+hand a request that reuses the id its dead incarnation's chunk (docs/protocol.md §3.5). A
+slot a live reader has CLAIMED is left to that reader.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
 from omnirelay.connectors.base import NamespaceObject, ReclaimReport
-from omnirelay.connectors.shm import names, slot
+from omnirelay.connectors.shm import atomics, names, slot
+from omnirelay.errors import ConnectorError
 
 __all__ = ["sweep"]
 
@@ -36,6 +45,45 @@ def _read_slot_header(path: str) -> slot.SlotHeader | str:
         return slot.read_header(data, size)  # only header and key are read
     finally:
         os.close(fd)
+
+
+#: States of a publish no reader has taken yet: a sweep withdraws them.
+_UNTAKEN = (slot.PUBLISHED, slot.WRITING, slot.WAITING)
+
+
+def _withdraw(path: str) -> bool:
+    """Retire the object in the slot file at ``path`` unless a reader took it: CAS its
+    stamp from an untaken state to RETIRED of the same publish. True if withdrawn."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size < slot.HEADER_SIZE:
+            return False
+        mm = mmap.mmap(fd, slot.HEADER_SIZE)
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    try:
+        if mm[: len(slot.MAGIC)] != slot.MAGIC:
+            return False
+        try:
+            word = atomics.Word(mm, slot.STAMP_OFFSET)
+        except (ConnectorError, ValueError):
+            return False  # no atomics here: no reader here can claim either
+        try:
+            while True:
+                stamp = word.load()
+                if stamp & 0xFF not in _UNTAKEN:
+                    return False
+                if word.cas(stamp, slot.stamp(slot.RETIRED, stamp >> 8)):
+                    return True
+        finally:
+            del word  # its export of the mapping, before the close
+    finally:
+        mm.close()
 
 
 def sweep(
@@ -87,6 +135,8 @@ def sweep(
         if owner is not None:
             obj.owner_alive = alive(owner)
             if reclaim and not obj.owner_alive:
+                if parsed.kind in ("k", "s"):
+                    _withdraw(path)
                 try:
                     os.unlink(path)
                     obj.reclaimed = True
