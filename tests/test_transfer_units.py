@@ -299,6 +299,7 @@ class _Arrivals:
         assert self.lanes is not None
         with self._cv:
             self.num_waiting += 1
+            self._cv.notify_all()  # wait_listening watches num_waiting
             self._cv.wait_for(lambda: bool(self._batches), 0.05)
             self.num_waiting -= 1
             if not self._batches:
