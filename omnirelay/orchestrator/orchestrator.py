@@ -249,7 +249,7 @@ class Orchestrator:
         """Connect to the Ray cluster and place the stages (blocking calls: off the loop)."""
         from omnirelay.orchestrator.ray_placement import RayPlacement
 
-        placement = self._ray = RayPlacement(self.config)
+        placement = self._ray = RayPlacement(self.config, timeout_s=self._startup_timeout_s)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, placement.connect)
         self.config = await loop.run_in_executor(None, placement.place)

@@ -38,7 +38,8 @@ from omnirelay.worker.spec import WorkerSpec
 
 __all__ = ["RayPlacement", "RayWorkerProcess", "StageHost", "load_ray"]
 
-#: how long placing a stage (starting its probe and host actors) may take
+#: how long placing a stage (starting its probe and host actors) may take, unless the
+#: pipeline's start gives its own bound (``startup_timeout_s``)
 _PLACE_TIMEOUT_S = 120.0
 
 
@@ -110,9 +111,12 @@ class RayWorkerProcess:
         node: dict[str, Any],
         resources: dict[str, float],
         actor: Any = None,
+        timeout_s: float = _PLACE_TIMEOUT_S,
     ):
         """``actor``: a host already running on ``node`` (the placement's probe, for a
-        worker's first incarnation); None: a new one pinned to the node."""
+        worker's first incarnation); None: a new one pinned to the node. ``timeout_s``:
+        how long the host may take to start the worker."""
+        self._timeout_s = timeout_s
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._ray = ray
@@ -145,7 +149,7 @@ class RayWorkerProcess:
 
     def _wait(self, start: Any) -> None:
         try:
-            self.pid = self._ray.get(start, timeout=_PLACE_TIMEOUT_S)
+            self.pid = self._ray.get(start, timeout=self._timeout_s)
             self.exitcode = self._ray.get(self._actor.wait.remote())
         except Exception as exc:  # RayActorError: the actor's process or its node is gone
             self.lost = f"its Ray actor or node was lost ({type(exc).__name__})"
@@ -192,8 +196,11 @@ class RayWorkerProcess:
 class RayPlacement:
     """Connects to the cluster, places the stages and starts their workers."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, timeout_s: float = _PLACE_TIMEOUT_S) -> None:
+        """``timeout_s``: how long placing the stages and starting a worker's host may
+        take (the pipeline's startup bound: a loaded machine boots Ray workers slowly)."""
         self.config = config
+        self.timeout_s = timeout_s
         self._ray = load_ray()
         self._host_cls: Any = None
         self._started_ray = False
@@ -232,7 +239,7 @@ class RayPlacement:
             for w in workers
         ]
         try:
-            found = ray.get([p.where.remote() for p in probes], timeout=_PLACE_TIMEOUT_S)
+            found = ray.get([p.where.remote() for p in probes], timeout=self.timeout_s)
         except Exception as exc:
             for p in probes:
                 ray.kill(p, no_restart=True)
@@ -243,7 +250,7 @@ class RayPlacement:
                 for w in workers
             }
             raise PipelineError(
-                f"Ray could not place the stages within {_PLACE_TIMEOUT_S:g} s (does a node offer each "
+                f"Ray could not place the stages within {self.timeout_s:g} s (does a node offer each "
                 f"worker's resources at once? {wanted}): {exc!r}"
             ) from exc
         self._spare = {w.index: p for w, p in zip(workers, probes)}
@@ -273,6 +280,7 @@ class RayPlacement:
             node,
             stage.replica_resources_of(node["replica"]),
             actor=self._spare.pop(worker, None),
+            timeout_s=self.timeout_s,
         )
 
     def describe(self) -> dict[int, dict[str, Any]]:
