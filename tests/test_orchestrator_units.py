@@ -174,6 +174,17 @@ def assert_front_books_empty(orch: Orchestrator) -> None:
     assert orch._unreleased == {} and orch._parked == {}
 
 
+def finish_the_admitted_reuse(orch: Orchestrator, front: RecordingFront, again: RequestHandle) -> None:
+    """The reuse of R was just admitted: it reaches stage 0, ends, every stage releases it,
+    and the front's books are empty."""
+    assert front.take() == [(0, "Submit")]
+    orch._on_message(0, finished_text("R"))
+    assert again.result(1).finish_reason == "stop"
+    for sid in range(3):
+        orch._on_message(sid, Released(sid, "R"))
+    assert_front_books_empty(orch)
+
+
 def test_a_reused_id_is_parked_until_the_last_stage_reports_released() -> None:
     orch, front = make_orchestrator()
     first = RequestHandle("R")
@@ -193,12 +204,7 @@ def test_a_reused_id_is_parked_until_the_last_stage_reports_released() -> None:
     orch._on_message(1, RequestFailed(1, "R", "late failure of the ended request"))
     assert orch.num_stale_messages == 2 and front.take() == []
     orch._on_message(1, Released(1, "R"))  # the last one: the reuse is admitted now
-    assert front.take() == [(0, "Submit")]
-    orch._on_message(0, finished_text("R"))
-    assert again.result(1).finish_reason == "stop"
-    for sid in range(3):
-        orch._on_message(sid, Released(sid, "R"))
-    assert_front_books_empty(orch)
+    finish_the_admitted_reuse(orch, front, again)
 
 
 def test_a_dead_stage_drops_its_fences_and_an_aborted_reuse_leaves_nothing() -> None:
@@ -242,12 +248,7 @@ def test_the_ids_a_dead_stage_held_stay_fenced_until_its_objects_are_swept() -> 
     orch.admit(text_only("R"), again)
     assert front.take() == [] and not again.is_finished  # parked: the sweep has not run
     orch._on_swept(1)
-    assert front.take() == [(0, "Submit")]
-    orch._on_message(0, finished_text("R"))
-    assert again.result(1).finish_reason == "stop"
-    for sid in range(3):
-        orch._on_message(sid, Released(sid, "R"))
-    assert_front_books_empty(orch)
+    finish_the_admitted_reuse(orch, front, again)
 
 
 def test_a_handle_frees_its_id_before_the_consumer_can_see_the_end() -> None:
