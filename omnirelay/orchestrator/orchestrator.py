@@ -17,9 +17,9 @@ router, the handles map and the sockets have exactly one user.
   process's sentinel, so a dead worker is seen at once: the router fails every request
   that needed it with ``stage_unavailable`` (the reason names the stage, the pid and the
   signal), the stage's fences go, the connectors reclaim what the dead process owned (the
-  ids it held stay fenced until then), and the stage is restarted by the pipeline's restart policy (or given up on). While it is down,
-  requests that need it are refused at once (:meth:`Orchestrator.unavailable`); requests
-  that do not need it are served.
+  ids it held stay fenced until then), and the stage is restarted by the pipeline's
+  restart policy (or given up on). While it is down, requests that need it are refused
+  at once (:meth:`Orchestrator.unavailable`); requests that do not need it are served.
 * :meth:`Orchestrator.health`, :meth:`Orchestrator.leak_state` — queries over the
   control plane with a timeout.
 * :meth:`Orchestrator.shutdown` — fail what is in flight, ask every worker to stop,

@@ -116,10 +116,10 @@ class RayWorkerProcess:
         """``actor``: a host already running on ``node`` (the placement's probe, for a
         worker's first incarnation); None: a new one pinned to the node. ``timeout_s``:
         how long the host may take to start the worker."""
-        self._timeout_s = timeout_s
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._ray = ray
+        self._timeout_s = timeout_s
         self.node = node
         if actor is None:
             actor = host_cls.options(
