@@ -28,7 +28,7 @@ from omnirelay.models.family import Detokenizer
 from omnirelay.models.inputs import audio_inputs
 from omnirelay.orchestrator.router import TRANSCRIPT, RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
-from omnirelay.serving.frontend import RequestStream
+from omnirelay.serving.frontend import UNTIL_FIRST, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import submit_turns
 from omnirelay.serving.media.encoding import PcmResampler
@@ -142,6 +142,7 @@ class ResponseRunner:
                 sampling=sampling,
                 extras={"voice": settings.voice} if kind == "audio" else {},
                 session=s.id,  # a replicated stage keeps the session's turns on one replica
+                delivery=UNTIL_FIRST,  # runs again on a lost replica until its first event
             )
         except ApiError as exc:
             await self._refused(resp, exc)
