@@ -324,7 +324,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(srv: Served) -> None:
     async def go() -> None:
         c = await RealtimeClient.connect(rt_url(srv))
         bad = [
-            ({"type": "conversation.item.truncate"}, "invalid_event_type"),
+            ({"type": "conversation.item.truncate"}, "invalid_value"),
             ({"type": "input_audio_buffer.append", "audio": "***"}, "invalid_audio"),
             ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty"),
             ({"type": "response.create"}, "empty_conversation"),
@@ -332,8 +332,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(srv: Served) -> None:
             ({"type": "conversation.item.create", "item": {"role": "tool"}}, "invalid_value"),
             ({"type": "response.create", "response": {"tools": []}}, "unsupported_field"),
             ({"type": "response.create", "response": {"conversation": "none"}}, "invalid_value"),
-            ({"type": "conversation.item.delete", "item_id": "x"}, "invalid_event_type"),
-            ({"type": "conversation.item.retrieve", "item_id": "x"}, "invalid_event_type"),
+            ({"type": "conversation.item.delete", "item_id": "x"}, "item_not_found"),
+            ({"type": "conversation.item.retrieve", "item_id": "x"}, "item_not_found"),
             ({"type": "transcription_session.update", "session": {}}, "invalid_event_type"),
             ({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}, "invalid_value"),
             ({"type": "session.update", "session": {"output_audio_format": "g711_alaw"}}, "invalid_value"),

@@ -16,7 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Conversation", "Item"]
+__all__ = ["ROOT", "Conversation", "Item"]
+
+#: ``previous_item_id`` of an item that goes first
+ROOT = "root"
 
 
 @dataclass(slots=True)
@@ -35,6 +38,9 @@ class Item:
     audio: Any = field(default=None, repr=False)
     #: the recognizer's transcript of ``audio`` is known (it is ``text``, maybe empty)
     is_heard: bool = False
+    #: an assistant's answer: the samples of its audio sent to the client (at the
+    #: session's rate), up to where ``conversation.item.truncate`` cut it
+    output_samples: int = 0
 
     def event_item(self) -> dict[str, Any]:
         """The item as OpenAI's realtime ``item`` object."""
@@ -78,17 +84,27 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return self._items.get(item_id)
 
-    def add(self, item: Item) -> list[Item]:
-        """Append ``item``; returns the items dropped to stay within the bounds."""
+    def add(self, item: Item, previous: str | None = None) -> list[Item]:
+        """Add ``item`` after the item ``previous`` (None: at the end; :data:`ROOT`: first);
+        returns the items dropped to stay within the bounds."""
         self._items[item.id] = item
-        return self.trim()
+        if previous is not None:
+            keys = list(self._items)
+            after = 0 if previous == ROOT else keys.index(previous) + 1
+            for key in keys[after:-1]:
+                self._items.move_to_end(key)
+        return self.trim(keep=item.id)
 
-    def trim(self) -> list[Item]:
-        """Drop the oldest items until the bounds hold (an item's text may have grown)."""
+    def remove(self, item_id: str) -> Item | None:
+        return self._items.pop(item_id, None)
+
+    def trim(self, keep: str | None = None) -> list[Item]:
+        """Drop the oldest items but ``keep`` until the bounds hold (an item's text may have grown)."""
         dropped: list[Item] = []
         while len(self._items) > 1 and (len(self._items) > self.max_items or self.num_chars > self.max_chars):
-            _, old = self._items.popitem(last=False)
-            dropped.append(old)
+            oldest = iter(self._items)
+            key = next(oldest)
+            dropped.append(self._items.pop(next(oldest) if key == keep else key))
         self.num_dropped += len(dropped)
         return dropped
 

@@ -48,6 +48,9 @@ CLIENT_EVENTS = (
     "conversation.item.create",
     "response.create",
     "response.cancel",
+    "conversation.item.truncate",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
 )
 AUDIO_FORMAT = "pcm16"
 MAX_INSTRUCTIONS_CHARS = 16384
@@ -111,6 +114,8 @@ class RealtimeSettings:
     #: ``input_audio_transcription``: {model, language?} (the pipeline's recognizer
     #: transcribes), or None: off
     transcription: dict[str, Any] | None = None
+    #: ``response.create``'s ``metadata`` (GA), echoed in that response's events
+    metadata: dict[str, str] | None = None
 
 
 def session_object(
@@ -397,12 +402,14 @@ def decode_audio(value: Any) -> np.ndarray:
 
 
 _ITEM_ROLES = {"user": "input_text", "system": "input_text", "assistant": "text"}
+#: the content types each role's text takes (GA names an assistant's ``output_text``)
+_ITEM_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": ("text", "output_text")}
 
 
 def parse_text_item(event: Mapping[str, Any]) -> tuple[str | None, str, str]:
     """``conversation.item.create``'s item as ``(client item id, role, text)``: a
-    ``message`` of one text part (``input_text`` for user and system, ``text`` for
-    assistant)."""
+    ``message`` of one text part (``input_text`` for user and system, ``text`` or GA's
+    ``output_text`` for assistant)."""
     item = event.get("item")
     if not isinstance(item, dict):
         raise EventError("conversation.item.create needs an object field 'item'", param="item")
@@ -424,7 +431,7 @@ def parse_text_item(event: Mapping[str, Any]) -> tuple[str | None, str, str]:
         raise EventError("item.content must be a list of one text part", param="item.content")
     part = content[0]
     want = _ITEM_ROLES[role]
-    if part.get("type") != want:
+    if part.get("type") not in _ITEM_PARTS[role]:
         raise EventError(
             f"item.content[0].type must be {want!r} for a {role} message, got {json.dumps(part.get('type'))[:40]}",
             param="item.content[0].type",

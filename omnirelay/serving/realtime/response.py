@@ -25,7 +25,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.models.family import Detokenizer
-from omnirelay.models.inputs import audio_inputs
+from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.orchestrator.router import TRANSCRIPT, RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import UNTIL_FIRST, RequestStream
@@ -79,7 +79,9 @@ class Response:
     def body(self, status: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
         """OpenAI's ``response`` object."""
         output = [] if status == "in_progress" or self.stream is None else [self.item.event_item()]
+        extra = {} if self.settings.metadata is None else {"metadata": self.settings.metadata}
         return {
+            **extra,
             "id": self.id,
             "object": "realtime.response",
             "status": status,
@@ -249,6 +251,7 @@ class ResponseRunner:
         if not data:
             return
         resp.num_audio_samples += len(data) // 2
+        resp.item.output_samples = resp.num_audio_samples
         encoded = base64.b64encode(data).decode("ascii")
         await self.session.send("response.audio.delta", {**resp.ids(), "delta": encoded}, unless=resp)
 
@@ -260,9 +263,15 @@ class ResponseRunner:
                 continue
             item.is_heard, item.text = True, line
             if self.session.settings.transcription is not None:
+                seconds = round(item.audio.size / AUDIO_INPUT_RATE, 3)  # what the recognizer heard
                 await self.session.send(
                     "conversation.item.input_audio_transcription.completed",
-                    {"item_id": item.id, "content_index": 0, "transcript": line},
+                    {
+                        "item_id": item.id,
+                        "content_index": 0,
+                        "transcript": line,
+                        "usage": {"type": "duration", "seconds": seconds},
+                    },
                 )
 
     def transcribe(self, item: Item) -> None:

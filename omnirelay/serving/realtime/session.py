@@ -69,6 +69,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ from omnirelay.serving.media import audio_in as audio_input
 from omnirelay.serving.media.audio_out import wav_header
 from omnirelay.serving.media.chat_turns import hears_audio
 from omnirelay.serving.media.encoding import PCM_RATE
+from omnirelay.serving.realtime import ga, items
 from omnirelay.serving.realtime.conversation import Conversation, Item
 from omnirelay.serving.realtime.events import (
     EventError,
@@ -90,7 +92,6 @@ from omnirelay.serving.realtime.events import (
     decode_audio,
     decode_frame,
     new_id,
-    parse_text_item,
     response_overrides,
     session_object,
 )
@@ -165,6 +166,8 @@ class Session:
         self.ws = ws
         self.fe = fe
         self.cfg = fe.config
+        #: the interface the client speaks (:mod:`omnirelay.serving.realtime.ga`)
+        self.protocol = ga.protocol_of(ws.headers)
         #: the rate of pcm16 both ways (OpenAI's); the pipeline's own may differ
         self.rate = PCM_RATE
         self.id = new_id("sess")
@@ -190,12 +193,16 @@ class Session:
     ) -> None:
         """Send one server event. ``unless``: a response whose events stop once it is over
         (checked under the send lock, so nothing of it follows its ``response.done``)."""
-        event = {"event_id": new_id("event"), "type": kind, **(payload or {})}
-        text = json.dumps(event, separators=(",", ":"))
+        shaped = ga.server_events(kind, payload or {}) if self.protocol == ga.GA else [(kind, payload or {})]
+        texts = [
+            json.dumps({"event_id": new_id("event"), "type": k, **p}, separators=(",", ":"))
+            for k, p in shaped
+        ]
         async with self._send_lock:
             if unless is not None and unless.is_over:
                 return
-            await self.ws.send_text(text)
+            for text in texts:
+                await self.ws.send_text(text)
 
     async def send_error(self, exc: EventError, client_event_id: str | None = None) -> None:
         error: dict[str, Any] = {
@@ -209,12 +216,20 @@ class Session:
 
     async def send_session(self, kind: str = "session.updated") -> None:
         window = self.conversation.window()
-        session = session_object(self.id, self.fe.model_name, self.settings, self.rate, window)
+        args = (self.id, self.fe.model_name, self.settings, self.rate, window)
+        if self.protocol == ga.GA:
+            session = ga.session_object(*args)
+        elif self.protocol == ga.BETA:
+            session = session_object(*args)
+        else:  # not known yet: both shapes, each client reads its own
+            session = {**ga.session_object(*args), **session_object(*args)}
+            session["object"] = "realtime.session"
         await self.send(kind, {"session": session})
 
-    async def add_item(self, item: Item, previous: str | None) -> None:
-        """Add ``item`` to the conversation and say so (and what the bounds dropped)."""
-        dropped = self.conversation.add(item)
+    async def add_item(self, item: Item, previous: str | None, *, after: str | None = None) -> None:
+        """Add ``item`` to the conversation (after the item ``after``; None: at the end) and
+        say so (``previous``: the item before it), and what the bounds dropped."""
+        dropped = self.conversation.add(item, after)
         await self.send(
             "conversation.item.created", {"previous_item_id": previous, "item": item.event_item()}
         )
@@ -296,33 +311,57 @@ class Session:
             self._reset_vad()
             await self.send("input_audio_buffer.cleared")
         elif kind == "conversation.item.create":
-            await self._create_item(event)
+            await items.create(self, event)
         elif kind == "response.create":
-            settings = response_overrides(
-                event,
-                self.settings,
-                check_voice=self.fe.check_voice,
-                check_modalities=self.fe.chat_modalities,
-            )
-            await self.runner.start(settings)
+            await self.runner.start(self._response_settings(event))
         elif kind == "response.cancel":
             await self._cancel(event)
+        elif kind == "conversation.item.truncate":
+            await items.truncate(self, event)
+        elif kind == "conversation.item.delete":
+            await items.delete(self, event)
+        elif kind == "conversation.item.retrieve":
+            await items.retrieve(self, event)
 
     # -- settings ----------------------------------------------------------------------
 
     async def _update(self, event: dict[str, Any]) -> None:
         before = self.settings.turn_detection
-        self.settings = apply_session_update(
-            self.settings,
-            event.get("session"),
-            check_voice=self.fe.check_voice,
-            check_modalities=self.fe.chat_modalities,
-            sample_rate=self.rate,
-            can_transcribe=self.fe.pipeline.config.audio_entry_stage_id is not None,
-        )
+        session = event.get("session")
+        if self.protocol == ga.AUTO:  # the first update that tells says which interface
+            self.protocol = ga.shape_of(session)
+        is_ga = self.protocol == ga.GA
+        try:
+            self.settings = apply_session_update(
+                self.settings,
+                ga.session_to_beta(session, self.rate) if is_ga else session,
+                check_voice=self.fe.check_voice,
+                check_modalities=self.fe.chat_modalities,
+                sample_rate=self.rate,
+                can_transcribe=self.fe.pipeline.config.audio_entry_stage_id is not None,
+            )
+        except EventError as exc:
+            raise ga.ga_error(exc) if is_ga else exc from None
         if self.settings.turn_detection != before:
             self._reset_vad()
         await self.send_session()
+
+    def _response_settings(self, event: dict[str, Any]) -> RealtimeSettings:
+        """``response.create``'s settings: its ``response`` (GA's or beta's) over the session's."""
+        response, metadata = event.get("response"), None
+        is_ga = self.protocol == ga.GA
+        if is_ga:
+            response, metadata = ga.response_to_beta(response, self.rate)
+        try:
+            settings = response_overrides(
+                {**event, "response": response},
+                self.settings,
+                check_voice=self.fe.check_voice,
+                check_modalities=self.fe.chat_modalities,
+            )
+        except EventError as exc:
+            raise ga.ga_error(exc) if is_ga else exc from None
+        return replace(settings, metadata=metadata)
 
     def _reset_vad(self) -> None:
         """A fresh detector from here on (turn detection changed, the buffer was cleared or
@@ -427,24 +466,6 @@ class Session:
         return item
 
     # -- items and responses -------------------------------------------------------------
-
-    async def _create_item(self, event: dict[str, Any]) -> None:
-        item_id, role, text = parse_text_item(event)
-        previous = event.get("previous_item_id")
-        if previous is not None and previous != self.conversation.last_id:
-            raise EventError(
-                "previous_item_id must be the last item's id (items are appended at the end)",
-                param="previous_item_id",
-            )
-        if item_id is not None and item_id in self.conversation:
-            raise EventError(f"an item with id {item_id!r} already exists", param="item.id")
-        try:
-            self.fe.check_text(text, "item.content[0].text")
-        except ApiError as exc:
-            raise EventError(exc.message, code="input_too_long", param=exc.param) from exc
-        kind = "text" if role == "assistant" else "input_text"
-        item = Item(id=item_id or new_id("item"), role=role, kind=kind, text=text)
-        await self.add_item(item, self.conversation.last_id)
 
     async def _cancel(self, event: dict[str, Any]) -> None:
         current = self.runner.current
