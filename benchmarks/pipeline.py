@@ -512,7 +512,7 @@ def _decoder_holdback(config: Any) -> int:
     """Samples the Code2Wav decoder holds back at the end of a window (docs/protocol.md §6.2 ``tail``):
     the whole stream is ``frames * 1920 - holdback`` samples long. Measured on the CPU
     with a short decode of the audio stage's decoder (its weights do not matter)."""
-    from omnirelay.models.qwen3_omni.code2wav import decoder_holdback
+    from omnirelay.models.code2wav import decoder_holdback
     from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 
     stage = next(s for s in config.stages if str(s.final_output_type) == "audio")

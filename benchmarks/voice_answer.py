@@ -36,7 +36,7 @@ import numpy as np
 from omnirelay.connectors.shm import sweep
 from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
 from omnirelay.models.prepared import CACHE_ENV
-from omnirelay.models.voice.spoken import spoken_words
+from omnirelay.models.text.spoken import spoken_words
 
 __all__ = ["main", "run_once"]
 

@@ -4,7 +4,7 @@ Synthesizes fixed sentences (the first Harvard list and five everyday sentences)
 Piper voice of the default pipeline, several noise seeds each, and transcribes them with
 PocketSphinx; prints the mean word error rate per sentence and overall for
 
-* ``cmudict`` — the shipped, permissive phonemizer (:mod:`omnirelay.models.voice.phonemizer`);
+* ``cmudict`` — the shipped, permissive phonemizer (:mod:`omnirelay.models.text.phonemizer`);
 * ``cmudict-nostress`` — the same without stress marks (why stress is kept);
 * ``espeak`` — espeak-ng's own phonemes, the ones the voice was trained on, when an
   ``espeak-ng`` program is on the PATH. espeak-ng is GPL and never part of omnirelay;
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
+from omnirelay.models.text.spoken import spoken_words
 from omnirelay.models.voice.piper import PiperVoice
-from omnirelay.models.voice.spoken import spoken_words
 
 SENTENCES = (
     "The capital of France is Paris.",

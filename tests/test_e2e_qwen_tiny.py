@@ -26,8 +26,9 @@ from omnirelay.api import Pipeline
 from omnirelay.cli.main import main
 from omnirelay.connectors.shm import sweep
 from omnirelay.errors import StageUnavailableError
+from omnirelay.models.code2wav import SAMPLE_RATE, measure_receptive_field
 from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt, load_tokenizer
-from omnirelay.models.qwen3_omni.code2wav import SAMPLE_RATE, Code2WavExecutor, measure_receptive_field
+from omnirelay.models.qwen3_omni.code2wav import open_code2wav
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
 from omnirelay.orchestrator.router import stage_sampling_defaults
 from omnirelay.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
@@ -69,7 +70,7 @@ def prompt(tiny_env: None) -> list[int]:
 @pytest.fixture(scope="module")
 def holdback() -> int:
     """Samples the tiny decoder holds back at a window's end (docs/protocol.md §6.2 ``tail``)."""
-    model = Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir())).model
+    model = open_code2wav(Checkpoint.open(tiny_dir())).model
     return measure_receptive_field(model)[1]
 
 

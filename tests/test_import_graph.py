@@ -2,7 +2,11 @@
 
 * The front layers (``serving``, ``api``, ``cli``, ``orchestrator``) import no model
   family module: only the models interface (``omnirelay.models`` and its interface
-  names, ``omnirelay.models.family``, ``omnirelay.models.inputs``).
+  names, ``omnirelay.models.family``, ``omnirelay.models.inputs``,
+  ``omnirelay.models.tools``).
+* No model family imports another (a family is a package of :data:`omnirelay.models.FAMILIES`,
+  and ``omnirelay.models.testing``): what two families share lives in a shared module
+  under ``omnirelay.models`` (``code2wav``, ``hf``, ``text``, ``runner`` …).
 * No loop between packages: siblings never import each other both ways (a package's
   facade importing its own subpackages, and those importing their parent's base
   modules, is layering, not a loop).
@@ -30,7 +34,9 @@ import omnirelay.models
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "omnirelay"
 FRONT = ("serving", "api", "cli", "orchestrator")
-MODELS_INTERFACE = {"omnirelay.models", "omnirelay.models.family", "omnirelay.models.inputs"}
+MODELS_INTERFACE = {"omnirelay.models", "omnirelay.models.family", "omnirelay.models.inputs", "omnirelay.models.tools"}
+#: The model family packages: each shipped family's, and the toys'.
+FAMILY_PACKAGES = {type(f).__module__ for f in omnirelay.models.FAMILIES} | {"omnirelay.models.testing"}
 #: Public classes that are the same role in two backends.
 SAME_ROLE = {"Producer", "Reader"}
 
@@ -168,6 +174,20 @@ def test_front_layers_import_no_model_family() -> None:
         if name not in interface_names
     ]
     assert leaks == []
+
+
+def _family(module: str) -> str | None:
+    return next((f for f in FAMILY_PACKAGES if module == f or module.startswith(f + ".")), None)
+
+
+def test_no_model_family_imports_another() -> None:
+    assert len(FAMILY_PACKAGES) == 5  # the rule below reads the families it is meant to
+    borrowed = [
+        f"{src} imports {dst}"
+        for src, dst, _ in import_edges()
+        if _family(src) is not None and _family(dst) not in (None, _family(src))
+    ]
+    assert borrowed == []
 
 
 def test_the_models_facade_exports_only_the_interface() -> None:

@@ -14,13 +14,14 @@ import torch
 
 from omnirelay.engine.interfaces import Executor
 from omnirelay.errors import ModelError
-from omnirelay.models.qwen3_omni import Checkpoint
-from omnirelay.models.qwen3_omni.code2wav import (
+from omnirelay.models.code2wav import (
     SAMPLE_RATE,
     Code2WavExecutor,
     frames_of_context_needed,
     measure_receptive_field,
 )
+from omnirelay.models.qwen3_omni import Checkpoint
+from omnirelay.models.qwen3_omni.code2wav import open_code2wav
 from omnirelay.payload import Codes, Meta, OmniPayload
 from omnirelay.processors import TalkerToCode2WavConfig, TalkerToCode2WavProcessor
 from tests.test_models_support import item, single_thread, tiny_dir
@@ -45,7 +46,7 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def code2wav() -> Code2WavExecutor:
     """The default executor: streams keep their decoder state between chunks."""
-    return Code2WavExecutor.from_checkpoint(Checkpoint.open(tiny_dir()))
+    return open_code2wav(Checkpoint.open(tiny_dir()))
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from omnirelay.errors import ConfigError, ModelError
+from omnirelay.models.hf import dummy_tokenizer
 from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
-from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG, dummy_tokenizer, redraw_moe
+from omnirelay.models.qwen3_omni.dummy import FULL_SIZE_CONFIG, redraw_moe
 from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.talker_input import assistant_start, user_positions
 from tests.test_models_support import single_thread, tiny_dir

@@ -13,8 +13,9 @@ import torch
 
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models import register_executors
+from omnirelay.models.code2wav import Code2WavExecutor, measure_receptive_field
 from omnirelay.models.qwen3_omni import EXECUTOR_NAMES, Checkpoint, encode_chat_prompt
-from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor, measure_receptive_field
+from omnirelay.models.qwen3_omni.code2wav import open_code2wav
 from omnirelay.models.qwen3_omni.talker import TalkerExecutor
 from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.payload import OmniPayload
@@ -94,7 +95,7 @@ def test_thinker_talker_code2wav_stream_two_requests() -> None:
     checkpoint = Checkpoint.open(tiny_dir())
     thinker = ThinkerExecutor.from_checkpoint(checkpoint)
     talker = TalkerExecutor.from_checkpoint(checkpoint)
-    code2wav = Code2WavExecutor.from_checkpoint(checkpoint)
+    code2wav = open_code2wav(checkpoint)
     tok = thinker.tokenizer
     requests = [
         Request(f"{name}@s0", encode_chat_prompt(tok, text), thinker.accept_hidden_layer)
@@ -157,7 +158,8 @@ def test_registered_factories_build_the_tiny_executors(monkeypatch: pytest.Monke
 def test_executors_reproduce_the_reference_generate() -> None:
     """Stepping the three executors reproduces transformers' own end-to-end ``generate``
     (greedy): the same Thinker tokens, and the same waveform from the Talker's frames."""
-    from omnirelay.models.qwen3_omni.tiny import make_tiny_model, quiet_transformers
+    from omnirelay.models.hf import quiet_transformers
+    from omnirelay.models.qwen3_omni.tiny import make_tiny_model
 
     model, tok = make_tiny_model(seed=0)
     prompt = encode_chat_prompt(tok, "Hello there, how are you?")
@@ -187,6 +189,6 @@ def test_executors_reproduce_the_reference_generate() -> None:
     talker.release("r")
     # generate() decodes the frames whose residual codebooks it computed: all but the last.
     codes = torch.cat(frames)[: num_codec - 1]
-    wav = Code2WavExecutor.from_checkpoint(checkpoint).decode(codes.T.unsqueeze(0))
+    wav = open_code2wav(checkpoint).decode(codes.T.unsqueeze(0))
     assert wav.shape == reference_wav.shape
     assert float((wav - reference_wav).abs().max()) < 1e-5

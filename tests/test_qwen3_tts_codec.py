@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from omnirelay.models.qwen3_omni.code2wav import decoder_holdback, measure_receptive_field
+from omnirelay.models.code2wav import decoder_holdback, measure_receptive_field
 from omnirelay.models.qwen3_tts.codec import TTSCodec
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
 from omnirelay.models.qwen3_tts.model_config import CodecConfig

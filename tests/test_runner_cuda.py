@@ -21,7 +21,7 @@ import torch
 
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
-from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
+from omnirelay.models.qwen3_omni.code2wav import open_code2wav
 from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.talker import TalkerExecutor
 from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
@@ -189,12 +189,12 @@ def _stream_check(model: Any, lengths: list[int], chunk_sizes: list[int], tolera
 
 
 def test_tiny_code2wav_streams_with_state_equal_the_whole_utterance() -> None:
-    executor = Code2WavExecutor.from_checkpoint(_tiny(), ModelArgs(device="cuda:0"))
+    executor = open_code2wav(_tiny(), ModelArgs(device="cuda:0"))
     _stream_check(executor.model, [40, 23, 1], [1, 2, 5, 8, 3], 1e-2)
 
 
 def test_tiny_code2wav_graph_windows_equal_eager_decodes() -> None:
-    executor = Code2WavExecutor.from_checkpoint(_tiny(), ModelArgs(device="cuda:0"))
+    executor = open_code2wav(_tiny(), ModelArgs(device="cuda:0"))
     _window_check(executor.model, [(1, 4), (2, 29), (3, 50), (16, 64), (5, 17)])
 
 

@@ -17,9 +17,9 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.models.asr.sphinx import ForcedAligner, Recognizer, SphinxAlignerExecutor, word_error_rate
+from omnirelay.models.text.spoken import spoken_words
 from omnirelay.models.voice.piper import PiperVoice, PiperVoiceExecutor
 from omnirelay.models.voice.smollm2 import SmolLM2Executor
-from omnirelay.models.voice.spoken import spoken_words
 from omnirelay.processors.thinker_to_voice import TextChunk
 
 SENTENCES = (

@@ -11,8 +11,8 @@ import pytest
 
 from omnirelay.errors import PayloadEncodeError
 from omnirelay.models.asr.sphinx import resample, word_error_rate
-from omnirelay.models.voice.phonemizer import Phonemizer, arpabet_to_ipa, letters_to_sound
-from omnirelay.models.voice.spoken import number_words, ordinal_words, spoken_tokens, spoken_words, year_words
+from omnirelay.models.text.phonemizer import Phonemizer, arpabet_to_ipa, letters_to_sound
+from omnirelay.models.text.spoken import number_words, ordinal_words, spoken_tokens, spoken_words, year_words
 from omnirelay.payload.codec import decode, encode
 from omnirelay.pipeline import load_pipeline
 from omnirelay.processors.thinker_to_voice import TextChunk, ThinkerToVoiceStage, split_ready, split_sentences

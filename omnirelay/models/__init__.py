@@ -11,8 +11,11 @@ One package per family, each with the same interface (:class:`~omnirelay.models.
 * ``testing`` — the deterministic toy executors (not a family: they register themselves
   with their processor, :func:`~omnirelay.models.testing.toy.register_toys`).
 
-Shared by the families: ``runner`` (the GPU model runner), ``sampling``, ``kv``,
-``detokenizer`` and ``prepared`` (the cache of models made ready on first use).
+Shared by the families (no family imports another): ``code2wav`` (the Code2Wav executor
+over any causal codec decoder), ``hf`` (quiet ``transformers`` loads, the byte-level
+dummy tokenizer), ``text`` (spoken forms and the phonemizer), ``runner`` (the GPU model
+runner), ``sampling``, ``kv``, ``detokenizer`` and ``prepared`` (the cache of models made
+ready on first use).
 
 The interface the front layers (``serving``, ``api``, ``cli``, ``orchestrator``) use —
 they import no family module:

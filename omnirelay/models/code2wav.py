@@ -1,11 +1,18 @@
-"""The Qwen3-Omni Code2Wav executor: codec frames → 24 kHz waveform.
+"""The Code2Wav executor the families share: codec frames → waveform.
 
-* :class:`Code2WavExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of the
+* :class:`Code2WavExecutor` — the :class:`~omnirelay.engine.interfaces.Executor` of a
   Code2Wav stage (``execution_type = "generation"``): every step decodes each item's
-  codes and returns its samples in ``ItemResult.audio`` (1-D float32, CPU) with
-  ``sample_rate = 24000``. A streamed request holds its decoder state between chunks
-  (the stateful mode, the default) until it is released.
-* :func:`create_code2wav` — the registry factory: ``create_code2wav(**executor_args)``.
+  codes and returns its samples in ``ItemResult.audio`` (1-D float32, CPU) with the
+  decoder's ``sample_rate`` (24000 for both shipped decoders). A streamed request holds
+  its decoder state between chunks (the stateful mode, the default) until it is released.
+* :func:`measure_receptive_field`, :func:`decoder_holdback`,
+  :func:`frames_of_context_needed` — what a decoder's window needs to stream exactly.
+
+It takes any causal codec decoder with this interface: ``[B, Q, T]`` codes →
+``[B, 1, samples]``, ``config.num_quantizers``, ``config.codebook_size``,
+``total_upsample``. Each family opens its own decoder and hands it here: Qwen3-Omni's
+Code2Wav (:func:`~omnirelay.models.qwen3_omni.code2wav.create_code2wav`), Qwen3-TTS's
+12 Hz tokenizer decoder (:func:`~omnirelay.models.qwen3_tts.code2wav.create_code2wav`).
 
 A committed Talker → Code2Wav chunk (an :class:`~omnirelay.payload.OmniPayload`) is read
 by :meth:`Code2WavExecutor.read_chunk` (:func:`~omnirelay.processors.read_codec_chunk`,
@@ -53,7 +60,6 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.runner.code2wav import GraphedCode2Wav
 from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
 from omnirelay.payload.schema import OmniPayload
@@ -70,12 +76,13 @@ from omnirelay.processors.decode_window import (
 __all__ = [
     "SAMPLE_RATE",
     "Code2WavExecutor",
-    "create_code2wav",
     "decoder_holdback",
+    "frames_of_context_needed",
     "measure_receptive_field",
 ]
 
-#: Qwen3-Omni's Code2Wav output rate.
+#: The output rate of both shipped decoders (Qwen3-Omni's Code2Wav, Qwen3-TTS's 12 Hz
+#: tokenizer); a decoder of another rate passes its own ``sample_rate``.
 SAMPLE_RATE = 24_000
 
 
@@ -104,8 +111,9 @@ class Code2WavExecutor:
         cuda_graphs: bool = False,
         stateful: bool = True,
         max_streams: int = 64,
+        sample_rate: int = SAMPLE_RATE,
     ) -> None:
-        self.model = model  # Qwen3OmniMoeCode2Wav
+        self.model = model  # a codec decoder (see the module docstring)
         self.device = next(model.parameters()).device
         #: the model, or its window decodes replayed from CUDA graphs (captured here)
         self._decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs)
@@ -125,22 +133,9 @@ class Code2WavExecutor:
         self.num_codebooks = int(model.config.num_quantizers)
         self.codebook_size = int(model.config.codebook_size)
         self.upsample = int(model.total_upsample)
-        self.sample_rate = SAMPLE_RATE
+        self.sample_rate = sample_rate
         self.chunk_frames = chunk_frames
         self.chunk_left_context = chunk_left_context
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code2WavExecutor:
-        """``args``: CUDA graphs unless ``cuda_graphs: false`` or ``runner: dynamic``;
-        streams keep their decoder state unless ``stateful: false`` (up to
-        ``max_num_seqs`` streams at once)."""
-        graphs = args is not None and args.cuda_graphs and args.runner != "dynamic"
-        return cls(
-            checkpoint.load_code2wav(),
-            cuda_graphs=graphs and checkpoint.device.type == "cuda",
-            stateful=args.stateful if args is not None else True,
-            max_streams=args.max_num_seqs if args is not None else 64,
-        )
 
     # ----------------------------------------------------------------- Executor
 
@@ -344,9 +339,3 @@ def frames_of_context_needed(lookback: int, holdback: int, upsample: int) -> int
     """Smallest left context (frames) for an exact streaming decode: ``c·U − holdback ≥ lookback``."""
     need = lookback + holdback
     return 0 if need <= 0 else -(-need // upsample)
-
-
-def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
-    """Registry factory of ``qwen3_omni.code2wav`` (keys: see :class:`ModelArgs`)."""
-    args = ModelArgs.from_executor_args(executor_args)
-    return Code2WavExecutor.from_checkpoint(open_checkpoint(args), args)

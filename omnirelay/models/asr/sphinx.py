@@ -5,7 +5,7 @@ language model; nothing is downloaded.
 
 * :class:`ForcedAligner` — ``align(waveform, sample_rate, text)`` → ``[{"word",
   "start_ms", "end_ms"}, ...]``, one entry per written word of ``text``: the text is read
-  as the voice reads it (:func:`~omnirelay.models.voice.spoken.spoken_tokens`: ``1889`` is
+  as the voice reads it (:func:`~omnirelay.models.text.spoken.spoken_tokens`: ``1889`` is
   three spoken words), the spoken words are aligned against the audio (words the
   dictionary lacks get their pronunciation from the voice's phonemizer), and each written
   word spans its spoken words. Times are integer milliseconds, monotonic, never past the
@@ -41,8 +41,8 @@ from omnirelay.errors import ModelError
 from omnirelay.models.asr import SPHINX_ALIGNER_EXECUTOR
 from omnirelay.models.asr.speech_span import speech_span
 from omnirelay.models.asr.vad_aligner import align_words
-from omnirelay.models.voice.phonemizer import Phonemizer
-from omnirelay.models.voice.spoken import spoken_tokens
+from omnirelay.models.text.phonemizer import Phonemizer
+from omnirelay.models.text.spoken import spoken_tokens
 
 __all__ = [
     "PAD_MS",

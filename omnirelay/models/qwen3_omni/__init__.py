@@ -30,7 +30,7 @@ from omnirelay.models.qwen3_omni.prompt import encode_chat_prompt, format_chat_p
 from omnirelay.models.qwen3_omni.tiny import build_tiny
 
 if TYPE_CHECKING:
-    from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
+    from omnirelay.models.code2wav import Code2WavExecutor
     from omnirelay.models.qwen3_omni.talker import TalkerExecutor
     from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
     from omnirelay.pipeline.config import StageConfig

@@ -41,7 +41,8 @@ import torch
 
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.checkpoints import resolve_checkpoint
-from omnirelay.models.qwen3_omni.tiny import build_tiny, quiet_transformers
+from omnirelay.models.hf import quiet_transformers
+from omnirelay.models.qwen3_omni.tiny import build_tiny
 
 __all__ = [
     "LOAD_FORMATS",
@@ -337,7 +338,7 @@ class Checkpoint:
 
         has_files = any((self.path / name).is_file() for name in _TOKENIZER_FILES)
         if self.is_dummy and not has_files:
-            from omnirelay.models.qwen3_omni.dummy import dummy_tokenizer
+            from omnirelay.models.hf import dummy_tokenizer
 
             return dummy_tokenizer(self.config)
         if not has_files:

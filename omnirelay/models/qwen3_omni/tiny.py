@@ -21,20 +21,19 @@ receptive field is a few frames: left context of 4 frames already decodes exactl
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnirelay.errors import ModelError
+from omnirelay.models.hf import quiet_transformers
 
 __all__ = [
     "CACHE_ENV",
@@ -46,7 +45,6 @@ __all__ = [
     "cached_tiny_dir",
     "default_cache_dir",
     "make_tiny_model",
-    "quiet_transformers",
     "scale_audio_tower",
     "scale_code2wav",
     "scale_vision_tower",
@@ -115,27 +113,6 @@ def default_cache_dir() -> Path:
     """``$OMNIRELAY_CACHE``, else ``~/.cache/omnirelay``."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "omnirelay"
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence ``transformers`` logging and progress bars for the duration (restored after).
-
-    Loading one stage's part from a full checkpoint reports every other part's weights as
-    "unexpected"; that report, the progress bars and config notes are noise here.
-    """
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 # --------------------------------------------------------------------------- tokenizer

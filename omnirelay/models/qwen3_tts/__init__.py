@@ -39,7 +39,7 @@ from omnirelay.models.qwen3_tts.loader import (
 from omnirelay.models.qwen3_tts.model_config import CodecConfig, TTSConfig
 
 if TYPE_CHECKING:
-    from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
+    from omnirelay.models.code2wav import Code2WavExecutor
     from omnirelay.models.qwen3_tts.talker import TTSTalkerExecutor
     from omnirelay.pipeline.config import StageConfig
     from omnirelay.pipeline.registry import Registry

@@ -1,8 +1,8 @@
 """The Qwen3-TTS Code2Wav stage: the 12 Hz tokenizer's decoder behind the shared Code2Wav executor.
 
-The executor is Qwen3-Omni's :class:`~omnirelay.models.qwen3_omni.code2wav.Code2WavExecutor`
-unchanged — it takes any causal codec decoder with the same interface (``[B, Q, T]``
-codes → ``[B, 1, samples]``, ``config.num_quantizers``, ``config.codebook_size``,
+The executor is :class:`~omnirelay.models.code2wav.Code2WavExecutor` unchanged — it
+takes any causal codec decoder with the same interface (``[B, Q, T]`` codes →
+``[B, 1, samples]``, ``config.num_quantizers``, ``config.codebook_size``,
 ``total_upsample``): streamed chunks decode with each stream's state
 (:class:`~omnirelay.models.runner.vocoder.StreamingVocoder`, which knows this decoder's
 layout), windows and complete inputs replay from CUDA graphs on a GPU. What is
@@ -13,14 +13,13 @@ frame is 1920 samples (``codec_frame_ms: 80``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from omnirelay.models.code2wav import Code2WavExecutor
+from omnirelay.models.qwen3_tts import SAMPLE_RATE
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
-
-if TYPE_CHECKING:
-    from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
 
 __all__ = ["create_code2wav"]
 
@@ -28,12 +27,14 @@ __all__ = ["create_code2wav"]
 def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
     """Registry factory of ``qwen3_tts.code2wav`` (keys: :class:`TTSModelArgs`; up to
     ``max_num_seqs`` streams keep their decoder state unless ``stateful: false``)."""
-    from omnirelay.models.qwen3_omni.code2wav import Code2WavExecutor
-
     args = TTSModelArgs.from_executor_args(executor_args)
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     codec = TTSCheckpoint.open(args).load_codec()
     return Code2WavExecutor(
-        codec, cuda_graphs=args.uses_cuda_graphs(), stateful=args.stateful, max_streams=args.max_num_seqs
+        codec,
+        cuda_graphs=args.uses_cuda_graphs(),
+        stateful=args.stateful,
+        max_streams=args.max_num_seqs,
+        sample_rate=SAMPLE_RATE,
     )

@@ -406,7 +406,7 @@ class TTSCheckpoint:
 
     def load_tokenizer(self) -> Any:
         """The checkpoint's Qwen tokenizer, or a byte-level one with the config's special ids."""
-        from omnirelay.models.qwen3_omni.dummy import dummy_tokenizer
+        from omnirelay.models.hf import dummy_tokenizer
 
         directory = self.directory
         if directory is not None and any((directory / name).is_file() for name in _TOKENIZER_FILES):

@@ -104,7 +104,7 @@ def tiny_codec_config() -> dict[str, Any]:
 
 def tiny_tokenizer() -> Any:
     """Bytes 0..255 and the chat/TTS specials and role words at the tiny config's ids."""
-    from omnirelay.models.qwen3_omni.dummy import dummy_tokenizer
+    from omnirelay.models.hf import dummy_tokenizer
 
     return dummy_tokenizer(_TEXT_IDS)
 

@@ -12,7 +12,7 @@ espeak writes for US English.
 
 How a sentence becomes phonemes:
 
-1. :func:`~omnirelay.models.voice.spoken.spoken_tokens` spells out numbers, money, times and
+1. :func:`~omnirelay.models.text.spoken.spoken_tokens` spells out numbers, money, times and
    abbreviations.
 2. Each word: a weak form for short function words (``the`` → ``ðə``, ``of`` → ``ʌv``,
    unstressed, as espeak reads them in a sentence); else its dictionary entry; else its
@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from omnirelay.models.voice.spoken import spoken_tokens
+from omnirelay.models.text.spoken import spoken_tokens
 
 __all__ = ["CMUDICT_PATH", "Phonemizer", "load_cmudict"]
 

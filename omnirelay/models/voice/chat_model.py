@@ -168,7 +168,7 @@ def load_chat_tokenizer(directory: str | Path) -> ChatTokenizer:
     """The checkpoint's tokenizer (``AutoTokenizer``, local files only), with its stop ids."""
     from transformers import AutoTokenizer
 
-    from omnirelay.models.qwen3_omni.tiny import quiet_transformers
+    from omnirelay.models.hf import quiet_transformers
 
     root = Path(directory)
     try:
@@ -185,7 +185,7 @@ def load_chat_model(directory: str | Path, *, device: str = "cpu", dtype: str = 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from omnirelay.models.qwen3_omni.tiny import quiet_transformers
+    from omnirelay.models.hf import quiet_transformers
 
     if dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -1,7 +1,7 @@
 """``piper.voice``: a Piper (VITS) voice on ``onnxruntime``, one sentence per synthesis.
 
 * :class:`PiperVoice` — a loaded voice: ``phoneme_ids(text)`` (through the permissive
-  :class:`~omnirelay.models.voice.phonemizer.Phonemizer`) and ``synthesize(ids, seed)`` → mono
+  :class:`~omnirelay.models.text.phonemizer.Phonemizer`) and ``synthesize(ids, seed)`` → mono
   float32 at the voice's rate (22,050 Hz for ``en_US-joe-medium``), peak-normalized as
   Piper does.
 * :func:`prepare_voice` — the voice's ONNX graph with its two ``RandomNormalLike`` nodes
@@ -40,8 +40,8 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
+from omnirelay.models.text.phonemizer import Phonemizer
 from omnirelay.models.voice import VOICE_EXECUTOR
-from omnirelay.models.voice.phonemizer import Phonemizer
 from omnirelay.processors.thinker_to_voice import TextChunk, split_sentences
 
 __all__ = [

@@ -312,7 +312,7 @@ class SmolLM2Executor:
         import torch
         from transformers import LlamaForCausalLM
 
-        from omnirelay.models.qwen3_omni.tiny import quiet_transformers
+        from omnirelay.models.hf import quiet_transformers
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
