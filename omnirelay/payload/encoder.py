@@ -45,8 +45,8 @@ __all__ = ["EncodePlan", "Placer", "encode", "plan_encode"]
 
 #: Regions up to this size are copied with a memoryview assignment (cheapest for small
 #: ones, but it holds the GIL); larger ones with numpy, which releases the GIL while it
-#: copies, so a 64 MB put never stalls the threads moving other requests' chunks (a 64 MB
-#: memoryview copy held the GIL for ~8 ms).
+#: copies, so a large put never stalls the threads moving other requests' chunks
+#: (docs/performance.md, "Figures behind choices in the code").
 _SMALL_COPY: Final = 256 << 10
 #: bytes at least this long travel as a region (one copy) rather than inside the header.
 _BYTES_REGION_MIN: Final = 4096

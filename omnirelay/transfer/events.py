@@ -101,11 +101,10 @@ class EventBox:
 
     Its lock is a leaf: no other lock is taken while it is held.
 
-    Waiters sleep on a plain condition, woken with the GIL held. Waking them the way the
-    lane executor wakes its workers (a :class:`~omnirelay.transfer.wakeup.Parker`, GIL
-    released) was measured and left out: the scheduler saw chunks a little sooner, but
-    the head-of-line p99 of ``bench adapter`` rose past its target (docs/performance.md,
-    "Measured and dropped").
+    Waiters sleep on a plain condition, woken with the GIL held, not the way the lane
+    executor wakes its workers (a :class:`~omnirelay.transfer.wakeup.Parker`, GIL
+    released): that costs ``bench adapter``'s head-of-line latency more than it gains
+    (docs/performance.md, "Measured and dropped").
     """
 
     def __init__(self, max_external: int) -> None:

@@ -1,10 +1,11 @@
 """How the front starts stage worker processes: from a fork server with the heavy imports done.
 
-A stage worker needs ``torch`` and its model family's modules (``transformers``' Qwen3-Omni
-modeling alone is ~9 s of CPU). Under the ``spawn`` start method every worker — the first
-of each stage, each replica, each restart after a crash — imports them again. Instead the
-front starts one fork server per process (:mod:`multiprocessing.forkserver`) that imports
-them once (:func:`worker_context`'s ``preload``), and each worker is forked from it:
+A stage worker needs ``torch`` and its model family's modules, seconds of CPU to import
+(docs/performance.md, "Figures behind choices in the code"). Under the ``spawn`` start
+method every worker — the first of each stage, each replica, each restart after a
+crash — imports them again. Instead the front starts one fork server per process
+(:mod:`multiprocessing.forkserver`) that imports them once (:func:`worker_context`'s
+``preload``), and each worker is forked from it:
 
 * the server is a fresh interpreter started by the front, not a fork of it: whatever the
   front holds (threads, a CUDA context, sockets) never reaches a worker;

@@ -11,10 +11,9 @@ launch brings back the greedy ids and those hidden rows; rows that sample (tempe
 (:func:`omnirelay.models.sampling.sample_rows`), so a request draws the same tokens in
 any batch.
 
-Experts implementation per phase (measured on an H200, 30B config, CUDA graphs):
-``batched_mm`` for a decode of one row (11.9 vs 12.8 ms), ``grouped_mm`` for everything
-else (batch 16: 29.6 vs 52.6 ms; ``batched_mm`` would copy every selected expert's weights
-per token, 75 GB for a 1,000-token prefill).
+Experts implementation per phase: ``batched_mm`` for a decode of one row, ``grouped_mm``
+for everything else (``batched_mm`` copies every selected expert's weights per token); the
+timings that chose it are in docs/performance.md, "Figures behind choices in the code".
 """
 
 from __future__ import annotations
