@@ -171,7 +171,7 @@ def finished_text(rid: str) -> Outputs:
 def assert_front_books_empty(orch: Orchestrator) -> None:
     """The front's leak audit: no request, no fence, no parked reuse."""
     assert orch.num_requests == 0 and orch._handles == {}
-    assert orch._unreleased == {} and orch._parked == {}
+    assert orch._fence.is_empty
 
 
 def finish_the_admitted_reuse(orch: Orchestrator, front: RecordingFront, again: RequestHandle) -> None:

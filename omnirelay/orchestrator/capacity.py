@@ -17,6 +17,10 @@ audio stream out instead — it waits (the Python API) or is refused with 429 an
 
 The books are pure (every call takes ``now``); :meth:`StreamGate.acquire` blocks on a
 condition for callers on threads. A request that asks for no audio never touches the gate.
+
+:class:`StreamQueue` is the front's queue in front of the gate: a request for audio that
+finds the gate shut, or earlier requests still waiting, waits there in arrival order, and
+is handed back (:meth:`StreamQueue.pop_admitted`) once the gate lets it through.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from omnirelay.errors import ConfigError
 
-__all__ = ["DEFAULT_MIN_HEADROOM_S", "StreamGate", "StreamGateHealth"]
+__all__ = ["DEFAULT_MIN_HEADROOM_S", "StreamGate", "StreamGateHealth", "StreamQueue"]
+
+P = TypeVar("P")
 
 #: With the brake on: an admitted stream with less audio in hand holds new streams back.
 DEFAULT_MIN_HEADROOM_S = 0.0
@@ -198,3 +205,59 @@ class StreamGate:
     def leak_state(self) -> dict[str, list[str]]:
         with self._cond:
             return {"audio_streams": sorted(self._streams)} if self._streams else {}
+
+
+class StreamQueue(Generic[P]):
+    """The requests for audio waiting for a stream of ``gate``, first come first served
+    (``P``: whatever the owner needs to admit one later). The owner's thread only, except
+    :meth:`__len__`."""
+
+    def __init__(self, gate: StreamGate, *, speaks: bool) -> None:
+        self.gate = gate
+        #: the pipeline has an audio output: a request for it takes a stream
+        self.speaks = speaks
+        self._waiting: dict[str, P] = {}
+
+    def takes_stream(self, modalities: tuple[str, ...] | None) -> bool:
+        """Whether a request for ``modalities`` takes an audio stream (None: every output)."""
+        return self.speaks and (modalities is None or "audio" in modalities)
+
+    def enter(self, request_id: str, modalities: tuple[str, ...] | None, item: P) -> bool:
+        """A request arrives: it takes a stream now (or needs none, or holds one already),
+        False; or it waits behind earlier waiters, or while the gate is shut, True."""
+        if not self.takes_stream(modalities) or request_id in self.gate:
+            return False
+        if self._waiting or self.gate.try_acquire(request_id) is not None:
+            self._waiting[request_id] = item
+            return True
+        return False
+
+    def pop_admitted(self) -> P | None:
+        """The first waiter, once the gate admitted it (it holds its stream now); None
+        while the gate keeps it waiting, or none waits."""
+        if not self._waiting:
+            return None
+        request_id, item = next(iter(self._waiting.items()))
+        if self.gate.try_acquire(request_id) is not None:
+            return None
+        del self._waiting[request_id]
+        return item
+
+    def withdraw(self, request_id: str) -> P | None:
+        """Take a waiter out of the queue (an abort); None when it does not wait."""
+        return self._waiting.pop(request_id, None)
+
+    def drain(self) -> list[tuple[str, P]]:
+        """Take every waiter out of the queue (shutdown), in arrival order."""
+        items = list(self._waiting.items())
+        self._waiting.clear()
+        return items
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def waiting_ids(self) -> list[str]:
+        return sorted(self._waiting)

@@ -2,11 +2,18 @@
 
 :class:`Orchestrator` lives on one asyncio event loop (the API runs it on a thread of
 its own, :mod:`omnirelay.api`); every method is called on that loop's thread, so the
-router, the handles map and the sockets have exactly one user.
+router, the handles map and the sockets have exactly one user. It is a shell over pure
+parts that each keep their own books: the :class:`~omnirelay.orchestrator.router.Router`
+(one request's path), the :class:`~omnirelay.orchestrator.fence.IdFence` (the id-reuse
+fence and the requests parked behind it), the
+:class:`~omnirelay.orchestrator.capacity.StreamQueue` in front of the audio-stream gate,
+and the :class:`~omnirelay.orchestrator.stage_processes.WorkerTable` (which worker serves
+which replica of which stage); the
+:class:`~omnirelay.orchestrator.supervisor.StageSupervisor` owns the processes.
 
-* :meth:`Orchestrator.start` — the :class:`~omnirelay.orchestrator.supervisor.StageSupervisor`
-  spawns one worker per stage (one per replica of a replicated stage) and waits for every
-  hello (a failure raises :class:`StageDiedError` naming the stage).
+* :meth:`Orchestrator.start` — the supervisor spawns one worker per stage (one per
+  replica of a replicated stage) and waits for every hello (a failure raises
+  :class:`StageDiedError` naming the stage).
 * Replicas (docs/design.md §11): the router binds each request to one replica of each
   stage; the orchestrator sends each action to the bound replica's worker. When a replica
   dies, the requests bound to it that the client has had nothing of are run again on the
@@ -30,10 +37,6 @@ router, the handles map and the sockets have exactly one user.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -44,22 +47,16 @@ import zmq
 from omnirelay.connectors import reclaim_namespace
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.engine.tracing import StepTracer
-from omnirelay.errors import (
-    InvalidRequestError,
-    OmniRelayError,
-    PipelineError,
-    StageDiedError,
-)
-from omnirelay.orchestrator.capacity import StreamGate
+from omnirelay.errors import InvalidRequestError, OmniRelayError, PipelineError
+from omnirelay.orchestrator.capacity import StreamGate, StreamQueue
+from omnirelay.orchestrator.fence import Holder, IdFence
 from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.queries import WorkerQueries
+from omnirelay.orchestrator.requests import InputBuilder, PipelineRequest, RequestOutput
 from omnirelay.orchestrator.router import (
     Action,
     ClientOutput,
-    InputBuilder,
-    PipelineRequest,
-    RequestOutput,
     Rerun,
     Router,
     StageAbort,
@@ -71,17 +68,15 @@ from omnirelay.orchestrator.stage_processes import (
     ShutdownReport,
     StageHealth,
     StageProcess,
+    StagesDown,
     StageState,
+    WorkerLaunch,
+    WorkerTable,
     describe_exit,
 )
 from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, WorkerSpec
-from omnirelay.worker.worker_control import ControlPaths
-
-if TYPE_CHECKING:
-    from omnirelay.orchestrator.ray_placement import RayPlacement
-
 from omnirelay.worker.messages import (
     Abort,
     Goodbye,
@@ -101,6 +96,10 @@ from omnirelay.worker.messages import (
     stage_output,
     wire_request,
 )
+from omnirelay.worker.worker_control import ControlPaths
+
+if TYPE_CHECKING:
+    from omnirelay.orchestrator.ray_placement import RayPlacement
 
 #: The key of the front's own books in :meth:`Orchestrator.leak_state` (no stage has it).
 FRONT = -1
@@ -114,6 +113,11 @@ __all__ = [
     "StageState",
     "describe_exit",
 ]
+
+#: A request parked behind the id-reuse fence: its handle, and how often it ran before.
+_Parked = tuple[PipelineRequest, RequestHandle, int]
+#: A request for audio waiting for a stream.
+_Waiting = tuple[PipelineRequest, RequestHandle]
 
 
 class Orchestrator:
@@ -135,44 +139,56 @@ class Orchestrator:
         off_stages: frozenset[int] = frozenset(),
     ) -> None:
         self.config = msgspec.structs.replace(config, namespace=namespace)
-        #: Sees every stage's outputs (intermediate stages too) before they are routed.
-        self._on_stage_output = on_stage_output
         self.namespace = namespace
+        self._init_requests(input_builders, on_stage_output)
+        self._init_capacity()
+        launch = WorkerLaunch(engine_factory, tracer_factory, idle_wait_s, wait_slice_s, startup_timeout_s)
+        self._init_workers(launch, on_stage_ready)
+        self._init_off_stages(off_stages)
+
+    def _init_requests(
+        self,
+        input_builders: Mapping[int, InputBuilder] | None,
+        on_stage_output: Callable[[StageOutput], None] | None,
+    ) -> None:
+        """The router, the clients' handles, the id-reuse fence and the counters."""
         self.router = Router(self.config, input_builders=input_builders)
-        self._engine_factory = engine_factory
-        #: Each stage engine's step tracer (built in its worker); None: no step timing.
-        self._tracer_factory = tracer_factory
-        self._startup_timeout_s = startup_timeout_s
-        self._idle_wait_s = idle_wait_s
-        self._wait_slice_s = wait_slice_s
         self._handles: dict[str, RequestHandle] = {}
-        #: every worker process, by its index (:meth:`PipelineConfig.workers`)
-        self._workers = [
-            StageProcess(
-                w.stage_id,
-                self.config.stages[w.stage_id].replica_label(w.replica),
-                self.config.stages[w.stage_id].name,
-                replica=w.replica,
-                index=w.index,
-            )
-            for w in self.config.workers()
-        ]
-        #: (stage id, replica) -> worker index
-        self._index = {(w.stage_id, w.replica): w.index for w in self._workers}
-        #: stage id -> its workers
-        self._replicas_of: dict[int, list[StageProcess]] = {s.id: [] for s in self.config.stages}
-        for w in self._workers:
-            self._replicas_of[w.stage_id].append(w)
-        #: the stage's workers that said hello during the start (for ``on_stage_ready``)
-        self._ready_at_start: dict[int, set[int]] = {s.id: set() for s in self.config.stages}
+        #: ids not yet released by every stage told to, and the requests parked behind
+        #: them: a new request reusing the id, or one run again after losing a replica
+        self._fence: IdFence[_Parked] = IdFence()
+        #: sees every stage's outputs (intermediate stages too) before they are routed
+        self._on_stage_output = on_stage_output
+        #: requests run again after losing a replica (a count for tests and /health)
+        self.num_reruns = 0
+        #: what fenced stages said about ids they were told to release (dropped)
+        self.num_stale_messages = 0
+        self.num_bad_messages = 0
+        self._is_closing = False
+        self._shutdown_report: ShutdownReport | None = None
+
+    def _init_capacity(self) -> None:
+        """Admission by real-time capacity: the audio streams served at once, and the
+        requests for audio waiting for a stream, in arrival order."""
+        brake = 0.0 if self.config.hold_audio_while_dry else None
+        self.streams = StreamGate(self.config.max_audio_streams, min_headroom_s=brake)
+        speaks = any(s.final_output and str(s.final_output_type) == "audio" for s in self.config.stages)
+        self._waiting: StreamQueue[_Waiting] = StreamQueue(self.streams, speaks=speaks)
+
+    def _init_workers(self, launch: WorkerLaunch, on_stage_ready: Callable[[int], None] | None) -> None:
+        """The worker table, the supervisor that runs its processes, and the stage state
+        other threads read."""
+        self._launch = launch
+        self._workers = WorkerTable(self.config)
         self._on_stage_ready = on_stage_ready
         self._ray: RayPlacement | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._supervisor = StageSupervisor(
-            namespace=namespace,
-            stages=self._workers,
+            namespace=self.namespace,
+            stages=self._workers.workers,
             make_spec=self._worker_spec,
             policy=self.config.restart,
-            startup_timeout_s=startup_timeout_s,
+            startup_timeout_s=launch.startup_timeout_s,
             hooks=SupervisorHooks(
                 stage_down=self._on_stage_down,
                 stage_unavailable=self._on_stage_unavailable,
@@ -184,46 +200,21 @@ class Orchestrator:
             ),
             preload=_worker_imports(self.config),
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._queries = WorkerQueries(self._send)
-        #: stages that cannot take requests now → (reason, retry-after s), for callers on
-        #: other threads (:meth:`unavailable`); the router keeps its own copy
-        self._down: dict[int, tuple[str, float | None]] = {}
-        self._down_lock = threading.Lock()
+        #: stages that cannot take requests now, for callers on other threads
+        #: (:meth:`unavailable`); the router keeps its own copy
+        self._down = StagesDown()
         #: woken whenever a stage goes down, comes back or is given up on
         self._state_waiters: list[asyncio.Future[None]] = []
-        #: The id-reuse fence: id → the stages told to release it that have not reported
-        #: :class:`Released` yet. What a fenced stage says about the id belongs to the
-        #: ended request (stale), never to a new one reusing the id. A dead worker's
-        #: fences become its sweep's (:func:`_sweep_fence`): its objects of the id may still
-        #: be claimable until the sweep withdrew them.
-        self._unreleased: dict[str, set[int]] = {}
-        #: A new request reusing a fenced id waits here until the last fence of the id
-        #: goes: before that a stage may still hold the ended request's chunks (or be
-        #: putting them) under the same keys. So does a request run again after losing a
-        #: replica (with how often it ran before).
-        self._parked: dict[str, tuple[PipelineRequest, RequestHandle, int]] = {}
-        #: requests run again after losing a replica (a count for tests and /health)
-        self.num_reruns = 0
-        #: Admission by real-time capacity: the audio streams served at once, and the
-        #: requests for audio waiting for a stream, in arrival order.
-        self.streams = StreamGate(
-            self.config.max_audio_streams, min_headroom_s=0.0 if self.config.hold_audio_while_dry else None
-        )
-        self._waiting: dict[str, tuple[PipelineRequest, RequestHandle]] = {}
-        self._speaks = any(s.final_output and str(s.final_output_type) == "audio" for s in self.config.stages)
-        self.num_stale_messages = 0
-        self._is_closing = False
-        self._shutdown_report: ShutdownReport | None = None
-        self.num_bad_messages = 0
+
+    def _init_off_stages(self, off_stages: frozenset[int]) -> None:
         #: stages not started (the pipeline runs without them); requests needing one are refused
         self.off_stages = off_stages
         for sid in off_stages:
             reason = f"{self.config.stage(sid).label} was not started (the pipeline runs without it)"
-            for st in self._replicas_of[sid]:
-                st.is_off, st.is_dead, st.state, st.death_reason = True, True, StageState.OFF, reason
+            self._workers.turn_off(sid, reason)
             self.router.set_unavailable(sid, reason, None)
-            self._down[sid] = (reason, None)
+            self._down.mark_down(sid, reason, None)
 
     # -- startup -------------------------------------------------------------------------
 
@@ -241,29 +232,34 @@ class Orchestrator:
         if self.config.placement.is_ray:
             await self._place_on_ray()
         await self._supervisor.start()
-        for st in self._workers:
-            if not st.is_off:
-                st.state = StageState.HEALTHY
+        self._workers.mark_started()
 
     async def _place_on_ray(self) -> None:
         """Connect to the Ray cluster and place the stages (blocking calls: off the loop)."""
         from omnirelay.orchestrator.ray_placement import RayPlacement
 
-        placement = self._ray = RayPlacement(self.config, timeout_s=self._startup_timeout_s)
+        placement = self._ray = RayPlacement(self.config, timeout_s=self._launch.startup_timeout_s)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, placement.connect)
         self.config = await loop.run_in_executor(None, placement.place)
         self._supervisor.use_placement(placement.process, placement.front_ip)
 
+    def _worker_spec(self, worker: int, paths: ControlPaths) -> WorkerSpec:
+        return self._launch.spec(self.config, self._workers[worker], paths)
+
+    @property
+    def _control(self) -> FrontControl | None:
+        return self._supervisor.control
+
     def pids(self) -> dict[int, int | None]:
         """Each stage's worker pid (its replica 0's; None: not running). A snapshot; safe
         from any thread."""
-        return {st.stage_id: st.pid for st in self._workers if st.replica == 0}
+        return self._workers.pids()
 
     def replica_pids(self) -> dict[tuple[int, int], int | None]:
         """Every worker's pid by ``(stage id, replica)`` (None: not running). A snapshot;
         safe from any thread."""
-        return {(st.stage_id, st.replica): st.pid for st in self._workers}
+        return self._workers.replica_pids()
 
     def placement_report(self) -> dict[int, dict[str, Any]]:
         """Where each worker runs (node id, address, host name; with ``stage`` and
@@ -271,35 +267,7 @@ class Orchestrator:
         for a local pipeline."""
         if self._ray is not None:
             return self._ray.describe()
-        host = socket.gethostname()
-        return {
-            w.index: {
-                "node_id": "local",
-                "node_ip": "127.0.0.1",
-                "hostname": host,
-                "stage": w.stage_id,
-                "replica": w.replica,
-            }
-            for w in self._workers
-        }
-
-    @property
-    def _control(self) -> FrontControl | None:
-        return self._supervisor.control
-
-    def _worker_spec(self, worker: int, paths: ControlPaths) -> WorkerSpec:
-        w = self._workers[worker]
-        return WorkerSpec(
-            stage_id=w.stage_id,
-            pipeline=self.config.for_replica(w.stage_id, w.replica),
-            worker=worker,
-            paths=paths,
-            parent_pid=os.getpid(),
-            engine_factory=self._engine_factory,
-            tracer_factory=self._tracer_factory,
-            idle_wait_s=self._idle_wait_s,
-            wait_slice_s=self._wait_slice_s,
-        )
+        return self._workers.local_placement()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -311,18 +279,15 @@ class Orchestrator:
             self.streams.release(rid)
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
             return
-        if rid in self._handles or rid in self._parked or rid in self._waiting:
+        if rid in self._handles or self._fence.is_parked(rid) or rid in self._waiting:
             handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
             return
-        if rid in self._unreleased:
-            # admitted once the stages released the id
-            self._parked[rid] = (request, handle, num_reruns)
+        if self._fence.is_fenced(rid):
+            self._fence.park(rid, (request, handle, num_reruns))  # admitted once the stages released it
             return
         # A request for audio takes a stream first; behind earlier waiters, or while the gate
         # is shut, it waits (a stream ends, or the one running dry catches up).
-        waits = self._is_audio(request) and rid not in self.streams
-        if waits and (self._waiting or self.streams.try_acquire(rid) is not None):
-            self._waiting[rid] = (request, handle)
+        if self._waiting.enter(rid, request.modalities, (request, handle)):
             return
         try:
             actions = self.router.admit(request, num_reruns=num_reruns)
@@ -333,12 +298,9 @@ class Orchestrator:
         self._handles[rid] = handle
         self._execute(actions)
 
-    def _is_audio(self, request: PipelineRequest) -> bool:
-        return self.is_audio_modalities(request.modalities)
-
     def is_audio_modalities(self, modalities: tuple[str, ...] | None) -> bool:
         """Whether a request for ``modalities`` takes an audio stream (None: every output)."""
-        return self._speaks and (modalities is None or "audio" in modalities)
+        return self._waiting.takes_stream(modalities)
 
     @property
     def num_waiting(self) -> int:
@@ -347,16 +309,12 @@ class Orchestrator:
 
     def _admit_waiting(self) -> None:
         """Admit waiting requests for audio, first come first served, while the gate lets."""
-        while self._waiting:
-            rid, (request, handle) = next(iter(self._waiting.items()))
-            if self.streams.try_acquire(rid) is not None:
-                return
-            del self._waiting[rid]
-            self.admit(request, handle)
+        while (waiter := self._waiting.pop_admitted()) is not None:
+            self.admit(*waiter)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight; unknown (ended) ids are a no-op."""
-        parked = self._parked.pop(request_id, None) or self._waiting.pop(request_id, None)
+        parked = self._fence.unpark(request_id) or self._waiting.withdraw(request_id)
         if parked is not None:
             self.streams.release(request_id)  # a parked reuse (or rerun) may hold its stream
             parked[1].deliver(
@@ -389,20 +347,18 @@ class Orchestrator:
             elif isinstance(action, StageSubmit):
                 queue.extend(self._submit(action))
             elif isinstance(action, StageAbort):
-                self._send(self._worker_of(action.stage_id, action.replica), Abort(action.request_id))
+                st = self._workers.serving(action.stage_id, action.replica)
+                self._send(st.index, Abort(action.request_id))
             elif isinstance(action, StageRelease):
-                worker = self._worker_of(action.stage_id, action.replica)
-                if self._send(worker, Release(action.request_id)):
-                    self._unreleased.setdefault(action.request_id, set()).add(worker)
+                st = self._workers.serving(action.stage_id, action.replica)
+                if self._send(st.index, Release(action.request_id)):
+                    self._fence.hold(action.request_id, st.index)
             elif isinstance(action, Rerun):
                 reruns.append(action)
         for output in outputs:
             self._deliver(output)
         for rerun in reruns:
             self._rerun(rerun)
-
-    def _worker_of(self, stage_id: int, replica: int) -> int:
-        return self._index[(stage_id, replica)]
 
     def _rerun(self, rerun: Rerun) -> None:
         """A request that lost a replica before its client had anything: admit it again,
@@ -418,7 +374,7 @@ class Orchestrator:
         rid = action.request.request_id
         if rid not in self.router:  # the request ended earlier in this batch of actions
             return []
-        st = self._workers[self._worker_of(action.stage_id, action.replica)]
+        st = self._workers.serving(action.stage_id, action.replica)
         if st.is_dead:
             return self.router.fail(
                 rid, st.death_reason or f"{st.label} is not running", stage_id=st.stage_id
@@ -432,22 +388,15 @@ class Orchestrator:
             return self._stage_failed(st.index, reason)
         return []
 
-    def _is_fenced(self, worker: int, request_id: str) -> bool:
-        workers = self._unreleased.get(request_id)
-        return workers is not None and worker in workers
-
-    def _lift_fence(self, worker: int, request_id: str) -> None:
-        """The worker released the id (or died); admit a parked reuse (or rerun) of the id
-        once no worker is left to release it."""
-        workers = self._unreleased.get(request_id)
-        if workers is None or worker not in workers:
-            return
-        workers.discard(worker)
-        if workers:
-            return
-        del self._unreleased[request_id]
-        parked = self._parked.pop(request_id, None)
+    def _lift_fence(self, holder: Holder, request_id: str) -> None:
+        """``holder`` released the id; admit a parked reuse (or rerun) of the id once no
+        one is left to release it."""
+        parked = self._fence.lift(holder, request_id)
         if parked is not None:
+            self.admit(*parked)
+
+    def _admit_parked(self, freed: list[_Parked]) -> None:
+        for parked in freed:
             self.admit(*parked)
 
     def _send(self, worker: int, message: Any) -> bool:
@@ -462,12 +411,10 @@ class Orchestrator:
             del self._handles[rid]
         handle.deliver(output)
         if rid in self.streams:
-            if output.audio is not None and output.sample_rate:
-                self.streams.note_audio(rid, _num_samples(output.audio) / output.sample_rate)
+            self.streams.note_audio(rid, _audio_seconds(output))
             if output.finished or (output.modality == "audio" and output.stage_finished):
                 self.streams.release(rid)
-            if self._waiting:
-                self._admit_waiting()
+            self._admit_waiting()
 
     # -- what workers say -------------------------------------------------------------------
 
@@ -498,30 +445,17 @@ class Orchestrator:
 
     def _on_message(self, worker: int, message: ToFront) -> None:
         st = self._workers[worker]
-        stage_id = st.stage_id
         if isinstance(message, Outputs):
-            for wire in message.outputs:
-                if self._is_fenced(worker, wire.request_id):
-                    self.num_stale_messages += 1
-                    continue
-                try:
-                    out = stage_output(wire)
-                except OmniRelayError as exc:
-                    reason = f"{st.label}: its output cannot be decoded: {exc}"
-                    self._execute(self.router.fail(wire.request_id, reason, stage_id=stage_id))
-                    continue
-                if self._on_stage_output is not None:
-                    self._on_stage_output(out)
-                self._execute(self.router.on_output(out, st.replica))
+            self._on_outputs(st, message)
         elif isinstance(message, RequestFailed):
-            if self._is_fenced(worker, message.request_id):
+            if self._fence.holds(worker, message.request_id):
                 self.num_stale_messages += 1
                 return
-            if self.router.binding(message.request_id).get(stage_id, st.replica) != st.replica:
+            if self.router.binding(message.request_id).get(st.stage_id, st.replica) != st.replica:
                 self.num_stale_messages += 1  # an earlier binding's replica (a rerun's)
                 return
             reason = f"{st.label}: {message.error}"
-            self._execute(self.router.fail(message.request_id, reason, stage_id=stage_id))
+            self._execute(self.router.fail(message.request_id, reason, stage_id=st.stage_id))
         elif isinstance(message, Released):
             self._lift_fence(worker, message.request_id)
         elif isinstance(message, HealthReply | LeakStateReply):
@@ -530,7 +464,7 @@ class Orchestrator:
             if st.pid is None:  # a worker on a Ray node: its pid comes with its hello
                 st.pid = message.pid
             if message.capacity:
-                self.router.set_capacity(stage_id, st.replica, message.capacity)
+                self.router.set_capacity(st.stage_id, st.replica, message.capacity)
             self._supervisor.on_hello(st)
         elif isinstance(message, StartupFailed):
             st.cause = f"{st.label} failed to start (pid {message.pid}): {message.error}"
@@ -542,6 +476,22 @@ class Orchestrator:
         elif isinstance(message, Goodbye):
             st.said_goodbye = True
 
+    def _on_outputs(self, st: StageProcess, message: Outputs) -> None:
+        """Route a worker's outputs, dropping those of ids it is fenced on (stale)."""
+        for wire in message.outputs:
+            if self._fence.holds(st.index, wire.request_id):
+                self.num_stale_messages += 1
+                continue
+            try:
+                out = stage_output(wire)
+            except OmniRelayError as exc:
+                reason = f"{st.label}: its output cannot be decoded: {exc}"
+                self._execute(self.router.fail(wire.request_id, reason, stage_id=st.stage_id))
+                continue
+            if self._on_stage_output is not None:
+                self._on_stage_output(out)
+            self._execute(self.router.on_output(out, st.replica))
+
     def _stage_failed(
         self, worker: int, reason: str, retry_after_s: float | None = None, *, swept_later: bool = False
     ) -> list[Action]:
@@ -552,38 +502,20 @@ class Orchestrator:
         ``swept_later``: the worker's process is gone and the supervisor sweeps its objects
         next (:meth:`_on_swept`). Until then the ids it held stay fenced: a reader that
         mapped one of its slots could still claim an object of the ended request under
-        the key a reuse of the id puts."""
+        the key a reuse of the id puts. Otherwise its fences go now (no ``Released`` will
+        come), and a parked reuse is admitted (failing at once when it needs this stage)."""
         st = self._workers[worker]
         if st.is_dead:
             return []
         st.is_dead = True
         actions = self.router.on_replica_died(st.stage_id, st.replica, reason, retry_after_s=retry_after_s)
-        sweep = _sweep_fence(worker)
-        if swept_later:
-            for action in actions:
-                rid = (
-                    action.request.request_id
-                    if isinstance(action, Rerun | StageSubmit)
-                    else action.request_id
-                )
-                self._unreleased.setdefault(rid, set()).add(sweep)
-        for rid in [rid for rid, workers in self._unreleased.items() if worker in workers]:
-            # No Released will come; a parked reuse is admitted (and fails at once when it
-            # needs this stage) — after the sweep, when it follows.
-            if swept_later:
-                self._unreleased[rid].add(sweep)
-            self._lift_fence(worker, rid)
+        ended = [_request_id_of(action) for action in actions]
+        self._admit_parked(self._fence.worker_died(worker, ended=ended, swept_later=swept_later))
         return actions
 
     def _on_swept(self, worker: int) -> None:
         """The dead worker's objects are withdrawn and reclaimed: lift its sweep's fences."""
-        sweep = _sweep_fence(worker)
-        for rid in [rid for rid, workers in self._unreleased.items() if sweep in workers]:
-            self._lift_fence(sweep, rid)
-
-    def _others_up(self, st: StageProcess) -> bool:
-        """Does another worker of ``st``'s stage serve it?"""
-        return any(not w.is_dead for w in self._replicas_of[st.stage_id] if w is not st)
+        self._admit_parked(self._fence.swept(worker))
 
     # -- supervision hooks (docs/design.md §10) -----------------------------------------------
 
@@ -595,7 +527,7 @@ class Orchestrator:
         of a stage whose other replicas are up only takes its requests with it (those the
         client has had nothing of run again elsewhere)."""
         st = self._workers[worker]
-        if self._others_up(st):
+        if self._workers.others_up(st):
             st.death_reason = unavailable
             actions = self._stage_failed(worker, reason, retry_after_s, swept_later=True)
             self._execute(actions)
@@ -609,29 +541,21 @@ class Orchestrator:
     def _on_stage_unavailable(self, worker: int, reason: str, retry_after_s: float | None) -> None:
         st = self._workers[worker]
         st.death_reason = reason
-        if self._others_up(st):
-            self._wake_state_waiters()  # another replica serves the stage
-            return
-        self.router.set_unavailable(st.stage_id, reason, retry_after_s)
-        back = None if retry_after_s is None else time.monotonic() + retry_after_s
-        with self._down_lock:
-            self._down[st.stage_id] = (reason, back)
+        if not self._workers.others_up(st):  # else another replica serves the stage
+            self.router.set_unavailable(st.stage_id, reason, retry_after_s)
+            self._down.mark_down(st.stage_id, reason, retry_after_s)
         self._wake_state_waiters()
 
     def _on_stage_up(self, worker: int) -> None:
         st = self._workers[worker]
         self.router.on_replica_back(st.stage_id, st.replica)
-        with self._down_lock:
-            self._down.pop(st.stage_id, None)
+        self._down.mark_up(st.stage_id)
         self._wake_state_waiters()
 
     def _on_worker_ready(self, worker: int) -> None:
         """A worker said hello during the start: the stage is ready once all its replicas are."""
-        st = self._workers[worker]
-        ready = self._ready_at_start[st.stage_id]
-        ready.add(worker)
-        if self._on_stage_ready is not None and len(ready) == len(self._replicas_of[st.stage_id]):
-            self._on_stage_ready(st.stage_id)
+        if self._workers.ready_at_start(worker) and self._on_stage_ready is not None:
+            self._on_stage_ready(self._workers[worker].stage_id)
 
     def _wake_state_waiters(self) -> None:
         waiters, self._state_waiters = self._state_waiters, []
@@ -646,17 +570,7 @@ class Orchestrator:
         and :class:`TimeoutError` after ``timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while True:
-            started = [ws for ws in self._replicas_of.values() if not ws[0].is_off]
-            for workers in started:
-                if all(w.state == StageState.FAILED for w in workers):
-                    raise StageDiedError(workers[0].death_reason or f"{workers[0].label} failed")
-            if all(
-                all(w.state in (StageState.HEALTHY, StageState.FAILED) for w in workers)
-                and any(w.state == StageState.HEALTHY for w in workers)
-                for workers in started
-            ):
-                return
+        while not self._workers.is_ready():
             fut: asyncio.Future[None] = loop.create_future()
             self._state_waiters.append(fut)
             remaining = deadline - loop.time()
@@ -668,14 +582,7 @@ class Orchestrator:
         """The first of ``stage_ids`` that cannot take requests now (none of its replicas
         is up), as ``(stage id, reason, seconds until it is expected back or None)``; None
         when all can. Any thread."""
-        now = time.monotonic()
-        with self._down_lock:
-            for sid in stage_ids:
-                down = self._down.get(sid)
-                if down is not None:
-                    reason, back = down
-                    return sid, reason, None if back is None else max(0.0, back - now)
-        return None
+        return self._down.first(stage_ids)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -683,32 +590,9 @@ class Orchestrator:
         """Per worker (a stage, or each of its replicas): alive, pid, exit, requests held,
         the engine's health, its supervision state and restarts."""
         replies = await self._queries.ask(self._workers, HealthRequest, timeout_s)
-        stages = []
-        for st in self._workers:
-            reply: HealthReply | None = replies.get(st.index)
-            is_alive = not st.is_dead and not st.is_exited
-            error = None if st.is_off else st.death_reason
-            if is_alive and reply is None:
-                error = f"{st.label} did not answer a health request within {timeout_s:g} s"
-            stages.append(
-                StageHealth(
-                    stage_id=st.stage_id,
-                    name=st.name,
-                    replica=st.replica,
-                    replicas=len(self._replicas_of[st.stage_id]),
-                    is_alive=is_alive,
-                    pid=st.pid,
-                    exitcode=st.exitcode,
-                    num_requests=self.router.num_requests_on(st.stage_id, st.replica),
-                    queue_depth=None if reply is None else reply.num_requests,
-                    engine=None if reply is None else reply.engine,
-                    error=error,
-                    state=st.state.value,
-                    num_restarts=st.num_restarts,
-                    last_exit=st.last_exit,
-                    retry_after_s=self._supervisor.retry_after(st),
-                )
-            )
+        stages = self._workers.health(
+            replies, timeout_s, self.router.num_requests_on, self._supervisor.retry_after
+        )
         return PipelineHealth(
             is_healthy=all(
                 s.is_alive and s.error is None and s.state == StageState.HEALTHY
@@ -735,10 +619,11 @@ class Orchestrator:
         if missing:
             raise PipelineError(f"no leak-state reply from {', '.join(missing)} within {timeout_s:g} s")
         books: dict[int, dict[str, Any]] = {index: reply.state for index, reply in replies.items()}
+        waiting, parked = self._waiting.waiting_ids(), self._fence.parked_ids()
         front = {
             **self.streams.leak_state(),
-            **({"waiting": sorted(self._waiting)} if self._waiting else {}),
-            **({"parked": sorted(self._parked)} if self._parked else {}),
+            **({"waiting": waiting} if waiting else {}),
+            **({"parked": parked} if parked else {}),
         }
         if front:
             books[FRONT] = {"front": front}
@@ -752,21 +637,19 @@ class Orchestrator:
             return self._shutdown_report
         self._is_closing = True
         self._execute(self.router.fail_all("the pipeline is shutting down"))
-        handles = [(rid, p[1]) for rid, p in self._parked.items()]
-        handles += [(rid, w[1]) for rid, w in self._waiting.items()]
-        self._parked.clear()
-        self._waiting.clear()
+        handles = [(rid, parked[1]) for rid, parked in self._fence.drain()]
+        handles += [(rid, waiter[1]) for rid, waiter in self._waiting.drain()]
         for rid, handle in handles:
             self.streams.release(rid)
             handle.deliver(_error_output(rid, "the pipeline is shutting down"))
         num_killed = await self._supervisor.stop(timeout_s)
-        if self._ray is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._ray.close)
-        self._queries.cancel_all()
         loop = asyncio.get_running_loop()
+        if self._ray is not None:
+            await loop.run_in_executor(None, self._ray.close)
+        self._queries.cancel_all()
         report = await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         self._shutdown_report = ShutdownReport(
-            exitcodes={st.index: st.exitcode for st in self._workers},
+            exitcodes=self._workers.exitcodes(),
             num_killed=num_killed,
             num_reclaimed=len(report.reclaimed),
             num_objects_left=len(report.objects) - len(report.reclaimed),
@@ -774,18 +657,21 @@ class Orchestrator:
         return self._shutdown_report
 
 
-def _sweep_fence(worker: int) -> int:
-    """The fence a dead worker's sweep holds on an id (never a worker's index)."""
-    return -1 - worker
-
-
 #: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).
 _READ_BATCH = 64
 
 
-def _num_samples(audio: Any) -> int:
+def _request_id_of(action: Action) -> str:
+    return action.request.request_id if isinstance(action, Rerun | StageSubmit) else action.request_id
+
+
+def _audio_seconds(output: RequestOutput) -> float:
+    """Seconds of audio in ``output`` (0 without audio)."""
+    audio = output.audio
+    if audio is None or not output.sample_rate:
+        return 0.0
     numel = getattr(audio, "numel", None)
-    return int(numel()) if callable(numel) else len(audio)
+    return (int(numel()) if callable(numel) else len(audio)) / output.sample_rate
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:
