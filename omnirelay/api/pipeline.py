@@ -313,6 +313,7 @@ class Pipeline:
         entry_stage_id: int | None = None,
         hold_id: bool = False,
         session: str | None = None,
+        buffered: bool = False,
     ) -> RequestHandle:
         """Start one request; never blocks. Returns its :class:`RequestHandle`.
 
@@ -331,6 +332,11 @@ class Pipeline:
         (:meth:`RequestHandle.close`), not only until its last output is delivered.
         ``session``: a key shared by the requests of one conversation or realtime session;
         a stage with replicas serves them on one replica where its load allows.
+        ``buffered``: the caller keeps the outputs until the answer is whole (it reads it
+        with :meth:`RequestHandle.result`, or answers only at the end), so when a replica
+        the request is bound to dies it runs again on another from the start, however far
+        it got; iterating its handle then yields a ``restarted`` output, after which the
+        answer begins again (docs/protocol.md §2.8).
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
         ids = _validate_prompt(prompt_token_ids)
@@ -356,6 +362,7 @@ class Pipeline:
             extras=req_extras,
             entry_stage_id=entry_stage_id,
             session=_validate_session(session),
+            buffered=bool(buffered),
         )
         plan = self._precheck.check_admissible(request)
         if plan.entry_stage_id in self._orch.off_stages:

@@ -10,8 +10,14 @@ loop (``async for out in handle``). The last output has ``finished=True``:
   reason (which names the stage) instead of being yielded —
   :class:`~omnirelay.errors.StageUnavailableError` when a stage it needs is down.
 
+A request submitted ``buffered`` (its consumer keeps the whole answer) runs again from the
+start when it loses a replica, even after outputs came: the iterator then yields a
+``restarted`` output, and whatever came before it is the failed attempt's, to be dropped
+(outputs of that attempt not read yet are dropped here).
+
 :meth:`RequestHandle.result` / :meth:`RequestHandle.result_async` read everything and
-return a :class:`RequestResult` (text token ids, text, the waveform concatenated).
+return a :class:`RequestResult` (text token ids, text, the waveform concatenated); after
+a ``restarted`` output they keep only what follows it.
 """
 
 from __future__ import annotations
@@ -116,6 +122,8 @@ class RequestHandle:
             # for the first end: a late second one would free the id of that new request.
             self._on_done(self.request_id)
         with self._cond:
+            if output.restarted:  # what the failed attempt left unread is void
+                self._items.clear()
             self._items.append(output)
             if output.finished:
                 self._is_delivered = True
@@ -218,19 +226,27 @@ class RequestHandle:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                res.outputs.append(self.next_output(remaining))
+                out = self.next_output(remaining)
             except StopIteration:
                 return res
+            _collect(res, out)
 
     async def result_async(self) -> RequestResult:
         """Read every remaining output; raises RequestFailedError on failure."""
         res = RequestResult(self.request_id)
         async for out in self:
-            res.outputs.append(out)
+            _collect(res, out)
         return res
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, finished={self.is_finished})"
+
+
+def _collect(res: RequestResult, out: RequestOutput) -> None:
+    if out.restarted:
+        res.outputs.clear()  # the failed attempt's; the request runs again from the start
+    else:
+        res.outputs.append(out)
 
 
 def _wake(fut: asyncio.Future[Any]) -> None:

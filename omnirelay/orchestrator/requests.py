@@ -50,7 +50,11 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     ``inputs`` (None: the pipeline's prompt stage; its ``entry_input`` stage for a request
     that carries audio, docs/protocol.md §1.9). ``session``: requests of one conversation
     or realtime session share it, so a replicated stage serves them on one replica where
-    that helps (docs/design.md §11); None: no affinity.
+    that helps (docs/design.md §11); None: no affinity. ``buffered``: the consumer holds
+    the outputs until the answer is whole (a non-streamed response), so the client has
+    nothing of it before its last output: losing a replica runs it again however much
+    the pipeline had produced, and its consumer gets a :attr:`RequestOutput.restarted`
+    output first (docs/protocol.md §2.8).
     """
 
     request_id: str
@@ -61,6 +65,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     extras: dict[str, Any] = {}
     entry_stage_id: int | None = None
     session: str | None = None
+    buffered: bool = False
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -69,7 +74,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     ``stage_finished`` is the stage's own flag; ``finished`` is the request-level flag
     (every requested final output is done), set on exactly one output per request, the
     last one. A failed request ends with ``finish_reason == "error"`` and ``error`` set;
-    an aborted one with ``finish_reason == "abort"``.
+    an aborted one with ``finish_reason == "abort"``. A ``restarted`` output carries
+    nothing: the request (a buffered one) lost a replica and runs again from the start,
+    so every output before it belongs to the failed attempt and is to be dropped.
     """
 
     request_id: str
@@ -92,6 +99,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     #: with ``stage_unavailable``: seconds until the stage is expected back (None: not expected)
     retry_after_s: float | None = None
     metrics: dict[str, float] = {}
+    restarted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,11 @@ the :data:`Action` s the caller must carry out, in order —
   nothing of it and is not told);
 * :class:`ClientOutput` — a :class:`RequestOutput` for the client; the one with
   ``finished=True`` is the last for that request;
-* :class:`Rerun` — the request lost a replica before the client got anything: it ended
-  in every stage (aborts and releases above) and is to be admitted again, unchanged,
-  once the stages released its id (docs/design.md §11).
+* :class:`Rerun` — the request lost a replica before the client got anything (for a
+  ``buffered`` request: before its last output): it ended in every stage (aborts and
+  releases above) and is to be admitted again, unchanged, once the stages released its
+  id (docs/design.md §11); a buffered request's consumer that got outputs of the failed
+  attempt is told first (a ``restarted`` :class:`ClientOutput`).
 
 **Replicas.** A stage may run several worker processes. When a request enters a stage
 (admission, prewarm, forwarding) it is bound to one replica there, chosen by the
@@ -160,7 +162,8 @@ class _RequestState:
     bound: dict[int, int] = field(default_factory=dict)
     #: stages whose replica's booked load still counts this request
     loaded: set[int] = field(default_factory=set)
-    #: the client got an output of it (a rerun would deliver it twice)
+    #: the consumer got an output of it (for a request not ``buffered``, the client has
+    #: it: a rerun would deliver it twice)
     has_delivered: bool = False
     #: how often it was run again after losing a replica
     num_reruns: int = 0
@@ -663,8 +666,10 @@ class Router:
         (:class:`Rerun`) when the client has had nothing of them yet — at most
         :data:`MAX_RERUNS` times — and fail with ``stage_unavailable`` otherwise (a stream
         already playing cannot be resumed elsewhere); new requests avoid the replica until
-        :meth:`on_replica_back`. When it was the stage's last replica up, this is
-        :meth:`on_stage_died`."""
+        :meth:`on_replica_back`. A ``buffered`` request's client has nothing before its
+        last output, so it runs again whatever its consumer got; when that was something,
+        a :attr:`~RequestOutput.restarted` output tells the consumer to drop it first.
+        When it was the stage's last replica up, this is :meth:`on_stage_died`."""
         self.balancer.mark_down(stage_id, replica)
         if not self.balancer.has_up(stage_id):
             return self.on_stage_died(stage_id, reason, retry_after_s=retry_after_s)
@@ -672,15 +677,25 @@ class Router:
         for rid, st in list(self._requests.items()):
             if st.bound.get(stage_id) != replica or not self._needs(st, stage_id):
                 continue
-            if st.has_delivered or st.num_reruns >= MAX_RERUNS:
+            if (st.has_delivered and not st.request.buffered) or st.num_reruns >= MAX_RERUNS:
                 # Another replica serves new requests now: the client may retry at once.
                 actions.extend(
                     self.fail(rid, reason, stage_id=stage_id, code="stage_unavailable", retry_after_s=0.0)
                 )
                 continue
+            if st.has_delivered:  # buffered: its consumer drops what the failed attempt gave
+                actions.append(ClientOutput(rid, self._restarted(st)))
             self._end(st, actions)
             actions.append(Rerun(st.request, st.num_reruns + 1))
         return actions
+
+    def _restarted(self, st: _RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=st.request.request_id,
+            stage_id=st.plan.final_stage_id,
+            modality="",
+            restarted=True,
+        )
 
     def on_replica_back(self, stage_id: int, replica: int) -> None:
         """A replica's restarted worker said hello: it takes requests again (and so does

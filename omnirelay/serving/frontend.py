@@ -14,6 +14,15 @@ each response it asks for is a request as above.
 
 ``close`` is synchronous and idempotent, so a cancelled task (a client that went away)
 can call it from its ``finally``. :meth:`RequestStream.abort` records why.
+
+How the route hands the outputs to its client (``submit``'s ``delivery``) decides what
+losing a replica does to a request (docs/protocol.md §2.8): :data:`STREAMED` — each as it
+comes; the request runs again only while the pipeline had produced nothing for it.
+:data:`WHOLE` — the answer at its end (a non-streamed response): the request runs again
+however far it got, and the stream yields a ``restarted`` output after which the route
+starts its answer over. :data:`UNTIL_FIRST` — each as it comes, but the request runs again
+until the route took its first output (a realtime response before its first event); a
+loss after that fails it with ``stage_unavailable``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import msgspec
 
 from omnirelay.api import Pipeline
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.errors import OmniRelayError, RequestFailedError
+from omnirelay.errors import OmniRelayError, RequestFailedError, StageUnavailableError
 from omnirelay.models.family import PromptSide
 from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
 from omnirelay.serving.admission import AdmissionGate, Slot
@@ -35,21 +44,40 @@ from omnirelay.serving.metrics import ServerMetrics
 from omnirelay.serving.server_config import ServerConfig, openai_voice_map
 from omnirelay.timeline.playback import playback_of
 
-__all__ = ["CHAT_MODALITIES", "STOP_SEQUENCE", "Frontend", "RequestStream"]
+__all__ = [
+    "CHAT_MODALITIES",
+    "STOP_SEQUENCE",
+    "STREAMED",
+    "UNTIL_FIRST",
+    "WHOLE",
+    "Frontend",
+    "RequestStream",
+]
 
 CHAT_MODALITIES = ("text", "audio")
 #: the abort reason of a request ended early by one of its stop sequences (not a failure)
 STOP_SEQUENCE = "stop_sequence"
+#: how a route hands a request's outputs to its client (see the module docstring)
+STREAMED = "streamed"
+WHOLE = "whole"
+UNTIL_FIRST = "until_first"
+DELIVERIES = (STREAMED, WHOLE, UNTIL_FIRST)
 
 
 class RequestStream:
     """One admitted request: iterate its outputs once; always :meth:`close` it."""
 
-    def __init__(self, frontend: Frontend, handle: Any, slot: Slot, endpoint: str) -> None:
+    def __init__(
+        self, frontend: Frontend, handle: Any, slot: Slot, endpoint: str, delivery: str = STREAMED
+    ) -> None:
         self.frontend = frontend
         self.handle = handle
         self.request_id: str = handle.request_id
         self.endpoint = endpoint
+        self.delivery = delivery
+        self._num_taken = 0  # outputs the route took (of the attempt running now)
+        #: how often the request started over after losing a replica
+        self.num_restarts = 0
         self._slot = slot
         self.t_submit = time.perf_counter()
         self.t_first_token: float | None = None
@@ -68,6 +96,12 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             async for out in self.handle:
+                if out.restarted:
+                    self._restart()
+                    if self.delivery == WHOLE:
+                        yield out  # the route drops the answer it had and starts over
+                    continue
+                self._num_taken += 1
                 self._observe(out)
                 yield out
         except RequestFailedError as exc:
@@ -75,6 +109,21 @@ class RequestStream:
             self.error = exc.reason
             self.frontend.metrics.failures.labels(self.endpoint).inc()
             raise
+
+    def _restart(self) -> None:
+        """The request lost a replica and runs again from the start."""
+        self.num_restarts += 1
+        if self.delivery != WHOLE and self._num_taken:
+            # The client has part of the answer: the rerun cannot be resumed for it.
+            self.frontend.pipeline.abort(self.request_id)
+            raise StageUnavailableError(
+                self.request_id,
+                "a replica serving this request died after part of its answer was sent",
+                retry_after_s=0.0,
+            )
+        self._num_taken = 0
+        self.num_audio_samples = 0
+        self._audio_sends.clear()
 
     def _observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
@@ -276,13 +325,17 @@ class Frontend:
         inputs: Any = None,
         entry_stage_id: int | None = None,
         session: str | None = None,
+        delivery: str = STREAMED,
     ) -> RequestStream:
         """Admit and start one request; 429 / 409 / 400 / 503 as :class:`ApiError`.
         ``inputs``: the entry stage's full input (a speech request's, see
         :meth:`submit_speech`; audio clips, :mod:`omnirelay.serving.media.chat_turns`);
         ``entry_stage_id``: where it enters (None: the prompt stage); ``session``: the
         conversation it belongs to (a replicated stage keeps one conversation on one
-        replica where its load allows)."""
+        replica where its load allows); ``delivery``: how the route hands the outputs to
+        its client (:data:`STREAMED`, :data:`WHOLE`, :data:`UNTIL_FIRST`)."""
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {DELIVERIES}, got {delivery!r}")
         # A client id stays taken until its response is sent, even when the pipeline is
         # already done with it: the pipeline holds it until the stream closes the handle.
         if self.pipeline.is_in_flight(request_id):  # before a slot is taken: 409, not 429
@@ -317,6 +370,7 @@ class Frontend:
                 entry_stage_id=entry_stage_id,
                 hold_id=True,
                 session=session,
+                buffered=delivery != STREAMED,
             )
         except OmniRelayError as exc:
             slot.release()
@@ -324,7 +378,7 @@ class Frontend:
         except BaseException:
             slot.release()
             raise
-        return RequestStream(self, handle, slot, endpoint)
+        return RequestStream(self, handle, slot, endpoint, delivery)
 
     def open_websocket(self, endpoint: str) -> Slot:
         """A connection slot for one WebSocket of ``endpoint`` (``speech_ws``,
@@ -387,6 +441,7 @@ class Frontend:
         voice: str | None = None,
         instructions: str | None = None,
         language: str | None = None,
+        delivery: str = STREAMED,
     ) -> RequestStream:
         """A speech request for ``text`` in ``voice`` (checked: :meth:`check_voice`,
         :meth:`check_speech_options`): the prompt side's prompt, full input and answer
@@ -409,4 +464,5 @@ class Frontend:
             sampling=sampling,
             extras=extras,
             inputs=prompt.inputs,
+            delivery=delivery,
         )

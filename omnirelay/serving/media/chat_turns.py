@@ -34,7 +34,7 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.family import AudioSlot, ImageSlot
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs, image_inputs
 from omnirelay.serving.errors import ApiError
-from omnirelay.serving.frontend import Frontend, RequestStream
+from omnirelay.serving.frontend import STREAMED, Frontend, RequestStream
 from omnirelay.serving.media.audio_in import AudioInputError, AudioLimits, decode_base64_audio
 from omnirelay.serving.media.image_in import ImageInputError, ImageLimits, decode_image_url
 from omnirelay.serving.protocol import AudioPart, ImagePart, Turn
@@ -170,10 +170,12 @@ def submit_turns(
     sampling: SamplingParams | None = None,
     extras: dict[str, Any] | None = None,
     session: str | None = None,
+    delivery: str = STREAMED,
 ) -> tuple[RequestStream, list[int]]:
     """Start a chat request of ``turns`` (see the module docstring); returns its stream
     and the prompt the front made (empty when the prompt is made after recognition).
-    ``session``: the conversation it belongs to (replica affinity)."""
+    ``session``: the conversation it belongs to (replica affinity); ``delivery``: how the
+    route hands the answer to its client (:meth:`Frontend.submit`)."""
     extras = dict(extras or {})
     clips = [p for _, ps in turns for p in ps if isinstance(p, np.ndarray)]
     images = [p.pixels for _, ps in turns for p in ps if isinstance(p, DecodedImage)]
@@ -189,6 +191,7 @@ def submit_turns(
             clips=clips,
             images=images,
             session=session,
+            delivery=delivery,
         )
     if not clips:
         prompt = fe.prompts.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
@@ -200,6 +203,7 @@ def submit_turns(
             sampling=sampling,
             extras=extras,
             session=session,
+            delivery=delivery,
         )
         return stream, prompt
     config = fe.pipeline.config
@@ -226,10 +230,21 @@ def submit_turns(
             inputs=audio_inputs(clips),
             entry_stage_id=config.audio_entry_stage_id,
             session=session,
+            delivery=delivery,
         )
         return stream, []
     return _submit_media(
-        fe, endpoint, turns, modalities, request_id, sampling, extras, clips=clips, images=[], session=session
+        fe,
+        endpoint,
+        turns,
+        modalities,
+        request_id,
+        sampling,
+        extras,
+        clips=clips,
+        images=[],
+        session=session,
+        delivery=delivery,
     )
 
 
@@ -245,6 +260,7 @@ def _submit_media(
     clips: list[np.ndarray],
     images: list[np.ndarray],
     session: str | None = None,
+    delivery: str = STREAMED,
 ) -> tuple[RequestStream, list[int]]:
     """A request with clips and images laid out in the prompt stage's own prompt."""
     prompts = fe.prompts
@@ -269,6 +285,7 @@ def _submit_media(
         extras=extras,
         inputs=inputs,
         session=session,
+        delivery=delivery,
     )
     return stream, prompt
 

@@ -46,7 +46,7 @@ from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.models.family import Detokenizer, PromptSide
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
-from omnirelay.serving.frontend import STOP_SEQUENCE, Frontend, RequestStream
+from omnirelay.serving.frontend import STOP_SEQUENCE, STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import decode_turns, hears_audio, sees_images, submit_turns
 from omnirelay.serving.media.encoding import AudioEncoder
@@ -112,6 +112,16 @@ class _Answer:
     num_prompt_tokens: int | None = None
     _detok: Detokenizer | None = None
 
+    def fresh(self) -> _Answer:
+        """An empty answer to the same request (it starts over)."""
+        return _Answer(
+            stream=self.stream,
+            prompts=self.prompts,
+            prompt=self.prompt,
+            stops=StopMatcher(self.stops.stops),
+            audio=None if self.audio is None else _fresh_emitter(self.audio),
+        )
+
     def text_of(self, out: RequestOutput) -> str:
         """The new visible text of a text output (stop sequences applied)."""
         if self.stops.is_stopped:
@@ -163,6 +173,14 @@ class _Answer:
             "completion_tokens": self.num_completion_tokens,
             "total_tokens": prompt + self.num_completion_tokens,
         }
+
+
+def _fresh_emitter(emitter: AudioEmitter) -> AudioEmitter:
+    return AudioEmitter(
+        emitter.kind,
+        require_sample_rate=emitter.require_sample_rate,
+        default_sample_rate=emitter.default_sample_rate,
+    )
 
 
 def _stops(value: str | list[str] | None) -> list[str]:
@@ -225,6 +243,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
         sampling=sampling,
         extras=extras,
         session=req.prompt_cache_key,
+        delivery=STREAMED if req.stream else WHOLE,
     )
     fmt = audio[0] if audio else None
     answer = _Answer(
@@ -253,9 +272,14 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
 
 
 async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str, Any]:
-    pieces = []
+    pieces: list[torch.Tensor] = []
     try:
         async for out in answer.stream:
+            if out.restarted and not answer.stops.is_stopped:
+                # It lost a replica and runs again from the start (a whole answer cut at a
+                # stop sequence is already complete: the rest is ignored).
+                answer, pieces = answer.fresh(), []
+                continue
             answer.last_finish_reason = out.finish_reason or answer.last_finish_reason
             if out.modality == "text":
                 answer.text_of(out)

@@ -40,7 +40,7 @@ from starlette.responses import Response
 from omnirelay.errors import RequestFailedError
 from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed, stream_error_body
-from omnirelay.serving.frontend import Frontend, RequestStream
+from omnirelay.serving.frontend import STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.encoding import FORMATS, AudioEncoder
 from omnirelay.serving.protocol import SpeechRequest, check_request_id, parse, read_json_body
@@ -148,6 +148,7 @@ async def speech(request: Request, fe: Frontend) -> Response:
         voice=voice,
         instructions=instructions,
         language=language,
+        delivery=WHOLE if mode == "whole" else STREAMED,
     )
     fmt = req.response_format
     emitter = AudioEmitter(require_sample_rate=fmt == "wav")
@@ -155,12 +156,11 @@ async def speech(request: Request, fe: Frontend) -> Response:
     headers = {"X-Request-Id": rid}
     if mode == "whole":
         try:
-            samples, timestamps = await until_disconnect(request, _collect(stream, emitter))
+            samples, timestamps, rate = await until_disconnect(request, _collect(stream, emitter))
         except ClientGone:
             return Response(status_code=499)
         finally:
             stream.close()
-        rate = emitter.sample_rate or emitter.default_sample_rate
         encoder.push(samples, rate)
         data = encoder.finish(rate)
         headers["X-Sample-Rate"] = str(encoder.output_rate)
@@ -225,12 +225,18 @@ def _failure(exc: RequestFailedError | AudioStreamError, stream: RequestStream) 
     return ApiError(500, f"the audio could not be sent: {exc}", type="server_error")
 
 
-async def _collect(stream: RequestStream, emitter: AudioEmitter) -> tuple[torch.Tensor, list[Any] | None]:
+async def _collect(
+    stream: RequestStream, emitter: AudioEmitter
+) -> tuple[torch.Tensor, list[Any] | None, int]:
+    """The whole answer: its samples, word timestamps and sample rate."""
     pieces: list[torch.Tensor] = []
     timestamps: list[Any] | None = None
     try:
         async for out in stream:
-            if out.modality == "audio":
+            if out.restarted:  # it lost a replica and runs again from the start
+                pieces, timestamps = [], None
+                emitter = AudioEmitter(emitter.kind, require_sample_rate=emitter.require_sample_rate)
+            elif out.modality == "audio":
                 new = emitter.push(out.audio, out.sample_rate)
                 if new is not None:
                     assert emitter.sample_rate is not None
@@ -240,7 +246,8 @@ async def _collect(stream: RequestStream, emitter: AudioEmitter) -> tuple[torch.
                 timestamps = parse_timestamps(out)
     except (RequestFailedError, AudioStreamError) as exc:
         raise _failure(exc, stream) from exc
-    return (torch.cat(pieces) if pieces else torch.zeros(0)), timestamps
+    rate = emitter.sample_rate or emitter.default_sample_rate
+    return (torch.cat(pieces) if pieces else torch.zeros(0)), timestamps, rate
 
 
 async def _encoded(

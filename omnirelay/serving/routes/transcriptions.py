@@ -36,7 +36,7 @@ from omnirelay.errors import RequestFailedError
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.orchestrator.router import TRANSCRIPT
 from omnirelay.serving.errors import ApiError, request_failed
-from omnirelay.serving.frontend import Frontend
+from omnirelay.serving.frontend import WHOLE, Frontend
 from omnirelay.serving.media.audio_in import (
     FILE_EXTENSIONS,
     FILE_FORMATS,
@@ -126,6 +126,7 @@ async def transcriptions(request: Request, fe: Frontend) -> Response:
         request_id=rid,
         inputs={**audio_inputs([clip]), _WORD_TIMESTAMPS: True},
         entry_stage_id=entry,
+        delivery=WHOLE,  # the transcript is sent whole: a lost replica runs it again
     )
     try:
         heard = await until_disconnect(request, _heard(stream))
@@ -259,7 +260,9 @@ async def _heard(stream: Any) -> str:
     text = ""
     try:
         async for out in stream:
-            if out.modality == TRANSCRIPT and out.text:
+            if out.restarted:  # it lost a replica and runs again from the start
+                text = ""
+            elif out.modality == TRANSCRIPT and out.text:
                 text = out.text
     except RequestFailedError as exc:
         raise request_failed(exc) from exc
