@@ -20,7 +20,8 @@ import omnirelay
 
 __all__ = ["register", "run_bench"]
 
-_BENCHES = "transfer, stress, adapter, pipeline, serve, runner, speech"
+#: Every benchmark of benchmarks/cli.py, for ``omnirelay --help`` (a test holds the two together).
+_BENCHES = "transfer, stress, adapter, pipeline, serve, runner, tts-talker, speech"
 
 
 def register(sub: Any) -> None:

@@ -56,7 +56,7 @@ __all__ = [
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Where the Qwen3-Omni stages' models come from and run: ``--model``, ``--device``,
+    """Where the stages' models come from and run: ``--model``, ``--device``,
     ``--load-format`` and ``--runner`` (see :func:`~omnirelay.cli.session.load_run_config`)."""
     p.add_argument(
         "--model",
@@ -70,8 +70,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default=None,
-        help="run every Qwen3-Omni stage on this torch device (cpu, cuda:0); default: each stage's "
-        "`devices` in the pipeline file",
+        help="run every stage that loads a model (Qwen3-Omni's, Qwen3-TTS's, voice-cpu's Thinker) on this "
+        "torch device (cpu, cuda:0); default: each stage's `devices` in the pipeline file (without a CUDA "
+        "device here, the tiny models run on the CPU)",
     )
     p.add_argument(
         "--load-format",

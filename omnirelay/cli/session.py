@@ -3,7 +3,8 @@
 * :func:`load_run_config` — a shipped pipeline or a YAML file, with ``--model`` (a local
   checkpoint or a Hugging Face repo id for every stage that loads one — Qwen3-Omni's,
   Qwen3-TTS's, the voice pipeline's Thinker — fetched and checked before anything
-  starts) and ``--device`` overrides.
+  starts) and ``--device`` overrides (without a CUDA device here, the tiny models run on
+  the CPU and a full-size one asks for ``--device cpu``).
 * :func:`open_prompt_side` — the prompt stage's prompt side (its tokenizer and chat
   layout); models that need work on first use (the tiny model, SmolLM2's converted
   checkpoint, the voice's graph) are made ready first and cached (announced on stderr,
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import msgspec
 
 from omnirelay.errors import ConfigError
-from omnirelay.pipeline import PipelineConfig, load_pipeline
+from omnirelay.pipeline import PipelineConfig, StageConfig, load_pipeline
 
 if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
@@ -215,7 +216,36 @@ def load_run_config(
         config = _replace_executor_args(config, stage_ids, use_model)
     if device is not None:
         config = _replace_executor_args(config, stage_ids, lambda args: {**args, "device": device})
+    else:
+        config = _without_cuda(config, stage_ids, load_format)
     return _fetch_stage_models(config, stage_ids)
+
+
+def _stage_device(stage: StageConfig) -> str:
+    """The torch device a stage's model runs on: ``executor_args.device``, else ``devices``."""
+    return str(stage.executor_args.get("device") or stage.devices or "cpu")
+
+
+def _without_cuda(config: PipelineConfig, stage_ids: list[int], load_format: str | None) -> PipelineConfig:
+    """``config`` where this machine has no CUDA device (no ``--device`` given): the tiny
+    models (``--load-format tiny``) run on the CPU instead, with a note on stderr; a stage
+    with a model of any other size is a :class:`ConfigError` that names ``--device cpu``
+    (moving a full-size model onto the CPU unasked could take the machine's memory)."""
+    cuda = [s for s in config.stages if s.id in stage_ids and _stage_device(s).startswith("cuda")]
+    if not cuda:
+        return config
+    import torch
+
+    if torch.cuda.is_available():
+        return config
+    if load_format == "tiny":
+        print("note: no CUDA device here: the tiny models run on the CPU (--device cpu)", file=sys.stderr)
+        return _replace_executor_args(config, [s.id for s in cuda], lambda args: {**args, "device": "cpu"})
+    stage = cuda[0]
+    raise ConfigError(
+        f"{stage.label} of pipeline {config.name!r} runs on {_stage_device(stage)}, and torch has no CUDA "
+        "device here: add --device cpu"
+    )
 
 
 def open_prompt_side(config: PipelineConfig, stream: TextIO | None = None) -> PromptSide:
@@ -282,8 +312,7 @@ def startup_timeout(config: PipelineConfig) -> float:
     :data:`STARTUP_TIMEOUT_S`."""
     stage_ids, _ = _model_stages(config)
     for stage in config.stages:
-        device = str(stage.executor_args.get("device") or stage.devices or "cpu")
-        if stage.id in stage_ids and device.startswith("cuda"):
+        if stage.id in stage_ids and _stage_device(stage).startswith("cuda"):
             return GPU_STARTUP_TIMEOUT_S
     return STARTUP_TIMEOUT_S
 

@@ -1,0 +1,81 @@
+"""What a new user meets first, said in one line instead of a traceback or a wrong word:
+
+* ``run``/``serve`` of a pipeline whose models ask for CUDA, on a machine without it: the
+  tiny models run on the CPU (a note says so); any other size stops at once, naming
+  ``--device cpu``;
+* ``--device``'s help speaks of every pipeline, not Qwen3-Omni's alone;
+* ``omnirelay --help`` lists every benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from omnirelay.cli.main import build_parser, main
+from omnirelay.cli.session import load_run_config
+from omnirelay.errors import ConfigError
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_without_cuda_the_tiny_models_run_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    config = load_run_config("qwen3-tts", load_format="tiny")
+    devices = {s.name: s.executor_args.get("device") for s in config.stages if "device" in s.executor_args}
+    assert devices and set(devices.values()) == {"cpu"}, devices
+    assert (
+        capsys.readouterr().err
+        == "note: no CUDA device here: the tiny models run on the CPU (--device cpu)\n"
+    )
+    # A device given is the user's: kept, and no note.
+    config = load_run_config("qwen3-tts", load_format="tiny", device="cuda:1")
+    assert {s.executor_args.get("device") for s in config.stages if "device" in s.executor_args} == {"cuda:1"}
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_without_cuda_a_full_size_model_stops_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(
+        ConfigError, match=r"runs on cuda:0, and torch has no CUDA device here: add --device cpu$"
+    ):
+        load_run_config("qwen3-omni", load_format="dummy")
+    rc = main(
+        ["run", "--pipeline", "qwen3-tts", "--load-format", "dummy", "--prompt", "Hi", "--modalities", "text"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("omnirelay run: error: stage 0 (talker) of pipeline 'qwen3-tts' runs on cuda:0"), (
+        err
+    )
+    assert err.endswith("add --device cpu\n")
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices[name]
+    assert isinstance(parser, argparse.ArgumentParser)
+    return parser
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_device_help_speaks_of_every_pipeline(command: str) -> None:
+    device = next(a for a in _subcommand(command)._actions if "--device" in a.option_strings)
+    assert device.help is not None and "every stage that loads a model" in device.help
+    assert "Qwen3-Omni stage" not in device.help
+
+
+def test_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.cli import build_parser as bench_parser
+
+    sub = next(a for a in bench_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name in sub.choices:
+        assert f" {name}," in listed or f" {name} (" in listed, name
