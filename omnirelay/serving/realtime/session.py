@@ -331,10 +331,12 @@ class Session:
         if self.protocol == ga.AUTO:  # the first update that tells says which interface
             self.protocol = ga.shape_of(session)
         is_ga = self.protocol == ga.GA
+        if is_ga:
+            session = ga.session_to_beta(session, self.rate)
         try:
             self.settings = apply_session_update(
                 self.settings,
-                ga.session_to_beta(session, self.rate) if is_ga else session,
+                session,
                 check_voice=self.fe.check_voice,
                 check_modalities=self.fe.chat_modalities,
                 sample_rate=self.rate,

@@ -1,0 +1,209 @@
+"""The realtime endpoint's GA translation and item edits, without a server: GA's
+``session.update`` and ``response.create`` in beta's terms (what is refused names GA's
+field), server events reshaped as GA's, which interface a client speaks, a truncated
+answer's transcript, and items inserted after an item or at the root."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omnirelay.serving.realtime import ga
+from omnirelay.serving.realtime.conversation import ROOT, Conversation, Item
+from omnirelay.serving.realtime.events import EventError, RealtimeSettings, apply_session_update
+from omnirelay.serving.realtime.items import cut_transcript
+
+RATE = 24000
+PCM = {"type": "audio/pcm", "rate": RATE}
+
+
+def _apply(session: dict[str, Any]) -> RealtimeSettings:
+    start = RealtimeSettings(modalities=("text", "audio"), voice="ethan")
+    beta = ga.session_to_beta(session, RATE)
+    try:
+        return apply_session_update(
+            start,
+            beta,
+            check_voice=lambda v: v,
+            check_modalities=lambda m: m,
+            sample_rate=RATE,
+            can_transcribe=True,
+        )
+    except EventError as exc:
+        raise ga.ga_error(exc) from None
+
+
+def test_a_frameworks_session_update_is_honoured() -> None:
+    """The shape LiveKit Agents and openai-agents send by default."""
+    settings = _apply(
+        {
+            "type": "realtime",
+            "model": "m",
+            "output_modalities": ["audio"],
+            "instructions": "Be brief.",
+            "audio": {
+                "input": {
+                    "format": PCM,
+                    "noise_reduction": {"type": "near_field"},
+                    "transcription": {"model": "gpt-4o-mini-transcribe"},
+                    "turn_detection": {
+                        "type": "semantic_vad",
+                        "eagerness": "high",
+                        "interrupt_response": True,
+                    },
+                },
+                "output": {"format": PCM, "voice": "chelsie", "speed": 1.0},
+            },
+            "max_output_tokens": 24,
+            "tool_choice": "auto",
+            "tools": [],
+            "tracing": "auto",
+        }
+    )
+    assert settings.modalities == ("text", "audio") and settings.voice == "chelsie"
+    assert settings.instructions == "Be brief." and settings.max_output_tokens == 24
+    assert settings.transcription is not None and settings.transcription["model"] == "gpt-4o-mini-transcribe"
+    td = settings.turn_detection
+    assert td is not None and td.vad.silence_duration_ms == ga.EAGERNESS_SILENCE_MS["high"]
+    assert _apply({"type": "realtime", "output_modalities": ["text"]}).modalities == ("text",)
+    assert _apply({"audio": {"input": {"turn_detection": None}}}).turn_detection is None
+
+
+@pytest.mark.parametrize(
+    ("session", "param"),
+    [
+        ({"type": "transcription"}, "session.type"),
+        ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format.type"),
+        (
+            {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            "session.audio.output.format.rate",
+        ),
+        ({"audio": {"output": {"speed": 1.25}}}, "session.audio.output.speed"),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}},
+            "session.audio.input.turn_detection.idle_timeout_ms",
+        ),
+        (
+            {"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1}}}},
+            "session.audio.input.turn_detection.silence_duration_ms",
+        ),
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "x"}}}}, None),
+        ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
+        ({"truncation": "disabled"}, "session.truncation"),
+        ({"prompt": {"id": "p"}}, "session.prompt"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+        ({"type": "realtime", "voice": "ethan"}, "session.voice"),  # beta's field in a GA update
+        ({"output_modalities": "audio"}, "session.output_modalities"),
+    ],
+)
+def test_what_would_change_what_the_user_gets_is_refused_by_its_ga_name(
+    session: dict[str, Any], param: str | None
+) -> None:
+    with pytest.raises(EventError) as info:
+        _apply(session)
+    want = param or "session.audio.input.turn_detection.eagerness"
+    assert info.value.param == want and want in info.value.message
+
+
+def test_a_ga_response_create_and_its_metadata() -> None:
+    response, metadata = ga.response_to_beta(
+        {
+            "output_modalities": ["text"],
+            "instructions": "x",
+            "audio": {"output": {"voice": "ethan"}},
+            "max_output_tokens": 8,
+            "metadata": {"client_event_id": "abc"},
+            "conversation": "auto",
+            "tool_choice": "auto",
+        },
+        RATE,
+    )
+    assert response == {
+        "instructions": "x",
+        "conversation": "auto",
+        "modalities": ["text"],
+        "max_response_output_tokens": 8,
+        "voice": "ethan",
+    }
+    assert metadata == {"client_event_id": "abc"}
+    for bad, param in [
+        ({"metadata": {"k": 1}}, "response.metadata"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "response.metadata"),
+        ({"input": [{"type": "message"}]}, "response.input"),
+        ({"tools": [{"type": "function"}]}, "response.tools"),
+        ({"modalities": ["text"]}, "response.modalities"),  # beta's name in GA
+    ]:
+        with pytest.raises(EventError) as info:
+            ga.response_to_beta(bad, RATE)
+        assert info.value.param == param
+
+
+def test_the_interface_is_the_header_or_the_first_session_that_tells() -> None:
+    assert ga.protocol_of({"openai-beta": "realtime=v1"}) == ga.BETA
+    assert ga.protocol_of({"openai-beta": "assistants=v2, realtime=v1"}) == ga.BETA
+    assert ga.protocol_of({}) == ga.AUTO
+    assert ga.shape_of({"type": "realtime"}) == ga.GA
+    assert ga.shape_of({"audio": {}}) == ga.GA
+    assert ga.shape_of({"voice": "x", "turn_detection": None}) == ga.BETA
+    assert ga.shape_of({"instructions": "x"}) == ga.AUTO
+
+
+def test_server_events_are_reshaped_as_ga() -> None:
+    answer = {
+        "id": "item_1",
+        "object": "realtime.item",
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "audio", "transcript": "Hi."}],
+    }
+    ga_answer = {**answer, "content": [{"type": "output_audio", "transcript": "Hi."}]}
+    assert ga.server_events("response.audio.delta", {"delta": "AA=="}) == [
+        ("response.output_audio.delta", {"delta": "AA=="})
+    ]
+    assert ga.server_events("response.output_item.done", {"response_id": "r", "item": answer}) == [
+        ("conversation.item.done", {"item": ga_answer}),
+        ("response.output_item.done", {"response_id": "r", "item": ga_answer}),
+    ]
+    added = ga.server_events("conversation.item.created", {"previous_item_id": None, "item": answer})
+    assert [k for k, _ in added] == ["conversation.item.added", "conversation.item.done"]
+    pending = {**answer, "status": "in_progress"}
+    added = ga.server_events("conversation.item.created", {"previous_item_id": None, "item": pending})
+    assert [k for k, _ in added] == ["conversation.item.added"]
+    body = {
+        "id": "r",
+        "status": "completed",
+        "modalities": ["text", "audio"],
+        "voice": "ethan",
+        "output": [answer],
+    }
+    [(kind, payload)] = ga.server_events("response.done", {"response": body, "metadata": None})
+    response = payload["response"]
+    assert kind == "response.done" and response["output"] == [ga_answer]
+    assert response["output_modalities"] == ["audio"] and response["audio"]["output"]["voice"] == "ethan"
+    assert "modalities" not in response and "voice" not in response
+
+
+def test_a_truncated_transcript_ends_at_a_word_where_the_audio_did() -> None:
+    text = "The capital of France is Paris."
+    assert cut_transcript(text, 1000, 1000, whole=True) == text
+    assert cut_transcript(text, 500, 1000, whole=True) == "The capital of"
+    assert cut_transcript(text, 0, 1000, whole=True) == ""
+    # A cut answer's text ran ahead of its audio: read at the speaking rate.
+    assert cut_transcript(text, 1000, 3000, whole=False) == "The capital of"
+    assert cut_transcript(text, 10_000, 10_000, whole=False) == text
+
+
+def test_items_go_after_their_previous_item_or_first() -> None:
+    c = Conversation(4, 10_000)
+    for name in ("a", "b"):
+        c.add(Item(id=name, role="user", kind="input_text", text=name))
+    c.add(Item(id="r", role="system", kind="input_text", text="r"), ROOT)
+    c.add(Item(id="m", role="user", kind="input_text", text="m"), "a")
+    assert [t[1][0] for t in c.turns("")] == ["r", "a", "m", "b"]
+    # Past the bounds the oldest goes, never the item just added, even first.
+    dropped = c.add(Item(id="n", role="system", kind="input_text", text="n"), ROOT)
+    assert [d.id for d in dropped] == ["r"] and c.last_id == "b" and len(c) == 4
+    assert c.remove("m") is not None and c.remove("m") is None
+    assert [t[1][0] for t in c.turns("")] == ["n", "a", "b"]
