@@ -14,7 +14,7 @@ Knobs in ``StageRequest.extras`` (deterministic interleavings, no sleeps):
 
 * ``stall_after`` — stage 0 emits this many tokens then waits forever (until aborted);
 * ``stall_while`` — a file path: stage 0 emits nothing while the file exists (the test
-  removes it to let the request go on);
+  removes it to let the request go on); with ``stall_while_after`` n, it emits n tokens first;
 * ``fail_stage`` / ``fail_after`` — that stage reports ``error`` after so many outputs;
 * ``reject_stage`` — that stage's ``add_request`` raises;
 * ``crash_stage`` — that stage's ``step`` raises (the engine is broken: the worker exits).
@@ -174,7 +174,11 @@ class ScriptedEngine:
         rid = r.request.request_id
         if self.stage_id == 0:
             stall, hold = r.extras.get("stall_after"), r.extras.get("stall_while")
-            if hold is not None and os.path.exists(hold):
+            if (
+                hold is not None
+                and r.num_emitted >= r.extras.get("stall_while_after", 0)
+                and os.path.exists(hold)
+            ):
                 return False
             return stall is None or r.num_emitted < stall
         return r.should_probe or self._key(rid, self.stage_id - 1, r.next_chunk) in self._arrived

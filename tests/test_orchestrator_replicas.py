@@ -17,10 +17,10 @@ import torch
 
 from omnirelay.errors import ConfigError
 from omnirelay.orchestrator.replicas import ReplicaBalancer
+from omnirelay.orchestrator.requests import PipelineRequest
 from omnirelay.orchestrator.router import (
     Action,
     ClientOutput,
-    PipelineRequest,
     Rerun,
     Router,
     StageAbort,
@@ -213,7 +213,7 @@ def test_a_forwarded_stage_is_bound_when_its_input_is_forwarded() -> None:
 
 
 def _forwarded() -> Any:
-    from omnirelay.orchestrator.router import ForwardedInput
+    from omnirelay.orchestrator.requests import ForwardedInput
 
     return ForwardedInput(prompt_token_ids=[1, 2])
 
@@ -256,6 +256,62 @@ def test_a_dead_replica_reruns_requests_the_client_had_nothing_of() -> None:
     assert "playing" in r
     for rid in ("quiet", "playing"):
         finish(r, rid, r.binding(rid))
+    assert_idle(r)
+
+
+def test_a_buffered_request_runs_again_whatever_its_consumer_got_and_is_told_to_drop_it() -> None:
+    r = Router(omni())
+    ta = ("text", "audio")
+    for rid in ("whole", "stream", "stream3", "other", "whole2"):  # alternate: A B A B A
+        r.admit(req(rid, modalities=ta, buffered=rid.startswith("whole")))
+    dead = r.binding("whole")[1]
+    assert [r.binding(rid)[1] == dead for rid in ("stream", "stream3", "other", "whole2")] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    got = []
+    for rid in ("whole", "stream3"):  # the Thinker's text and some audio came out of both
+        got += r.on_output(out(rid, 0, token_ids=[5], text="hi"), r.binding(rid)[0])
+        got += r.on_output(out(rid, 2, audio=torch.ones(4)), r.binding(rid)[2])
+    assert {o.request_id for o in of(got, ClientOutput)} == {"whole", "stream3"}
+    acts = r.on_replica_died(1, dead, "stage 1 (talker) replica 0 died")
+    reruns = {x.request.request_id: x for x in of(acts, Rerun)}
+    assert sorted(reruns) == ["whole", "whole2"]
+    assert all(x.num_reruns == 1 and x.request.buffered for x in reruns.values())
+    told = {o.request_id: o.output for o in of(acts, ClientOutput)}
+    # whole got outputs: told to drop them, before its rerun; whole2 got none: nothing to say
+    assert told["whole"].restarted and not told["whole"].finished
+    assert told["whole"].audio is None and told["whole"].text is None
+    assert "whole2" not in told
+    assert told["stream3"].error_code == "stage_unavailable"  # a stream already playing fails
+    order = [
+        type(a).__name__
+        for a in acts
+        if getattr(a, "request_id", None) == "whole"
+        or (isinstance(a, Rerun) and a.request.request_id == "whole")
+    ]
+    assert order.index("ClientOutput") < order.index("Rerun")
+    for rid, rerun in reruns.items():
+        r.admit(rerun.request, num_reruns=rerun.num_reruns)
+        assert r.binding(rid)[1] == 1 - dead
+        end = finish(r, rid, r.binding(rid))
+        assert of(end, ClientOutput)[-1].output.finished
+    for rid in ("stream", "other"):  # the other replica's go on
+        assert of(finish(r, rid, r.binding(rid)), ClientOutput)[-1].output.finished
+    assert_idle(r)
+
+
+def test_a_buffered_request_still_fails_past_the_rerun_bound() -> None:
+    r = Router(omni())
+    request = req("a", buffered=True)
+    r.admit(request, num_reruns=3)
+    r.on_output(out("a", 2, audio=torch.ones(4)), r.binding("a")[2])
+    acts = r.on_replica_died(1, r.binding("a")[1], "died")
+    assert not of(acts, Rerun)
+    (failed,) = [o.output for o in of(acts, ClientOutput)]
+    assert failed.finished and failed.error_code == "stage_unavailable"
     assert_idle(r)
 
 

@@ -141,6 +141,57 @@ def test_a_killed_replica_reruns_what_the_client_had_nothing_of_and_fails_what_p
     audit_running(pipe)
 
 
+def test_a_buffered_request_that_lost_its_replica_mid_answer_runs_again_and_comes_back_whole(
+    pipe: Pipeline, tmp_path: Path
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    # Two whole-answer requests of one session (one Code2Wav replica), each held after two
+    # tokens: their consumers got text and audio of the first attempt when it is killed.
+    knobs = {"stall_while": str(hold), "stall_while_after": 2}
+    iterated, whole = (
+        pipe.submit(
+            [p],
+            modalities=["text", "audio"],
+            sampling=sampling(6),
+            request_id=rid,
+            extras=knobs,
+            session="conv",
+            buffered=True,
+        )
+        for rid, p in (("iterated", 7), ("whole", 11))
+    )
+    first = []
+    for o in iterated:
+        first.append(o)
+        if o.modality == "audio":
+            break
+    assert first and not any(o.restarted for o in first)
+    loads = replica_loads(pipe, 2)
+    assert sorted(loads) == [0, 2], loads
+    victim = loads.index(2)
+    pid = pipe.replica_pids()[(2, victim)]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: replica_loads(pipe, 2)[1 - victim] == 2, "both requests moved")
+    hold.unlink()
+    rest = list(iterated)
+    # What the failed attempt left unread was dropped; the restart comes first, then the
+    # whole answer of the rerun, once.
+    assert rest[0].restarted and not any(o.restarted for o in rest[1:])
+    again = rest[1:]
+    assert [t for o in again if o.modality == "text" for t in o.token_ids] == expected_text_tokens([7], 6)
+    audio = torch.cat([o.audio for o in again if o.modality == "audio" and o.audio is not None])
+    assert torch.equal(audio, expected_audio([7], 6))
+    assert [o.finished for o in again].count(True) == 1
+    res = whole.result(timeout=30)  # the API's whole-answer call keeps only the rerun's
+    assert res.token_ids("text") == expected_text_tokens([11], 6)
+    assert res.audio is not None and torch.equal(res.audio, expected_audio([11], 6))
+    assert pipe.health().num_reruns == 2
+    pipe.wait_ready(60)
+    audit_running(pipe)
+
+
 def test_with_every_replica_of_a_stage_down_requests_that_need_it_are_refused() -> None:
     p = Pipeline.start(
         replicated(talkers=2, vocoders=1),
