@@ -3,6 +3,8 @@
 * ``run``/``serve`` of a pipeline whose models ask for CUDA, on a machine without it: the
   tiny models run on the CPU (a note says so); any other size stops at once, naming
   ``--device cpu``;
+* ``check`` takes ``--device`` and ``--load-format`` and shows the file as ``run`` would
+  start it (no ``cuda:0`` nor GPU-direct edge for ``--device cpu``);
 * ``--device``'s help speaks of every pipeline, not Qwen3-Omni's alone;
 * ``omnirelay --help`` lists every benchmark.
 """
@@ -10,6 +12,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +83,19 @@ def test_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
     listed = " ".join(capsys.readouterr().out.split())
     for name in sub.choices:
         assert f" {name}," in listed or f" {name} (" in listed, name
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize("flags", [["--device", "cpu"], ["--load-format", "tiny"]])
+def test_check_shows_the_pipeline_as_run_would_start_it(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "check.json"
+    assert main(["check", "qwen3-tts", *flags, "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "cuda" not in out and "gpu-direct" not in out, out
+    stages = json.loads(report.read_text())["stages"]
+    assert {s["device"] for s in stages} == {"cpu"}
+    # Without the flags, the file as it is: its CUDA devices (no error: check starts nothing).
+    assert main(["check", "qwen3-tts"]) == 0
+    assert "device cuda:0" in capsys.readouterr().out

@@ -3,7 +3,8 @@
 Prints, per stage: id, name, execution type, executor, the resolved ``async_chunk`` and
 why, whether it receives chunks, its processors and final output; per edge
 (``src -> dst``): the contract (chunks or complete input), the connector (backend and
-extras) and the processor; then the any-stage-chunks flag and the final outputs. Exits
+extras) and the processor; ``--device`` and ``--load-format`` show the file as ``run``
+would start it; then the any-stage-chunks flag and the final outputs. Exits
 0 when the file validates; otherwise the error (file, stage, key, fix) goes to stderr
 and the exit status is 1 (``omnirelay.cli.main`` prints it).
 """
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from omnirelay.connectors.device.paths import edge_path
+from omnirelay.connectors.device.paths import edge_path, stage_device
 from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
     FinalOutputType,
@@ -58,6 +59,17 @@ def register(sub: Any) -> None:
         default=None,
         help="override the pipeline's async_chunk flag (as `omnirelay serve` would)",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="as `omnirelay run --device`: every stage that loads a model on this torch device (cpu, cuda:0)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy", "tiny"),
+        default=None,
+        help="as `omnirelay run --load-format` (tiny: the tiny seeded model of a Qwen3-TTS pipeline)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON to PATH")
     p.set_defaults(func=run_check)
 
@@ -67,6 +79,10 @@ def run_check(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = load_pipeline(args.pipeline, async_chunk_override=override)
+    if args.device is not None or args.load_format is not None:
+        from omnirelay.cli.session import with_model_overrides
+
+        cfg = with_model_overrides(cfg, device=args.device, load_format=args.load_format)
     for w in caught:
         print(f"omnirelay check: warning: {w.message}", file=sys.stderr)
     report = build_report(cfg)
@@ -91,6 +107,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
                 "execution_type": s.execution_type.value,
                 "executor": s.executor,
                 "devices": s.devices,
+                "device": stage_device(s),
                 "max_num_seqs": s.max_num_seqs,
                 "async_chunk": s.async_chunk,
                 "resolved_async_chunk": cfg.resolved_async_chunk(s),
@@ -206,7 +223,7 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
     w("\nstages\n")
     for s in report["stages"]:
         w(f"  [{s['id']}] {s['name']}: {s['execution_type']}, executor {s['executor']}")
-        w(f", devices {s['devices'] or '(default)'}, max_num_seqs {s['max_num_seqs']}\n")
+        w(f", device {s['device'] or '(default)'}, max_num_seqs {s['max_num_seqs']}\n")
         w(f"      async_chunk: {s['async_chunk_reason']}\n")
         w(f"      receives chunks: {yes(s['receives_chunks'])} ({s['receives_chunks_reason']})\n")
         if s["entry"]:

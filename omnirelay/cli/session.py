@@ -49,6 +49,7 @@ __all__ = [
     "open_tokenizer",
     "sampling_overrides",
     "start_pipeline",
+    "with_model_overrides",
 ]
 
 #: The pipeline of ``omnirelay run`` without ``--model``: SmolLM2 -> Piper voice -> aligner,
@@ -180,6 +181,19 @@ def load_run_config(
     dummy = load_format == "dummy"
     default = DEFAULT_MODEL_PIPELINE if model or dummy else DEFAULT_PIPELINE
     config = load_pipeline(pipeline or default)
+    return with_model_overrides(config, model=model, device=device, load_format=load_format, runner=runner)
+
+
+def with_model_overrides(
+    config: PipelineConfig,
+    *,
+    model: str | None = None,
+    device: str | None = None,
+    load_format: str | None = None,
+    runner: str | None = None,
+) -> PipelineConfig:
+    """``config`` with :func:`load_run_config`'s overrides applied to its stages that load
+    a checkpoint (``omnirelay check`` shows a pipeline file this way)."""
     stage_ids, options = _model_stages(config)
     if (model or device or load_format or runner) and options is None:
         raise ConfigError(
@@ -279,7 +293,7 @@ def sampling_overrides(
 ) -> dict[int, SamplingParams]:
     """Per-stage sampling: the prompt stage's ``max_tokens``, and ``seed`` for every AR stage;
     everything else from the pipeline file. Empty when nothing is overridden."""
-    from omnirelay.orchestrator.router import stage_sampling_defaults
+    from omnirelay.api import stage_sampling_defaults
 
     out: dict[int, SamplingParams] = {}
     if max_tokens is not None:
