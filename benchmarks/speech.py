@@ -211,7 +211,7 @@ def _rate_report(
 
 
 def _prompts(pipe: Pipeline, max_frames: int | None) -> list[_Prompt]:
-    from omnirelay.orchestrator.router import stage_sampling_defaults
+    from omnirelay.orchestrator.requests import stage_sampling_defaults
 
     config = pipe.config
     side = pipe.prompt_side()

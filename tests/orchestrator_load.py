@@ -22,7 +22,7 @@ import torch
 
 from omnirelay.api import Pipeline
 from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.requests import RequestOutput
 
 Expect = Callable[[list[int], int], tuple[list[int], torch.Tensor]]
 

@@ -30,7 +30,7 @@ from omnirelay.models.code2wav import SAMPLE_RATE, measure_receptive_field
 from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt, load_tokenizer
 from omnirelay.models.qwen3_omni.code2wav import open_code2wav
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
-from omnirelay.orchestrator.router import stage_sampling_defaults
+from omnirelay.orchestrator.requests import stage_sampling_defaults
 from omnirelay.timeline import SEGMENTS, StageTrace, drive_request, steps_by_stage
 from omnirelay.worker import leak_paths
 from tests.orchestrator_audit import audit_stopped, child_pids

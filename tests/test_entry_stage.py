@@ -12,15 +12,8 @@ import pytest
 
 from omnirelay.engine.interfaces import StageOutput
 from omnirelay.errors import InvalidRequestError, PipelineConfigError
-from omnirelay.orchestrator.router import (
-    ClientOutput,
-    ForwardedInput,
-    PipelineRequest,
-    Router,
-    SourceOutput,
-    StageRelease,
-    StageSubmit,
-)
+from omnirelay.orchestrator.requests import ForwardedInput, PipelineRequest, SourceOutput
+from omnirelay.orchestrator.router import ClientOutput, Router, StageRelease, StageSubmit
 from omnirelay.pipeline import PipelineConfig, StageConfig, load_pipeline, parse_pipeline
 
 

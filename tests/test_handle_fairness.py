@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from omnirelay.orchestrator import RequestHandle
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.requests import RequestOutput
 
 
 def _handle_with_backlog(n: int) -> RequestHandle:

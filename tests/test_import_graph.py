@@ -7,6 +7,9 @@
 * No model family imports another (a family is a package of :data:`omnirelay.models.FAMILIES`,
   and ``omnirelay.models.testing``): what two families share lives in a shared module
   under ``omnirelay.models`` (``code2wav``, ``hf``, ``text``, ``runner`` …).
+* Serving reaches the rest through one surface: it imports ``omnirelay.api`` (which
+  re-exports the pipeline's types from their homes), the models interface, ``errors``,
+  ``ids`` and ``pipeline`` — never the orchestrator, a connector or the engine.
 * No loop between packages: siblings never import each other both ways (a package's
   facade importing its own subpackages, and those importing their parent's base
   modules, is layering, not a loop).
@@ -37,6 +40,18 @@ FRONT = ("serving", "api", "cli", "orchestrator")
 MODELS_INTERFACE = {"omnirelay.models", "omnirelay.models.family", "omnirelay.models.inputs", "omnirelay.models.tools"}
 #: The model family packages: each shipped family's, and the toys'.
 FAMILY_PACKAGES = {type(f).__module__ for f in omnirelay.models.FAMILIES} | {"omnirelay.models.testing"}
+#: What ``serving`` may import besides itself and the models interface (packages, with
+#: their submodules).
+SERVING_SURFACE = (
+    "omnirelay.api",
+    "omnirelay.errors",
+    "omnirelay.ids",
+    "omnirelay.pipeline",
+    # The one definition of what a listener hears (first playable audio, gaps), which the
+    # server's metrics share with ``run`` and ``bench pipeline``; ``timeline`` sits above
+    # ``api`` as ``serving`` does, so this is no way around the API.
+    "omnirelay.timeline.playback",
+)
 #: Public classes that are the same role in two backends.
 SAME_ROLE = {"Producer", "Reader"}
 
@@ -188,6 +203,18 @@ def test_no_model_family_imports_another() -> None:
         if _family(src) is not None and _family(dst) not in (None, _family(src))
     ]
     assert borrowed == []
+
+
+def test_serving_imports_only_the_api_surface() -> None:
+    around = [
+        f"{src} imports {dst}"
+        for src, dst, _ in import_edges()
+        if _layer(src) == "serving"
+        and _layer(dst) != "serving"
+        and dst not in MODELS_INTERFACE
+        and not any(dst == ok or dst.startswith(ok + ".") for ok in SERVING_SURFACE)
+    ]
+    assert around == []
 
 
 def test_the_models_facade_exports_only_the_interface() -> None:

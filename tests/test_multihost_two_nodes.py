@@ -25,7 +25,7 @@ from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.errors import StageUnavailableError
 from omnirelay.models.qwen3_omni import encode_chat_prompt, load_tokenizer
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
-from omnirelay.orchestrator.router import stage_sampling_defaults
+from omnirelay.orchestrator.requests import stage_sampling_defaults
 from omnirelay.pipeline import load_pipeline
 from omnirelay.worker import leak_paths
 from tests.orchestrator_audit import audit_stopped, child_pids

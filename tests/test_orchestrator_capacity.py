@@ -1,5 +1,6 @@
 """Admission by real-time capacity (:class:`StreamGate`): the books on a virtual clock, and a
-waiter woken by a release (forced with the gate's own waiting count, never a sleep)."""
+waiter woken by a release (forced with the gate's own waiting count, never a sleep); the
+front's queue in front of the gate (:class:`StreamQueue`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from omnirelay.errors import ConfigError
-from omnirelay.orchestrator.capacity import StreamGate
+from omnirelay.orchestrator.capacity import StreamGate, StreamQueue
 
 
 class Clock:
@@ -87,3 +88,38 @@ def test_a_waiter_is_admitted_when_a_stream_ends_and_a_timeout_says_why() -> Non
 def test_bad_settings_are_config_errors(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         StreamGate(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_queue_lets_requests_for_audio_through_in_arrival_order() -> None:
+    gate = StreamGate(1, clock=Clock())
+    queue: StreamQueue[str] = StreamQueue(gate, speaks=True)
+    assert not queue.enter("a", ("text", "audio"), "A")  # a stream is free: it goes on
+    assert "a" in gate and not queue.enter("a", None, "A")  # holding one already: goes on
+    assert not queue.enter("t", ("text",), "T")  # asks for no audio: never waits
+    assert queue.enter("b", None, "B") and queue.enter("c", ("audio",), "C")
+    assert len(queue) == 2 and "b" in queue and queue.waiting_ids() == ["b", "c"]
+    assert queue.pop_admitted() is None  # the gate is shut
+    gate.release("a")
+    assert queue.pop_admitted() == "B" and "b" in gate  # the first waiter, with its stream
+    assert queue.pop_admitted() is None  # the next one waits for b's stream
+    gate.release("b")
+    # A newcomer queues behind a waiter even with a stream free: first come first served.
+    assert queue.enter("d", None, "D") and queue.waiting_ids() == ["c", "d"]
+    assert queue.pop_admitted() == "C" and queue.pop_admitted() is None
+    gate.release("c")
+    assert queue.withdraw("d") == "D" and queue.withdraw("d") is None  # an abort
+    assert len(queue) == 0 and queue.pop_admitted() is None
+    assert gate.leak_state() == {}
+
+
+def test_a_pipeline_without_audio_output_never_queues_and_shutdown_drains() -> None:
+    gate = StreamGate(1, clock=Clock())
+    silent: StreamQueue[str] = StreamQueue(gate, speaks=False)
+    assert not silent.takes_stream(None) and not silent.enter("a", None, "A")
+    assert "a" not in gate
+    queue: StreamQueue[str] = StreamQueue(gate, speaks=True)
+    assert queue.takes_stream(None) and not queue.takes_stream(("text",))
+    assert not queue.enter("a", None, "A")
+    assert queue.enter("b", None, "B") and queue.enter("c", None, "C")
+    assert queue.drain() == [("b", "B"), ("c", "C")] and len(queue) == 0
+    gate.release("a")

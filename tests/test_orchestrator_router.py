@@ -13,20 +13,22 @@ import torch
 
 from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.errors import InvalidRequestError
-from omnirelay.orchestrator.router import (
-    Action,
-    ClientOutput,
+from omnirelay.orchestrator.requests import (
     ForwardedInput,
     PipelineRequest,
     RequestOutput,
-    Router,
     SourceOutput,
-    StageAbort,
-    StageRelease,
-    StageSubmit,
     default_input_builder,
     requested_modalities,
     stage_sampling_defaults,
+)
+from omnirelay.orchestrator.router import (
+    Action,
+    ClientOutput,
+    Router,
+    StageAbort,
+    StageRelease,
+    StageSubmit,
 )
 from omnirelay.pipeline import PipelineConfig, StageConfig, parse_pipeline, placeholder_prompt_len
 

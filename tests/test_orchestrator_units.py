@@ -19,7 +19,7 @@ from omnirelay.errors import InvalidRequestError, PipelineError, RequestFailedEr
 from omnirelay.models.testing.toy import toy_pipeline_config
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.orchestrator import Orchestrator
-from omnirelay.orchestrator.router import PipelineRequest, RequestOutput
+from omnirelay.orchestrator.requests import PipelineRequest, RequestOutput
 from omnirelay.worker.messages import (
     Outputs,
     Released,

@@ -36,7 +36,7 @@ from omnirelay.models import prompt_side
 from omnirelay.models.asr.sphinx import Recognizer, word_error_rate
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
 from omnirelay.models.text.spoken import spoken_words
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.requests import RequestOutput
 from omnirelay.pipeline import load_pipeline
 from omnirelay.serving.media.audio_in import decode_audio
 from omnirelay.serving.media.audio_out import parse_wav

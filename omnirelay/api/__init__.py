@@ -4,6 +4,13 @@
   :func:`validate_request_id` (see its module docstring);
 * ``options`` — :class:`PipelineOptions` (the user's settings of ``Pipeline.start``) and
   :class:`RuntimeHooks` (the runtime internals tests and benchmarks replace).
+
+It is also the one import surface of the layers above it (``serving``, ``timeline``,
+``cli``): the types a pipeline's caller meets are re-exported here from their homes —
+what a request gets back (:class:`RequestHandle`, :class:`RequestOutput`,
+:class:`RequestResult`, :data:`TRANSCRIPT`), what it asks for (:class:`SamplingParams`,
+:func:`stage_sampling_defaults`) and what the pipeline reports (:class:`PipelineHealth`,
+:class:`StageHealth`, :class:`StageState`, :class:`ShutdownReport`).
 """
 
 from omnirelay.api.options import PipelineOptions, RuntimeHooks
@@ -16,15 +23,30 @@ from omnirelay.api.pipeline import (
     prompt_side,
     validate_request_id,
 )
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.orchestrator.handle import RequestHandle, RequestResult
+from omnirelay.orchestrator.requests import RequestOutput, stage_sampling_defaults
+from omnirelay.orchestrator.router import TRANSCRIPT
+from omnirelay.orchestrator.stage_processes import PipelineHealth, ShutdownReport, StageHealth, StageState
 
 __all__ = [
     "MAX_REQUEST_ID_LEN",
     "NO_RESTARTS",
+    "TRANSCRIPT",
     "Pipeline",
+    "PipelineHealth",
     "PipelineOptions",
+    "RequestHandle",
+    "RequestOutput",
+    "RequestResult",
     "RestartPolicy",
     "RuntimeHooks",
+    "SamplingParams",
+    "ShutdownReport",
+    "StageHealth",
+    "StageState",
     "chat_tokenizer",
     "prompt_side",
+    "stage_sampling_defaults",
     "validate_request_id",
 ]

@@ -38,8 +38,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omnirelay.api.options import PipelineOptions, RuntimeHooks
+from omnirelay.connectors import reclaim_namespace
 from omnirelay.connectors.base import validate_namespace
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.engine.step_recorder import StepRecorder
 from omnirelay.errors import (
     ConfigError,
     InvalidKeyError,
@@ -50,14 +52,11 @@ from omnirelay.errors import (
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.models.family import Announce, PromptSide, quiet
 from omnirelay.orchestrator.handle import RequestHandle
-from omnirelay.orchestrator.orchestrator import Orchestrator, PipelineHealth, ShutdownReport
-from omnirelay.orchestrator.router import (
-    PipelineRequest,
-    Router,
-    requested_modalities,
-)
+from omnirelay.orchestrator.orchestrator import Orchestrator
+from omnirelay.orchestrator.requests import PipelineRequest, requested_modalities
+from omnirelay.orchestrator.router import Router
+from omnirelay.orchestrator.stage_processes import PipelineHealth, ShutdownReport
 from omnirelay.pipeline import NO_RESTARTS, ComponentRegistry, PipelineConfig, RestartPolicy, load_pipeline
-from omnirelay.timeline.recorder import StepRecorder
 from omnirelay.worker import DEFAULT_ENGINE_FACTORY, leak_paths
 
 __all__ = [
@@ -510,6 +509,14 @@ class Pipeline:
         """:meth:`leaks` from an event loop (the server's ``/health?audit=1``)."""
         books = await self._call_async(self._orch.leak_state(timeout_s, settle_s))
         return _leak_lines(books, self.config)
+
+    def transfer_objects(self) -> list[str]:
+        """The names of the transfer objects of this pipeline's namespace that exist now,
+        every connector backend's; pooled slots, which live as long as the stages, are not
+        counted. Reclaims nothing. It reads the system's namespaces: from an event loop, run
+        it in a thread."""
+        report = reclaim_namespace(self.namespace, reclaim=False)
+        return [o.name for o in report.transfer_objects]
 
     def pids(self) -> dict[int, int | None]:
         """Worker pids by stage id (a replicated stage's replica 0)."""

@@ -40,7 +40,7 @@ from omnirelay.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
-    from omnirelay.orchestrator.router import RequestOutput
+    from omnirelay.api import RequestOutput
     from omnirelay.pipeline import PipelineConfig
     from omnirelay.timeline import CriticalPath, RequestTimeline
 

@@ -5,7 +5,7 @@ all: no clock is read for it and nothing is written into its outputs' ``metrics`
 a tracer, the engine (and its transfer adapter) tell it what happened, and it may add
 keys to the ``metrics`` of the outputs its steps made; the implementation that feeds the
 timeline of ``omnirelay run`` and ``bench pipeline`` is
-:class:`omnirelay.timeline.recorder.StepRecorder`.
+:class:`omnirelay.engine.step_recorder.StepRecorder`.
 
 When each method is called (engine thread unless said otherwise):
 

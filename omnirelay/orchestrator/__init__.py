@@ -28,16 +28,16 @@ from omnirelay.orchestrator.orchestrator import (
     StageHealth,
     StageState,
 )
-from omnirelay.orchestrator.router import (
+from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
     PipelineRequest,
     RequestOutput,
     RequestPlan,
-    Router,
     SourceOutput,
     default_input_builder,
 )
+from omnirelay.orchestrator.router import Router
 
 __all__ = [
     "ForwardedInput",

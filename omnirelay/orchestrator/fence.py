@@ -85,18 +85,19 @@ class IdFence(Generic[P]):
         dead worker's objects of it)."""
         self._holders.setdefault(request_id, set()).add(holder)
 
-    def lift(self, holder: Holder, request_id: str) -> P | None:
+    def lift(self, holder: Holder, request_id: str) -> list[P]:
         """``holder`` released the id (a duplicate or unknown report changes nothing).
-        Returns what was parked behind the id when that was its last fence: it is the
-        caller's to admit now."""
+        Returns what was parked behind the id when that was its last fence (at most one):
+        it is the caller's to admit now."""
         holders = self._holders.get(request_id)
         if holders is None or holder not in holders:
-            return None
+            return []
         holders.discard(holder)
         if holders:
-            return None
+            return []
         del self._holders[request_id]
-        return self._parked.pop(request_id, None)
+        parked = self._parked.pop(request_id, None)
+        return [] if parked is None else [parked]
 
     def worker_died(self, worker: int, *, ended: Iterable[str] = (), swept_later: bool = False) -> list[P]:
         """The worker is dead: no ``Released`` will come from it. Its fences are lifted —
@@ -112,9 +113,7 @@ class IdFence(Generic[P]):
         for request_id in [rid for rid, holders in self._holders.items() if worker in holders]:
             if swept_later:
                 self.hold(request_id, sweep)
-            parked = self.lift(worker, request_id)
-            if parked is not None:
-                freed.append(parked)
+            freed += self.lift(worker, request_id)
         return freed
 
     def swept(self, worker: int) -> list[P]:
@@ -123,9 +122,7 @@ class IdFence(Generic[P]):
         sweep = Sweep(worker)
         freed = []
         for request_id in [rid for rid, holders in self._holders.items() if sweep in holders]:
-            parked = self.lift(sweep, request_id)
-            if parked is not None:
-                freed.append(parked)
+            freed += self.lift(sweep, request_id)
         return freed
 
     # -- parked requests ----------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from omnirelay.errors import PipelineError, RequestFailedError, StageUnavailableError
-from omnirelay.orchestrator.router import RequestOutput
+from omnirelay.orchestrator.requests import RequestOutput
 
 __all__ = ["RequestHandle", "RequestResult"]
 

@@ -1,37 +1,28 @@
 """The front-side orchestrator: requests, the router, and what the stage workers say.
 
 :class:`Orchestrator` lives on one asyncio event loop (the API runs it on a thread of
-its own, :mod:`omnirelay.api`); every method is called on that loop's thread, so the
-router, the handles map and the sockets have exactly one user. It is a shell over pure
-parts that each keep their own books: the :class:`~omnirelay.orchestrator.router.Router`
-(one request's path), the :class:`~omnirelay.orchestrator.fence.IdFence` (the id-reuse
-fence and the requests parked behind it), the
-:class:`~omnirelay.orchestrator.capacity.StreamQueue` in front of the audio-stream gate,
-and the :class:`~omnirelay.orchestrator.stage_processes.WorkerTable` (which worker serves
-which replica of which stage); the
-:class:`~omnirelay.orchestrator.supervisor.StageSupervisor` owns the processes.
+its own, :mod:`omnirelay.api`); every method is called on that loop's thread. It is a
+shell over parts that keep their own books, each with its own tests: the
+:class:`~omnirelay.orchestrator.router.Router` (one request's path; with replicas, which
+replica serves it, docs/design.md §11), the :class:`~omnirelay.orchestrator.fence.IdFence`
+(the id-reuse fence and the requests parked behind it), the
+:class:`~omnirelay.orchestrator.capacity.StreamQueue` in front of the audio-stream gate, and
+the :class:`~omnirelay.orchestrator.stage_processes.WorkerTable` (which worker serves which
+replica of which stage), whose processes the
+:class:`~omnirelay.orchestrator.supervisor.StageSupervisor` spawns, watches and restarts
+(docs/design.md §10). What is left here is carrying out the router's actions, routing
+what the workers say, and what a worker's death means for requests:
 
-* :meth:`Orchestrator.start` — the supervisor spawns one worker per stage (one per
-  replica of a replicated stage) and waits for every hello (a failure raises
-  :class:`StageDiedError` naming the stage).
-* Replicas (docs/design.md §11): the router binds each request to one replica of each
-  stage; the orchestrator sends each action to the bound replica's worker. When a replica
-  dies, the requests bound to it that the client has had nothing of are run again on the
-  others (the router's :class:`Rerun`, admitted once every stage released the id); a stage
-  is down only when none of its replicas is up.
-* :meth:`Orchestrator.admit` / :meth:`Orchestrator.abort` — requests in, by the router.
-* Per stage, a reader task routes what the worker says. The supervisor watches each
-  process's sentinel, so a dead worker is seen at once: the router fails every request
-  that needed it with ``stage_unavailable`` (the reason names the stage, the pid and the
-  signal), the stage's fences go, the connectors reclaim what the dead process owned (the
-  ids it held stay fenced until then), and the stage is restarted by the pipeline's
-  restart policy (or given up on). While it is down, requests that need it are refused
-  at once (:meth:`Orchestrator.unavailable`); requests that do not need it are served.
-* :meth:`Orchestrator.health`, :meth:`Orchestrator.leak_state` — queries over the
-  control plane with a timeout.
-* :meth:`Orchestrator.shutdown` — fail what is in flight, ask every worker to stop,
-  wait (then SIGTERM, then SIGKILL), close the sockets, remove the socket directory,
-  reclaim the namespace. Idempotent.
+* the requests a dead worker held that the client has had nothing of run again on
+  another replica (the router's :class:`Rerun`, parked until every stage released the
+  id); the others fail with ``stage_unavailable``. The dead process's ids stay fenced
+  until the supervisor swept its objects;
+* a stage none of whose workers is up refuses new requests at once
+  (:meth:`Orchestrator.unavailable`, any thread) until it is back; requests that do not
+  need it are served.
+
+:meth:`Orchestrator.shutdown` fails what is in flight, stops the workers and reclaims the
+namespace; it is idempotent.
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ from omnirelay.engine.interfaces import StageOutput
 from omnirelay.engine.tracing import StepTracer
 from omnirelay.errors import InvalidRequestError, OmniRelayError, PipelineError
 from omnirelay.orchestrator.capacity import StreamGate, StreamQueue
-from omnirelay.orchestrator.fence import Holder, IdFence
+from omnirelay.orchestrator.fence import IdFence
 from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.handle import RequestHandle
 from omnirelay.orchestrator.queries import WorkerQueries
@@ -204,8 +195,6 @@ class Orchestrator:
         #: stages that cannot take requests now, for callers on other threads
         #: (:meth:`unavailable`); the router keeps its own copy
         self._down = StagesDown()
-        #: woken whenever a stage goes down, comes back or is given up on
-        self._state_waiters: list[asyncio.Future[None]] = []
 
     def _init_off_stages(self, off_stages: frozenset[int]) -> None:
         #: stages not started (the pipeline runs without them); requests needing one are refused
@@ -388,14 +377,8 @@ class Orchestrator:
             return self._stage_failed(st.index, reason)
         return []
 
-    def _lift_fence(self, holder: Holder, request_id: str) -> None:
-        """``holder`` released the id; admit a parked reuse (or rerun) of the id once no
-        one is left to release it."""
-        parked = self._fence.lift(holder, request_id)
-        if parked is not None:
-            self.admit(*parked)
-
     def _admit_parked(self, freed: list[_Parked]) -> None:
+        """Admit what the fence let go (a reuse of an id, or a rerun), in order."""
         for parked in freed:
             self.admit(*parked)
 
@@ -457,7 +440,7 @@ class Orchestrator:
             reason = f"{st.label}: {message.error}"
             self._execute(self.router.fail(message.request_id, reason, stage_id=st.stage_id))
         elif isinstance(message, Released):
-            self._lift_fence(worker, message.request_id)
+            self._admit_parked(self._fence.lift(worker, message.request_id))
         elif isinstance(message, HealthReply | LeakStateReply):
             self._queries.answer(message.seq, message)
         elif isinstance(message, Hello):
@@ -531,7 +514,7 @@ class Orchestrator:
             st.death_reason = unavailable
             actions = self._stage_failed(worker, reason, retry_after_s, swept_later=True)
             self._execute(actions)
-            self._wake_state_waiters()
+            self._workers.changed()
             return
         self._on_stage_unavailable(worker, unavailable, retry_after_s)
         actions = self._stage_failed(worker, reason, retry_after_s, swept_later=True)
@@ -544,39 +527,25 @@ class Orchestrator:
         if not self._workers.others_up(st):  # else another replica serves the stage
             self.router.set_unavailable(st.stage_id, reason, retry_after_s)
             self._down.mark_down(st.stage_id, reason, retry_after_s)
-        self._wake_state_waiters()
+        self._workers.changed()
 
     def _on_stage_up(self, worker: int) -> None:
         st = self._workers[worker]
         self.router.on_replica_back(st.stage_id, st.replica)
         self._down.mark_up(st.stage_id)
-        self._wake_state_waiters()
+        self._workers.changed()
 
     def _on_worker_ready(self, worker: int) -> None:
         """A worker said hello during the start: the stage is ready once all its replicas are."""
         if self._workers.ready_at_start(worker) and self._on_stage_ready is not None:
             self._on_stage_ready(self._workers[worker].stage_id)
 
-    def _wake_state_waiters(self) -> None:
-        waiters, self._state_waiters = self._state_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     async def wait_ready(self, timeout_s: float) -> None:
         """Return once every worker is ``healthy`` (at once when they are), or, for a
         stage with replicas, ``failed`` beside a healthy one. Raises
         :class:`StageDiedError` when every worker of a stage is ``failed`` (given up on)
         and :class:`TimeoutError` after ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not self._workers.is_ready():
-            fut: asyncio.Future[None] = loop.create_future()
-            self._state_waiters.append(fut)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError(f"the stages were not all healthy within {timeout_s:g} s")
-            await asyncio.wait([fut], timeout=remaining)
+        await self._workers.wait_ready(timeout_s)
 
     def unavailable(self, stage_ids: range | list[int]) -> tuple[int, str, float | None] | None:
         """The first of ``stage_ids`` that cannot take requests now (none of its replicas

@@ -58,14 +58,12 @@ from omnirelay.engine.interfaces import SamplingParams, StageOutput, StageReques
 from omnirelay.errors import InvalidRequestError
 from omnirelay.orchestrator.replicas import ReplicaBalancer
 from omnirelay.orchestrator.requests import (
-    ForwardedInput,
     InputBuilder,
     PipelineRequest,
     RequestOutput,
     RequestPlan,
     SourceOutput,
     default_input_builder,
-    requested_modalities,
     stage_sampling_defaults,
 )
 from omnirelay.pipeline import PipelineConfig, placeholder_prompt_len
@@ -74,20 +72,11 @@ __all__ = [
     "TRANSCRIPT",
     "Action",
     "ClientOutput",
-    "ForwardedInput",
-    "InputBuilder",
-    "PipelineRequest",
-    "RequestOutput",
-    "RequestPlan",
     "Rerun",
     "Router",
-    "SourceOutput",
     "StageAbort",
     "StageRelease",
     "StageSubmit",
-    "default_input_builder",
-    "requested_modalities",
-    "stage_sampling_defaults",
 ]
 
 

@@ -279,6 +279,8 @@ class WorkerTable:
             self._replicas_of[w.stage_id].append(w)
         #: the stage's workers that said hello during the start
         self._ready_at_start: dict[int, set[int]] = {s.id: set() for s in config.stages}
+        #: woken whenever a stage goes down, comes back or is given up on (:meth:`changed`)
+        self._waiters: list[asyncio.Future[None]] = []
 
     def __getitem__(self, worker: int) -> StageProcess:
         return self.workers[worker]
@@ -332,6 +334,26 @@ class WorkerTable:
             and any(w.state == StageState.HEALTHY for w in workers)
             for workers in started
         )
+
+    def changed(self) -> None:
+        """A worker went down, came back or was given up on: wake :meth:`wait_ready`."""
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Return once :meth:`is_ready` (at once when it is); raises what it raises, and
+        :class:`TimeoutError` after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.is_ready():
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"the stages were not all healthy within {timeout_s:g} s")
+            await asyncio.wait([fut], timeout=remaining)
 
     def pids(self) -> dict[int, int | None]:
         """Each stage's worker pid (its replica 0's; None: not running)."""

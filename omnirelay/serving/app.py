@@ -44,10 +44,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from omnirelay.api import Pipeline
+from omnirelay.api import Pipeline, PipelineHealth
 from omnirelay.errors import OmniRelayError, StageUnavailableError
 from omnirelay.models.family import PromptSide
-from omnirelay.orchestrator import PipelineHealth
 from omnirelay.serving.admission import AdmissionGate
 from omnirelay.serving.audit import leak_audit
 from omnirelay.serving.errors import ApiError, error_body, translate

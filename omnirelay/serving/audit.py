@@ -4,9 +4,10 @@
 that ended left nothing behind: per-request state in any stage's books (the pipeline's
 :meth:`~omnirelay.api.Pipeline.leaks_async`, taken once in-flight cleanup settled),
 requests the orchestrator still tracks, and transfer objects of the pipeline's namespace
-(every connector backend's; pooled slots, which live as long as the stages, are not counted). It asks
-every stage, so it runs only when asked for, never on a plain health probe. Under load
-its numbers describe the moment, not a leak.
+(:meth:`~omnirelay.api.Pipeline.transfer_objects`: every connector backend's; pooled
+slots, which live as long as the stages, are not counted). It asks every stage, so it
+runs only when asked for, never on a plain health probe. Under load its numbers describe
+the moment, not a leak.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 from typing import Any
 
 from omnirelay.api import Pipeline
-from omnirelay.connectors import reclaim_namespace
 
 __all__ = ["leak_audit"]
 
@@ -27,8 +27,7 @@ async def leak_audit(pipeline: Pipeline, num_in_flight: int) -> dict[str, Any]:
     """``{"clean", "num_in_flight", "pipeline_requests", "num_leaks", "leaks",
     "transfer_objects"}``; ``clean`` when all of them are zero."""
     leaks = await pipeline.leaks_async()
-    report = await asyncio.to_thread(reclaim_namespace, pipeline.namespace, reclaim=False)
-    objects = report.transfer_objects
+    objects = await asyncio.to_thread(pipeline.transfer_objects)
     pipeline_requests = pipeline.num_active
     return {
         "clean": not (leaks or objects or pipeline_requests or num_in_flight),

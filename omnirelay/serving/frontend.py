@@ -33,11 +33,9 @@ from typing import Any
 
 import msgspec
 
-from omnirelay.api import Pipeline
-from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.api import Pipeline, RequestOutput, SamplingParams, stage_sampling_defaults
 from omnirelay.errors import OmniRelayError, RequestFailedError, StageUnavailableError
 from omnirelay.models.family import PromptSide
-from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
 from omnirelay.serving.admission import AdmissionGate, Slot
 from omnirelay.serving.errors import ApiError, translate
 from omnirelay.serving.metrics import ServerMetrics

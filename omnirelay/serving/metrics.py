@@ -51,7 +51,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from omnirelay.orchestrator.orchestrator import PipelineHealth
+from omnirelay.api import PipelineHealth
 from omnirelay.timeline.playback import Playback
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]

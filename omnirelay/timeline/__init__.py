@@ -7,11 +7,13 @@
   :class:`RequestTimeline`.
 * ``playback.py`` — :func:`playback_of`: what a listener hears of an audio stream (first
   playable audio, gaps, silence, gap-free), the one definition every measurement uses.
-* ``recorder.py`` — :class:`StepRecorder`, the stages' half: the step tracer a pipeline
-  started with ``trace_steps=True`` runs in every stage, writing each step's times into
-  its outputs' metrics; :func:`step_of` reads them back.
+* the stages' half, :class:`StepRecorder` (:mod:`omnirelay.engine.step_recorder`, where
+  the API that installs it finds it): the step tracer a pipeline started with
+  ``trace_steps=True`` runs in every stage, writing each step's times into its outputs'
+  metrics; :func:`step_of` reads them back.
 """
 
+from omnirelay.engine.step_recorder import STEP_METRICS, Step, StepRecorder, step_of
 from omnirelay.timeline.critical_path import (
     SEGMENTS,
     CriticalPath,
@@ -22,7 +24,6 @@ from omnirelay.timeline.critical_path import (
     upstream_map,
 )
 from omnirelay.timeline.playback import GAP_FREE_MAX_S, Playback, playback_of
-from omnirelay.timeline.recorder import STEP_METRICS, Step, StepRecorder, step_of
 from omnirelay.timeline.request import ClientArrival, RequestTimeline, drive_request
 
 __all__ = [

@@ -3,7 +3,7 @@
 * :class:`StageTrace` — the observer given to ``Pipeline.start(on_stage_output=...,
   trace_steps=True)``: for the requests it is told to :meth:`~StageTrace.watch`, it keeps
   every stage's outputs as :class:`StageEvent` s, with the step each was made by (the
-  metrics the stages' :class:`~omnirelay.timeline.recorder.StepRecorder` wrote).
+  metrics the stages' :class:`~omnirelay.engine.step_recorder.StepRecorder` wrote).
   Intermediate stages (the Talker) are seen too.
 * :func:`critical_path` — from a client output back to the submit: which steps of which
   stages the output waited for, and how the wall time splits into model compute and
@@ -29,7 +29,7 @@ Along the way the wall time is split exactly into segments (:data:`SEGMENTS`), s
 ``compute_s + sum(segments) == wall_s``: ``compute`` is the model compute of each step on
 the path, taken as the executor call's wall time (a batched request waited for all of
 it; input parsing and output conversion inside the executor count as compute too, see
-:mod:`~omnirelay.timeline.recorder`); ``schedule`` the gap between two steps of one stage
+:mod:`~omnirelay.engine.step_recorder`); ``schedule`` the gap between two steps of one stage
 (engine tick, saves, outputs, waiting for a batch slot or for other requests' steps);
 ``transfer`` the producer's end to the chunk's commit at the consumer (send thread,
 processor, put, notice, get, commit); ``wake`` the commit to the consumer's step;
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirelay.engine.interfaces import StageOutput
-from omnirelay.timeline.recorder import Step, step_of
+from omnirelay.engine.step_recorder import Step, step_of
 
 __all__ = [
     "SEGMENTS",

@@ -16,10 +16,10 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from omnirelay.engine.interfaces import SamplingParams
-from omnirelay.orchestrator.router import RequestOutput, stage_sampling_defaults
+from omnirelay.api import Pipeline, RequestOutput, SamplingParams, stage_sampling_defaults
+from omnirelay.engine.step_recorder import Step, step_of
 from omnirelay.timeline.critical_path import (
     CriticalPath,
     StageEvent,
@@ -29,10 +29,6 @@ from omnirelay.timeline.critical_path import (
     upstream_map,
 )
 from omnirelay.timeline.playback import Playback, playback_of
-from omnirelay.timeline.recorder import Step, step_of
-
-if TYPE_CHECKING:
-    from omnirelay.api import Pipeline
 
 __all__ = ["ClientArrival", "RequestTimeline", "drive_request"]
 

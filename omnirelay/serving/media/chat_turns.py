@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.api import SamplingParams
 from omnirelay.models.family import AudioSlot, ImageSlot
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs, image_inputs
 from omnirelay.serving.errors import ApiError

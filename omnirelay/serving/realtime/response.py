@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocketDisconnect
 
+from omnirelay.api import TRANSCRIPT, RequestOutput
 from omnirelay.errors import RequestFailedError, StageUnavailableError
 from omnirelay.models.family import Detokenizer
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
-from omnirelay.orchestrator.router import TRANSCRIPT, RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import UNTIL_FIRST, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError

@@ -44,8 +44,8 @@ from starlette.responses import JSONResponse, Response
 
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.models.family import Detokenizer, PromptSide
-from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
+from omnirelay.api import RequestOutput
 from omnirelay.serving.frontend import STOP_SEQUENCE, STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import decode_turns, hears_audio, sees_images, submit_turns

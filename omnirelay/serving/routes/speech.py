@@ -37,8 +37,8 @@ import torch
 from starlette.requests import Request
 from starlette.responses import Response
 
+from omnirelay.api import RequestOutput
 from omnirelay.errors import RequestFailedError
-from omnirelay.orchestrator.router import RequestOutput
 from omnirelay.serving.errors import ApiError, request_failed, stream_error_body
 from omnirelay.serving.frontend import STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError

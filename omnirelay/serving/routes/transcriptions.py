@@ -32,9 +32,9 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from omnirelay.api import TRANSCRIPT
 from omnirelay.errors import RequestFailedError
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs
-from omnirelay.orchestrator.router import TRANSCRIPT
 from omnirelay.serving.errors import ApiError, request_failed
 from omnirelay.serving.frontend import WHOLE, Frontend
 from omnirelay.serving.media.audio_in import (

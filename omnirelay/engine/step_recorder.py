@@ -1,4 +1,4 @@
-"""The stages' half of the timeline: :class:`StepRecorder`, and :func:`step_of` to read it back.
+"""The step tracer of a traced pipeline: :class:`StepRecorder`, and :func:`step_of` to read it back.
 
 :class:`StepRecorder` is the :class:`~omnirelay.engine.tracing.StepTracer` of a pipeline
 started with ``Pipeline.start(trace_steps=True)`` (``omnirelay run``, ``bench
@@ -18,7 +18,10 @@ executor, so input parsing, batching and output conversion in the executor count
 compute. Times are ``time.monotonic()``: one clock for every process of a host, so the
 front compares them with its own submit and arrival times directly.
 
-On the front, :func:`step_of` turns an output's metrics back into a :class:`Step`.
+On the front, :func:`step_of` turns an output's metrics back into a :class:`Step`; the
+timeline (:mod:`omnirelay.timeline`) reads steps from it. It lives beside the engine's
+:class:`~omnirelay.engine.tracing.StepTracer` so that the API, which installs it, needs
+nothing from the timeline, which drives the API.
 """
 
 from __future__ import annotations
