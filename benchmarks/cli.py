@@ -413,6 +413,11 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         return _run_gpu_transfer(args, payloads)
     if args.backend == "nixl":
         from benchmarks.transfer_hosts import render_hosts_table, run_hosts_bench
+        from omnirelay.connectors.nixl import unavailable_reason
+
+        missing = unavailable_reason()  # before any process starts: one line, no wait
+        if missing is not None:
+            raise SystemExit(f"omnirelay bench transfer: --backend nixl: {missing}")
 
         hosts = run_hosts_bench(payloads, scale=args.scale, pin=not args.no_pin)
         print(render_hosts_table(hosts))

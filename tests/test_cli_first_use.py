@@ -6,7 +6,8 @@
 * ``check`` takes ``--device`` and ``--load-format`` and shows the file as ``run`` would
   start it (no ``cuda:0`` nor GPU-direct edge for ``--device cpu``);
 * ``--device``'s help speaks of every pipeline, not Qwen3-Omni's alone;
-* ``omnirelay --help`` lists every benchmark.
+* ``omnirelay --help`` lists every benchmark;
+* ``bench transfer --backend nixl`` without NIXL stops at once with the install line.
 """
 
 from __future__ import annotations
@@ -99,3 +100,19 @@ def test_check_shows_the_pipeline_as_run_would_start_it(
     # Without the flags, the file as it is: its CUDA devices (no error: check starts nothing).
     assert main(["check", "qwen3-tts"]) == 0
     assert "device cuda:0" in capsys.readouterr().out
+
+
+def test_bench_transfer_over_nixl_without_nixl_stops_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.transfer_hosts
+    import omnirelay.connectors.nixl
+
+    why = "the nixl connector needs NIXL: pip install --no-deps 'nixl-cu12>=1.5,<2'"
+    monkeypatch.setattr(omnirelay.connectors.nixl, "unavailable_reason", lambda: why)
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a benchmark process started without NIXL")
+
+    monkeypatch.setattr(benchmarks.transfer_hosts, "run_hosts_bench", never)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "transfer", "--backend", "nixl", "--scale", "0.01"])
+    assert exc.value.code == f"omnirelay bench transfer: --backend nixl: {why}"
