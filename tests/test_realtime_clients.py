@@ -10,9 +10,9 @@ tests skip and say so.
   names, and a truncate of the answer is acknowledged.
 * ``openai-agents``: a typed question reaches the model; the answer's audio reaches the
   app, the turn ends (``agent_end``) and no event fails the SDK's validation.
-* LiveKit: ``generate_reply`` answers with text and audio frames; an interruption
-  (``interrupt`` then ``truncate``, as its agent does when the user speaks over it) is
-  acknowledged, and the session answers the next reply.
+* LiveKit: ``generate_reply`` answers with text and audio frames; a reply interrupted at
+  its first audio frame and truncated where it was played (as its agent does when the
+  user speaks over it) raises no error, and the session answers the next reply.
 
 Every test ends with a leak audit.
 """
@@ -169,18 +169,24 @@ def test_livekit_realtime_model_replies_and_survives_an_interruption(srv: Served
     from livekit.agents import llm
     from livekit.plugins import openai as lk_openai
 
-    async def reply(session: Any) -> tuple[str, int, str]:
+    async def reply(session: Any, *, interrupt: bool = False) -> tuple[str, int, str]:
+        """A reply's text, its audio samples and its message id; ``interrupt``: cut at its
+        first audio frame, as the agent does when the user speaks over it."""
         gen = await asyncio.wait_for(session.generate_reply(), 60)
         text, samples, message_id = "", 0, ""
         async for message in gen.message_stream:
             message_id = message.message_id
 
-            async def frames(stream: Any) -> int:
-                return sum([f.samples_per_channel async for f in stream])
+            async def read(stream: Any) -> str:
+                return "".join([piece async for piece in stream])
 
-            count = asyncio.ensure_future(frames(message.audio_stream))
-            text += "".join([piece async for piece in message.text_stream])
-            samples += await count
+            said = asyncio.ensure_future(read(message.text_stream))
+            async for frame in message.audio_stream:
+                samples += frame.samples_per_channel
+                if interrupt:
+                    session.interrupt()
+                    interrupt = False
+            text += await said
         return text, samples, message_id
 
     async def talk() -> dict[str, Any]:
@@ -195,16 +201,16 @@ def test_livekit_realtime_model_replies_and_survives_an_interruption(srv: Served
             chat.add_message(role="user", content=QUESTION)
             await session.update_chat_ctx(chat)
             seen["first"] = await reply(session)
-            # The user speaks over it: the agent interrupts and says how much was played.
-            session.interrupt()
-            session.truncate(message_id=seen["first"][2], modalities=["audio"], audio_end_ms=300)
+            # The user speaks over the next one: cut, and told how much of it was played.
+            seen["cut"] = await reply(session, interrupt=True)
+            played_ms = seen["cut"][1] * 1000 // RATE
+            session.truncate(message_id=seen["cut"][2], modalities=["audio"], audio_end_ms=played_ms)
             seen["second"] = await reply(session)
             await session.aclose()
             await model.aclose()
         return seen
 
     seen = asyncio.run(talk())
-    for text, samples, _ in (seen["first"], seen["second"]):
-        assert text and samples > 0
-    assert "Paris" in seen["first"][0]
+    assert all(samples > 0 for _, samples, _ in (seen["first"], seen["cut"], seen["second"]))
+    assert "Paris" in seen["first"][0] and seen["second"][0]
     assert [e for e in seen["errors"] if getattr(e, "recoverable", True) is False] == []
