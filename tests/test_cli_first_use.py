@@ -7,7 +7,8 @@
   start it (no ``cuda:0`` nor GPU-direct edge for ``--device cpu``);
 * ``--device``'s help speaks of every pipeline, not Qwen3-Omni's alone;
 * ``omnirelay --help`` lists every benchmark;
-* ``bench transfer --backend nixl`` without NIXL stops at once with the install line.
+* ``bench transfer --backend nixl`` without NIXL stops at once with the install line;
+* the timeline's verdict on gaps says what gap-free means (short gaps do not break it).
 """
 
 from __future__ import annotations
@@ -116,3 +117,20 @@ def test_bench_transfer_over_nixl_without_nixl_stops_at_once(monkeypatch: pytest
     with pytest.raises(SystemExit) as exc:
         main(["bench", "transfer", "--backend", "nixl", "--scale", "0.01"])
     assert exc.value.code == f"omnirelay bench transfer: --backend nixl: {why}"
+
+
+def _timeline(*chunks: tuple[float, int]) -> str:
+    from omnirelay.cli.run import render_timeline
+    from omnirelay.timeline.request import ClientArrival, RequestTimeline
+
+    arrivals = [ClientArrival(at, 1, "audio", 0, n, False, None) for at, n in chunks]
+    tl = RequestTimeline("r", 0.0, arrivals, [], "stop", "", 1000, None, None, None)
+    return next(line for line in render_timeline(tl).splitlines() if "first playable audio" in line)
+
+
+def test_the_timeline_says_what_gap_free_means() -> None:
+    assert _timeline((0.0, 100), (0.05, 100)).endswith("   no gap")
+    short = _timeline((0.0, 100), (0.13, 100), (0.26, 100))  # two 30 ms gaps
+    assert short.endswith("2 gap(s), worst 30.0 ms, 60.0 ms of silence (gap-free: none over 50 ms)"), short
+    long = _timeline((0.0, 100), (0.18, 100))
+    assert long.endswith("1 gap(s), worst 80.0 ms, 80.0 ms of silence (NOT gap-free: one over 50 ms)"), long
