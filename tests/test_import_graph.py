@@ -37,7 +37,12 @@ import omnirelay.models
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "omnirelay"
 FRONT = ("serving", "api", "cli", "orchestrator")
-MODELS_INTERFACE = {"omnirelay.models", "omnirelay.models.family", "omnirelay.models.inputs", "omnirelay.models.tools"}
+MODELS_INTERFACE = {
+    "omnirelay.models",
+    "omnirelay.models.family",
+    "omnirelay.models.inputs",
+    "omnirelay.models.tools",
+}
 #: The model family packages: each shipped family's, and the toys'.
 FAMILY_PACKAGES = {type(f).__module__ for f in omnirelay.models.FAMILIES} | {"omnirelay.models.testing"}
 #: What ``serving`` may import besides itself and the models interface (packages, with

@@ -8,6 +8,7 @@ import pytest
 
 from omnirelay.models.tools import (
     HERMES,
+    TOOLS_EXTRA,
     ArgumentsDelta,
     CallDone,
     CallStarted,
@@ -18,6 +19,7 @@ from omnirelay.models.tools import (
     ToolCall,
     ToolChoice,
     ToolError,
+    ToolPrompt,
     ToolSpec,
     parse_tool_calls,
     read_chat_tools,
@@ -202,3 +204,67 @@ def test_the_probe_tells_templates_that_take_tools_from_those_that_do_not() -> N
         "{% if tools %}{{ tools | tojson }} reply [TOOL_CALLS]{% endif %}{{ messages[0].content }}"
     )
     assert other.format is None and other.refusal and "format" in other.refusal
+
+
+def test_the_families_prompt_sides_render_tools_with_their_templates() -> None:
+    from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
+    from omnirelay.models.voice.chat_model import ChatTokenizer
+    from omnirelay.models.voice.prompt import SmolPromptSide
+    from tests.tool_model import make_tokenizer
+
+    tooling = ToolPrompt(
+        tools=(ToolSpec("get_weather"),), calls=((),), call_ids=(None,), prefix="<tool_call>\n"
+    )
+    for side in (SmolPromptSide(ChatTokenizer(make_tokenizer())), QwenPromptSide(make_tokenizer())):
+        assert side.tool_format is HERMES
+        text = side.tokenizer.decode(
+            side.encode_chat_tools([("user", "hi")], tooling), skip_special_tokens=False
+        )
+        assert '"name": "get_weather"' in text and text.endswith("<|im_start|>assistant\n<tool_call>\n")
+    for side in (QwenPromptSide(make_tokenizer(None)), SmolPromptSide(object())):
+        assert side.tool_format is None and "no chat template" in side.tool_refusal
+        with pytest.raises(ValueError, match="takes no tools"):
+            side.encode_chat_tools([("user", "hi")], tooling)
+
+
+def test_after_recognition_the_tools_travel_in_extras_into_the_prompt() -> None:
+    import msgspec
+
+    from omnirelay.orchestrator.input_builders import CHAT_TURNS_EXTRA, TranscriptToPrompt
+    from omnirelay.orchestrator.requests import PipelineRequest, SourceOutput
+    from tests.tool_model import ScriptedToolModel
+
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    tooling = ToolPrompt(
+        tools=(ToolSpec("get_weather", "now", {"type": "object"}),),
+        calls=((), (call,), (), ()),
+        call_ids=(None, None, "call_1", None),
+    )
+    turns = [["user", [{"audio": 0}]], ["assistant", [""]], ["tool", ["21 C"]], ["user", [{"audio": 1}]]]
+    request = PipelineRequest(
+        request_id="r",
+        prompt_token_ids=[0],
+        extras={CHAT_TURNS_EXTRA: turns, TOOLS_EXTRA: tooling.extra()},
+    )
+    # as the request crosses to the orchestrator: plain data
+    request = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=PipelineRequest)
+    assert ToolPrompt.from_extra(request.extras[TOOLS_EXTRA]) == tooling
+    builder = object.__new__(TranscriptToPrompt)  # its prompt side given, not loaded for a stage
+    model = ScriptedToolModel()
+    builder.prompts = model
+    source = SourceOutput(
+        stage_id=0,
+        token_ids=[],
+        text="weather in Paris?\nand Rome?",
+        audio=[],
+        sample_rate=None,
+        finished=True,
+    )
+    built = builder(source, request, None)  # type: ignore[arg-type]
+    assert built is not None and built.prompt_token_ids
+    prompt = model.rendered[-1]
+    assert '"name": "get_weather"' in prompt and "weather in Paris?" in prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\n21 C\n</tool_response>" in prompt and prompt.endswith(
+        "and Rome?<|im_end|>\n<|im_start|>assistant\n"
+    )

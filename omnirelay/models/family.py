@@ -14,7 +14,8 @@ pipeline's stages, and get these types back:
 * :class:`PromptSide` — the prompt side of a text model: chat formatting, speech
   prompts, media placeholders, incremental detokenization. The base class takes no
   media; a family whose model hears audio or sees images in its prompt overrides the
-  media part.
+  media part, and one whose chat template takes tools the tool part
+  (:mod:`omnirelay.models.tools`).
 * :class:`SpeechPrompt`, :class:`AudioSlot`, :class:`ImageSlot`, :class:`StageVoice`,
   :class:`CheckpointOptions`, :class:`Detokenizer` — the plain data and the one protocol
   those methods speak in.
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from omnirelay.models.tools import ChatTemplateTools, ToolFormat, ToolPrompt
     from omnirelay.pipeline.config import StageConfig
     from omnirelay.pipeline.registry import Registry
 
@@ -110,7 +112,9 @@ class PromptSide:
 
     Turns are ``(role, text)``; a ``developer`` turn is a ``system`` turn. Every encode
     ends in the open assistant turn. Subclasses implement :meth:`encode_chat`,
-    :meth:`speech_prompt` and :meth:`detokenizer`; the media part defaults to "none".
+    :meth:`speech_prompt` and :meth:`detokenizer`; the media and tool parts default to
+    "none" (one whose chat template takes tools sets :attr:`chat_tools` and implements
+    :meth:`encode_rendered`).
     """
 
     #: Whether the prompt can carry audio (the model's own audio encoder hears it).
@@ -121,6 +125,9 @@ class PromptSide:
     image_refusal: str | None = None
     #: The languages a speech request may name (empty: the model is told none).
     languages: tuple[str, ...] = ()
+    #: The model's chat template seen for tools (None: the model has no such template);
+    #: :attr:`tool_format` and :attr:`tool_refusal` read it.
+    chat_tools: ChatTemplateTools | None = None
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         """Prompt ids of ``turns`` and the open assistant turn."""
@@ -161,10 +168,37 @@ class PromptSide:
         ValueError when the model cannot take it."""
         raise ValueError("this model takes no image input")
 
-    def encode_chat_media(self, turns: Sequence[MediaTurn]) -> list[int]:
-        """Prompt ids of turns with clips and images laid out as the model expects them.
-        Raises ValueError when the text itself holds a media placeholder."""
+    def encode_chat_media(self, turns: Sequence[MediaTurn], tooling: ToolPrompt | None = None) -> list[int]:
+        """Prompt ids of turns with clips and images laid out as the model expects them
+        (with ``tooling``: as :meth:`encode_chat_tools`). Raises ValueError when the text
+        itself holds a media placeholder."""
         raise ValueError("this model takes no audio or image input in its prompt")
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How the model writes tool calls, when its chat template takes tools; else None."""
+        return self.chat_tools.format if self.chat_tools is not None else None
+
+    @property
+    def tool_refusal(self) -> str:
+        """Why the model takes no tools (a 400 says it); meaningful when :attr:`tool_format` is None."""
+        if self.chat_tools is not None and self.chat_tools.refusal is not None:
+            return self.chat_tools.refusal
+        return "its prompt has no chat template that takes tools"
+
+    def encode_chat_tools(self, turns: Sequence[tuple[str, str]], tooling: ToolPrompt) -> list[int]:
+        """Prompt ids of ``turns`` with their calls and tool results, and the tools
+        (``tooling``), in the model's own chat template: the open assistant turn, then the
+        forced prefix. Raises ValueError when the model takes no tools or its template
+        refuses the turns."""
+        if self.chat_tools is None or self.chat_tools.format is None:
+            raise ValueError(f"this model takes no tools: {self.tool_refusal}")
+        text = self.chat_tools.render(tooling.messages(turns), tooling.tools, prefix=tooling.prefix)
+        return self.encode_rendered(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Prompt ids of a prompt the chat template rendered (its special tokens written as text)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,9 @@ Conversation (what the template renders):
 * :class:`Message` — one turn with tool fields: an assistant turn's ``tool_calls``, a
   ``tool`` turn's ``tool_call_id``; :meth:`Message.template` is the form chat templates
   take (a call's arguments as an object).
+* :class:`ToolPrompt` — what tools add to a prompt of ``(role, text)`` turns: the
+  definitions, each turn's calls or answered call id, the forced prefix; it travels in a
+  request's ``extras`` as JSON when the prompt is made after recognition.
 
 The model's side:
 
@@ -53,6 +56,7 @@ from typing import Any, Literal
 
 __all__ = [
     "HERMES",
+    "TOOLS_EXTRA",
     "ArgumentsDelta",
     "CallDone",
     "CallStarted",
@@ -65,6 +69,7 @@ __all__ = [
     "ToolChoice",
     "ToolError",
     "ToolFormat",
+    "ToolPrompt",
     "ToolSpec",
     "new_call_id",
     "parse_tool_calls",
@@ -73,6 +78,9 @@ __all__ = [
     "read_tool_choice",
 ]
 
+#: The ``extras`` key of a request whose prompt is made after recognition
+#: (``asr_to_thinker``): its :class:`ToolPrompt` as JSON.
+TOOLS_EXTRA = "chat_tools"
 #: OpenAI's rule for a function name.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: The most tools one request may define.
@@ -298,6 +306,51 @@ def _arguments_object(arguments: str) -> Any:
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPrompt:
+    """What tools add to a prompt of turns ``(role, text)``: the definitions, each turn's
+    calls (an assistant turn) or the call it answers (a ``tool`` turn), and the text the
+    assistant turn is started with (:meth:`ToolFormat.forced_prefix`). ``calls`` and
+    ``call_ids`` run beside the turns, one entry a turn.
+
+    It travels in a request's ``extras`` (:meth:`extra`, :meth:`from_extra`: plain JSON)
+    when the prompt is made after recognition (``asr_to_thinker``)."""
+
+    tools: tuple[ToolSpec, ...] = ()
+    calls: tuple[tuple[ToolCall, ...], ...] = ()
+    call_ids: tuple[str | None, ...] = ()
+    prefix: str = ""
+
+    def messages(self, turns: Sequence[tuple[str, str]]) -> list[Message]:
+        """``turns`` with their tool fields. ValueError when they do not line up."""
+        if len(turns) != len(self.calls) or len(turns) != len(self.call_ids):
+            raise ValueError(f"{len(turns)} turns but tool fields for {len(self.calls)}")
+        return [
+            Message(role, text, calls, call_id)
+            for (role, text), calls, call_id in zip(turns, self.calls, self.call_ids, strict=True)
+        ]
+
+    def extra(self) -> dict[str, Any]:
+        return {
+            "tools": [t.template() for t in self.tools],
+            "calls": [[c.chat() for c in calls] for calls in self.calls],
+            "call_ids": list(self.call_ids),
+            "prefix": self.prefix,
+        }
+
+    @classmethod
+    def from_extra(cls, value: Mapping[str, Any]) -> ToolPrompt:
+        return cls(
+            tools=tuple(read_chat_tools(value.get("tools"))),
+            calls=tuple(
+                tuple(ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls)
+                for calls in value.get("calls", ())
+            ),
+            call_ids=tuple(value.get("call_ids", ())),
+            prefix=str(value.get("prefix", "")),
+        )
 
 
 # --------------------------------------------------------------------------- the model's format

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from omnirelay.errors import ConfigError
+from omnirelay.models.tools import TOOLS_EXTRA, ToolPrompt
 from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
@@ -27,7 +28,12 @@ from omnirelay.orchestrator.requests import (
 )
 from omnirelay.pipeline import PipelineConfig, StageConfig
 
-__all__ = ["CHAT_TURNS_EXTRA", "TranscriptToPrompt", "build_input_builders", "code2wav_to_aligner_builder"]
+__all__ = [
+    "CHAT_TURNS_EXTRA",
+    "TranscriptToPrompt",
+    "build_input_builders",
+    "code2wav_to_aligner_builder",
+]
 
 
 def code2wav_to_aligner_builder(
@@ -70,7 +76,9 @@ CHAT_TURNS_EXTRA = "chat_turns"
 class TranscriptToPrompt:
     """``asr_to_thinker``: the recognizer's transcripts → the prompt stage's chat prompt
     (docs/protocol.md §1.9). The recognizer's text is one transcript per clip, one line
-    each; each ``{"audio": k}`` part of the request's turns becomes the k-th. The stage's
+    each; each ``{"audio": k}`` part of the request's turns becomes the k-th; the request's
+    tools (:data:`~omnirelay.models.tools.TOOLS_EXTRA`) go into the model's template
+    with them. The stage's
     prompt side (:func:`omnirelay.models.prompt_side`) is loaded when the builder is made
     (the front's startup), not per request."""
 
@@ -102,7 +110,11 @@ class TranscriptToPrompt:
             turns.append((str(role), "".join(text)))
         if not turns:
             raise ValueError(f"the request has no {CHAT_TURNS_EXTRA!r} to put the transcript into")
-        ids = self.prompts.encode_chat(turns)
+        tooling = request.extras.get(TOOLS_EXTRA)
+        if tooling is not None:
+            ids = self.prompts.encode_chat_tools(turns, ToolPrompt.from_extra(tooling))
+        else:
+            ids = self.prompts.encode_chat(turns)
         return ForwardedInput(prompt_token_ids=ids, extras={"transcript": source.text})
 
 

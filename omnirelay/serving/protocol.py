@@ -100,16 +100,19 @@ Turn = tuple[str, list[str | AudioPart | ImagePart]]
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    #: refused when present (function calling is not supported)
+    #: an assistant turn's calls, a tool turn's answered call (read by
+    #: :mod:`omnirelay.serving.tools`)
     tool_calls: Any = None
+    tool_call_id: str | None = None
+    #: refused when present (the deprecated function calling: use tools)
     function_call: Any = None
 
     def text(self, index: int) -> str:
-        """The message's text; a part of another type (image, audio …), a tool call, or a
-        missing content on anything but an assistant turn is a 400."""
+        """The message's text; a part of another type (image, audio …), a function call,
+        or a missing content on anything but an assistant turn is a 400."""
         pieces = self.parts(index, takes_audio=False)
         return "".join(p for p in pieces if isinstance(p, str))
 
@@ -117,16 +120,17 @@ class ChatMessage(_Model):
         self, index: int, *, takes_audio: bool, takes_images: bool = False, image_refusal: str | None = None
     ) -> list[str | AudioPart | ImagePart]:
         """The message's text, ``input_audio`` and ``image_url`` parts, in order
-        (docs/protocol.md §7.1). A 400 for a tool call, a missing content on anything but
-        an assistant turn, audio or an image outside a user turn or on a model that takes
-        none (``takes_audio``, ``takes_images``; ``image_refusal`` says why it takes none),
-        and every other part type."""
+        (docs/protocol.md §7.1). A 400 for a deprecated function call, a missing content on
+        anything but an assistant turn, audio or an image outside a user turn or on a model
+        that takes none (``takes_audio``, ``takes_images``; ``image_refusal`` says why it
+        takes none), and every other part type."""
         where = f"messages[{index}]"
-        for key in ("tool_calls", "function_call"):
-            if getattr(self, key) is not None:
-                raise ApiError(
-                    400, f"{where}.{key}: tool and function calls are not supported", param=f"{where}.{key}"
-                )
+        if self.function_call is not None:
+            raise ApiError(
+                400,
+                f"{where}.function_call: the deprecated function calls are not supported; use tool_calls",
+                param=f"{where}.function_call",
+            )
         if self.content is None:
             if self.role == "assistant":
                 return [""]
@@ -207,10 +211,13 @@ class ChatCompletionRequest(_Model):
     #: OpenAI's key for requests that share a prompt prefix; here: the conversation a
     #: replicated stage keeps on one replica (docs/design.md §11)
     prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
-    # OpenAI's fields that omnirelay cannot honour: refused by unsupported() when they ask
-    # for something, rather than ignored (a client would silently get another answer).
+    #: function tools, read by :mod:`omnirelay.serving.tools` (400 on a model whose chat
+    #: template takes none)
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's fields that omnirelay cannot honour: refused by unsupported() when they ask
+    # for something, rather than ignored (a client would silently get another answer).
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -224,12 +231,12 @@ class ChatCompletionRequest(_Model):
 
     def unsupported(self) -> None:
         """A 400 naming the first field that asks for something omnirelay does not do."""
-        for key in ("tools", "functions"):
-            if getattr(self, key):
-                _refuse_field(key, "tool and function calling are not supported")
-        for key in ("tool_choice", "function_call"):
-            if getattr(self, key) not in (None, "none"):
-                _refuse_field(key, "tool and function calling are not supported; omit it or pass 'none'")
+        if self.functions:
+            _refuse_field("functions", "the deprecated function calling is not supported; use tools")
+        if self.function_call not in (None, "none"):
+            _refuse_field(
+                "function_call", "the deprecated function calling is not supported; use tool_choice"
+            )
         if self.n != 1:
             _refuse_field("n", f"n is {self.n}; one choice per request is supported (n: 1)")
         fmt = self.response_format

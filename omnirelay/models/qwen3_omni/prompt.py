@@ -31,6 +31,7 @@ from omnirelay.models.family import (
     SpeechPrompt,
     quiet,
 )
+from omnirelay.models.tools import ChatTemplateTools, ToolPrompt
 
 if TYPE_CHECKING:
     from omnirelay.models.qwen3_omni.vision import VisionLayout
@@ -97,10 +98,15 @@ class QwenPromptSide(PromptSide):
         self.image_refusal = image_refusal
         self.hears_audio = audio_window is not None
         self.sees_images = vision is not None
+        if getattr(tokenizer, "chat_template", None):  # the checkpoint's own; the tiny one has none
+            self.chat_tools = ChatTemplateTools(tokenizer.apply_chat_template)
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         ids = self.tokenizer.encode(format_chat(turns), add_special_tokens=False)
         return [int(t) for t in ids]
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def encode_speech(self, text: str) -> list[int]:
         """The prompt ids of a speech request for ``text``: read it aloud, verbatim."""
@@ -126,7 +132,9 @@ class QwenPromptSide(PromptSide):
         return self.vision.fit(height, width)
 
     def encode_chat_media(
-        self, turns: Sequence[tuple[str, Sequence[str | AudioSlot | ImageSlot]]]
+        self,
+        turns: Sequence[tuple[str, Sequence[str | AudioSlot | ImageSlot]]],
+        tooling: ToolPrompt | None = None,
     ) -> list[int]:
         from omnirelay.models.qwen3_omni.audio import num_audio_tokens
 
@@ -150,7 +158,7 @@ class QwenPromptSide(PromptSide):
                     tokens = self.vision.num_tokens(part.height, part.width)
                     content.append(VISION_START + IMAGE_PAD * tokens + VISION_END)
             flat.append((role, "".join(content)))
-        return self.encode_chat(flat)
+        return self.encode_chat_tools(flat, tooling) if tooling is not None else self.encode_chat(flat)
 
 
 def open_prompt_side(

@@ -11,7 +11,8 @@ nothing is prepared or cached by omnirelay.
   the prompt side and the detokenizer use (``encode``, ``decode``, ``len``,
   :meth:`~ChatTokenizer.chat_ids`): prompts are the tokenizer's own chat template, and
   generation stops on its EOS, the generation config's EOS ids and the template's
-  end-of-turn token (what the template writes after an assistant turn).
+  end-of-turn token (what the template writes after an assistant turn); a template
+  that takes tools renders them (:attr:`~ChatTokenizer.chat_tools`).
 * :func:`open_chat_model` — checks a directory before anything loads (the ``--model``
   check): config, a causal LM type, weights, a tokenizer with a chat template.
 * :func:`load_chat_tokenizer`, :func:`load_chat_model` — the tokenizer, the model.
@@ -28,6 +29,7 @@ from typing import Any
 
 from omnirelay.errors import ModelError
 from omnirelay.models.checkpoints import resolve_checkpoint
+from omnirelay.models.tools import ChatTemplateTools
 
 __all__ = [
     "DTYPES",
@@ -62,6 +64,8 @@ class ChatTokenizer:
                 "instruct or chat model"
             )
         self._tok = tokenizer
+        #: the template seen for tools (:mod:`omnirelay.models.tools`)
+        self.chat_tools = ChatTemplateTools(tokenizer.apply_chat_template)
         end_of_turn = self._end_of_turn_id()
         eos = tokenizer.eos_token_id
         stops = [t for t in (end_of_turn, eos, *extra_stop_ids) if isinstance(t, int)]

@@ -24,6 +24,11 @@ class SmolPromptSide(PromptSide):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # a checkpoint's template may take tools (ChatTokenizer); the built-in SmolLM2's takes none
+        self.chat_tools = getattr(tokenizer, "chat_tools", None)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         return [int(t) for t in self.tokenizer.chat_ids(list(turns))]

@@ -19,7 +19,10 @@
     the recognizer: the request skips it).
 
   Anything else (audio for a pipeline that cannot hear, images for one that cannot see)
-  is a 400.
+  is a 400. With ``tooling`` (:class:`~omnirelay.models.tools.ToolPrompt`) each path
+  makes the prompt in the model's own chat template with the tools, calls and tool
+  results (:meth:`~omnirelay.models.family.PromptSide.encode_chat_tools`; after
+  recognition, the tools travel in ``extras``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 from omnirelay.api import SamplingParams
 from omnirelay.models.family import AudioSlot, ImageSlot
 from omnirelay.models.inputs import AUDIO_INPUT_RATE, audio_inputs, image_inputs
+from omnirelay.models.tools import TOOLS_EXTRA, ToolPrompt
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import STREAMED, Frontend, RequestStream
 from omnirelay.serving.media.audio_in import AudioInputError, AudioLimits, decode_base64_audio
@@ -171,6 +175,7 @@ def submit_turns(
     extras: dict[str, Any] | None = None,
     session: str | None = None,
     delivery: str = STREAMED,
+    tooling: ToolPrompt | None = None,
 ) -> tuple[RequestStream, list[int]]:
     """Start a chat request of ``turns`` (see the module docstring); returns its stream
     and the prompt the front made (empty when the prompt is made after recognition).
@@ -190,11 +195,12 @@ def submit_turns(
             extras,
             clips=clips,
             images=images,
+            tooling=tooling,
             session=session,
             delivery=delivery,
         )
     if not clips:
-        prompt = fe.prompts.encode_chat([(role, "".join(str(p) for p in ps)) for role, ps in turns])
+        prompt = _encode_text(fe, [(role, "".join(str(p) for p in ps)) for role, ps in turns], tooling)
         stream = fe.submit(
             endpoint=endpoint,
             prompt_token_ids=prompt,
@@ -220,6 +226,8 @@ def submit_turns(
                     parts.append(p)
             marked.append([role, parts])
         extras["chat_turns"] = marked
+        if tooling is not None:
+            extras[TOOLS_EXTRA] = tooling.extra()
         stream = fe.submit(
             endpoint=endpoint,
             prompt_token_ids=[0],  # a generation stage's prompt: its input is the audio
@@ -245,6 +253,7 @@ def submit_turns(
         images=[],
         session=session,
         delivery=delivery,
+        tooling=tooling,
     )
 
 
@@ -261,6 +270,7 @@ def _submit_media(
     images: list[np.ndarray],
     session: str | None = None,
     delivery: str = STREAMED,
+    tooling: ToolPrompt | None = None,
 ) -> tuple[RequestStream, list[int]]:
     """A request with clips and images laid out in the prompt stage's own prompt."""
     prompts = fe.prompts
@@ -270,7 +280,7 @@ def _submit_media(
         raise ApiError(400, f"model {fe.model_name!r} takes no image input; send text parts only")
     laid_out = [(role, [_slot(p) for p in ps]) for role, ps in turns]
     try:
-        prompt = prompts.encode_chat_media(laid_out)
+        prompt = prompts.encode_chat_media(laid_out, tooling)
     except ValueError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from exc
     inputs: dict[str, Any] = audio_inputs(clips) if clips else {}
@@ -288,6 +298,15 @@ def _submit_media(
         delivery=delivery,
     )
     return stream, prompt
+
+
+def _encode_text(fe: Frontend, turns: list[tuple[str, str]], tooling: ToolPrompt | None) -> list[int]:
+    if tooling is None:
+        return fe.prompts.encode_chat(turns)
+    try:
+        return fe.prompts.encode_chat_tools(turns, tooling)
+    except ValueError as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from exc
 
 
 def _slot(part: str | np.ndarray | DecodedImage) -> str | AudioSlot | ImageSlot:

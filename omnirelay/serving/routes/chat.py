@@ -19,8 +19,13 @@
 * ``stop`` (up to 4 strings) ends the answer at the first match (the request is aborted
   through every stage); ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
   ``top_p`` and ``seed`` set the first stage's sampling.
+* ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``, assistant
+  messages with ``tool_calls`` and ``tool`` messages, on a model whose chat template takes
+  tools (:mod:`omnirelay.serving.tools`): the answer's calls are ``message.tool_calls`` /
+  index-keyed ``delta.tool_calls``, ``finish_reason`` ``tool_calls``; a text answer only.
 * What omnirelay cannot do is refused with a 400 naming the field, never ignored: tools
-  and function calls, ``n > 1``, a ``response_format`` other than text, log
+  on a model that takes none, the deprecated function calls, ``n > 1``, a
+  ``response_format`` other than text, log
   probabilities, ``logit_bias``, penalties, a null user message, image parts, audio parts
   on a pipeline that cannot hear.
 * ``input_audio`` parts of user messages ({``data``: base64, ``format``: ``wav``, ``mp3``
@@ -42,16 +47,17 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from omnirelay.api import RequestOutput
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.models.family import Detokenizer, PromptSide
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
-from omnirelay.api import RequestOutput
 from omnirelay.serving.frontend import STOP_SEQUENCE, STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
 from omnirelay.serving.media.chat_turns import decode_turns, hears_audio, sees_images, submit_turns
 from omnirelay.serving.media.encoding import AudioEncoder
 from omnirelay.serving.protocol import ChatCompletionRequest, check_request_id, parse, read_json_body
 from omnirelay.serving.streaming import ClientGone, ClosingStreamingResponse, until_disconnect
+from omnirelay.serving.tools import ChatTools, read_chat_tools_request
 
 __all__ = ["StopMatcher", "chat_completions"]
 
@@ -217,6 +223,15 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     req.unsupported()
     modalities = fe.chat_modalities(req.modalities)
     audio = _audio_params(fe, req, modalities)
+    tools = read_chat_tools_request(req, fe.prompts, fe.model_name)
+    if tools is not None and audio is not None:
+        raise ApiError(
+            400,
+            "tools are supported with a text answer only (the voice would read the calls); "
+            "ask for modalities ['text']",
+            param="modalities",
+            code="unsupported_parameter",
+        )
     takes_audio = hears_audio(fe)
     takes_images, image_refusal = sees_images(fe)
     turns = [
@@ -229,6 +244,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     decoded = await decode_turns(fe, turns)
     sampling = fe.sampling(
         max_tokens=req.max_completion_tokens or req.max_tokens,
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
@@ -243,6 +259,7 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
         sampling=sampling,
         extras=extras,
         session=req.prompt_cache_key,
+        tooling=tools.prompt if tools is not None else None,
         delivery=STREAMED if req.stream else WHOLE,
     )
     fmt = audio[0] if audio else None
@@ -257,13 +274,13 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return ClosingStreamingResponse(
-            _sse(fe, answer, fmt, include_usage),
+            _sse(fe, answer, fmt, include_usage, tools),
             on_close=stream.close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache"},
         )
     try:
-        result = await until_disconnect(request, _complete(fe, answer, fmt))
+        result = await until_disconnect(request, _complete(fe, answer, fmt, tools))
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -271,7 +288,9 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     return JSONResponse(result, headers=headers)
 
 
-async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str, Any]:
+async def _complete(
+    fe: Frontend, answer: _Answer, fmt: str | None, tools: ChatTools | None = None
+) -> dict[str, Any]:
     pieces: list[torch.Tensor] = []
     try:
         async for out in answer.stream:
@@ -293,6 +312,11 @@ async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str,
     text = "".join(answer.text)
     # With audio, the spoken text is the audio's transcript, and content is null (OpenAI's).
     message: dict[str, Any] = {"role": "assistant", "content": None if fmt else text, "refusal": None}
+    reason = answer.finish_reason
+    if tools is not None:
+        message["content"], calls, reason = tools.complete(text, reason)
+        if calls:
+            message["tool_calls"] = [c.chat() for c in calls]
     if fmt is not None and answer.audio is not None:
         samples = torch.cat(pieces) if pieces else torch.zeros(0)
         rate = answer.audio.sample_rate or answer.audio.default_sample_rate
@@ -310,9 +334,7 @@ async def _complete(fe: Frontend, answer: _Answer, fmt: str | None) -> dict[str,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": fe.model_name,
-        "choices": [
-            {"index": 0, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
-        ],
+        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
         "usage": answer.usage(),
     }
 
@@ -321,11 +343,14 @@ def _event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(
+    fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bool, tools: ChatTools | None = None
+) -> AsyncIterator[bytes]:
     rid = answer.stream.request_id
     created = int(time.time())
     audio_id = f"audio_{rid}"
     encoder = AudioEncoder(AUDIO_FORMATS[fmt], is_streaming=True) if fmt is not None else None
+    calls = tools.stream() if tools is not None else None
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         return _event(
@@ -346,6 +371,9 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
                 piece = answer.text_of(out)
                 if piece and encoder is not None:  # spoken: the text is the audio's transcript
                     yield chunk({"audio": {"id": audio_id, "transcript": piece}})
+                elif piece and calls is not None:
+                    for delta in calls.push(piece):
+                        yield chunk(delta)
                 elif piece:
                     yield chunk({"content": piece})
             elif out.modality == "audio" and (got := answer.audio_of(out)) is not None:
@@ -370,7 +398,12 @@ async def _sse(fe: Frontend, answer: _Answer, fmt: str | None, include_usage: bo
         if tail:
             yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(tail).decode("ascii")}})
         yield chunk({"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}})
-    yield chunk({}, answer.finish_reason)
+    reason = answer.finish_reason
+    if calls is not None:
+        for delta in calls.finish():
+            yield chunk(delta)
+        reason = calls.finish_reason(reason)
+    yield chunk({}, reason)
     if include_usage:
         yield _event(
             {
