@@ -6,12 +6,16 @@ Files, one role each (docs/design.md §1, §2):
   through input builders, completion, abort, failure, release (docs/protocol.md §2), pure.
 * ``front_control.py`` — the front's ends of the ZeroMQ control plane (``ipc://`` in a private
   directory).
-* ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio): routing, the
-  id-reuse fence, what a dead stage means for requests, health, shutdown.
+* ``orchestrator.py`` — :class:`Orchestrator`, the front side (asyncio), a shell over the
+  parts beside it: carrying out the router's actions, routing what workers say, what a dead
+  worker means for requests, health, shutdown.
 * ``supervisor.py`` — :class:`StageSupervisor`: spawning, watching and restarting the
   worker processes by the pipeline's restart policy (docs/design.md §10).
-* ``stage_processes.py`` — the worker processes as the front tracks them (:class:`StageState`);
-  health and shutdown reports.
+* ``stage_processes.py`` — the worker processes as the front tracks them (:class:`StageState`),
+  the worker table (which worker serves which replica of which stage); health and shutdown
+  reports.
+* ``fence.py`` — the id-reuse fence and the requests parked behind it, pure.
+* ``capacity.py`` — admission by real-time capacity: the audio-stream gate and its queue.
 * ``requests.py`` — the client's request and outputs; the forwarded-input contract.
 * ``handle.py`` — :class:`RequestHandle` (sync and async iteration), :class:`RequestResult`.
 * ``input_builders.py`` — the builders of forwarded (complete) inputs.
@@ -21,13 +25,7 @@ The stage worker processes it starts, and the control-plane messages, are
 """
 
 from omnirelay.orchestrator.handle import RequestHandle, RequestResult
-from omnirelay.orchestrator.orchestrator import (
-    Orchestrator,
-    PipelineHealth,
-    ShutdownReport,
-    StageHealth,
-    StageState,
-)
+from omnirelay.orchestrator.orchestrator import Orchestrator
 from omnirelay.orchestrator.requests import (
     ForwardedInput,
     InputBuilder,
@@ -38,6 +36,7 @@ from omnirelay.orchestrator.requests import (
     default_input_builder,
 )
 from omnirelay.orchestrator.router import Router
+from omnirelay.orchestrator.stage_processes import PipelineHealth, ShutdownReport, StageHealth, StageState
 
 __all__ = [
     "ForwardedInput",

@@ -57,13 +57,11 @@ from omnirelay.orchestrator.router import (
 from omnirelay.orchestrator.stage_processes import (
     PipelineHealth,
     ShutdownReport,
-    StageHealth,
     StageProcess,
     StagesDown,
     StageState,
     WorkerLaunch,
     WorkerTable,
-    describe_exit,
 )
 from omnirelay.orchestrator.supervisor import StageSupervisor, SupervisorHooks
 from omnirelay.pipeline import PipelineConfig
@@ -95,15 +93,7 @@ if TYPE_CHECKING:
 #: The key of the front's own books in :meth:`Orchestrator.leak_state` (no stage has it).
 FRONT = -1
 
-__all__ = [
-    "FRONT",
-    "Orchestrator",
-    "PipelineHealth",
-    "ShutdownReport",
-    "StageHealth",
-    "StageState",
-    "describe_exit",
-]
+__all__ = ["FRONT", "Orchestrator"]
 
 #: A request parked behind the id-reuse fence: its handle, and how often it ran before.
 _Parked = tuple[PipelineRequest, RequestHandle, int]
@@ -212,15 +202,12 @@ class Orchestrator:
         (after tearing down whatever was started)."""
         self._loop = asyncio.get_running_loop()
         try:
-            await self._start()
+            if self.config.placement.is_ray:
+                await self._place_on_ray()
+            await self._supervisor.start()
         except BaseException:
             await self.shutdown(timeout_s=5.0)
             raise
-
-    async def _start(self) -> None:
-        if self.config.placement.is_ray:
-            await self._place_on_ray()
-        await self._supervisor.start()
         self._workers.mark_started()
 
     async def _place_on_ray(self) -> None:
