@@ -17,6 +17,12 @@ the forward pass, the device→host copy of the results), median of ``reps`` run
   chunk by chunk against its whole-utterance decode (relative error).
 
 Each figure is taken with the graphs bypassed (the same code run eagerly) and replayed.
+The Thinker's steps and the Talker's frames also get their **floor**
+(:mod:`benchmarks.floors`): the bytes the step must read (the layers' weights, the
+experts its batch routes to — distinct experts per layer from the routers' top-k in an
+eager pass — and each row's cached keys and values), the bandwidth a device copy
+measured at the start of the run, the floor (bytes ÷ bandwidth), the graph time over
+the floor, and the step's kernels (``torch.profiler``).
 The graphs' capture time is reported per stage, and the eager/graph agreement: the
 Thinker's greedy ids and the Talker's greedy codes must be equal.
 """
@@ -31,6 +37,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from benchmarks.floors import (
+    RoutedExperts,
+    copy_bandwidth,
+    count_kernels,
+    floor,
+    kv_bytes_per_position,
+    param_bytes,
+    talker_tail_bytes,
+)
 
 __all__ = ["median_ms", "render_runner_bench", "run_runner_bench"]
 
@@ -60,7 +76,38 @@ def _pair(graphs: Any, fn: Callable[[], Any], reps: int, sync: Callable[[], None
     return {"eager_ms": eager, "graph_ms": graph, "speedup": eager / graph if graph > 0 else 0.0}
 
 
-def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+def _build_s(model: Any) -> float:
+    """Seconds the dummy weights took to build (0 for a model loaded otherwise)."""
+    build = getattr(model, "omnirelay_build", None)
+    return float(build.seconds) if build is not None else 0.0
+
+
+def _with_floor(
+    figures: dict[str, float],
+    graphs: Any,
+    fn: Callable[[], Any],
+    model: Any,
+    fixed_bytes: int,
+    bandwidth: float,
+    sync: Callable[[], None],
+    device: torch.device,
+) -> dict[str, float]:
+    """``figures`` plus the step's floor and kernels: ``fixed_bytes`` (dense weights, KV)
+    and the experts one eager pass of ``fn`` routes to under ``model``."""
+    graphs.bypass = True
+    with RoutedExperts(model) as routed:
+        fn()
+    graphs.bypass = False
+    figures.update(floor(fixed_bytes + routed.nbytes(), bandwidth, figures["graph_ms"]))
+    if len(routed):
+        figures["experts_per_layer"] = sum(routed.distinct) / len(routed)
+    figures["kernels_per_step"] = count_kernels(fn, sync, device, steps=2)
+    return figures
+
+
+def _thinker(
+    checkpoint: Any, reps: int, sync: Callable[[], None], bandwidth: float, sizes: tuple[int, ...]
+) -> dict[str, Any]:
     from omnirelay.engine.interfaces import SamplingParams
     from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 
@@ -78,7 +125,7 @@ def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, 
     start = time.monotonic()
     runner.capture_graphs()
     out: dict[str, Any] = {
-        "build_s": model.omnirelay_build.seconds,
+        "build_s": _build_s(model),
         "capture_s": time.monotonic() - start,
         "num_graphs": len(runner.graphs),
     }
@@ -96,16 +143,35 @@ def _thinker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, 
     ]
     for row in rows:
         runner.slots.acquire(row.rid)
+    hidden = int(text.config.hidden_size) * runner.dtype.itemsize
+    dense = param_bytes([*runner.decoder.layers, text.norm, model.lm_head])
+    per_position = kv_bytes_per_position(text.config, runner.dtype)
     with torch.inference_mode():
-        for n in (1, 16, 64):
-            out[f"prefill_{n}x{PROMPT_TOKENS}"] = _pair(
-                runner.graphs, functools.partial(runner.run, rows[:n], decode=False), reps, sync
+        for n in sizes:
+            fn = functools.partial(runner.run, rows[:n], decode=False)
+            out[f"prefill_{n}x{PROMPT_TOKENS}"] = _with_floor(
+                _pair(runner.graphs, fn, reps, sync),
+                runner.graphs,
+                fn,
+                text,
+                dense + n * PROMPT_TOKENS * hidden,  # a fresh prompt reads no cache
+                bandwidth,
+                sync,
+                runner.device,
             )
         runner.run(rows, decode=False)
-        for n in (1, 16, 64):
+        for n in sizes:
             step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:n]]
-            out[f"decode_{n}"] = _pair(
-                runner.graphs, functools.partial(runner.run, step, decode=True), reps, sync
+            fn = functools.partial(runner.run, step, decode=True)
+            out[f"decode_{n}"] = _with_floor(
+                _pair(runner.graphs, fn, reps, sync),
+                runner.graphs,
+                fn,
+                text,
+                dense + n * (hidden + (PROMPT_TOKENS + 1) * per_position),
+                bandwidth,
+                sync,
+                runner.device,
             )
         step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:16]]
         runner.graphs.bypass = True
@@ -134,7 +200,9 @@ def _talker_runner(model: Any, config: Any, compile: str | None) -> tuple[Any, f
     return runner, time.monotonic() - start
 
 
-def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+def _talker(
+    checkpoint: Any, reps: int, sync: Callable[[], None], bandwidth: float, sizes: tuple[int, ...]
+) -> dict[str, Any]:
     from omnirelay.engine.interfaces import SamplingParams
     from omnirelay.models.runner import TalkerRow
 
@@ -142,7 +210,7 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
     config = checkpoint.config.talker_config
     runner, capture_s = _talker_runner(model, config, None)
     out: dict[str, Any] = {
-        "build_s": model.omnirelay_build.seconds,
+        "build_s": _build_s(model),
         "capture_s": capture_s,
         "num_graphs": len(runner.graphs),
     }
@@ -158,13 +226,16 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
     for r in rows:
         runner.slots.acquire(r.rid)
     with torch.inference_mode():
-        for n in (1, 16):
+        for n in (n for n in sizes if n <= 16):
             out[f"prefill_{n}x{TALKER_ROWS}"] = _pair(
                 runner.graphs, functools.partial(runner.prefill, rows[:n]), reps, sync
             )
         runner.prefill(rows)
         text = [row(r.rid, 1).embeds for r in rows]
-        for n in (1, 16, 64):
+        decoder = runner.decoder.model
+        dense = param_bytes([*runner.decoder.layers, decoder.norm]) + talker_tail_bytes(runner)
+        per_position = kv_bytes_per_position(decoder.config, runner.dtype)
+        for n in sizes:
 
             def frame(n: int = n) -> torch.Tensor:
                 for r in rows[:n]:
@@ -173,7 +244,16 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
                     [TalkerRow(r.rid, t, r.sampling, r.generator) for r, t in zip(rows[:n], text)]
                 )
 
-            out[f"frame_{n}"] = _pair(runner.graphs, frame, reps, sync)
+            out[f"frame_{n}"] = _with_floor(
+                _pair(runner.graphs, frame, reps, sync),
+                runner.graphs,
+                frame,
+                decoder,
+                dense + n * (TALKER_ROWS + 1) * per_position,
+                bandwidth,
+                sync,
+                runner.device,
+            )
         greedy = [TalkerRow(r.rid, t, SamplingParams(), r.generator) for r, t in zip(rows[:16], text)]
         codes = {}
         previous = runner._codec_embed.clone()  # each frame's input: the last frame's codes
@@ -185,6 +265,8 @@ def _talker(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, A
             codes[bypass] = runner.decode(greedy)
         runner.graphs.bypass = False
         out["greedy_codes_equal"] = bool(torch.equal(codes[True], codes[False]))
+        if runner.device.type != "cuda":
+            return out  # the compiled tail's figures are a card's (inductor on the CPU: minutes)
         out["compiled"] = _compiled_frames(
             runner, model, config, rows, text, reps, sync, previous, codes[False]
         )
@@ -287,33 +369,52 @@ STAGES = ("thinker", "talker", "code2wav")
 
 
 def run_runner_bench(
-    *, device: str = "cuda:0", reps: int = 20, stream: Any = None, stages: tuple[str, ...] = STAGES
+    *,
+    device: str = "cuda:0",
+    reps: int = 20,
+    stream: Any = None,
+    stages: tuple[str, ...] = STAGES,
+    tiny: bool = False,
+    sizes: tuple[int, ...] = (1, 16, 64),
 ) -> dict[str, Any]:
-    """Time ``stages`` (see the module docstring) on ``device``; the figures as a dict."""
+    """Time ``stages`` (see the module docstring) on ``device``; the figures as a dict.
+    ``sizes``: the rows of the Thinker's and Talker's steps (at most 64).
+    ``tiny``: the tiny model instead of the full-size one (the only choice off CUDA,
+    where it checks the bench's figures, not a card's)."""
     from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 
     err = stream if stream is not None else sys.stderr
-    if not torch.device(device).type == "cuda" or not torch.cuda.is_available():
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and not torch.cuda.is_available():
         raise ValueError(f"bench runner needs a CUDA device, got {device!r}")
-    checkpoint = open_checkpoint(ModelArgs(load_format="dummy", device=device))
+    if not on_cuda and not tiny:
+        raise ValueError(f"bench runner needs a CUDA device for the full-size model, got {device!r}")
+    args = ModelArgs(tiny=True, device=device) if tiny else ModelArgs(load_format="dummy", device=device)
+    checkpoint = open_checkpoint(args)
 
     def sync() -> None:
-        torch.cuda.synchronize(device)
+        if on_cuda:
+            torch.cuda.synchronize(device)
 
+    bandwidth = copy_bandwidth(torch.device(device))
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "torch": torch.__version__,
         "reps": reps,
+        "bandwidth_bytes_per_s": bandwidth,
     }
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
-    for name, fn in (("thinker", _thinker), ("talker", _talker), ("code2wav", _code2wav)):
-        if name not in stages:
-            continue
+    for name in (s for s in STAGES if s in stages):
         err.write(f"bench runner: {name}\n")
         err.flush()
-        report[name] = fn(checkpoint, reps, sync)
+        if name == "thinker":
+            report[name] = _thinker(checkpoint, reps, sync, bandwidth, sizes)
+        elif name == "talker":
+            report[name] = _talker(checkpoint, reps, sync, bandwidth, sizes)
+        else:
+            report[name] = _code2wav(checkpoint, reps, sync)
     return report
 
 
@@ -321,14 +422,25 @@ def render_runner_bench(report: dict[str, Any]) -> str:
     lines = [
         f"omnirelay bench runner: {report['device']}, torch {report['torch']}, median of {report['reps']}\n"
     ]
-    lines.append(f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}\n")
+    lines.append(
+        f"bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (a device copy, read + write); floor: the "
+        "step's bytes ÷ that\n"
+    )
+    lines.append(
+        f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}"
+        f"{'MB read':>10}{'floor ms':>10}{'÷ floor':>9}{'kernels':>9}{'experts':>9}\n"
+    )
     for stage in (s for s in STAGES if s in report):
         figures = report[stage]
         for key, value in figures.items():
             if isinstance(value, dict) and "eager_ms" in value:
-                lines.append(
-                    f"{stage:<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x\n"
-                )
+                line = f"{stage:<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x"
+                if "floor_ms" in value:
+                    line += (
+                        f"{value['bytes'] / 1e6:>10.1f}{value['floor_ms']:>10.3f}{value['ratio']:>8.1f}x"
+                        f"{value['kernels_per_step']:>9.0f}{value.get('experts_per_layer', 0.0):>9.1f}"
+                    )
+                lines.append(line + "\n")
         extra = ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
             for k, v in figures.items()

@@ -13,6 +13,12 @@ device synchronization):
 * **admit** — a step that admits one new request (a prefill of ``prefill_tokens`` rows)
   beside ``B − 1`` continuing ones: the extra cost a new stream puts on everyone's frame.
 
+Each batch's step also gets its **floor**: the bytes it must read (the Talker's layers,
+each row's cached keys and values, the tail's code predictor once per pass and its
+heads), divided by the bandwidth a device copy measured at the start of the run, the
+step's time over that floor, and its kernels per step (``torch.profiler``; on the CPU
+its ``aten`` operators): see :mod:`benchmarks.floors`.
+
 With ``profile`` the steps at that batch also run under ``torch.profiler``: kernels per
 step and the kernels that take the most device time. The rows are the runner's own
 (random conditioning of the model's width, the checkpoint's sampling: temperature 0.9,
@@ -28,6 +34,14 @@ from typing import Any, TextIO
 
 import torch
 
+from benchmarks.floors import (
+    copy_bandwidth,
+    count_kernels,
+    floor,
+    kv_bytes_per_position,
+    param_bytes,
+    talker_tail_bytes,
+)
 from benchmarks.runner import median_ms
 
 __all__ = ["DEFAULT_BATCHES", "render_tts_talker_bench", "run_tts_talker_bench"]
@@ -78,6 +92,7 @@ def run_tts_talker_bench(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    bandwidth = copy_bandwidth(dev)
     report: dict[str, Any] = {
         "model": model,
         "load_format": load_format,
@@ -88,6 +103,7 @@ def run_tts_talker_bench(
         "cached_positions": CACHED,
         "num_graphs": len(runner.graphs),
         "ready_s": time.monotonic() - start,
+        "bandwidth_bytes_per_s": bandwidth,
         "batches": {},
     }
     gen = torch.Generator().manual_seed(0)
@@ -134,6 +150,8 @@ def run_tts_talker_bench(
                 "admit_ms": median_ms(admit, reps, sync),
             }
             figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
+            figures.update(floor(_step_bytes(runner, b), bandwidth, figures["step_ms"]))
+            figures["kernels_per_step"] = count_kernels(step, sync, dev, steps=2)
             report["batches"][str(b)] = figures
             if profile == b:
                 report["profile"] = _profile(step, sync, dev, b)
@@ -141,6 +159,16 @@ def run_tts_talker_bench(
             runner.slots.release(r.rid)
     report["leak_state"] = executor.leak_state()
     return report
+
+
+def _step_bytes(runner: Any, b: int) -> int:
+    """What one step of ``b`` rows, each with ``CACHED`` positions, must read: the
+    Talker's layers, final norm and the rows' keys and values (its own position's
+    included), then the code-predictor tail."""
+    decoder = runner.decoder
+    layers = param_bytes([*decoder.layers, decoder.model.norm])
+    kv = b * (CACHED + 1) * kv_bytes_per_position(decoder.model.config, runner.dtype)
+    return layers + kv + talker_tail_bytes(runner)
 
 
 def _profile(
@@ -190,13 +218,17 @@ def render_tts_talker_bench(report: dict[str, Any]) -> str:
         f"torch {report['torch']}, median of {report['reps']}; {report['cached_positions']} positions cached "
         f"per row, a new request prefills {report['prefill_tokens']} rows; ready in {report['ready_s']:.1f} s "
         f"({report['num_graphs']} graphs)",
-        f"{'batch':>6} {'frame ms':>9} {'tail+host ms':>13} {'step ms':>8} {'admit ms':>9} {'frames/s':>9}",
+        f"bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (a device copy, read + write); floor: the "
+        "step's bytes ÷ that",
+        f"{'batch':>6} {'frame ms':>9} {'tail+host ms':>13} {'step ms':>8} {'admit ms':>9} {'frames/s':>9} "
+        f"{'MB read':>8} {'floor ms':>9} {'÷ floor':>8} {'kernels':>8}",
     ]
     for b, f in report["batches"].items():
         rate = int(b) / (f["step_ms"] / 1000.0) if f["step_ms"] > 0 else 0.0
         lines.append(
             f"{b:>6} {f['frame_ms']:>9.2f} {f['tail_and_host_ms']:>13.2f} {f['step_ms']:>8.2f} "
-            f"{f['admit_ms']:>9.2f} {rate:>9.0f}"
+            f"{f['admit_ms']:>9.2f} {rate:>9.0f} {f['bytes'] / 1e6:>8.1f} {f['floor_ms']:>9.3f} "
+            f"{f['ratio']:>7.1f}x {f['kernels_per_step']:>8.0f}"
         )
     prof = report.get("profile")
     if prof:

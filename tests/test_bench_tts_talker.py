@@ -16,11 +16,21 @@ def test_a_reduced_run_times_every_part_and_leaves_no_slot() -> None:
     for figures in report["batches"].values():
         assert figures["frame_ms"] > 0 and figures["step_ms"] > 0 and figures["admit_ms"] > 0
         assert figures["tail_and_host_ms"] == pytest.approx(figures["step_ms"] - figures["frame_ms"])
+        # The floor: the step's bytes over the measured bandwidth, and the step over that.
+        assert figures["bytes"] > 0 and figures["kernels_per_step"] > 0
+        want_floor = 1000.0 * figures["bytes"] / report["bandwidth_bytes_per_s"]
+        assert figures["floor_ms"] == pytest.approx(want_floor)
+        assert figures["ratio"] == pytest.approx(figures["step_ms"] / want_floor)
     prof = report["profile"]
     assert prof["batch"] == 2 and prof["kernels_per_step"] > 0 and prof["top"]
     assert report["leak_state"] == {}
     text = render_tts_talker_bench(report)
-    assert "frame ms" in text and "profile at batch 2" in text and "state left: none" in text
+    assert (
+        "frame ms" in text
+        and "floor ms" in text
+        and "profile at batch 2" in text
+        and "state left: none" in text
+    )
 
 
 def test_cli_wiring(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,75 @@
+"""The runner bench's floors (``benchmarks.floors``): the bytes a step must read, the
+bandwidth, the floor and the ratio, and the kernels per step — reduced to the tiny model
+on the CPU (the figures that matter are a card's; here: the fields and the arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.floors import RoutedExperts, copy_bandwidth, floor, kv_bytes_per_position, param_bytes
+from benchmarks.runner import render_runner_bench, run_runner_bench
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 6, 3))  # 72 floats: 18 per expert
+        self.down_proj = torch.nn.Parameter(torch.zeros(4, 3, 3))  # 36 floats: 9 per expert
+
+
+class _Router(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x, x, x.long()  # "top-k indices": the input's values
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _Router()
+        self.experts = _Experts()
+        self.norm = torch.nn.Linear(3, 2, bias=False)  # 6 floats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)[2]
+
+
+def test_param_bytes_leave_out_the_experts_and_routing_counts_each_layers_distinct_experts() -> None:
+    block = _Block()
+    assert param_bytes([block]) == 6 * 4
+    assert param_bytes([block, block.norm, None]) == 6 * 4  # each parameter once
+    assert param_bytes([block], skip_experts=False) == (6 + 72 + 36) * 4
+    with RoutedExperts(block) as routed:
+        block(torch.tensor([[0.0, 2.0], [2.0, 3.0]]))
+    assert routed.distinct == [3]  # experts 0, 2 and 3
+    assert routed.nbytes() == 3 * (18 + 9) * 4
+    block(torch.tensor([1.0]))  # hooks removed on exit
+    assert routed.distinct == [3]
+
+
+def test_floor_arithmetic_and_a_measured_bandwidth() -> None:
+    figures = floor(3_000_000, 3.0e12, 2.0)
+    assert figures == {"bytes": 3e6, "floor_ms": pytest.approx(1e-3), "ratio": pytest.approx(2000.0)}
+    assert floor(0, 1e9, 1.0)["ratio"] == 0.0
+    assert copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, reps=2) > 0
+
+
+def test_a_reduced_runner_bench_reports_each_steps_floor() -> None:
+    report = run_runner_bench(device="cpu", reps=1, stages=("thinker",), tiny=True, sizes=(2,))
+    bandwidth = report["bandwidth_bytes_per_s"]
+    assert bandwidth > 0
+    thinker = report["thinker"]
+    assert thinker["greedy_ids_equal"]
+    for key in ("prefill_2x30", "decode_2"):
+        figures = thinker[key]
+        assert figures["bytes"] > 0 and figures["kernels_per_step"] > 0 and figures["experts_per_layer"] >= 1
+        assert figures["floor_ms"] == pytest.approx(1000.0 * figures["bytes"] / bandwidth)
+        assert figures["ratio"] == pytest.approx(figures["graph_ms"] / figures["floor_ms"])
+    # A decode step reads the two rows' cached keys and values on top of the weights.
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+
+    text = open_checkpoint(ModelArgs(tiny=True, device="cpu")).config.thinker_config.text_config
+    assert thinker["decode_2"]["bytes"] >= 2 * 31 * kv_bytes_per_position(text, torch.float32)
+    text_out = render_runner_bench(report)
+    assert "floor ms" in text_out and "decode_2" in text_out
