@@ -5,24 +5,30 @@ Concurrent chat requests with audio are spread over both replicas of each stage 
 answer as the one-replica pipeline does; ``/health`` lists every replica; with one
 Talker replica killed, ``/health`` reads ``degraded`` (HTTP 200: every stage still
 serves), chat with audio still answers on the other replica, and the dead one is
-restarted. Ends with the leak audit, and after shutdown nothing under /dev/shm.
+restarted. A Talker or a Code2Wav replica SIGKILLed while it holds about half of the
+non-streamed answers in flight (chat with audio, whose text the clients' server already
+held; speech WAVs) fails none of them: each runs again on the other replica and answers
+exactly as undisturbed. Ends with the leak audit, and after shutdown nothing under
+/dev/shm.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.media.audio_out import parse_wav
-from tests.serving_support import Served, serve
+from tests.serving_support import Served, assert_same_pcm, serve
 
 MODEL = "qwen3-omni-tiny-replicas"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -110,3 +116,93 @@ def test_one_talker_replica_down_the_server_is_degraded_and_still_speaks(srv: Se
     talker1 = next(s for s in srv.pipe.health().stages if (s.stage_id, s.replica) == (1, 1))
     assert talker1.num_restarts == 1 and talker1.pid != pid
     srv.audit()
+
+
+# -- a replica killed while it holds whole (non-streamed) answers ----------------------------
+
+
+def ask_chat(srv: Served, i: int) -> tuple[str, bytes]:
+    """A non-streamed spoken chat answer: its transcript and 16-bit PCM."""
+    r = srv.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+        modalities=["text", "audio"],
+        audio={"voice": "chelsie", "format": "wav"},
+        max_tokens=8,
+    )
+    audio = r.choices[0].message.audio
+    pcm, _ = parse_wav(base64.b64decode(audio.data))
+    return audio.transcript, pcm.tobytes()
+
+
+def ask_speech(srv: Served, i: int) -> tuple[str, bytes]:
+    """A non-streamed speech WAV: its 16-bit PCM."""
+    r = srv.client().audio.speech.create(
+        model=MODEL, voice="ethan", input=f"Number {i}, good morning.", response_format="wav"
+    )
+    pcm, _ = parse_wav(r.content)
+    return "", pcm.tobytes()
+
+
+def held_on(srv: Served, stage_id: int, replica: int) -> int:
+    """Requests a replica holds by the front's books (a stopped worker's own reply times out)."""
+    stages = srv.pipe.health(timeout_s=0.2).stages
+    return next(s.num_requests for s in stages if (s.stage_id, s.replica) == (stage_id, replica))
+
+
+def kill_while_holding(srv: Served, stage_id: int, asks: list[Any]) -> None:
+    """Every request of ``asks`` answers as undisturbed when a replica of ``stage_id`` is
+    SIGKILLed holding about half of them, after the Thinker gave each its text: the
+    worker is stopped (SIGSTOP) before they come, so the ones bound to it are held there
+    for sure, and killed once the others are as far as they can go."""
+    srv.pipe.wait_ready(120)
+    with ThreadPoolExecutor(len(asks)) as pool:
+        want = list(pool.map(lambda a: a(), asks))
+    reruns = srv.pipe.health().num_reruns
+    victim = 1
+    pid = srv.pipe.replica_pids()[(stage_id, victim)]
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            futures = [pool.submit(a) for a in asks]
+
+            def ready() -> bool:
+                health = srv.pipe.health(timeout_s=0.2)
+                done = sum(f.done() for f in futures)
+                held = next(
+                    s.num_requests for s in health.stages if (s.stage_id, s.replica) == (stage_id, victim)
+                )
+                thinker = next(s.num_requests for s in health.stages if s.stage_id == 0)
+                return thinker == 0 and held > 0 and health.num_requests + done == len(asks)
+
+            deadline = time.monotonic() + 60
+            while not ready():
+                assert time.monotonic() < deadline, "the requests never reached the stopped replica"
+                time.sleep(0.05)
+            num_held = held_on(srv, stage_id, victim)
+            assert num_held >= len(asks) // 4, num_held  # the balancer gave it about half
+            os.kill(pid, signal.SIGKILL)
+            errors = [f.exception() for f in futures]
+            assert errors == [None] * len(asks)
+            got = [f.result() for f in futures]
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for (text, pcm), (want_text, want_pcm) in zip(got, want):
+        assert text == want_text
+        assert_same_pcm(pcm, want_pcm)
+    assert srv.pipe.health().num_reruns - reruns == num_held
+    srv.pipe.wait_ready(120)
+    srv.audit()
+
+
+def test_a_talker_replica_killed_holding_whole_chat_answers_fails_none(srv: Served) -> None:
+    kill_while_holding(srv, 1, [functools.partial(ask_chat, srv, i) for i in range(8)])
+
+
+def test_a_code2wav_replica_killed_holding_whole_answers_fails_none(srv: Served) -> None:
+    asks = [functools.partial(ask_speech if i % 2 else ask_chat, srv, i) for i in range(8)]
+    kill_while_holding(srv, 2, asks)
