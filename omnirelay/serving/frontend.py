@@ -286,13 +286,15 @@ class Frontend:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        max_tokens_param: str = "max_tokens",
     ) -> SamplingParams | None:
-        """The prompt stage's parameters: the client's values over the stage config's defaults."""
+        """The prompt stage's parameters: the client's values over the stage config's defaults.
+        ``max_tokens_param``: the field the client named ``max_tokens`` in (its errors say it)."""
         if max_tokens is not None and max_tokens > self.config.max_tokens_limit:
             raise ApiError(
                 400,
-                f"max_tokens is {max_tokens}; the limit is {self.config.max_tokens_limit}",
-                param="max_tokens",
+                f"{max_tokens_param} is {max_tokens}; the limit is {self.config.max_tokens_limit}",
+                param=max_tokens_param,
             )
         given = {
             k: v

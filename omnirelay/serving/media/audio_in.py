@@ -166,7 +166,8 @@ def decode_audio(
         raise
     except (av.FFmpegError, ValueError, IndexError, OverflowError) as exc:
         raise AudioInputError(
-            f"{where}data is not a readable {fmt} file: {_reason(exc)}", param=f"{where}data"
+            f"{where}data is not a readable {fmt} file (could not decode audio: {_reason(exc)})",
+            param=f"{where}data",
         ) from exc
     waveform = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
     if waveform.size == 0:
@@ -234,5 +235,8 @@ def _container_frames(raw: bytes, fmt: str) -> Iterator[Any]:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text[:200]
+    """Why the bytes did not decode, in words: FFmpeg's message without its error number
+    and the ``'<none>'`` file name of bytes read from memory."""
+    text = exc.strerror if isinstance(exc, av.FFmpegError) and exc.strerror else str(exc)
+    text = text.strip() or type(exc).__name__
+    return text[:1].lower() + text[1:200]
