@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,3 +159,14 @@ def test_every_other_block_runs_as_written(tmp_path: Path) -> None:
     assert all(stopped), "a README server did not stop on SIGTERM"
     for pid in servers:
         assert _shm_objects(pid) == [], "a README server left omnirelay objects in /dev/shm"
+
+
+def test_what_the_quick_start_writes_is_ignored_by_git() -> None:
+    written = set(re.findall(r"--(?:out|json) (\S+)", README)) | set(
+        re.findall(r'open\("([^"]+)", "wb"\)', README)
+    )
+    assert {"answer.wav", "moon.wav", "moon.json", "speech.mp3"} <= written
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", *sorted(written)], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(done.stdout.split()) == sorted(written), "git would offer these to commit"
