@@ -65,8 +65,11 @@ def _two(devices: tuple[str | None, str | None], **kw: object) -> dict:
 def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     cfg = load_pipeline("qwen3-omni")
     paths = [edge_path(cfg, e) for e in cfg.edges()]
-    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
+    # The Talker and Code2Wav share cuda:1: one process (a device group), their edge in it.
+    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.IN_PROCESS]
     assert "cuda:0 -> cuda:1" in paths[0][1] and "peer copy" in paths[0][1]
+    apart = cfg.with_device_groups("off")
+    assert [edge_path(apart, e)[0] for e in apart.edges()] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
 
 
 @pytest.mark.parametrize(
@@ -81,11 +84,18 @@ def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     ],
 )
 def test_gpu_direct_needs_both_stages_on_cuda(devices: tuple[str | None, str | None], path: EdgePath) -> None:
-    assert _paths(_two(devices)) == [path]
+    assert _paths(_two(devices, device_groups="off")) == [path]
+
+
+def test_stages_on_one_device_share_a_process_unless_told_otherwise() -> None:
+    assert _paths(_two(("cuda:0", "cuda"))) == [EdgePath.IN_PROCESS]
+    alone = _two(("cuda:0", "cuda:0"))
+    alone["stages"][1]["own_process"] = True
+    assert _paths(alone) == [EdgePath.GPU_SAME]
 
 
 def test_executor_device_wins_and_other_backends_keep_their_path() -> None:
-    data = _two(("cuda:0", "cuda:0"))
+    data = _two(("cuda:0", "cuda:0"), device_groups="off")
     data["stages"][1]["executor_args"] = {"device": "cpu"}
     assert _paths(data) == [EdgePath.HOST]
     inproc = _two(("cuda:0", "cuda:0"), connectors={"default": {"backend": "inproc"}})
@@ -281,11 +291,15 @@ def test_check_prints_each_edge_path() -> None:
     from omnirelay.cli.check import build_report, render_report
 
     report = build_report(load_pipeline("qwen3-omni"))
-    assert [e["path"] for e in report["edges"]] == ["gpu-direct-peer", "gpu-direct"]
+    assert [e["path"] for e in report["edges"]] == ["gpu-direct-peer", "in-process"]
     out = io.StringIO()
     render_report(report, out)
     text = out.getvalue()
     assert "tensors: gpu-direct-peer (cuda:0 -> cuda:1: CUDA IPC handle, peer copy" in text
+    assert "tensors: in-process (inproc connector: one process)" in text
+    apart = io.StringIO()
+    render_report(build_report(load_pipeline("qwen3-omni").with_device_groups("off")), apart)
+    text = apart.getvalue()
     assert "tensors: gpu-direct (cuda:1 -> cuda:1" in text and "under 256 KiB through the host" in text
     tiny = io.StringIO()
     render_report(build_report(load_pipeline("qwen3-omni-tiny")), tiny)

@@ -4,6 +4,12 @@ Connectors of the same namespace in one process share an :class:`InprocHub` (pas
 explicitly with ``hub=``, or get the process-wide hub of the namespace). Objects are
 stored encoded, exactly as the shm backend would carry them, so the receiver gets
 independent tensors and the same typed values, and bad objects fail the same way.
+
+``by_reference=True`` (the edges inside a device group, docs/protocol.md §3.10) stores
+the object itself: the reader gets the very object the producer put — device tensors
+stay where they are, with no copy and no host round trip. A put hands the object over:
+the producer's processor builds each chunk's payload anew and never touches it again.
+The books (pending keys, claim by ``get``, cleanup, reap) are the same in both modes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,18 @@ from omnirelay.payload import codec
 __all__ = ["InprocConnector", "InprocHub", "hub_for"]
 
 
+class _Held:
+    """An object put by reference (``by_reference=True``): no bytes, the object itself."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __len__(self) -> int:
+        return 0
+
+
 class InprocHub:
     """Shared store of one namespace: published objects and per-stage arrival queues."""
 
@@ -38,7 +56,7 @@ class InprocHub:
         self.namespace = namespace
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        self.objects: dict[str, tuple[bytes, int]] = {}  # key -> (encoded, owner id)
+        self.objects: dict[str, tuple[Any, int]] = {}  # key -> (encoded or the object, owner id)
         self.arrivals: dict[tuple[int, int], deque[str]] = {}  # (stage, replica) -> announced keys
 
     def live_keys(self) -> list[str]:
@@ -64,9 +82,16 @@ class InprocConnector(Connector):
     backend = "inproc"
 
     def __init__(
-        self, namespace: str, stage_id: int | None = None, *, replica: int = 0, hub: InprocHub | None = None
+        self,
+        namespace: str,
+        stage_id: int | None = None,
+        *,
+        replica: int = 0,
+        hub: InprocHub | None = None,
+        by_reference: bool = False,
     ) -> None:
         self.namespace = validate_namespace(namespace)
+        self.by_reference = by_reference
         self.stage_id = stage_id
         self.replica = replica
         self.hub = hub if hub is not None else hub_for(namespace)
@@ -95,7 +120,7 @@ class InprocConnector(Connector):
             if self._closed:
                 raise ConnectorError("connector is closed")
             self.reap_consumed()
-            data = codec.encode(obj)
+            data = _Held(obj) if self.by_reference else codec.encode(obj)
         except OmniRelayError as exc:
             self._fail("num_put_failures", str(exc))
             return PutResult(ok=False, error=str(exc))
@@ -128,6 +153,10 @@ class InprocConnector(Connector):
         data = item[0]
         with self._lock:
             self._pending.pop(key, None)
+        if isinstance(data, _Held):
+            with self._lock:
+                self._counts["num_gets"] += 1
+            return GetResult(GetStatus.READY, obj=data.obj, nbytes=0)
         try:
             obj = codec.decode(data, copy=True)
         except OmniRelayError as exc:

@@ -116,10 +116,8 @@ def create_stage_engine(
                 f"{s.label} sends or receives chunks: give the pipeline (or this call) a namespace"
             )
         connector = build_stage_connector(pipeline, s, roles, ns)
-        from omnirelay.connectors.device.paths import gpu_direct_options
-
         keep_on_device = getattr(parts.executor, "keep_outputs_on_device", None)
-        if gpu_direct_options(pipeline, s).get("gpu_direct_to") and callable(keep_on_device):
+        if _outputs_stay_on_device(pipeline, s, roles) and callable(keep_on_device):
             keep_on_device(True)  # its outputs cross device to device: no copy to the host first
     try:
         return StageEngine(
@@ -136,3 +134,18 @@ def create_stage_engine(
         if connector is not None:
             connector.close()
         raise
+
+
+def _outputs_stay_on_device(pipeline: PipelineConfig, stage: StageConfig, roles: Any) -> bool:
+    """Does the stage's output edge take device tensors as they are: a GPU-direct shm edge
+    (docs/protocol.md §3.9), or an edge inside a device group (by reference, §3.10)?"""
+    from omnirelay.connectors.device.paths import cuda_index, gpu_direct_options, stage_device
+    from omnirelay.engine.edge_connectors import stage_edge_backends
+
+    if gpu_direct_options(pipeline, stage).get("gpu_direct_to"):
+        return True
+    from omnirelay.pipeline.groups import group_key
+
+    if stage_edge_backends(pipeline, stage, roles)[1] != "inproc" or group_key(pipeline, stage) is None:
+        return False
+    return cuda_index(stage_device(stage)) is not None

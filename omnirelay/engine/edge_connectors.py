@@ -3,7 +3,8 @@
 A stage has at most one chunk edge in (``receive_from_stage``) and one out
 (``send_to_stage``). Each edge's backend is resolved from placement
 (:func:`omnirelay.pipeline.placement.edge_backend`: ``shm`` on one host, ``nixl`` between
-hosts). One backend: one connector, as before placement existed. Two: a
+hosts, ``inproc`` between two stages of one device group, whose objects then go by
+reference). One backend: one connector, as before placement existed. Two: a
 :class:`~omnirelay.connectors.split.SplitConnector` over one of each.
 
 A ``nixl`` connector is told the pipeline's notice endpoints (filled by the placement at
@@ -20,6 +21,7 @@ from typing import Any
 from omnirelay.connectors import Connector, create_connector, inbox_name
 from omnirelay.engine.stage_roles import StageRoles
 from omnirelay.pipeline.config import PipelineConfig, StageConfig
+from omnirelay.pipeline.groups import group_key
 from omnirelay.pipeline.placement import edge_backend
 
 __all__ = ["NIXL_EXTRA_OPTIONS", "build_stage_connector", "stage_edge_backends"]
@@ -43,6 +45,9 @@ def stage_edge_backends(
 
 
 def _options(pipeline: PipelineConfig, stage: StageConfig, backend: str, *, listens: bool) -> dict[str, Any]:
+    if backend == "inproc":
+        # An edge inside a device group: objects by reference (docs/protocol.md §3.10).
+        return {"by_reference": True} if group_key(pipeline, stage) is not None else {}
     if backend == "shm":
         from omnirelay.connectors.device.paths import gpu_direct_options
 

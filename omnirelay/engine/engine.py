@@ -60,7 +60,7 @@ from typing import Any
 from omnirelay.connectors.base import Connector
 from omnirelay.engine.generation_scheduler import GenerationScheduler
 from omnirelay.engine.intake import admission_problem, stage_sampling
-from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
+from omnirelay.engine.interfaces import BatchItem, Executor, PendingStep, StageOutput, StageRequest
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
@@ -97,6 +97,35 @@ class _Release:
 
 
 _Command = _Add | _Abort | _Release
+
+
+class _Call:
+    """One executor call of a tick: launched (``pending``) or ended (``value``: the
+    results, or the exception)."""
+
+    __slots__ = ("batch", "pending", "value")
+
+    def __init__(self, batch: tuple[BatchItem, ...]) -> None:
+        self.batch = batch
+        self.pending: PendingStep | None = None
+        self.value: Any = None
+
+    def is_done(self) -> bool:
+        if self.pending is None:
+            return True
+        try:
+            return self.pending.is_done()
+        except Exception:
+            return True  # its result() raises it, which fails the batch
+
+
+@dataclasses.dataclass(slots=True)
+class _Tick:
+    """A launched tick, until :meth:`StageEngine.complete_step`."""
+
+    outputs: list[StageOutput]
+    sched: Any = None
+    calls: list[_Call] = dataclasses.field(default_factory=list)
 
 
 def _build_scheduler(
@@ -146,6 +175,12 @@ class StageEngine:
                 f"{executor.execution_type!r} but the stage is {str(stage.execution_type)!r}"
             )
         self._executor = executor
+        #: the executor splits a step into launch and completion (``launch``)
+        self._launches = callable(getattr(executor, "launch", None))
+        #: the tick launched and not yet completed (:meth:`launch_step`)
+        self._tick: _Tick | None = None
+        #: told whenever this engine may have work (:meth:`set_wake_listener`)
+        self._wake_listener: Callable[[], None] | None = None
         self._clock = clock
         #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
         self._tracer = tracer
@@ -227,10 +262,21 @@ class StageEngine:
 
     def _notify(self) -> None:
         if self._adapter is not None:
-            self._adapter.kick()
-        else:
-            with self._cond:
-                self._cond.notify_all()
+            self._adapter.kick()  # tells the listener too
+            return
+        with self._cond:
+            self._cond.notify_all()
+        if self._wake_listener is not None:
+            self._wake_listener()
+
+    def set_wake_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` (from any thread, under no lock of the engine) whenever
+        this engine may have new work: a command, a ready chunk, a transfer failure, a
+        retired sender. The loop of a device group waits on one waker for all its
+        engines (:mod:`omnirelay.worker.group`) instead of in ``wait_for_work``."""
+        self._wake_listener = listener
+        if self._adapter is not None:
+            self._adapter.set_event_listener(listener)
 
     def _has_commands(self) -> bool:
         # Lock-free on purpose: it runs under the adapter's event lock (see wait_for_work).
@@ -282,22 +328,52 @@ class StageEngine:
     # ----------------------------------------------------------------- the tick
 
     def step(self) -> list[StageOutput]:
-        """Apply commands, run one scheduler tick and its executor calls; the outputs."""
+        """Apply commands, run one scheduler tick and its executor calls; the outputs.
+        (:meth:`launch_step` then :meth:`complete_step`, which waits for the calls.)"""
+        self.launch_step()
+        return self.complete_step()
+
+    def launch_step(self) -> bool:
+        """The first half of a tick: apply commands, schedule, and launch the executor
+        calls (an executor with ``launch`` enqueues its work and returns at once, see
+        :class:`~omnirelay.engine.interfaces.PendingStep`; any other one runs its step
+        here). True while a call is still running. Commands posted from now on wait for
+        the next tick: an abort between launch and completion lands after the step."""
         with self._step_lock:
+            if self._tick is not None:
+                raise PipelineError(f"stage {self.stage_id}: a step is in flight; complete it first")
+            outputs: list[StageOutput] = []
+            self._tick = _Tick(outputs)
             if self._is_closed:
-                return []
+                return False
             self._counts["num_steps"] += 1
             self._load_deferred()
-            outputs: list[StageOutput] = []
             for command in self._take_commands():
                 self._apply_command(command, outputs)
             events = self._poll_transfer(outputs)
-            sched = self._scheduler.schedule(events)
+            sched = self._tick.sched = self._scheduler.schedule(events)
             self._load(sched.chunk_loads)
             for request in sched.finished:
                 self._finish(request, None, outputs)
-            if sched.batches:
-                results = [self._call_executor(batch) for batch in sched.batches]
+            self._tick.calls = [self._launch_executor(batch) for batch in sched.batches]
+            return not self.is_step_done()
+
+    def is_step_done(self) -> bool:
+        """Has every executor call of the launched tick ended? (Polls; never blocks.)"""
+        tick = self._tick
+        return tick is None or all(call.is_done() for call in tick.calls)
+
+    def complete_step(self) -> list[StageOutput]:
+        """The second half of a tick: the calls' results (waiting for those still running)
+        go to the scheduler; the tick's outputs. ``[]`` when nothing was launched."""
+        with self._step_lock:
+            tick, self._tick = self._tick, None
+            if tick is None or self._is_closed:
+                return []
+            outputs = tick.outputs
+            sched = tick.sched
+            if sched is not None and sched.batches:
+                results = [self._end_call(call) for call in tick.calls]
                 update = self._scheduler.update_from_output(sched, results)
                 if self._defers_loads:
                     self._deferred_loads.extend(update.chunk_loads)
@@ -308,24 +384,39 @@ class StageEngine:
             self._counts["num_outputs"] += len(outputs)
             return outputs
 
-    def _call_executor(self, batch: tuple[BatchItem, ...]) -> Any:
-        """One executor call: its results, or the exception it raised (which fails this
-        batch's requests, not the stage)."""
+    def _launch_executor(self, batch: tuple[BatchItem, ...]) -> _Call:
+        """Start one executor call: launched (an executor with ``launch``) or run now."""
         self._counts["num_executor_calls"] += 1
         self._counts["num_items"] += len(batch)
         self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
-        tracer = self._tracer
-        if tracer is not None:
-            tracer.call_started(batch)
+        if self._tracer is not None:
+            self._tracer.call_started(batch)
+        call = _Call(batch)
         try:
-            result = self._executor.step(list(batch))
+            if self._launches:
+                call.pending = self._executor.launch(list(batch))  # type: ignore[attr-defined]
+            else:
+                call.value = self._executor.step(list(batch))
         except Exception as exc:
+            call.value = exc
+        return call
+
+    def _end_call(self, call: _Call) -> Any:
+        """One executor call's results, or the exception it raised (which fails this
+        batch's requests, not the stage)."""
+        if call.pending is not None:
+            try:
+                call.value = call.pending.result()
+            except Exception as exc:
+                call.value = exc
+            call.pending = None
+        if isinstance(call.value, Exception):
+            failure = call.value
             self._counts["num_executor_errors"] += 1
-            self.last_error = f"executor: {type(exc).__name__}: {exc}"
-            return exc
-        if tracer is not None:
-            tracer.call_ended(batch)
-        return result
+            self.last_error = f"executor: {type(failure).__name__}: {failure}"
+        elif self._tracer is not None:
+            self._tracer.call_ended(call.batch)
+        return call.value
 
     def _take_commands(self) -> list[_Command]:
         with self._cond:
@@ -610,6 +701,7 @@ class StageEngine:
             self._released.clear()
             self._deferred_loads.clear()
             self._outputs.clear()
+            self._tick = None  # a launched tick's results are dropped with its requests
         if self._adapter is not None:
             self._adapter.shutdown()  # closes the connector: releases what it still owns
         elif self._connector is not None:

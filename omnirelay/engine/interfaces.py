@@ -30,6 +30,7 @@ __all__ = [
     "ChunkReader",
     "Executor",
     "ItemResult",
+    "PendingStep",
     "SamplingParams",
     "StageEngineProtocol",
     "StageOutput",
@@ -148,10 +149,30 @@ class Executor(Protocol):
         """Free the request's model state (KV cache …). Idempotent."""
         ...
 
+    # Optional: ``launch(batch) -> PendingStep`` — the step split in two (a device
+    # group's loop overlaps stages with it, docs/design.md §12): enqueue the step's work
+    # (kernels, a graph replay on the stage's own CUDA stream, an event recorded after
+    # it, results copied non-blocking into pinned host buffers) and return at once; the
+    # engine polls ``is_done()`` and takes ``result()`` once it is. Without it, the engine
+    # calls ``step`` (the step is done when it returns).
+
     # Optional: ``keep_outputs_on_device(enabled: bool)`` — called once, before the first
     # step, when the stage's edge to the next one is GPU-direct (docs/protocol.md §3.9):
     # hand next_stage_output's tensors on the model's device instead of copying them to
     # the host (the Thinker does).
+
+
+class PendingStep(Protocol):
+    """A launched executor step (``Executor.launch``)."""
+
+    def is_done(self) -> bool:
+        """Has the step's work ended (its event completed)? Never blocks."""
+        ...
+
+    def result(self) -> list[ItemResult]:
+        """The step's results, in batch order (raises what the step raised). Called
+        once, normally after ``is_done()`` said True; before, it waits."""
+        ...
 
 
 class StageEngineProtocol(Protocol):

@@ -37,7 +37,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,9 @@ from omnirelay.connectors import reclaim_namespace
 from omnirelay.errors import StageDiedError
 from omnirelay.orchestrator.front_control import FrontControl
 from omnirelay.orchestrator.stage_processes import StageProcess, StageState, describe_exit
+from omnirelay.pipeline.groups import process_groups
 from omnirelay.pipeline.restart import RestartPolicy
-from omnirelay.worker import WorkerSpec, worker_main
+from omnirelay.worker import WorkerSpec, group_main, worker_main
 from omnirelay.worker.messages import Shutdown, ToFront
 from omnirelay.worker.processes import worker_context
 from omnirelay.worker.worker_control import ControlPaths
@@ -119,9 +120,15 @@ class StageSupervisor:
         spawn: Callable[[int, WorkerSpec], Any] | None = None,
         tcp_host: str | None = None,
         preload: Iterable[str] = (),
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.namespace = namespace
         self.stages = stages
+        #: worker index -> the workers of its process (itself alone, or its device group);
+        #: None: from the pipeline (:func:`omnirelay.pipeline.groups.process_groups`) at start
+        self._groups: dict[int, tuple[int, ...]] | None = None
+        if groups is not None:
+            self._set_groups(groups)
         self._make_spec = make_spec
         self.book = RestartBook(policy)
         self._startup_timeout_s = startup_timeout_s
@@ -146,6 +153,14 @@ class StageSupervisor:
     def policy(self) -> RestartPolicy:
         return self.book.policy
 
+    def _set_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        self._groups = {i: tuple(g) for g in groups for i in g}
+
+    def group_of(self, worker: int) -> tuple[int, ...]:
+        """The workers that share ``worker``'s process (started ones; itself included)."""
+        group = self._groups.get(worker, (worker,)) if self._groups is not None else (worker,)
+        return tuple(i for i in group if not self.stages[i].is_off) or (worker,)
+
     # -- first start ----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -159,9 +174,17 @@ class StageSupervisor:
         except BaseException:
             paths.remove()
             raise
+        if self._groups is None:
+            if self._spawn_process is None:
+                self._set_groups(process_groups(self._make_spec(0, paths).pipeline))
+            else:  # placed on Ray nodes: a process each
+                self._set_groups([(st.index,) for st in self.stages])
+        spawned: set[int] = set()
         for st in self.stages:
-            if not st.is_off:
-                self._spawn(st, paths)
+            if not st.is_off and st.index not in spawned:
+                group = self.group_of(st.index)
+                spawned.update(group)
+                self._spawn(group, {i: paths for i in group})
         hellos = [st.hello for st in self.stages if st.hello is not None]
         done, pending = await asyncio.wait(
             hellos, timeout=self._startup_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -178,27 +201,35 @@ class StageSupervisor:
         paths.remove()
         self.is_started = True
 
-    def _spawn(self, st: StageProcess, paths: ControlPaths) -> None:
+    def _spawn(self, group: tuple[int, ...], paths: dict[int, ControlPaths]) -> None:
+        """Start the process of ``group`` (one worker, or a device group's workers)."""
         loop, control = self._loop, self.control
         assert loop is not None and control is not None
-        st.hello = loop.create_future()
-        spec = self._make_spec(st.index, paths)
+        members = [self.stages[i] for i in group]
+        specs = [self._make_spec(st.index, paths[st.index]) for st in members]
         if self._spawn_process is not None:
-            proc = self._spawn_process(st.index, spec)
+            assert len(group) == 1, "workers placed on Ray run a process each"
+            proc = self._spawn_process(group[0], specs[0])
         else:  # the environment as it is now, not as the fork server found it
+            environ = dict(os.environ)
+            specs = [dataclasses.replace(spec, environ=environ) for spec in specs]
             proc = self._ctx.Process(
-                target=worker_main,
-                args=(dataclasses.replace(spec, environ=dict(os.environ)),),
-                name=f"omnirelay-{self.namespace}-{st.process_name}",
+                target=worker_main if len(specs) == 1 else group_main,
+                args=(specs[0],) if len(specs) == 1 else (tuple(specs),),
+                name=f"omnirelay-{self.namespace}-{'+'.join(st.process_name for st in members)}",
                 daemon=True,
             )
+        for st in members:
+            st.hello = loop.create_future()
         proc.start()
-        st.new_process(proc)
-        st.startup_began = time.monotonic()
-        loop.add_reader(proc.sentinel, self._on_exit, st.index)
-        st.reader_fd = control.fileno(st.index)
-        loop.add_reader(st.reader_fd, self._hooks.read, st.index)
-        loop.call_soon(self._hooks.read, st.index)  # anything queued before the watch
+        for st in members:
+            st.new_process(proc)
+            st.startup_began = time.monotonic()
+        loop.add_reader(proc.sentinel, self._on_exit, group[0])
+        for st in members:
+            st.reader_fd = control.fileno(st.index)
+            loop.add_reader(st.reader_fd, self._hooks.read, st.index)
+            loop.call_soon(self._hooks.read, st.index)  # anything queued before the watch
 
     def on_hello(self, st: StageProcess) -> None:
         """The stage's worker said hello (routed by the orchestrator)."""
@@ -219,13 +250,50 @@ class StageSupervisor:
     # -- a worker exited ----------------------------------------------------------------------
 
     def _on_exit(self, worker: int) -> None:
-        """The worker's process sentinel became readable: it exited."""
-        st = self.stages[worker]
-        loop, proc = self._loop, st.process
+        """The process sentinel of ``worker``'s group became readable: it exited, and with
+        it each stage it hosted (one restart of the group, one backoff, one budget entry)."""
+        group = self.group_of(worker)
+        loop, proc = self._loop, self.stages[group[0]].process
         assert loop is not None and proc is not None
         loop.remove_reader(proc.sentinel)
         # The sentinel closes as the process exits, a moment before it can be reaped.
         proc.join(timeout=1.0)
+        down: list[tuple[StageProcess, str]] = []
+        for index in group:
+            reason = self._worker_exited(self.stages[index], proc)
+            if reason is not None:
+                down.append((self.stages[index], reason))
+        if not down:
+            return
+        if self.is_closing or not self.is_started:
+            for st, reason in down:
+                message = f"{reason}; its requests were failed"
+                self._hooks.stage_down(st.index, message, message, None)
+                self._track(asyncio.ensure_future(self._sweep([st])))
+            return
+        delay = self.book.next_delay(group[0], time.monotonic())
+        for st, reason in down:
+            if delay is None:
+                st.state = StageState.FAILED
+                st.expected_back = None
+                failed = f"{reason}; {self._give_up_note(st.index)}"
+                self._hooks.stage_down(st.index, failed, failed, None)
+            else:
+                st.state = StageState.RESTARTING
+                back_in = delay + st.startup_s
+                st.expected_back = time.monotonic() + back_in
+                shared = f" (with {self._shared_note(st, group)})" if len(group) > 1 else ""
+                message = f"{reason}; its requests were failed, it is being restarted{shared}"
+                restarting = f"{st.label} is restarting after its worker process died ({st.last_exit})"
+                self._hooks.stage_down(st.index, message, restarting, back_in)
+        self._track(asyncio.ensure_future(self._recover([st for st, _ in down], delay)))
+
+    def _shared_note(self, st: StageProcess, group: tuple[int, ...]) -> str:
+        return ", ".join(self.stages[i].label for i in group if i != st.index)
+
+    def _worker_exited(self, st: StageProcess, proc: Any) -> str | None:
+        """Books for one worker whose process exited; why it went down (None: it said
+        goodbye while the pipeline shuts down)."""
         st.exitcode = proc.exitcode
         st.is_exited = True
         st.exited.set()
@@ -233,10 +301,10 @@ class StageSupervisor:
         # Its last messages (a StartupFailed with the real reason, final outputs) may be
         # queued but not read yet: handle them before reporting the death.
         if self.control is not None:
-            for message in self.control.recv_nowait(worker):
-                self._hooks.route(worker, message)
+            for message in self.control.recv_nowait(st.index):
+                self._hooks.route(st.index, message)
         if self.is_closing and st.said_goodbye:
-            return
+            return None
         where = (
             f" on node {proc.node['node_ip']} ({proc.node['node_id'][:12]})" if hasattr(proc, "node") else ""
         )
@@ -249,25 +317,7 @@ class StageSupervisor:
         if st.cause is not None:  # it said why before it exited
             reason = f"{st.cause}; its worker process (pid {st.pid}) exited ({st.last_exit})"
         self.fail_hello(st, reason)
-        if self.is_closing or not self.is_started:
-            down = f"{reason}; its requests were failed"
-            self._hooks.stage_down(worker, down, down, None)
-            self._track(asyncio.ensure_future(self._sweep(st)))
-            return
-        delay = self.book.next_delay(worker, time.monotonic())
-        if delay is None:
-            st.state = StageState.FAILED
-            st.expected_back = None
-            failed = f"{reason}; {self._give_up_note(worker)}"
-            self._hooks.stage_down(worker, failed, failed, None)
-        else:
-            st.state = StageState.RESTARTING
-            back_in = delay + st.startup_s
-            st.expected_back = time.monotonic() + back_in
-            down = f"{reason}; its requests were failed, it is being restarted"
-            restarting = f"{st.label} is restarting after its worker process died ({st.last_exit})"
-            self._hooks.stage_down(worker, down, restarting, back_in)
-        self._track(asyncio.ensure_future(self._recover(st, delay)))
+        return reason
 
     def _give_up_note(self, worker: int) -> str:
         if not self.policy.is_enabled:
@@ -277,64 +327,76 @@ class StageSupervisor:
             f"{self.policy.window_s:g} s already (restart policy: {self.policy.describe()})"
         )
 
-    async def _sweep(self, st: StageProcess) -> None:
+    async def _sweep(self, members: list[StageProcess]) -> None:
         """Reclaim the dead process's objects, then tell the orchestrator (its fences)."""
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
         finally:  # a sweep that failed must not fence the dead worker's ids for ever
             if self._hooks.swept is not None:
-                self._hooks.swept(st.index)
+                for st in members:
+                    self._hooks.swept(st.index)
 
-    async def _recover(self, st: StageProcess, delay: float | None) -> None:
-        """Reclaim the dead process's objects, then restart the stage (unless given up)."""
+    async def _recover(self, members: list[StageProcess], delay: float | None) -> None:
+        """Reclaim the dead process's objects, then restart its stages (unless given up)."""
         # Before any new process of the stage can put, and before an id the dead process
         # held is admitted again: a reused id must not find a dead incarnation's object
         # (docs/protocol.md §3.5 crash safety).
-        await self._sweep(st)
+        await self._sweep(members)
         if self.is_closing or delay is None:
             return
         await asyncio.sleep(delay)
         if self.is_closing:
             return
         try:
-            await self._restart(st, st.death_reason or f"{st.label} is restarting")
+            await self._restart(members)
         except Exception as exc:  # no new process (sockets, fork): nothing will bring it back
-            st.state = StageState.FAILED
-            st.expected_back = None
-            self._hooks.stage_unavailable(st.index, f"{st.label} could not be restarted: {exc!r}", None)
+            for st in members:
+                st.state = StageState.FAILED
+                st.expected_back = None
+                self._hooks.stage_unavailable(st.index, f"{st.label} could not be restarted: {exc!r}", None)
 
-    async def _restart(self, st: StageProcess, restarting: str) -> None:
+    async def _restart(self, members: list[StageProcess]) -> None:
         loop, control = self._loop, self.control
         assert loop is not None and control is not None
-        if st.reader_fd is not None:
-            loop.remove_reader(st.reader_fd)
-            st.reader_fd = None
-        if st.process is not None:
-            st.process.close()
+        old = members[0].process
+        for st in members:
+            if st.reader_fd is not None:
+                loop.remove_reader(st.reader_fd)
+                st.reader_fd = None
             st.process = None
-        paths = control.rebind(st.index)
+        if old is not None:
+            old.close()
+        paths: dict[int, ControlPaths] = {}
         try:
-            st.num_restarts += 1
-            self._spawn(st, paths)
-            st.expected_back = time.monotonic() + st.startup_s
-            self._hooks.stage_unavailable(st.index, restarting, st.startup_s)
-            assert st.hello is not None
+            for st in members:
+                paths[st.index] = control.rebind(st.index)
+            for st in members:
+                st.num_restarts += 1
+            self._spawn(tuple(st.index for st in members), paths)
+            for st in members:
+                st.expected_back = time.monotonic() + st.startup_s
+                restarting = st.death_reason or f"{st.label} is restarting"
+                self._hooks.stage_unavailable(st.index, restarting, st.startup_s)
+            hellos = [asyncio.shield(st.hello) for st in members if st.hello is not None]
             try:
-                await asyncio.wait_for(asyncio.shield(st.hello), self._startup_timeout_s)
+                await asyncio.wait_for(asyncio.gather(*hellos), self._startup_timeout_s)
             except StageDiedError:
                 return  # its exit is being handled: the next restart or the give-up
             except TimeoutError:
-                if st.process is not None and not st.is_exited:
-                    st.process.kill()  # its exit takes the usual path
+                proc = members[0].process
+                if proc is not None and not members[0].is_exited:
+                    proc.kill()  # its exit takes the usual path
                 return
         finally:
-            paths.remove()
-        st.state = StageState.HEALTHY
-        st.expected_back = None
-        st.is_dead = False
-        st.death_reason = None
-        self._hooks.stage_up(st.index)
+            for p in paths.values():
+                p.remove()
+        for st in members:
+            st.state = StageState.HEALTHY
+            st.expected_back = None
+            st.is_dead = False
+            st.death_reason = None
+            self._hooks.stage_up(st.index)
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.add(fut)
@@ -377,8 +439,10 @@ class StageSupervisor:
                 st.reader_fd = None
         if self.control is not None:
             self.control.close()
+        closed: set[int] = set()
         for st in self.stages:
-            if st.process is not None:
+            if st.process is not None and id(st.process) not in closed:
+                closed.add(id(st.process))  # a device group's workers share one
                 st.process.close()
         return num_killed
 
@@ -396,9 +460,12 @@ class StageSupervisor:
             running = [st for st in running if not st.is_exited]
             if not running or escalate is None:
                 break
+            signalled: set[int] = set()
             for st in running:
                 assert st.process is not None
-                getattr(st.process, escalate)()
+                if id(st.process) not in signalled:  # a device group's workers share one
+                    signalled.add(id(st.process))
+                    getattr(st.process, escalate)()
                 num_killed += 1
         for st in running:  # the sentinel never fired (should not happen): join directly
             assert st.process is not None and self._loop is not None

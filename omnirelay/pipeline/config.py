@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
     "ConnectorRole",
     "ConnectorSpec",
+    "DeviceGroups",
     "Edge",
     "EdgeContract",
     "EntryInput",
@@ -113,6 +114,14 @@ class GpuPriority(enum.StrEnum):
 
 
 _MPS_PRIORITY_VALUES = {GpuPriority.NORMAL: "0", GpuPriority.LOW: "1"}
+
+
+class DeviceGroups(enum.StrEnum):
+    """Which stages share one worker process (``device_groups:``, docs/design.md §12)."""
+
+    AUTO = "auto"  # the stages placed on one CUDA device share a process
+    ON = "on"  # also the stages on no CUDA device share one (the CPU pipelines, tests)
+    OFF = "off"  # every stage in a process of its own
 
 
 class FlagOrigin(enum.StrEnum):
@@ -209,6 +218,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: Which replica this config describes: 0 in the pipeline file; a replica's worker
     #: sees its own (:meth:`PipelineConfig.for_replica`). Never written in a file.
     replica: int = 0
+    #: Keep this stage in a worker process of its own even where its device is shared
+    #: with other stages (``own_process: true``; isolation, or to compare).
+    own_process: bool = False
 
     @property
     def label(self) -> str:
@@ -316,6 +328,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: Also hold new audio streams while an admitted one is running dry
     #: (``hold_audio_while_dry:``): for pipelines whose streams never pause by design.
     hold_audio_while_dry: bool = False
+    #: Which stages share a worker process (``device_groups:``; :mod:`omnirelay.pipeline.groups`).
+    device_groups: DeviceGroups = DeviceGroups.AUTO
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 
@@ -510,6 +524,15 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def with_placement(self, placement: PlacementConfig) -> PipelineConfig:
         """A validated copy placed otherwise (a started cluster's address, resolved endpoints)."""
         return msgspec.structs.replace(self, placement=placement)
+
+    def with_device_groups(self, value: DeviceGroups | str) -> PipelineConfig:
+        """A copy whose stages share processes otherwise (``--device-groups``)."""
+        try:
+            groups = DeviceGroups(value)
+        except ValueError:
+            choices = ", ".join(g.value for g in DeviceGroups)
+            raise ConfigError(f"device_groups must be one of {choices}, got {value!r}") from None
+        return msgspec.structs.replace(self, device_groups=groups)
 
     def with_restart(self, policy: RestartPolicy) -> PipelineConfig:
         """A copy with another restart policy (``serve --max-restarts``, ``run``'s fail-fast)."""

@@ -25,6 +25,7 @@ from omnirelay.pipeline.config import (
     DEFAULT_INPUT_WAIT_TIMEOUT_S,
     ConnectorRole,
     ConnectorSpec,
+    DeviceGroups,
     EntryInput,
     ExecutionType,
     FinalOutputType,
@@ -130,6 +131,8 @@ def parse_pipeline(
         kwargs["max_audio_streams"] = limit
     if "hold_audio_while_dry" in data:
         kwargs["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
+    if "device_groups" in data:
+        kwargs["device_groups"] = ctx.choice(data, "device_groups", DeviceGroups)
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     if "openai_voices" in data:
@@ -253,6 +256,7 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "entry_input": lambda m, k: ctx.choice(m, k, EntryInput, optional=True),
         "resources": lambda m, k: parse_resources(source, ctx.where or "", m[k]),
         "replicas": ctx.integer,
+        "own_process": ctx.strict_bool,
     }
     per_replica = {k: raw[k] for k in ("devices", "resources") if isinstance(raw.get(k), list)}
     for key, read in readers.items():
@@ -320,6 +324,7 @@ PIPELINE_KEYS = (
     "default_modalities",
     "max_audio_streams",
     "hold_audio_while_dry",
+    "device_groups",
 )
 #: What a worker's view of a stage adds (never written in a file).
 _DERIVED_STAGE_FIELDS = ("replica_devices", "replica_resources", "replica")

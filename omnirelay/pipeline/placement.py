@@ -10,7 +10,9 @@
       - id: 2
         resources: {hostB: 1} # Ray resources the stage's worker needs (custom ones name hosts)
 
-An edge's backend is resolved from placement (:func:`edge_backend`): between two stages
+An edge's backend is resolved from placement (:func:`edge_backend`): between two stages of
+one worker process (a device group, :mod:`omnirelay.pipeline.groups`) it is ``inproc``;
+placed on Ray, between two stages
 pinned to the same host by the same custom resource it is the connector's own backend
 (``shm``); otherwise ``nixl`` — a stage without a custom resource may land on any node, so
 its edges assume another host. ``placement.edges`` overrides one edge (``shm`` across hosts
@@ -85,7 +87,9 @@ def edge_backend(cfg: PipelineConfig, src: int, dst: int, spec_backend: str) -> 
     """The backend of edge ``src -> dst`` (see the module docstring)."""
     placement = cfg.placement
     if not placement.is_ray:
-        return spec_backend
+        from omnirelay.pipeline.groups import shares_process
+
+        return "inproc" if shares_process(cfg, src, dst) else spec_backend
     override = placement.edges.get(f"{src} -> {dst}")
     if override is not None:
         return override

@@ -356,6 +356,11 @@ class TransferAdapter:
             self.housekeep(True)
         return True
 
+    def set_event_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` whenever :meth:`wait_events` waiters are woken (a ready
+        chunk, a failure, a retired sender, :meth:`kick`), under no lock of the adapter."""
+        self._box.set_listener(listener)
+
     def kick(self) -> None:
         """Wake every waiter to re-check its clock (after advancing an injected clock)."""
         self._budget.notify()

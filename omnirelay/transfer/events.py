@@ -115,8 +115,20 @@ class EventBox:
         self._external_order: deque[str] = deque()
         self._retired: dict[str, None] = {}  # external ids, an ordered set
         self._max_external = max_external
+        #: told (under no lock) after anything wakes the waiters: :meth:`set_listener`
+        self._listener: Callable[[], None] | None = None
         self.num_external_dropped = 0
         self.num_by_kind: dict[str, int] = {}
+
+    def set_listener(self, listener: Callable[[], None] | None) -> None:
+        """Also call ``listener()`` whenever waiters are woken (after this box's lock is
+        released): a thread that waits for several boxes at once (a device group's loop)."""
+        self._listener = listener
+
+    def _tell(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
 
     def publish_ready(self, item: ChunkInput) -> None:
         with self._cv:
@@ -124,6 +136,7 @@ class EventBox:
             assert item.internal_id not in self._ready, item.internal_id
             self._ready[item.internal_id] = item
             self._cv.notify_all()
+        self._tell()
 
     def has_ready(self, internal_id: str) -> bool:
         with self._cv:
@@ -135,6 +148,7 @@ class EventBox:
             self._failed.setdefault(failure.internal_id, []).append(failure)
             self._record_external_locked(failure)
             self._cv.notify_all()
+        self._tell()
 
     def record_external(self, failure: TransferFailure) -> None:
         """A failure the scheduler already has (a timeout it collected): orchestrator only."""
@@ -159,6 +173,7 @@ class EventBox:
         with self._cv:
             self._retired[external_id] = None
             self._cv.notify_all()
+        self._tell()
 
     def discard_request(self, internal_id: str) -> None:
         """The scheduler no longer tracks the request: drop its undrained chunk and failures."""
@@ -186,6 +201,7 @@ class EventBox:
     def notify(self) -> None:
         with self._cv:
             self._cv.notify_all()
+        self._tell()
 
     def wait(self, timeout: float | None, wake_if: Callable[[], bool] | None = None) -> bool:
         """Wait until a ready chunk, a failure or a retired sender is there to drain, or

@@ -13,12 +13,15 @@ Files, one role each:
   named ``"module:function"``.
 * ``loop.py`` — :class:`WorkerLoop`: control messages in, engine steps, outputs and
   completed releases out; :func:`leak_paths` for audits.
-* ``main.py`` — :func:`worker_main`, the process target.
+* ``main.py`` — :func:`worker_main`, the process target; :func:`group_main`, that of a
+  device group (several stage workers in one process).
+* ``group.py`` — :class:`~omnirelay.worker.group.GroupLoop`: one loop drives a device
+  group's stages, launching and polling their steps.
 * ``factory.py`` — :func:`build_stage_engine`, the default engine factory.
 """
 
 from omnirelay.worker.loop import WorkerLoop, leak_paths
-from omnirelay.worker.main import worker_main
+from omnirelay.worker.main import group_main, worker_main
 from omnirelay.worker.spec import DEFAULT_ENGINE_FACTORY, EngineFactory, WorkerSpec, load_engine_factory
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "EngineFactory",
     "WorkerLoop",
     "WorkerSpec",
+    "group_main",
     "leak_paths",
     "load_engine_factory",
     "worker_main",

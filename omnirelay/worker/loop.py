@@ -168,11 +168,78 @@ class WorkerLoop:
             outputs = self.engine.step()
             released = self.engine.take_released()
         except Exception as exc:
-            self.send(StageFatal(self.stage_id, f"engine step failed: {exc!r}\n{traceback.format_exc()}"))
+            self._fatal(exc)
             raise
+        self._send_step(outputs, released)
+
+    def _fatal(self, exc: Exception) -> None:
+        self.send(StageFatal(self.stage_id, f"engine step failed: {exc!r}\n{traceback.format_exc()}"))
+
+    def _send_step(self, outputs: list[StageOutput], released: list[str]) -> None:
         self._send_outputs(outputs)
         for rid in released:
             self.send(Released(self.stage_id, rid))
+
+    # -- driven by a device group's loop (omnirelay.worker.group) ---------------------------
+
+    def take_messages(self) -> tuple[bool, list[ToWorker]]:
+        """Apply the queued control messages: (whether there were any, the queries)."""
+        messages = self.inbox.take_all()
+        queries: list[ToWorker] = []
+        for message in messages:
+            self._apply(message, queries)
+        return bool(messages), queries
+
+    def wants_step(self) -> bool:
+        """Would a step do anything (or is one due: a command, a wait just ended)?"""
+        return bool(self._num_posted or self._needs_tick or self.engine.has_work())
+
+    def launch(self) -> bool:
+        """Start a step; True while it runs on (see :meth:`complete`). An engine without
+        ``launch_step`` runs its whole step in :meth:`complete`."""
+        launch_step = getattr(self.engine, "launch_step", None)
+        if not callable(launch_step):
+            return False
+        self._num_posted = 0
+        self._needs_tick = False
+        try:
+            return bool(launch_step())
+        except Exception as exc:
+            self._fatal(exc)
+            raise
+
+    def is_step_done(self) -> bool:
+        """Has the launched step ended? (Polls; never blocks.)"""
+        is_done = getattr(self.engine, "is_step_done", None)
+        return not callable(is_done) or bool(is_done())
+
+    def complete(self) -> None:
+        """End the launched step (an engine without ``launch_step``: run it): its outputs
+        and completed releases go out."""
+        complete_step = getattr(self.engine, "complete_step", None)
+        if not callable(complete_step) or not callable(getattr(self.engine, "launch_step", None)):
+            self._step()
+            return
+        try:
+            outputs = complete_step()
+            released = self.engine.take_released()
+        except Exception as exc:
+            self._fatal(exc)
+            raise
+        self._send_step(outputs, released)
+
+    def answer(self, queries: list[ToWorker]) -> None:
+        for query in queries:
+            self._answer(query)
+
+    def before_wait(self) -> None:
+        """The group's loop is about to wait: held outputs go out, and the next
+        iteration steps once (stall timeouts are collected then)."""
+        self._flush()
+        self._needs_tick = True
+
+    def flush(self) -> None:
+        self._flush()
 
     def _send_outputs(self, outputs: list[StageOutput]) -> None:
         if not outputs:

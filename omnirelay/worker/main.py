@@ -38,7 +38,7 @@ from omnirelay.worker.processes import watch_parent
 from omnirelay.worker.spec import WorkerSpec, load_engine_factory
 from omnirelay.worker.worker_control import CommandInbox, WorkerControl
 
-__all__ = ["worker_main"]
+__all__ = ["group_main", "worker_main"]
 
 
 class _Stop(Exception):
@@ -123,6 +123,73 @@ def worker_main(spec: WorkerSpec) -> None:
     # Everything this process owns is closed by now. Skip the interpreter's finalization
     # (a second or more with torch loaded, and it would wait for any stray non-daemon
     # thread): the front is waiting for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if is_clean else 1)
+
+
+def group_main(specs: tuple[WorkerSpec, ...]) -> None:
+    """The process target of a device group: several stage workers in one process, one
+    loop (:mod:`omnirelay.worker.group`). Each stage connects its own control sockets,
+    builds its engine and says hello once all are built; one that cannot be built says
+    :class:`StartupFailed` and the process exits 1 (its stages share its fate). Ends as
+    :func:`worker_main` does, once every stage was told to stop."""
+    from omnirelay.worker.group import GroupLoop, GroupWaker
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    first = specs[0]
+    if first.environ is not None:
+        os.environ.clear()
+        os.environ.update(first.environ)
+    os.environ.update(first.pipeline.stages[first.stage_id].process_env())  # the same for all
+    is_parent_alive = watch_parent(first.parent_pid)
+    controls = [WorkerControl(spec.paths, spec.worker_index) for spec in specs]
+    engines: list[StageEngineProtocol] = []
+    is_clean = False
+    try:
+        for spec, control in zip(specs, controls, strict=True):
+            engine = _build_engine(spec, control, is_parent_alive)
+            if engine is None:
+                raise _Stop()
+            engines.append(engine)
+        waker = GroupWaker()
+        loops: list[WorkerLoop] = []
+        for spec, control, engine in zip(specs, controls, engines, strict=True):
+
+            def send(message: ToFront, control: WorkerControl = control) -> None:
+                control.send(message, is_peer_alive=is_parent_alive)
+
+            loops.append(WorkerLoop(engine, CommandInbox(), send, spec))
+        group = GroupLoop(loops, waker, idle_wait_s=min(s.idle_wait_s for s in specs))
+        for spec, control, loop in zip(specs, controls, loops, strict=True):
+            control.start_receiving(
+                loop.inbox,
+                wake=group.wake(loop),
+                is_parent_alive=is_parent_alive,
+                parent_check_s=spec.parent_check_s,
+            )
+        for spec, loop in zip(specs, loops, strict=True):
+            stage = spec.pipeline.stages[spec.stage_id]
+            loop.send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=stage.max_num_seqs))
+        group.run()
+        is_clean = True
+    except _Stop:
+        is_clean = len(engines) == len(specs)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            for engine in engines:
+                engine.shutdown()
+            if is_clean and is_parent_alive():
+                for spec, control in zip(specs, controls, strict=True):
+                    try:
+                        control.send(Goodbye(spec.stage_id), is_peer_alive=is_parent_alive, timeout_s=1.0)
+                    except PipelineError:
+                        pass
+        finally:
+            for control in controls:
+                control.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if is_clean else 1)
