@@ -36,14 +36,20 @@ if TYPE_CHECKING:
     from omnirelay.api import (
         NO_RESTARTS,
         Pipeline,
+        PipelineHealth,
         PipelineOptions,
+        RequestHandle,
+        RequestOutput,
+        RequestResult,
         RestartPolicy,
         RuntimeHooks,
+        SamplingParams,
+        ShutdownReport,
+        StageHealth,
         chat_tokenizer,
         prompt_side,
         validate_request_id,
     )
-    from omnirelay.engine.interfaces import SamplingParams
     from omnirelay.errors import (
         ConfigError,
         ConnectorError,
@@ -66,14 +72,6 @@ if TYPE_CHECKING:
         TransferError,
     )
     from omnirelay.models.family import PromptSide
-    from omnirelay.orchestrator import (
-        PipelineHealth,
-        RequestHandle,
-        RequestOutput,
-        RequestResult,
-        ShutdownReport,
-        StageHealth,
-    )
     from omnirelay.pipeline import PipelineConfig, load_pipeline
 
 #: Where each public name lives.
@@ -81,14 +79,20 @@ _HOMES = {
     "omnirelay.api": (
         "NO_RESTARTS",
         "Pipeline",
+        "PipelineHealth",
         "PipelineOptions",
+        "RequestHandle",
+        "RequestOutput",
+        "RequestResult",
         "RestartPolicy",
         "RuntimeHooks",
+        "SamplingParams",
+        "ShutdownReport",
+        "StageHealth",
         "chat_tokenizer",
         "prompt_side",
         "validate_request_id",
     ),
-    "omnirelay.engine.interfaces": ("SamplingParams",),
     "omnirelay.errors": (
         "ConfigError",
         "ConnectorError",
@@ -111,14 +115,6 @@ _HOMES = {
         "TransferError",
     ),
     "omnirelay.models.family": ("PromptSide",),
-    "omnirelay.orchestrator": (
-        "PipelineHealth",
-        "RequestHandle",
-        "RequestOutput",
-        "RequestResult",
-        "ShutdownReport",
-        "StageHealth",
-    ),
     "omnirelay.pipeline": ("PipelineConfig", "load_pipeline"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -9,8 +9,9 @@ It is also the one import surface of the layers above it (``serving``, ``timelin
 ``cli``): the types a pipeline's caller meets are re-exported here from their homes —
 what a request gets back (:class:`RequestHandle`, :class:`RequestOutput`,
 :class:`RequestResult`, :data:`TRANSCRIPT`), what it asks for (:class:`SamplingParams`,
-:func:`stage_sampling_defaults`) and what the pipeline reports (:class:`PipelineHealth`,
-:class:`StageHealth`, :class:`StageState`, :class:`ShutdownReport`).
+:func:`stage_sampling_defaults`), what the pipeline reports (:class:`PipelineHealth`,
+:class:`StageHealth`, :class:`StageState`, :class:`ShutdownReport`) and what a stage
+hands to ``on_stage_output`` (:class:`StageOutput`).
 """
 
 from omnirelay.api.options import PipelineOptions, RuntimeHooks
@@ -23,7 +24,7 @@ from omnirelay.api.pipeline import (
     prompt_side,
     validate_request_id,
 )
-from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.orchestrator.handle import RequestHandle, RequestResult
 from omnirelay.orchestrator.requests import RequestOutput, stage_sampling_defaults
 from omnirelay.orchestrator.router import TRANSCRIPT
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingParams",
     "ShutdownReport",
     "StageHealth",
+    "StageOutput",
     "StageState",
     "chat_tokenizer",
     "prompt_side",

@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirelay.engine.interfaces import StageOutput
+from omnirelay.api import StageOutput
 from omnirelay.engine.step_recorder import Step, step_of
 
 __all__ = [
