@@ -274,7 +274,7 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
         )
     return {
         "status": health.status,
-        # the pipeline started (before, the server's startup board answers, docs/protocol.md §7.5)
+        # the pipeline started (before, the server's startup board answers, docs/protocol.md §7.6)
         "ready": True,
         "model": fe.model_name,
         "namespace": health.namespace,

@@ -10,7 +10,7 @@ a message that says what to fix. Handlers raise it; the app turns it into::
 already in flight, a shut-down pipeline, a stage that is down) to the matching status;
 :func:`request_failed` a request that failed after it was admitted (503
 ``stage_unavailable`` with ``Retry-After`` when a stage it needs went down, docs/protocol.md
-§7.5, else 500);
+§7.6, else 500);
 :func:`stream_error_body` the same failure as a stream's ``error`` event.
 """
 
