@@ -371,7 +371,17 @@ def _register_benches(bsub: Any) -> None:
         action="store_true",
         help=(
             "run the stages under a private CUDA MPS daemon started for this run and stopped after it "
-            "(the Talker's and Code2Wav's kernels share the GPU at once instead of in time slices)"
+            "(the Talker's and Code2Wav's kernels share the GPU at once instead of in time slices; "
+            "a process per stage unless --device-groups says otherwise)"
+        ),
+    )
+    sp.add_argument(
+        "--device-groups",
+        choices=("auto", "on", "off"),
+        default=None,
+        help=(
+            "which stages share a worker process: auto (the pipeline's default: the stages on one CUDA "
+            "device), on (also the CPU stages), off (a process per stage); default: the pipeline file's"
         ),
     )
     sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
@@ -612,6 +622,7 @@ def run_bench_speech(args: argparse.Namespace) -> int:
             max_frames=args.max_frames,
             timeout_s=args.timeout,
             mps=args.mps,
+            device_groups=args.device_groups,
         )
     except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench speech: {exc}") from exc

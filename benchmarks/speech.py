@@ -240,10 +240,13 @@ def bench_running_speech(
     max_frames: int | None = None,
     timeout_s: float = 900.0,
     stream: TextIO | None = None,
+    busy_device: str | None = None,
 ) -> dict[str, Any]:
     """The measurement on a running pipeline (started with ``on_stage_output=trace,
     trace_steps=True``): per rate, ``requests`` arrivals (default ``rate · duration_s``, at
-    least 8). Ends with a leak audit; the pipeline keeps running."""
+    least 8). Ends with a leak audit; the pipeline keeps running. ``busy_device``: the
+    CUDA device whose busy share each rate reports (:class:`benchmarks.gpu_busy.BusySampler`)."""
+    from benchmarks.gpu_busy import BusySampler
     from omnirelay.connectors.shm import sweep
     from omnirelay.worker import leak_paths
 
@@ -279,8 +282,14 @@ def bench_running_speech(
         n = requests if requests is not None else max(8, math.ceil(rate * duration_s))
         err.write(f"rate {rate:g}/s: {n} requests (Poisson arrivals)\n")
         err.flush()
-        timelines, lags, span = _run_rate(pipe, trace, prompts, rate, n, seed + k, timeout_s)
-        report["rates"].append(_rate_report(rate, timelines, lags, span))
+        with BusySampler(busy_device) as busy:
+            timelines, lags, span = _run_rate(pipe, trace, prompts, rate, n, seed + k, timeout_s)
+        level = _rate_report(rate, timelines, lags, span)
+        level["device_busy_share"] = busy.share
+        level["step_time_share"] = {
+            sid: v["mean"] * v["count"] / span if span > 0 else 0.0 for sid, v in level["step_s"].items()
+        }
+        report["rates"].append(level)
     leaks = {sid: leak_paths(state) for sid, state in pipe.leak_state().items()}
     objects = [o.name for o in sweep(pipe.namespace).objects if not (o.kind == "slot" and o.state == "free")]
     report["audit"] = {
@@ -300,29 +309,43 @@ def run_speech_bench(
     load_format: str | None = None,
     stream: TextIO | None = None,
     mps: bool = False,
+    device_groups: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Start ``pipeline`` (``device``/``load_format`` as in
     :func:`~omnirelay.cli.session.load_run_config`), run :func:`bench_running_speech`
     (``options``) on it, shut it down and add the shutdown to the audit. ``mps``: the
     whole run under a private MPS daemon (:func:`benchmarks.mps.mps_daemon`), so the
-    stages' kernels share the GPU at once instead of in time slices."""
+    stages' kernels share the GPU at once instead of in time slices.
+    ``device_groups`` (``auto``, ``on``, ``off``) overrides the pipeline's (docs/design.md
+    §12); under ``mps`` it defaults to ``off``: a process per stage, which MPS shares."""
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if mps:
         from benchmarks.mps import mps_daemon
 
         daemon = mps_daemon()
+        device_groups = device_groups or "off"
     with daemon:
-        report = _run_speech_bench(pipeline, device, load_format, stream, **options)
+        report = _run_speech_bench(pipeline, device, load_format, stream, device_groups, **options)
     report["mps"] = mps
     return report
 
 
 def _run_speech_bench(
-    pipeline: str, device: str | None, load_format: str | None, stream: TextIO | None, **options: Any
+    pipeline: str,
+    device: str | None,
+    load_format: str | None,
+    stream: TextIO | None,
+    device_groups: str | None,
+    **options: Any,
 ) -> dict[str, Any]:
+    from omnirelay.pipeline.groups import process_groups
+
     err = stream if stream is not None else sys.stderr
     config = load_run_config(pipeline, device=device, load_format=load_format)
+    if device_groups is not None:
+        config = config.with_device_groups(device_groups)
+    options.setdefault("busy_device", device)
     open_prompt_side(config, err)  # what the models need first is made (and announced) here
     trace = StageTrace()
     pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True, stream=err)
@@ -333,6 +356,10 @@ def _run_speech_bench(
     report.update(
         startup_s=startup_s,
         load_format=load_format,
+        device_groups=config.device_groups.value,
+        processes=[
+            [config.stages[w.stage_id].name for w in _workers(config, g)] for g in process_groups(config)
+        ],
         stage_args={s.name: dict(s.executor_args) for s in config.stages},
         codec_schedule={
             n: dict(c.extra) for n, c in config.connectors.items() if any("codec_" in k for k in c.extra)
@@ -344,6 +371,11 @@ def _run_speech_bench(
     report["ok"] = report["ok"] and not (shutdown.num_killed or shutdown.num_objects_left)
     report["targets_met"] = {str(k): v for k, v in targets_met(report).items()}
     return report
+
+
+def _workers(config: Any, group: Sequence[int]) -> list[Any]:
+    workers = config.workers()
+    return [workers[i] for i in group]
 
 
 def targets_met(report: dict[str, Any]) -> dict[float, bool]:
@@ -373,7 +405,12 @@ def render_speech_bench(report: dict[str, Any]) -> str:
     """The report as a table."""
     lines = [
         f"bench speech: {report['pipeline']} (open-loop Poisson arrivals; {report['warmup']} warm-up requests"
-        + ("; under MPS)" if report.get("mps") else ")"),
+        + ("; under MPS" if report.get("mps") else "")
+        + (
+            f"; processes: {' | '.join('+'.join(p) for p in report['processes'])})"
+            if report.get("processes")
+            else ")"
+        ),
         f"{'rate/s':>7} {'n':>5} {'req/s':>6} {'audio s/s':>9} {'playable p50/p95/p99 ms':>24} "
         f"{'first audio p50 ms':>18} {'gap-free':>9} {'worst gap p95 ms':>16} {'rtf p50/p95':>12} {'lag max ms':>10}",
     ]
@@ -395,6 +432,17 @@ def render_speech_bench(report: dict[str, Any]) -> str:
                     f"stage {sid} {v['p50'] * 1000:.1f}/{v['p99'] * 1000:.1f} ({v['count']} steps)"
                     for sid, v in sorted(steps.items(), key=lambda kv: int(kv[0]))
                 )
+            )
+        shares = lv.get("step_time_share") or {}
+        if shares:
+            busy = lv.get("device_busy_share")
+            lines.append(
+                f"{'':>7} step time over wall: "
+                + ", ".join(
+                    f"stage {sid} {v:.0%}" for sid, v in sorted(shares.items(), key=lambda kv: int(kv[0]))
+                )
+                + f", sum {sum(shares.values()):.0%}"
+                + ("" if busy is None else f"; device busy {busy:.0%}")
             )
     met = report.get("targets_met") or {}
     if met:

@@ -61,18 +61,28 @@ def test_cli_wiring(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--rates" in out and "Poisson" in out and "first playable" in out and "--json" in out
     with pytest.raises(SystemExit, match="numbers like 1,20"):
         main(["bench", "speech", "--rates", "fast"])
-    assert "--mps" in out
+    assert "--mps" in out and "--device-groups" in out
     if shutil.which(CONTROL) is None:  # no MPS here: a clear error before any stage starts
         with pytest.raises(SystemExit, match="speech: nvidia-cuda-mps-control is not installed"):
             main(["bench", "speech", "--mps", "--pipeline", "qwen3-tts-tiny"])
 
 
 def test_a_short_open_loop_run_on_the_tiny_pipeline() -> None:
+    # As one device group: every stage of the tiny pipeline in one process, one loop.
     report = run_speech_bench(
-        pipeline="qwen3-tts-tiny", rates=(4.0,), requests=4, warmup=1, max_frames=6, timeout_s=300
+        pipeline="qwen3-tts-tiny",
+        rates=(4.0,),
+        requests=4,
+        warmup=1,
+        max_frames=6,
+        timeout_s=300,
+        device_groups="on",
     )
     assert report["ok"], report["audit"]
+    assert report["device_groups"] == "on" and len(report["processes"]) == 1
     (level,) = report["rates"]
+    assert level["device_busy_share"] is None  # a CPU run: no device to sample
+    assert set(level["step_time_share"]) == set(level["step_s"]) and level["step_time_share"]
     assert level["num_requests"] == 4 and level["num_streams"] == 4
     assert level["first_playable_s"]["p50"] > 0 and 0 <= level["gap_free_share"] <= 1
     assert level["audio_s"]["max"] == pytest.approx(6 * 0.08)  # 6 frames of 1920 samples, none held back
