@@ -10,6 +10,8 @@
 * Serving reaches the rest through one surface: it imports ``omnirelay.api`` (which
   re-exports the pipeline's types from their homes), the models interface, ``errors``,
   ``ids`` and ``pipeline`` — never the orchestrator, a connector or the engine.
+* The request types are imported from their home, ``orchestrator/requests.py`` (or
+  through ``omnirelay.api``), never through the router that uses them.
 * No loop between packages: siblings never import each other both ways (a package's
   facade importing its own subpackages, and those importing their parent's base
   modules, is layering, not a loop).
@@ -33,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import omnirelay.models
+import omnirelay.orchestrator.requests
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "omnirelay"
@@ -220,6 +223,17 @@ def test_serving_imports_only_the_api_surface() -> None:
         and not any(dst == ok or dst.startswith(ok + ".") for ok in SERVING_SURFACE)
     ]
     assert around == []
+
+
+def test_request_types_are_not_imported_through_the_router() -> None:
+    through = [
+        f"{src} imports {name} from the router"
+        for src, dst, names in import_edges()
+        if dst == "omnirelay.orchestrator.router"
+        for name in names
+        if name in omnirelay.orchestrator.requests.__all__
+    ]
+    assert through == []
 
 
 def test_the_models_facade_exports_only_the_interface() -> None:
