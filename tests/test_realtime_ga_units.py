@@ -159,9 +159,19 @@ def test_server_events_are_reshaped_as_ga() -> None:
         "content": [{"type": "audio", "transcript": "Hi."}],
     }
     ga_answer = {**answer, "content": [{"type": "output_audio", "transcript": "Hi."}]}
-    assert ga.server_events("response.audio.delta", {"delta": "AA=="}) == [
-        ("response.output_audio.delta", {"delta": "AA=="})
-    ]
+    renamed = {
+        "response.audio.delta": "response.output_audio.delta",
+        "response.audio.done": "response.output_audio.done",
+        "response.audio_transcript.delta": "response.output_audio_transcript.delta",
+        "response.audio_transcript.done": "response.output_audio_transcript.done",
+        "response.text.delta": "response.output_text.delta",
+        "response.text.done": "response.output_text.done",
+    }
+    for beta, name in renamed.items():
+        assert ga.server_events(beta, {"delta": "x"}) == [(name, {"delta": "x"})]
+    text_answer = {**answer, "content": [{"type": "text", "text": "Hi."}]}
+    [(_, added_text)] = ga.server_events("response.output_item.added", {"item": text_answer})
+    assert added_text["item"]["content"] == [{"type": "output_text", "text": "Hi."}]
     assert ga.server_events("response.output_item.done", {"response_id": "r", "item": answer}) == [
         ("conversation.item.done", {"item": ga_answer}),
         ("response.output_item.done", {"response_id": "r", "item": ga_answer}),

@@ -3,7 +3,7 @@ the tiny models speak noise), every event the server sends checked against the G
 of the official ``openai`` package: a GA ``session.update`` as the agent frameworks send
 it (``semantic_vad``, ``tracing``, noise reduction, speed 1.0), a message at the root, a
 response whose ``metadata`` is echoed, answered under GA's names; the answer truncated
-where its audio was stopped, retrieved cut, an item deleted; a client that sends
+where its audio was stopped, retrieved cut, an item deleted, a text-only answer; a client that sends
 ``OpenAI-Beta: realtime=v1`` keeps beta's session. Every test ends with a leak audit.
 """
 
@@ -116,6 +116,16 @@ def test_a_ga_session_answers_under_ga_names_and_its_answer_is_truncated(srv: Se
         whole = answer["status"] == "completed"
         assert kept == cut_transcript(transcript, audio_ms // 2, audio_ms, whole=whole)
         assert transcript.startswith(kept)
+
+        # A text-only answer: output_text.
+        await c.send(
+            {"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 4}}
+        )
+        done = (await c.until("response.done", timeout=120))["response"]
+        assert (
+            done["output_modalities"] == ["text"] and done["output"][0]["content"][0]["type"] == "output_text"
+        )
+        assert c.of("response.output_text.done")[0]["text"] == done["output"][0]["content"][0]["text"]
 
         first = c.of("conversation.item.added")[0]["item"]["id"]
         await c.send({"type": "conversation.item.delete", "item_id": first})
