@@ -268,3 +268,40 @@ def test_after_recognition_the_tools_travel_in_extras_into_the_prompt() -> None:
     assert "<tool_response>\n21 C\n</tool_response>" in prompt and prompt.endswith(
         "and Rome?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_the_voice_thinker_leaves_tool_calls_out_of_what_the_voice_reads() -> None:
+    import torch
+
+    from omnirelay.engine.interfaces import BatchItem, SamplingParams
+    from omnirelay.models.voice.chat_model import ChatTokenizer
+    from omnirelay.models.voice.smollm2 import SmolLM2Executor
+    from tests.tool_model import make_tokenizer
+
+    tok = ChatTokenizer(make_tokenizer())
+    ex = SmolLM2Executor(torch.nn.Linear(1, 1), tok)  # a scripted answer computes nothing
+    said = "Let me check. " + WEATHER + " One moment."
+    ids = tok.chat_ids([("user", "hi")])
+    prompt_len = len(ids)
+    text, spoken, finished = "", "", False
+    while not finished:
+        item = BatchItem(
+            internal_id="r",
+            external_id="r",
+            input_token_ids=ids[-1:] if len(ids) > prompt_len else ids,
+            all_token_ids=list(ids),
+            num_computed_tokens=len(ids) - 1 if len(ids) > prompt_len else 0,
+            is_prefill=len(ids) == prompt_len,
+            sampling=SamplingParams(max_tokens=500),
+            additional_information=None,
+            inputs={"speak_text": said},
+        )
+        [result] = ex.step([item])
+        ids += result.token_ids
+        text += result.text or ""
+        spoken += result.next_stage_output or ""
+        finished = result.finished
+    ex.release("r")
+    assert text == said  # the client's text keeps the call: it is parsed there
+    assert spoken == "Let me check.  One moment."
+    assert ex.leak_state() == {}

@@ -21,9 +21,11 @@ is on disk: :mod:`omnirelay.models.voice.chat_model`).
   (:func:`~omnirelay.models.sampling.sample_rows`), streams text deltas
   (:class:`~omnirelay.models.detokenizer.IncrementalDetokenizer`). Its
   ``next_stage_output`` is the step's text delta: what the ``thinker_to_voice`` processor
-  cuts into sentences. A request whose ``inputs`` carry ``{"speak_text": text}`` (a
-  speech request) answers with exactly that text, one token per step, without running
-  the model: the voice then reads it verbatim.
+  cuts into sentences; a model whose template takes tools has its ``<tool_call>`` s left
+  out of it (:mod:`omnirelay.models.tools`), so the voice never reads a call. A request
+  whose ``inputs`` carry ``{"speak_text": text}`` (a speech request) answers with exactly
+  that text, one token per step, without running the model: the voice then reads it
+  verbatim.
 * :func:`create_smollm2` — the registry factory; :func:`load_smol_tokenizer` — the
   tokenizer of a stage's model (the front's prompt side).
 """
@@ -43,6 +45,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.prepared import file_fingerprint, is_prepared, prepare_once, prepared_dir
 from omnirelay.models.stepping import guarded_step
+from omnirelay.models.tools import TextDelta, ToolCallParser
 from omnirelay.models.voice import SMOLLM2_EXECUTOR, THINKER_LOAD_FORMATS, THINKER_RUNNERS
 
 __all__ = [
@@ -272,6 +275,8 @@ class _Sequence:
     #: a speech request's answer, token by token (None: the model answers)
     script: list[int] | None = None
     num_spoken: int = 0
+    #: the answer's text for the voice, tool calls left out (None: the model writes none)
+    voice_text: ToolCallParser | None = None
 
 
 class SmolLM2Executor:
@@ -382,6 +387,9 @@ class SmolLM2Executor:
             detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
         )
         self._seqs[item.internal_id] = seq
+        tools = getattr(self.tokenizer, "chat_tools", None)
+        if tools is not None and tools.format is not None:
+            seq.voice_text = tools.format.parser()
         speak = item.inputs.get("speak_text") if isinstance(item.inputs, Mapping) else None
         if speak is not None:
             if not isinstance(speak, str):
@@ -454,12 +462,16 @@ class SmolLM2Executor:
         text = seq.detokenizer.push([token])
         if finished:
             text += seq.detokenizer.flush()
+        spoken = text
+        if seq.voice_text is not None:  # the voice never reads a tool call aloud
+            events = seq.voice_text.push(text) + (seq.voice_text.finish() if finished else [])
+            spoken = "".join(e.text for e in events if isinstance(e, TextDelta))
         return ItemResult(
             internal_id=item.internal_id,
             token_ids=[token],
             finished=finished,
             text=text or None,
-            next_stage_output=text,
+            next_stage_output=spoken,
         )
 
 
