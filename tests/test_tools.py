@@ -305,3 +305,16 @@ def test_the_voice_thinker_leaves_tool_calls_out_of_what_the_voice_reads() -> No
     assert text == said  # the client's text keeps the call: it is parsed there
     assert spoken == "Let me check.  One moment."
     assert ex.leak_state() == {}
+
+
+def test_a_clip_and_tools_go_into_the_template_together() -> None:
+    from omnirelay.models.family import AudioSlot
+    from omnirelay.models.qwen3_omni.prompt import AUDIO_START, QwenPromptSide
+    from tests.tool_model import make_tokenizer
+
+    side = QwenPromptSide(make_tokenizer(), audio_window=50)
+    tooling = ToolPrompt(tools=(ToolSpec("get_weather"),), calls=((),), call_ids=(None,))
+    ids = side.encode_chat_media([("user", ["weather here? ", AudioSlot(16_000)])], tooling)
+    text = side.tokenizer.decode(ids, skip_special_tokens=False)
+    assert '"name": "get_weather"' in text and "weather here? " + AUDIO_START in text
+    assert text.endswith("<|im_start|>assistant\n")
