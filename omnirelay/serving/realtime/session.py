@@ -4,17 +4,21 @@ One WebSocket is one session: settings, an input audio buffer, a server voice ac
 detector (:mod:`omnirelay.serving.realtime.vad`), a bounded conversation
 (:mod:`omnirelay.serving.realtime.conversation`) and at most one response in flight, which is one
 pipeline request. Events are JSON text frames with OpenAI's names and shapes; every
-server event has an ``event_id`` and a ``type``.
+server event has an ``event_id`` and a ``type``. A session speaks OpenAI's beta
+``realtime=v1`` event set or its GA one, as the client does; the names and shapes below
+are beta's, and :mod:`omnirelay.serving.realtime.ga` translates GA's to them and back.
 
 Client events: ``session.update``, ``input_audio_buffer.append`` (base64 pcm16 at 24 kHz,
 OpenAI's rate, whatever the pipeline's own: the answer is resampled to it and the
 speech from it) / ``commit`` / ``clear``,
-``conversation.item.create`` (a text message), ``response.create``, ``response.cancel``.
+``conversation.item.create`` (a text message, after ``previous_item_id``) / ``truncate``
+/ ``delete`` / ``retrieve`` (:mod:`omnirelay.serving.realtime.items`),
+``response.create``, ``response.cancel``.
 
 Server events: ``session.created`` / ``session.updated``;
 ``input_audio_buffer.speech_started`` {audio_start_ms, item_id} / ``speech_stopped``
 {audio_end_ms, item_id} / ``committed`` / ``cleared``; ``conversation.item.created`` /
-``conversation.item.deleted``; ``response.created``, ``response.output_item.added``,
+``conversation.item.deleted`` / ``truncated`` / ``retrieved``; ``response.created``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.audio.delta`` / ``response.audio_transcript.delta``
 (audio answers) or ``response.text.delta`` (text-only answers), their ``.done`` events,
 ``response.output_item.done``, ``response.done`` {status: completed, cancelled, failed};
@@ -45,7 +49,8 @@ Server events: ``session.created`` / ``session.updated``;
   cancels it: the request is aborted through every stage, ``response.done`` with status
   ``cancelled`` follows ``speech_started`` at once, and no delta of that response comes
   after it. ``response.cancel`` does the same. The conversation keeps the cut answer: the
-  text sent so far, item status ``incomplete``.
+  text sent so far, item status ``incomplete``, until the client says with
+  ``conversation.item.truncate`` how much of it was played.
 * **Bounds.** Events of at most ``realtime_max_event_bytes``; at most
   ``realtime_max_buffer_s`` of buffered input (an append past it is refused, the buffer
   kept); at most ``realtime_max_items`` conversation items and ``max_input_chars`` of text
