@@ -197,3 +197,80 @@ def test_invalid_options_are_refused(namespace: str) -> None:
     for bad in ({"lease_s": 0}, {"endpoints": {1: "nowhere"}}, {"progress_delay_us": -1}, {"nope": 1}):
         with pytest.raises(ConnectorError):
             create_connector("nixl", namespace=namespace, stage_id=1, **bad)
+
+
+# -- after a producer dies: its notices never reach another incarnation's objects ----------
+
+
+def _incarnation(namespace: str, reader_at: str, claim_at: str | None, puts: Any, conn: Any) -> None:
+    """A producer process over TCP; ``claim_at``: bind the claim server there (the port of
+    a producer that died: a process that got it again). It runs the puts ``conn`` sends —
+    ``(key, payload, to_replica)`` — answering each with its claim endpoint, then on
+    ``"withdraw KEY"`` answers whether it could still withdraw KEY (nobody claimed it)."""
+    os.environ["UCX_TLS"] = "tcp"
+    if claim_at is not None:
+        from omnirelay.connectors.nixl import connector as module
+
+        real = module.Producer
+
+        def at_that_port(**kw: Any) -> Any:
+            return real(**{**kw, "claim_at": claim_at})
+
+        module.Producer = at_that_port  # type: ignore[misc,assignment]
+    prod = create_connector(
+        "nixl", namespace=namespace, stage_id=1, endpoints={1: "tcp://127.0.0.1:0", 2: reader_at}
+    )
+    for key, payload, to_replica in puts:
+        assert prod.put(1, 2, key, {"who": payload}, to_replica).ok
+    conn.send(prod._producer.claim_at)  # type: ignore[attr-defined]
+    while True:
+        msg = conn.recv()
+        if msg == "close":
+            break
+        conn.send(prod.cleanup(msg.split(" ", 1)[1]))
+    prod.close()
+
+
+def test_a_dead_producers_notice_never_takes_an_object_of_the_process_after_it(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reader holds the notice of R_1_0 that producer A sent; A is SIGKILLed. Producer
+    # B gets A's claim port and puts R_1_0 again (a rerun reusing the id; the same object
+    # id, as each process counts from 1), its notice not here yet. A get of R_1_0 then
+    # claims with A's notice at A's endpoint — B's. B must refuse it: otherwise the stale
+    # notice takes B's object (lost to the request that reused the id, which then waits
+    # for it for ever) and the read from dead A fails.
+    cons = _reader(True, namespace, monkeypatch)
+    here_a, there_a = _CTX.Pipe()
+    a = _CTX.Process(
+        target=_incarnation, args=(namespace, cons.listening_at, None, [("R_1_0", "A", 0)], there_a)
+    )
+    a.start()
+    b: Any = None
+    here_b: Any = None
+    try:
+        assert here_a.poll(30)
+        claim_at = here_a.recv()
+        _arrive(cons, "R_1_0")
+        os.kill(a.pid or 0, signal.SIGKILL)
+        a.join(10)
+        here_b, there_b = _CTX.Pipe()
+        # B's R_1_0 is announced to another replica's inbox: this reader still holds A's notice.
+        puts = [("R_1_0", "B", 1)]
+        b = _CTX.Process(target=_incarnation, args=(namespace, cons.listening_at, claim_at, puts, there_b))
+        b.start()
+        assert here_b.poll(30) and here_b.recv() == claim_at  # B answers at A's claim port
+        res = cons.get(1, 2, "R_1_0")
+        assert res.status is GetStatus.NOT_YET, (res.status, res.obj, res.error)
+        here_b.send("withdraw R_1_0")
+        assert here_b.poll(30) and here_b.recv() is True  # B's object was never taken
+        here_b.send("close")
+        b.join(30)
+        assert b.exitcode == 0
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        cons.close()
+    assert cons.num_notices() == 0

@@ -282,6 +282,11 @@ class Producer:
             return None
         if not isinstance(msg, wire.Claim):
             return None
+        if msg.producer != self.agent.name:
+            # A notice of another incarnation: a producer that died while this process
+            # took its claim port. Its object is gone with it; one of ours of the same
+            # key and id (a reused request id) is not the one the notice announced.
+            return wire.Gone(msg.req, msg.obj_id, f"announced by {msg.producer}, not by this process")
         with self._lock:
             item = self._objects.get(msg.obj_id)
             key = msg.key.decode("utf-8", "surrogatepass")

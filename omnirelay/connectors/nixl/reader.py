@@ -6,7 +6,12 @@ notices it drained in a table by key. ``get(key)`` takes the key's notice out of
 trip: the producer answers :class:`~.wire.Grant` at most once per object), READs it with
 NIXL into a registered landing buffer, checks the frame, decodes a copy, and acknowledges.
 
-Outcomes: no notice, or the producer says it was withdrawn → ``NOT_YET``; the producer does
+A claim names the producer's incarnation (its NIXL agent, as the notice did), and only
+that process grants it: a notice of a producer that died never takes the object of a
+process that got the same claim port afterwards, whatever key and id they share.
+
+Outcomes: no notice, or the producer says it was withdrawn (or is not the notice's
+incarnation) → ``NOT_YET``; the producer does
 not answer within ``claim_timeout_s`` (dead), the READ fails or times out, or the bytes do
 not decode → ``FAILED`` (the object is the reader's by then, or gone with its producer:
 retrying cannot help).
@@ -182,7 +187,7 @@ class Reader:
                 return f"producer {notice.agent} at {at} stopped answering claims (it died, or its host is unreachable)"
         peer = self._peer(at)
         req = next(_REQ_IDS)
-        claim = wire.Claim(req, notice.obj_id, notice.key, self.agent.name)
+        claim = wire.Claim(req, notice.obj_id, notice.key, self.agent.name, notice.agent)
         deadline = time.monotonic() + self.claim_timeout_s
         with peer.lock:
             peer.sock.send(wire.encode(claim))

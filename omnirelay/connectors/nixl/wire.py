@@ -66,6 +66,9 @@ class Claim(msgspec.Struct, tag="c", array_like=True):
     obj_id: int
     key: bytes
     reader: str  # the reader's NIXL agent
+    #: the NIXL agent the notice named: the producer's incarnation (pid and a random
+    #: part); another process answering at the same claim endpoint refuses the claim
+    producer: str = ""
 
 
 class Ack(msgspec.Struct, tag="a", array_like=True):
