@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -191,17 +192,13 @@ def _entry_text(cfg: PipelineConfig, stage_id: int) -> str | None:
 
 def render_report(report: dict[str, Any], out: TextIO) -> None:
     """Human-readable form of :func:`build_report`."""
-
-    def yes(flag: bool) -> str:
-        return "yes" if flag else "no"
-
     w = out.write
     w(f"pipeline {report['name']}  ({report['source']})\n")
     if report["description"]:
         w(f"  {report['description']}\n")
     origin = _ORIGIN_TEXT.get(report["async_chunk_origin"], report["async_chunk_origin"])
     w(f"  async_chunk: {str(report['async_chunk']).lower()} ({origin})\n")
-    w(f"  any stage chunks: {yes(report['any_stage_chunks'])}\n")
+    w(f"  any stage chunks: {_yes(report['any_stage_chunks'])}\n")
     timeout = report["input_wait_timeout_s"]
     w(f"  input wait timeout: {'disabled' if timeout == 0 else f'{timeout:g} s'}\n")
     w(f"  namespace: {report['namespace'] or '(chosen per run)'}\n")
@@ -219,13 +216,24 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         )
     else:
         w("  placement: local (every stage a process of this machine)\n")
+    _render_stages(report["stages"], w)
+    _render_edges(report["edges"], w)
+    w("\nfinal outputs\n")
+    for modality, ids in report["final_outputs"].items():
+        w(f"  {modality}: stage {', '.join(str(i) for i in ids)}\n")
 
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _render_stages(stages: list[dict[str, Any]], w: Callable[[str], Any]) -> None:
     w("\nstages\n")
-    for s in report["stages"]:
+    for s in stages:
         w(f"  [{s['id']}] {s['name']}: {s['execution_type']}, executor {s['executor']}")
         w(f", device {s['device'] or '(default)'}, max_num_seqs {s['max_num_seqs']}\n")
         w(f"      async_chunk: {s['async_chunk_reason']}\n")
-        w(f"      receives chunks: {yes(s['receives_chunks'])} ({s['receives_chunks_reason']})\n")
+        w(f"      receives chunks: {_yes(s['receives_chunks'])} ({s['receives_chunks_reason']})\n")
         if s["entry"]:
             w(f"      entry: {s['entry']}\n")
         if s["next_stage_processor"]:
@@ -252,10 +260,12 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             env = " ".join(f"{k}={v}" for k, v in s["process_env"].items())
             w(f"      process environment: {env}\n")
 
+
+def _render_edges(edges: list[dict[str, Any]], w: Callable[[str], Any]) -> None:
     w("\nedges\n")
-    if not report["edges"]:
+    if not edges:
         w("  (none)\n")
-    for e in report["edges"]:
+    for e in edges:
         extras = ", ".join(f"{k}={v}" for k, v in e["extra"].items())
         connector = f"{e['connector']} ({e['backend']}{': ' + extras if extras else ''})"
         if e["contract"] == "chunks":
@@ -270,10 +280,6 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
         w(f"      tensors: {e['path']} ({e['path_reason']})\n")
         if e["schedule"]:
             w(f"      chunk schedule: {e['schedule']}\n")
-
-    w("\nfinal outputs\n")
-    for modality, ids in report["final_outputs"].items():
-        w(f"  {modality}: stage {', '.join(str(i) for i in ids)}\n")
 
 
 def _schedule_text(edge: Any) -> str | None:
