@@ -110,7 +110,35 @@ def test_slot_table_hands_out_and_takes_back_slots() -> None:
     table.release("a")
     table.release("a")
     assert table.num_free == 1 and "a" not in table and table.length("a") == 0
-    assert table.acquire("c") == a
+    assert table.acquire("c") == 1 and table.slot("b") == 0  # b moved down to a's slot
+
+
+def test_slot_table_keeps_its_holders_packed_from_zero() -> None:
+    table = SlotTable(num_slots=4, max_len=16)
+    moves: list[tuple[int, int, int]] = []
+    table.on_move = lambda src, dst, length: moves.append((src, dst, length))
+    for i, rid in enumerate("abcd"):
+        assert table.acquire(rid) == i
+        table.set_length(rid, 5 + i)
+    table.release("b")  # d (slot 3, 8 positions) moves into slot 1
+    assert moves == [(3, 1, 8)] and table.slot("d") == 1 and table.length("d") == 8
+    table.release("c")  # the top holder leaves: nothing moves
+    assert moves == [(3, 1, 8)]
+    assert sorted(table.slot(r) for r in table.holders()) == [0, 1]
+    assert table.acquire("e") == 2
+    table.release("a")
+    assert moves[-1] == (2, 0, 0) and table.slot("e") == 0
+    assert sorted(table.slot(r) for r in table.holders()) == [0, 1] and table.num_free == 2
+
+
+def test_a_decode_of_packed_slots_puts_each_row_at_its_slot() -> None:
+    b = Buckets(max_num_seqs=8, max_model_len=512, batch_sizes=(1, 2, 4, 8))
+    (launch,) = plan_decode([10, 300, 20], b, slots=[2, 0, 1])
+    assert (launch.batch, launch.attn_len, launch.rows_at) == (4, 512, (2, 0, 1))
+    assert [launch.row_of(i) for i in range(3)] == [2, 0, 1] and launch.in_place
+    # A sparse subset (slot 5 needs a batch of 8 for 2 rows): gathered, in row order.
+    (sparse,) = plan_decode([10, 20], b, slots=[0, 5])
+    assert sparse.rows_at is None and sparse.batch == 2 and sparse.row_of(1) == 1
 
 
 @pytest.mark.parametrize(

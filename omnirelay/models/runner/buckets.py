@@ -153,10 +153,22 @@ class Launch:
     tokens: int
     attn_len: int | None
     pieces: tuple[Piece, ...]
+    #: the launch row of each piece: its row's KV slot (a decode that reads the cache in
+    #: place, see :func:`plan_decode`); None: piece ``i`` in row ``i``
+    rows_at: tuple[int, ...] | None = None
 
     @property
     def is_fresh(self) -> bool:
         return self.attn_len is None
+
+    @property
+    def in_place(self) -> bool:
+        """Each piece sits in the launch row of its own slot."""
+        return self.rows_at is not None
+
+    def row_of(self, i: int) -> int:
+        """The launch row of piece ``i``."""
+        return i if self.rows_at is None else self.rows_at[i]
 
 
 def _split(row: int, start: int, count: int, piece: int) -> list[Piece]:
@@ -222,8 +234,20 @@ def plan_prefill(rows: Sequence[tuple[int, int]], buckets: Buckets) -> list[Laun
     return launches
 
 
-def plan_decode(positions: Sequence[int], buckets: Buckets) -> list[Launch]:
-    """Launches for decode rows (one token each at ``positions[row]``), in row order."""
+def plan_decode(
+    positions: Sequence[int], buckets: Buckets, slots: Sequence[int] | None = None
+) -> list[Launch]:
+    """Launches for decode rows (one token each at ``positions[row]``), in row order.
+
+    With the rows' KV ``slots``: when the rows fit one launch whose batch bucket covers
+    their highest slot, each row goes to the launch row of its slot (``rows_at``; the
+    other rows pad) and attention reads the cache in place. The slot table keeps its
+    holders packed from 0, so a decode of every holder always does."""
+    if slots is not None and positions and len(set(slots)) == len(slots) == len(positions):
+        size = bucket(len(positions), buckets.batch_sizes)
+        if size is not None and max(slots) < size and min(slots) >= 0:
+            (launch,) = plan_decode(positions, buckets)
+            return [Launch(size, 1, launch.attn_len, launch.pieces, tuple(slots))]
     launches = []
     for first in range(0, len(positions), buckets.max_batch):
         rows = range(first, min(first + buckets.max_batch, len(positions)))

@@ -14,9 +14,18 @@
 Attention: a *fresh* block (every row starts at position 0) attends to itself —
 ``scaled_dot_product_attention(is_causal=True)`` with grouped-query heads (flash kernel
 on a GPU); padding sits after each row's tokens, so real tokens never see it. A block
-that continues cached positions (decode, a continued prefill) gathers the first ``L``
-positions of each row's slot and masks positions beyond each query; the query heads of
-one key/value head share one matmul, so the gathered keys are never repeated per head.
+that continues cached positions (decode, a continued prefill) attends to the first
+``L`` positions of each row's slot and masks positions beyond each query; the query
+heads of one key/value head share one matmul, so the keys are never repeated per head.
+
+Where those keys come from: the cache is laid out ``[slot, kv_head, position, dim]``, so
+the first ``L`` positions of a run of slots are a view that the attention's matmuls
+read as they are (every key/value head's ``[L, D]`` block is contiguous). A launch whose
+row ``i`` is slot ``i`` (``in_place``: a decode over the slots the runner keeps packed
+from 0, see :class:`~omnirelay.models.runner.slots.SlotTable`) reads ``cache[:B, :, :L]``
+in place — no copy per layer. Any other launch (a continued prefill; a decode whose rows
+are a sparse subset of the slots) gathers its rows' slots, one copy of keys and one of
+values per layer.
 """
 
 from __future__ import annotations
@@ -118,7 +127,9 @@ def experts_implementation(modules: Iterable[torch.nn.Module], name: str | None)
 
 
 class SlotKV:
-    """Keys and values of every layer for ``num_slots`` requests (+1 scratch row)."""
+    """Keys and values of every layer for ``num_slots`` requests (+1 scratch row), one
+    tensor ``[2, layers, num_slots + 1, kv_heads, max_len, head_dim]``; :attr:`keys` and
+    :attr:`values` are its per-layer views."""
 
     def __init__(
         self,
@@ -131,7 +142,7 @@ class SlotKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_slots + 1, max_len, kv_heads, head_dim)
+        shape = (2, num_layers, num_slots + 1, kv_heads, max_len, head_dim)
         self.nbytes = 2 * num_layers * (num_slots + 1) * max_len * kv_heads * head_dim * dtype.itemsize
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -140,10 +151,17 @@ class SlotKV:
                     f"the KV cache needs {self.nbytes / 2**30:.1f} GiB ({num_slots} slots x {max_len} positions) but "
                     f"{device} has {free / 2**30:.1f} GiB free; lower executor_args.max_num_seqs or max_model_len"
                 )
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = list(self.cache[0].unbind(0))
+        self.values = list(self.cache[1].unbind(0))
         self.scratch = num_slots
         self.max_len = max_len
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` positions of every layer to slot ``dst``
+        (one copy: the slot table packs its holders when a request leaves)."""
+        if length > 0:
+            self.cache[:, :, dst, :, :length].copy_(self.cache[:, :, src, :, :length])
 
 
 class StaticDecoder:
@@ -164,11 +182,14 @@ class StaticDecoder:
         *,
         attn_len: int | None,
         capture: tuple[int, ...] = (),
+        in_place: bool = False,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """``embeds [B, T, H]``; per row its slot, first position and real token count
         (``[B]`` int64; a padding row: the scratch slot, start 0, count 1). Returns the
         normed hidden state of each row's last real token ``[B, H]`` and the hidden states
-        ``[B, T, H]`` entering the layers in ``capture`` (``len(layers)``: the normed output)."""
+        ``[B, T, H]`` entering the layers in ``capture`` (``len(layers)``: the normed output).
+        ``in_place``: row ``i`` holds slot ``i`` or is padding, and attention reads the
+        cache's first ``B`` slots where they are (see the module docstring)."""
         b, t, _ = embeds.shape
         device = embeds.device
         steps = torch.arange(t, device=device)
@@ -187,12 +208,17 @@ class StaticDecoder:
             li: int, k: torch.Tensor, v: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
             cache_k, cache_v = self.kv.keys[li], self.kv.values[li]
-            cache_k[write_slots, write_pos] = k.transpose(1, 2)
-            cache_v[write_slots, write_pos] = v.transpose(1, 2)
+            # The step's own keys and values, written at their rows' slots and positions
+            # (a scatter of B x T positions: the only write a step makes to the cache).
+            cache_k[write_slots, :, write_pos] = k.transpose(1, 2)
+            cache_v[write_slots, :, write_pos] = v.transpose(1, 2)
             if attn_len is None:
                 return k, v, None, t > 1
-            keys_ = cache_k[:, :attn_len].index_select(0, slots).transpose(1, 2)
-            values_ = cache_v[:, :attn_len].index_select(0, slots).transpose(1, 2)
+            if in_place:  # a view: rows 0..B-1 are slots 0..B-1
+                return cache_k[:b, :, :attn_len], cache_v[:b, :, :attn_len], mask, False
+            # Rows scattered over the slots: one gather of their keys and one of values.
+            keys_ = cache_k[:, :, :attn_len].index_select(0, slots)
+            values_ = cache_v[:, :, :attn_len].index_select(0, slots)
             return keys_, values_, mask, False
 
         captured: dict[int, torch.Tensor] = {}

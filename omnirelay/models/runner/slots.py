@@ -6,9 +6,18 @@ takes a slot on its first prefill and keeps it until :meth:`SlotTable.release`; 
 cached length only grows (or is cut back by :meth:`SlotTable.truncate`, for a recompute).
 A request that finds no free slot is an error naming the setting to raise — never a
 silent eviction of another request's cache.
+
+The holders stay packed: slots ``0 .. n−1`` for ``n`` holders. When a request leaves,
+the holder of the highest slot moves into the freed one (``on_move(src, dst, length)``
+lets the runner move that slot's cached positions and per-slot state first), so a decode
+over every holder is a run of slots from 0 that attention reads in place (see
+:mod:`omnirelay.models.runner.decoder`): one copy per departure instead of a gather per
+layer and step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from omnirelay.errors import ModelError
 
@@ -27,6 +36,8 @@ class SlotTable:
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}
+        #: called before a holder moves from slot ``src`` to ``dst`` with its cached length
+        self.on_move: Callable[[int, int, int], None] | None = None
 
     @property
     def scratch(self) -> int:
@@ -63,12 +74,20 @@ class SlotTable:
         return slot
 
     def release(self, rid: str) -> None:
-        """Give the slot back (idempotent)."""
+        """Give the slot back (idempotent); the holder of the highest slot moves into it."""
         slot = self._slot.pop(rid, None)
-        if slot is not None:
-            del self._length[rid]
-            self._free.append(slot)
-            self._free.sort(reverse=True)
+        if slot is None:
+            return
+        del self._length[rid]
+        if self._slot:
+            last, top = max(self._slot.items(), key=lambda item: item[1])
+            if top > slot:
+                if self.on_move is not None:
+                    self.on_move(top, slot, self._length[last])
+                self._slot[last] = slot
+                slot = top
+        self._free.append(slot)
+        self._free.sort(reverse=True)
 
     def slot(self, rid: str) -> int:
         return self._slot[rid]

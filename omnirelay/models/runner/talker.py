@@ -104,6 +104,7 @@ class TalkerRunner:
             device=self.device,
         )
         self.decoder = StaticDecoder(decoder, self.kv)
+        self.slots.on_move = self._move_slot
         self.graphs = GraphSet("talker", self.device, enabled=cuda_graphs)
         self._experts = [m for m in decoder.modules() if type(m).__name__.endswith("Experts")]
         vocab = int(config.vocab_size)
@@ -150,12 +151,22 @@ class TalkerRunner:
                 self.graphs.capture(("tail", b), self._tail_step(b))
             for b, length in self.buckets.decode_shapes():
                 self.graphs.capture(("frame", b, length), self._frame_step(b, length))
+                self.graphs.capture(
+                    ("frame", b, length, "in_place"), self._frame_step(b, length, in_place=True)
+                )
         self.graphs.report.seconds = time.monotonic() - start
         how = ""
         if self.predictor.compile_backend is not None:
             self.predictor.finish_compiling()
             how = f" (code-predictor tail compiled with {self.predictor.compile_backend})"
         print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
+
+    def _move_slot(self, src: int, dst: int, length: int) -> None:
+        """A holder moves from slot ``src`` to ``dst`` (the slot table packs its holders):
+        its cached positions, its last frame's codec input and its first-code history."""
+        self.kv.move(src, dst, length)
+        self._codec_embed[dst].copy_(self._codec_embed[src])
+        self._seen[dst].copy_(self._seen[src])
 
     # ----------------------------------------------------------------- graph bodies
 
@@ -195,13 +206,15 @@ class TalkerRunner:
 
         return step
 
-    def _frame_step(self, b: int, attn_len: int) -> Step:
+    def _frame_step(self, b: int, attn_len: int, *, in_place: bool = False) -> Step:
         def step() -> dict[str, torch.Tensor]:
             slots = self._slot_ids[:b]
-            embeds = (self._codec_embed.index_select(0, slots) + self._embeds[:b, 0]).unsqueeze(1)
+            # Row i holds slot i when in place: its codec input is a view, not a gather.
+            codec = self._codec_embed[:b] if in_place else self._codec_embed.index_select(0, slots)
+            embeds = (codec + self._embeds[:b, 0]).unsqueeze(1)
             with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, 1)):
                 last, _ = self.decoder.forward(
-                    embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len
+                    embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len, in_place=in_place
                 )
             return {"last": last}
 
@@ -210,12 +223,25 @@ class TalkerRunner:
     # ----------------------------------------------------------------- host side
 
     def _set_rows(
-        self, b: int, rows: Sequence[TalkerRow], slots: list[int], starts: list[int], counts: list[int]
+        self,
+        b: int,
+        rows: Sequence[TalkerRow],
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        at: Sequence[int] | None = None,
     ) -> None:
-        pad = b - len(slots)
-        self._slot_ids[:b].copy_(torch.tensor(slots + [self.kv.scratch] * pad, dtype=torch.long))
-        self._starts[:b].copy_(torch.tensor(starts + [0] * pad, dtype=torch.long))
-        self._counts[:b].copy_(torch.tensor(counts + [1] * pad, dtype=torch.long))
+        """Row ``at[i]`` (default ``i``) of a ``b``-row launch gets ``slots[i]``,
+        ``starts[i]``, ``counts[i]``; the other rows pad (scratch slot, start 0, count 1)."""
+        n = len(slots)
+        if at is None:
+            at = range(n)
+        slot_ids, starts_, counts_ = [self.kv.scratch] * b, [0] * b, [1] * b
+        for i, row in enumerate(at):
+            slot_ids[row], starts_[row], counts_[row] = slots[i], starts[i], counts[i]
+        self._slot_ids[:b].copy_(torch.tensor(slot_ids, dtype=torch.long))
+        self._starts[:b].copy_(torch.tensor(starts_, dtype=torch.long))
+        self._counts[:b].copy_(torch.tensor(counts_, dtype=torch.long))
 
     def _set_sampling(self, b: int, rows: Sequence[TalkerRow]) -> None:
         """Each row's sampling parameters and ``Q`` uniform numbers (drawn from the row's
@@ -277,18 +303,28 @@ class TalkerRunner:
         """The Talker step of one frame for each row (prefilled before); each row's last
         hidden state goes to ``into[row]``. Returns the rows' positions."""
         positions = [self.slots.length(row.rid) for row in rows]
-        for launch in plan_decode(positions, self.buckets):
+        slots = [self.slots.slot(row.rid) for row in rows]
+        for launch in plan_decode(positions, self.buckets, slots):
             group = [rows[p.row] for p in launch.pieces]
             b, n = launch.batch, len(group)
             first = launch.pieces[0].row  # a launch holds consecutive rows
-            self._embeds[:n, 0].copy_(torch.cat([row.embeds.reshape(1, -1) for row in group]))
+            text = torch.cat([row.embeds.reshape(1, -1) for row in group])
+            length = int(launch.attn_len or 0)
+            at = launch.rows_at
             self._set_rows(
-                b, group, [self.slots.slot(r.rid) for r in group], [p.start for p in launch.pieces], [1] * n
+                b, group, [slots[p.row] for p in launch.pieces], [p.start for p in launch.pieces], [1] * n, at
             )
-            out = self.graphs.run(
-                ("frame", b, launch.attn_len), self._frame_step(b, int(launch.attn_len or 0))
-            )
-            into[first : first + n].copy_(out["last"][:n])
+            if at is None:
+                self._embeds[:n, 0].copy_(text)
+                out = self.graphs.run(("frame", b, launch.attn_len), self._frame_step(b, length))
+                into[first : first + n].copy_(out["last"][:n])
+            else:  # each row in the launch row of its slot (attention reads the cache in place)
+                order = torch.tensor(at, device=self.device)
+                self._embeds[:b, 0].index_copy_(0, order, text)
+                out = self.graphs.run(
+                    ("frame", b, launch.attn_len, "in_place"), self._frame_step(b, length, in_place=True)
+                )
+                into[first : first + n].copy_(out["last"].index_select(0, order))
         return positions
 
     def step(self, prefills: Sequence[TalkerRow], decodes: Sequence[TalkerRow]) -> torch.Tensor:

@@ -110,6 +110,7 @@ class ThinkerRunner:
             device=self.device,
         )
         self.decoder = StaticDecoder(text_model, self.kv)
+        self.slots.on_move = self.kv.move
         self.graphs = GraphSet("thinker", self.device, enabled=cuda_graphs)
         self._experts = [m for m in text_model.modules() if type(m).__name__.endswith("Experts")]
         mb, mt = buckets.max_batch, buckets.max_piece
@@ -130,12 +131,21 @@ class ThinkerRunner:
                 self.graphs.capture((b, t, None), self._step(b, t, None))
             for b, length in self.buckets.decode_shapes():
                 self.graphs.capture((b, 1, length), self._step(b, 1, length))
+                self.graphs.capture((b, 1, length, "in_place"), self._step(b, 1, length, in_place=True))
         self.graphs.report.seconds = time.monotonic() - start
         print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
 
     # ----------------------------------------------------------------- steps
 
-    def _step(self, b: int, t: int, attn_len: int | None, overrides: _Overrides | None = None) -> Step:
+    def _step(
+        self,
+        b: int,
+        t: int,
+        attn_len: int | None,
+        overrides: _Overrides | None = None,
+        *,
+        in_place: bool = False,
+    ) -> Step:
         def step() -> dict[str, torch.Tensor]:
             with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
                 embeds = self.text.embed_tokens(self._ids[:b, :t])
@@ -149,6 +159,7 @@ class ThinkerRunner:
                     self._counts[:b],
                     attn_len=attn_len,
                     capture=self.capture_layers,
+                    in_place=in_place,
                 )
                 logits = self.lm_head(last).float()
                 logits[:, self.num_text_ids :] = float("-inf")
@@ -165,11 +176,11 @@ class ThinkerRunner:
         starts = torch.zeros(b, dtype=torch.long)
         counts = torch.ones(b, dtype=torch.long)
         for i, piece in enumerate(launch.pieces):
-            row = rows[piece.row]
-            ids[i, : piece.count] = torch.as_tensor(row.token_ids[piece.offset : piece.offset + piece.count])
-            slots[i] = self.slots.slot(row.rid)
-            starts[i] = piece.start
-            counts[i] = piece.count
+            row, at = rows[piece.row], launch.row_of(i)
+            ids[at, : piece.count] = torch.as_tensor(row.token_ids[piece.offset : piece.offset + piece.count])
+            slots[at] = self.slots.slot(row.rid)
+            starts[at] = piece.start
+            counts[at] = piece.count
         self._ids[:b, :t].copy_(ids)
         self._slot_ids[:b].copy_(slots)
         self._starts[:b].copy_(starts)
@@ -180,6 +191,9 @@ class ThinkerRunner:
             return self.graphs.run(
                 ("embeds", b, t, launch.attn_len), self._step(b, t, launch.attn_len, overrides)
             )
+        if launch.in_place:
+            key: tuple[Any, ...] = (b, t, launch.attn_len, "in_place")
+            return self.graphs.run(key, self._step(b, t, launch.attn_len, in_place=True))
         return self.graphs.run((b, t, launch.attn_len), self._step(b, t, launch.attn_len))
 
     def _overrides(self, launch: Launch, rows: Sequence[Row]) -> _Overrides | None:
@@ -194,7 +208,7 @@ class ThinkerRunner:
             indices, values = given
             for j, index in enumerate(indices):
                 if piece.offset <= index < piece.offset + piece.count:
-                    batch_idx.append(i)
+                    batch_idx.append(launch.row_of(i))
                     token_idx.append(index - piece.offset)
                     parts.append(values[j])
         if not parts:
@@ -215,18 +229,25 @@ class ThinkerRunner:
         keep_logits: bool,
     ) -> None:
         n = len(launch.pieces)
-        greedy = out["greedy"][:n].tolist()
-        if self.keep_hidden_on_device:
-            hidden = {layer: out[f"h{layer}"][:n].clone() for layer in self.capture_layers}
+        order = None if launch.rows_at is None else torch.tensor(launch.rows_at, device=self.device)
+
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            """The pieces' rows of a launch output, in piece order (a view when they are
+            rows 0..n-1, else a gather from their slots' rows)."""
+            return x[:n] if order is None else x.index_select(0, order)
+
+        greedy = pick(out["greedy"]).tolist()
+        if self.keep_hidden_on_device:  # own copies: the outputs are the graph's buffers
+            hidden = {layer: pick(out[f"h{layer}"]).clone() for layer in self.capture_layers}
         else:
-            hidden = {layer: out[f"h{layer}"][:n].to("cpu") for layer in self.capture_layers}
+            hidden = {layer: pick(out[f"h{layer}"]).to("cpu") for layer in self.capture_layers}
         sampled = [
             i
             for i, p in enumerate(launch.pieces)
             if p.is_last and rows[p.row].generator is not None and rows[p.row].sampling.temperature > 0
         ]
         if sampled:
-            idx = torch.tensor(sampled, device=self.device)
+            idx = torch.tensor([launch.row_of(i) for i in sampled], device=self.device)
             drawn = sample_rows(
                 out["logits"].index_select(0, idx),
                 [rows[launch.pieces[i].row].sampling for i in sampled],
@@ -244,7 +265,7 @@ class ThinkerRunner:
             if piece.is_last and row.generator is not None:
                 result.token = int(greedy[i])
             if piece.is_last and keep_logits:
-                result.logits = out["logits"][i].clone()
+                result.logits = out["logits"][launch.row_of(i)].clone()
 
     def run(self, rows: Sequence[Row], *, decode: bool, keep_logits: bool = False) -> list[RowOutput]:
         """One step of ``rows`` (all prefill or all decode); results in row order. Each
@@ -253,7 +274,8 @@ class ThinkerRunner:
         for row in rows:
             self.slots.check_room(row.rid, row.start, len(row.token_ids))
         if decode:
-            launches = plan_decode([row.start for row in rows], self.buckets)
+            slots = [self.slots.slot(row.rid) for row in rows]
+            launches = plan_decode([row.start for row in rows], self.buckets, slots)
         else:
             launches = plan_prefill([(row.start, len(row.token_ids)) for row in rows], self.buckets)
         results = [RowOutput(token=None, hidden={}) for _ in rows]
