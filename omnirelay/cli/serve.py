@@ -45,6 +45,27 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--model-name", default=None, help="the model name clients pass (default: the pipeline's name)"
     )
+    _add_limit_flags(p)
+    p.add_argument(
+        "--ui",
+        action="store_true",
+        help="serve a browser page at / that records the microphone, talks to WS /v1/realtime and plays "
+        "the answer (browsers give the microphone to localhost or HTTPS pages only; default: off)",
+    )
+    p.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="for a pipeline placed on Ray: serve it on a two-node Ray cluster started on this machine "
+        "(hostA, hostB; UCX over TCP), as omnirelay run --local-cluster does",
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_security_flags(p)
+    p.set_defaults(func=run_serve)
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What the server takes at once: requests, sockets, bytes, input audio and images,
+    restarts and audio streams."""
     p.add_argument(
         "--max-concurrency",
         type=int,
@@ -118,21 +139,6 @@ def register(sub: Any) -> None:
         "one while an admitted stream is running dry) gets 429 with Retry-After (default: the "
         "pipeline file's max_audio_streams, else no fixed limit)",
     )
-    p.add_argument(
-        "--ui",
-        action="store_true",
-        help="serve a browser page at / that records the microphone, talks to WS /v1/realtime and plays "
-        "the answer (browsers give the microphone to localhost or HTTPS pages only; default: off)",
-    )
-    p.add_argument(
-        "--local-cluster",
-        action="store_true",
-        help="for a pipeline placed on Ray: serve it on a two-node Ray cluster started on this machine "
-        "(hostA, hostB; UCX over TCP), as omnirelay run --local-cluster does",
-    )
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_security_flags(p)
-    p.set_defaults(func=run_serve)
 
 
 #: Environment variable with API keys (comma-separated), used when no --api-key is given.
