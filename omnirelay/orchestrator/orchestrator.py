@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import zmq
 
 from omnirelay.connectors import reclaim_namespace
 from omnirelay.engine.interfaces import StageOutput
@@ -144,7 +143,6 @@ class Orchestrator:
         self.num_reruns = 0
         #: what fenced stages said about ids they were told to release (dropped)
         self.num_stale_messages = 0
-        self.num_bad_messages = 0
         self._is_closing = False
         self._shutdown_report: ShutdownReport | None = None
 
@@ -163,7 +161,6 @@ class Orchestrator:
         self._workers = WorkerTable(self.config)
         self._on_stage_ready = on_stage_ready
         self._ray: RayPlacement | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._supervisor = StageSupervisor(
             namespace=self.namespace,
             stages=self._workers.workers,
@@ -175,7 +172,6 @@ class Orchestrator:
                 stage_unavailable=self._on_stage_unavailable,
                 stage_up=self._on_stage_up,
                 route=self._on_message,
-                read=self._read,
                 stage_ready=self._on_worker_ready,
                 swept=self._on_swept,
             ),
@@ -200,7 +196,6 @@ class Orchestrator:
     async def start(self) -> None:
         """Spawn the workers and wait until each built its engine; raises on failure
         (after tearing down whatever was started)."""
-        self._loop = asyncio.get_running_loop()
         try:
             if self.config.placement.is_ray:
                 await self._place_on_ray()
@@ -387,31 +382,6 @@ class Orchestrator:
             self._admit_waiting()
 
     # -- what workers say -------------------------------------------------------------------
-
-    def _read(self, worker: int) -> None:
-        """The worker's event socket may have messages: route the ones queued, a bounded
-        batch at a time (the other workers' messages and the clients' calls get their
-        turn in between)."""
-        control = self._control
-        if control is None:
-            return
-        try:
-            messages, num_bad, has_more = control.recv_ready(worker, _READ_BATCH)
-        except zmq.ZMQError:  # the context was terminated at shutdown
-            return
-        if has_more:
-            assert self._loop is not None
-            self._loop.call_soon(self._read, worker)
-        self.num_bad_messages += num_bad
-        for message in messages:
-            try:
-                self._on_message(worker, message)
-            except Exception as exc:  # a bug: report it, and still route the rest of the burst
-                assert self._loop is not None
-                label = self._workers[worker].label
-                self._loop.call_exception_handler(
-                    {"message": f"routing a message of {label} failed", "exception": exc}
-                )
 
     def _on_message(self, worker: int, message: ToFront) -> None:
         st = self._workers[worker]
@@ -611,10 +581,6 @@ class Orchestrator:
             num_objects_left=len(report.objects) - len(report.reclaimed),
         )
         return self._shutdown_report
-
-
-#: Messages of one stage routed per loop callback (see :meth:`Orchestrator._read`).
-_READ_BATCH = 64
 
 
 def _request_id_of(action: Action) -> str:

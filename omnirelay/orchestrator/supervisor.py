@@ -10,6 +10,8 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
   :mod:`omnirelay.worker.processes`), wait for every hello; a failure raises :class:`StageDiedError`
   naming the stage (a stage that cannot start at all is not restarted: that is a
   configuration or model error, and retrying it would only hide it).
+* Each worker's event socket is watched with ``loop.add_reader``: what it queued is read
+  a bounded batch per loop callback and handed to :attr:`SupervisorHooks.route`.
 * Each process's sentinel is watched with ``loop.add_reader``, so a dead worker is seen
   as soon as the kernel closes it — not when a request next trips on it. Then, in order:
 
@@ -41,6 +43,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from omnirelay.connectors import reclaim_namespace
 from omnirelay.errors import StageDiedError
 from omnirelay.orchestrator.front_control import FrontControl
@@ -53,6 +57,9 @@ from omnirelay.worker.processes import worker_context
 from omnirelay.worker.worker_control import ControlPaths
 
 __all__ = ["RestartBook", "StageSupervisor", "SupervisorHooks"]
+
+#: Messages of one worker routed per loop callback (:meth:`StageSupervisor._read`).
+_READ_BATCH = 64
 
 
 class RestartBook:
@@ -97,8 +104,6 @@ class SupervisorHooks:
     stage_up: Callable[[int], None]
     #: route one message a worker sent
     route: Callable[[int, ToFront], None]
-    #: the stage's event socket may be readable
-    read: Callable[[int], None]
     #: a worker said hello during the pipeline's start (its index)
     stage_ready: Callable[[int], None] | None = None
     #: the objects of a dead worker's process were reclaimed (after ``stage_down``)
@@ -144,6 +149,8 @@ class StageSupervisor:
         self._tasks: set[asyncio.Future[Any]] = set()
         self.is_started = False
         self.is_closing = False
+        #: undecodable messages from workers (skipped)
+        self.num_bad_messages = 0
 
     def use_placement(self, spawn: Callable[[int, WorkerSpec], Any], tcp_host: str | None) -> None:
         """Start workers through ``spawn`` (placed on Ray nodes), control plane over TCP."""
@@ -228,8 +235,8 @@ class StageSupervisor:
         loop.add_reader(proc.sentinel, self._on_exit, group[0])
         for st in members:
             st.reader_fd = control.fileno(st.index)
-            loop.add_reader(st.reader_fd, self._hooks.read, st.index)
-            loop.call_soon(self._hooks.read, st.index)  # anything queued before the watch
+            loop.add_reader(st.reader_fd, self._read, st.index)
+            loop.call_soon(self._read, st.index)  # anything queued before the watch
 
     def on_hello(self, st: StageProcess) -> None:
         """The stage's worker said hello (routed by the orchestrator)."""
@@ -241,6 +248,29 @@ class StageSupervisor:
             st.state = StageState.HEALTHY
             if self._hooks.stage_ready is not None:
                 self._hooks.stage_ready(st.index)
+
+    def _read(self, worker: int) -> None:
+        """The worker's event socket may have messages: route the ones queued, a bounded
+        batch at a time (the other workers' messages and the clients' calls get their
+        turn in between)."""
+        loop, control = self._loop, self.control
+        if loop is None or control is None:
+            return
+        try:
+            messages, num_bad, has_more = control.recv_ready(worker, _READ_BATCH)
+        except zmq.ZMQError:  # the context was terminated at shutdown
+            return
+        if has_more:
+            loop.call_soon(self._read, worker)
+        self.num_bad_messages += num_bad
+        for message in messages:
+            try:
+                self._hooks.route(worker, message)
+            except Exception as exc:  # a bug: report it, and still route the rest of the burst
+                label = self.stages[worker].label
+                loop.call_exception_handler(
+                    {"message": f"routing a message of {label} failed", "exception": exc}
+                )
 
     def fail_hello(self, st: StageProcess, reason: str) -> None:
         if st.hello is not None and not st.hello.done():
