@@ -102,7 +102,7 @@ def test_malformed_frames_are_fatal_and_unknown_types_are_not() -> None:
             decode_frame(frame, 100)
         assert info.value.fatal
     with pytest.raises(EventError) as info:
-        decode_frame({"text": '{"type": "conversation.item.truncate"}'}, 100)
+        decode_frame({"text": '{"type": "output_audio_buffer.clear"}'}, 100)
     assert not info.value.fatal and info.value.code == "invalid_event_type"
 
 
