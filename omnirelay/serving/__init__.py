@@ -9,6 +9,7 @@ The core, one file per role:
 * ``metrics`` — Prometheus; ``protocol`` — request bodies; ``text`` — the prompt side the
   endpoints use (the pipeline's, or bytes for a pipeline without a text model);
   ``streaming`` — responses that notice a client going away; ``errors`` — OpenAI's errors;
+  ``tools`` — chat's tools, tool choices and the answer's calls as OpenAI's ``tool_calls``;
 * ``server`` — uvicorn in a thread (:class:`ServerThread`) or in the foreground;
 * ``server_config`` — :class:`ServerConfig`, every limit in one place.
 
