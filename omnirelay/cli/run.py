@@ -315,14 +315,7 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
             )
     out.write(render_timeline(timeline, {s.id: s.name for s in config.stages}))
     if writer is not None:
-        if wrote:
-            rate = writer.sample_rate or 0
-            out.write(
-                f"wrote {writer.path} ({writer.num_samples:,} samples, {rate:,} Hz, 16-bit PCM mono, "
-                f"{writer.num_samples / rate:.2f} s)\n"
-            )
-        else:
-            out.write(f"no audio came back: {writer.path} not written\n")
+        out.write(_wav_summary(writer, wrote))
     if args.json:
         data = {
             "pipeline": config.name,
@@ -343,6 +336,17 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     out.flush()
     return 0 if timeline.finish_reason not in ("abort", "error") else 1
+
+
+def _wav_summary(writer: WavWriter, wrote: bool) -> str:
+    """The line after the timeline that says what ``--out`` holds."""
+    if not wrote:
+        return f"no audio came back: {writer.path} not written\n"
+    rate = writer.sample_rate or 0
+    return (
+        f"wrote {writer.path} ({writer.num_samples:,} samples, {rate:,} Hz, 16-bit PCM mono, "
+        f"{writer.num_samples / rate:.2f} s)\n"
+    )
 
 
 # ----------------------------------------------------------------------- word timestamps
