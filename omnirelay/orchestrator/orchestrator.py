@@ -157,6 +157,8 @@ class Orchestrator:
     def _init_workers(self, launch: WorkerLaunch, on_stage_ready: Callable[[int], None] | None) -> None:
         """The worker table, the supervisor that runs its processes, and the stage state
         other threads read."""
+        from omnirelay.models import worker_imports  # what the workers import to build their models
+
         self._launch = launch
         self._workers = WorkerTable(self.config)
         self._on_stage_ready = on_stage_ready
@@ -175,7 +177,7 @@ class Orchestrator:
                 stage_ready=self._on_worker_ready,
                 swept=self._on_swept,
             ),
-            preload=_worker_imports(self.config),
+            preload=worker_imports(self.config),  # the fork server imports them once
         )
         self._queries = WorkerQueries(self._send)
         #: stages that cannot take requests now, for callers on other threads
@@ -248,10 +250,10 @@ class Orchestrator:
         rid = request.request_id
         if self._is_closing:
             self.streams.release(rid)
-            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+            handle.deliver(_last_output(rid, "error", "the pipeline is shutting down"))
             return
         if rid in self._handles or self._fence.is_parked(rid) or rid in self._waiting:
-            handle.deliver(_error_output(rid, f"request id {rid!r} is already in flight"))
+            handle.deliver(_last_output(rid, "error", f"request id {rid!r} is already in flight"))
             return
         if self._fence.is_fenced(rid):
             self._fence.park(rid, (request, handle, num_reruns))  # admitted once the stages released it
@@ -264,7 +266,7 @@ class Orchestrator:
             actions = self.router.admit(request, num_reruns=num_reruns)
         except InvalidRequestError as exc:
             self.streams.release(rid)
-            handle.deliver(_error_output(rid, str(exc)))
+            handle.deliver(_last_output(rid, "error", str(exc)))
             return
         self._handles[rid] = handle
         self._execute(actions)
@@ -288,11 +290,7 @@ class Orchestrator:
         parked = self._fence.unpark(request_id) or self._waiting.withdraw(request_id)
         if parked is not None:
             self.streams.release(request_id)  # a parked reuse (or rerun) may hold its stream
-            parked[1].deliver(
-                RequestOutput(
-                    request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="abort"
-                )
-            )
+            parked[1].deliver(_last_output(request_id, "abort"))
             self._admit_waiting()
             return
         self._execute(self.router.abort(request_id))
@@ -520,11 +518,7 @@ class Orchestrator:
             replies, timeout_s, self.router.num_requests_on, self._supervisor.retry_after
         )
         return PipelineHealth(
-            is_healthy=all(
-                s.is_alive and s.error is None and s.state == StageState.HEALTHY
-                for s in stages
-                if s.state != StageState.OFF
-            ),
+            is_healthy=all(s.is_up for s in stages if s.state != StageState.OFF),
             namespace=self.namespace,
             num_requests=self.router.num_requests,
             stages=stages,
@@ -567,7 +561,7 @@ class Orchestrator:
         handles += [(rid, waiter[1]) for rid, waiter in self._waiting.drain()]
         for rid, handle in handles:
             self.streams.release(rid)
-            handle.deliver(_error_output(rid, "the pipeline is shutting down"))
+            handle.deliver(_last_output(rid, "error", "the pipeline is shutting down"))
         num_killed = await self._supervisor.stop(timeout_s)
         loop = asyncio.get_running_loop()
         if self._ray is not None:
@@ -596,15 +590,8 @@ def _audio_seconds(output: RequestOutput) -> float:
     return (int(numel()) if callable(numel) else len(audio)) / output.sample_rate
 
 
-def _error_output(request_id: str, reason: str) -> RequestOutput:
+def _last_output(rid: str, finish_reason: str, error: str | None = None) -> RequestOutput:
+    """The front's own last output of a request that is at no stage (any more)."""
     return RequestOutput(
-        request_id=request_id, stage_id=-1, modality="", finished=True, finish_reason="error", error=reason
+        request_id=rid, stage_id=-1, modality="", finished=True, finish_reason=finish_reason, error=error
     )
-
-
-def _worker_imports(config: PipelineConfig) -> tuple[str, ...]:
-    """What the pipeline's stage workers import to build their models (the fork server
-    imports it once; :mod:`omnirelay.worker.processes`)."""
-    from omnirelay.models import worker_imports
-
-    return worker_imports(config)

@@ -92,6 +92,11 @@ class StageHealth(msgspec.Struct, kw_only=True):
     #: while restarting or starting again: seconds until it is expected back
     retry_after_s: float | None = None
 
+    @property
+    def is_up(self) -> bool:
+        """Alive, healthy and answering: it serves its requests."""
+        return self.is_alive and self.error is None and self.state == StageState.HEALTHY
+
 
 class PipelineHealth(msgspec.Struct, kw_only=True):
     is_healthy: bool
@@ -108,11 +113,7 @@ class PipelineHealth(msgspec.Struct, kw_only=True):
     def is_serving(self) -> bool:
         """Every stage that was started has a healthy worker: all requests are served
         (with a replica down, on the others)."""
-        up = {
-            s.stage_id
-            for s in self.stages
-            if s.is_alive and s.error is None and s.state == StageState.HEALTHY
-        }
+        up = {s.stage_id for s in self.stages if s.is_up}
         started = {s.stage_id for s in self.stages if s.state != StageState.OFF}
         return bool(started) and up == started
 
