@@ -89,6 +89,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="the model runner of the Qwen3-Omni stages: static (KV slots, CUDA graphs; the default on "
         "CUDA) or dynamic (the default on CPU)",
     )
+    p.add_argument(
+        "--device-groups",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="which stages share a worker process: auto (the stages on one CUDA device, one loop "
+        "driving them), on (also the CPU stages), off (a process per stage); default: the pipeline "
+        "file's device_groups, else auto",
+    )
 
 
 def register(sub: Any) -> None:
@@ -246,6 +254,8 @@ def run_run(args: argparse.Namespace) -> int:
     config = load_run_config(
         args.pipeline, model=args.model, device=args.device, load_format=args.load_format, runner=args.runner
     )
+    if args.device_groups is not None:
+        config = config.with_device_groups(args.device_groups)
     local = bool(getattr(args, "local_cluster", False))
     # Ray and NIXL, where the pipeline needs them, before a cluster or a stage starts.
     check_multihost(config, local_cluster=local)

@@ -292,6 +292,8 @@ def run_serve(args: argparse.Namespace) -> int:
             load_format=args.load_format,
             runner=args.runner,
         )
+    if args.device_groups is not None:
+        pipeline = pipeline.with_device_groups(args.device_groups)
     # Ray and NIXL, where the pipeline needs them, before a cluster, the port or a stage.
     check_multihost(pipeline, local_cluster=local)
     if not local:

@@ -252,6 +252,10 @@ def _model_card(fe: Frontend) -> dict[str, Any]:
 def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
     """``GET /health``'s body: the server's admission books and every stage's state."""
     stages = []
+    by_pid: dict[int, list[int]] = {}
+    for st in health.stages:
+        if st.pid is not None and st.is_alive:
+            by_pid.setdefault(st.pid, []).append(st.stage_id)
     for st in health.stages:
         engine = st.engine or {}
         stages.append(
@@ -262,6 +266,10 @@ def _health_body(fe: Frontend, health: PipelineHealth) -> dict[str, Any]:
                 "replicas": st.replicas,
                 "is_alive": st.is_alive,
                 "pid": st.pid,
+                # the other stages of its worker process (a device group, docs/design.md §12)
+                "shares_process_with": [
+                    sid for sid in by_pid.get(st.pid or -1, []) if sid != st.stage_id and st.is_alive
+                ],
                 "status": engine.get("status", "unknown" if st.is_alive else "dead"),
                 "num_requests": st.num_requests,
                 "queue_depth": st.queue_depth,
