@@ -8,7 +8,8 @@
   a value). New keys and values are written in place at their positions (no
   ``torch.cat``); padding tokens write to the scratch row.
 * :func:`decoder_layer` — one decoder layer (norms, attention, MLP/MoE) using the
-  layer's own modules; attention gets its keys and values from a ``kv_step`` callback,
+  layer's own modules, with its QKV and gate/up projections fused
+  (:mod:`~omnirelay.models.runner.fused`); attention gets its keys and values from a ``kv_step`` callback,
   so the code predictor's per-frame cache uses the same layer code.
 
 Attention: a *fresh* block (every row starts at position 0) attends to itself —
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
+from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp
 
 __all__ = [
     "KVStep",
@@ -83,9 +85,10 @@ def _attend(
 ) -> torch.Tensor:
     b, t, _ = x.shape
     d = attn.head_dim
-    q = attn.q_norm(attn.q_proj(x).view(b, t, -1, d)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+    q_, k_, v_ = project_qkv(attn, x)
+    q = attn.q_norm(q_.view(b, t, -1, d)).transpose(1, 2)
+    k = attn.k_norm(k_.view(b, t, -1, d)).transpose(1, 2)
+    v = v_.view(b, t, -1, d).transpose(1, 2)
     q, k = _rotary_fn()(q, k, cos, sin)
     keys, values, mask, causal = kv_step(li, k, v)
     if mask is None:
@@ -102,7 +105,7 @@ def decoder_layer(
 ) -> torch.Tensor:
     """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE)."""
     h = h + _attend(layer.self_attn, layer.input_layernorm(h), cos, sin, kv_step, li)
-    out: torch.Tensor = h + layer.mlp(layer.post_attention_layernorm(h))
+    out: torch.Tensor = h + run_mlp(layer.mlp, layer.post_attention_layernorm(h))
     return out
 
 
@@ -171,6 +174,7 @@ class StaticDecoder:
     def __init__(self, model: Any, kv: SlotKV) -> None:
         self.model = model
         self.layers = list(model.layers)
+        fuse_projections(self.layers)
         self.kv = kv
 
     def forward(

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.models.runner.decoder import grouped_attention
+from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp
 from omnirelay.models.runner.sampler import sample
 
 __all__ = [
@@ -122,6 +123,7 @@ class CodePredictor:
         self.projection = projection
         self.model = predictor.model
         self.layers = list(self.model.layers)
+        fuse_projections(self.layers)  # one matmul for QKV, one for gate/up, per layer
         # Resolved here: a compiled body cannot import (transformers' modules load lazily).
         self._rotate = _rotary()
         weight = talker.model.codec_embedding.weight
@@ -197,15 +199,16 @@ class CodePredictor:
             attn = layer.self_attn
             d = attn.head_dim
             y = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(y).view(b, 1, -1, d)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(y).view(b, 1, -1, d)).transpose(1, 2)
-            v = attn.v_proj(y).view(b, 1, -1, d).transpose(1, 2)
+            q_, k_, v_ = project_qkv(attn, y)
+            q = attn.q_norm(q_.view(b, 1, -1, d)).transpose(1, 2)
+            k = attn.k_norm(k_.view(b, 1, -1, d)).transpose(1, 2)
+            v = v_.view(b, 1, -1, d).transpose(1, 2)
             q, k = rotate(q, k, cos, sin)
             keys = torch.where(slot, k, cache[li, 0])
             values = torch.where(slot, v, cache[li, 1])
             out = grouped_attention(q, keys, values, allowed, attn.scaling)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + run_mlp(layer.mlp, layer.post_attention_layernorm(h))
             new.append(torch.stack([k, v]))
         return self.model.norm(h)[:, -1], torch.stack(new)
 

@@ -1,0 +1,99 @@
+"""Fused projections: one matmul for a layer's queries, keys and values, one for its MLP's
+gate and up projections.
+
+A decoder layer of the Qwen3 families projects its input three times for attention
+(``q_proj``, ``k_proj``, ``v_proj``) and twice for a dense MLP (``gate_proj``,
+``up_proj``): five launches, each reading the same input. :func:`fuse_projections`
+concatenates each group's weights once, when the runner is built, and makes the
+modules' own weights views of the concatenation (no second copy of the weights: the
+model's modules keep working, and read the same memory). :func:`project_qkv` and
+:func:`run_mlp` then run one matmul per group and split its output — views, no copy.
+
+Each output element is the same dot product as before; only how the GEMM blocks its
+columns may differ, so in float32 the results equal the separate projections' up to
+the last bits, and in bfloat16 up to its rounding of the same sums. A layer without the
+expected modules (an MoE block's experts: ``transformers`` already keeps their gate
+and up projections in one tensor) runs as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fuse_projections", "project_qkv", "run_mlp"]
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+
+
+def _fuse(module: torch.nn.Module, names: tuple[str, ...], prefix: str) -> None:
+    """Concatenate the weights (and biases) of ``module``'s linear children ``names``
+    into the non-persistent buffers ``{prefix}_weight`` / ``{prefix}_bias``; the
+    children's parameters become views of them."""
+    linears = [getattr(module, name, None) for name in names]
+    if any(not isinstance(m, torch.nn.Linear) for m in linears) or hasattr(module, f"{prefix}_weight"):
+        return
+    parts: list[torch.nn.Linear] = linears  # type: ignore[assignment]
+    has_bias = [m.bias is not None for m in parts]
+    if any(has_bias) and not all(has_bias):
+        return
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in parts])
+        bias = torch.cat([m.bias for m in parts]) if all(has_bias) else None  # type: ignore[misc]
+        offset = 0
+        for m in parts:
+            n = m.out_features
+            m.weight = torch.nn.Parameter(weight[offset : offset + n], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[offset : offset + n], requires_grad=False)
+            offset += n
+    module.register_buffer(f"{prefix}_weight", weight, persistent=False)
+    module.register_buffer(f"{prefix}_bias", bias, persistent=False)
+    setattr(module, f"{prefix}_sizes", tuple(m.out_features for m in parts))
+
+
+def _activation(mlp: Any) -> Any:
+    """The activation a dense MLP applies to its gate: ``transformers``' ``act_fn``, or
+    SiLU for Qwen3-TTS's own MLP (its forward is ``down(silu(gate) · up)``); None: an
+    MLP this module does not know (left unfused)."""
+    act = getattr(mlp, "act_fn", None)
+    if act is not None:
+        return act
+    if type(mlp).__module__ == "omnirelay.models.qwen3_tts.layers" and type(mlp).__name__ == "MLP":
+        return F.silu
+    return None
+
+
+def fuse_projections(layers: Iterable[Any]) -> None:
+    """Fuse each decoder layer's QKV projections and, for a dense MLP, its gate and up
+    projections (idempotent; see the module docstring)."""
+    for layer in layers:
+        _fuse(layer.self_attn, _QKV, "omnirelay_qkv")
+        act = _activation(layer.mlp)
+        if act is not None:
+            _fuse(layer.mlp, _GATE_UP, "omnirelay_gate_up")
+            layer.mlp.omnirelay_act = act
+
+
+def project_qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries, keys and values of ``x [B, T, H]`` (each ``[B, T, heads·D]``)."""
+    weight = getattr(attn, "omnirelay_qkv_weight", None)
+    if weight is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = F.linear(x, weight, attn.omnirelay_qkv_bias).split(attn.omnirelay_qkv_sizes, dim=-1)
+    return q, k, v
+
+
+def run_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)``: a fused dense MLP as ``down(act(gate) · up)``, anything else as is."""
+    weight = getattr(mlp, "omnirelay_gate_up_weight", None)
+    if weight is None:
+        out: torch.Tensor = mlp(x)
+        return out
+    gate, up = F.linear(x, weight, mlp.omnirelay_gate_up_bias).split(mlp.omnirelay_gate_up_sizes, dim=-1)
+    out = mlp.down_proj(mlp.omnirelay_act(gate) * up)
+    return out

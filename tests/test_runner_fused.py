@@ -1,0 +1,78 @@
+"""Fused projections (``omnirelay.models.runner.fused``): one matmul for a layer's QKV
+and one for its gate/up give what the separate projections give (float32 on the CPU:
+to the last bits), and the modules' own weights become views of the fused ones (no
+second copy of the weights)."""
+
+from __future__ import annotations
+
+import torch
+
+from omnirelay.models.qwen3_tts.layers import MLP
+from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(8, 16, bias=bias)
+        self.k_proj = torch.nn.Linear(8, 4, bias=bias)
+        self.v_proj = torch.nn.Linear(8, 4, bias=bias)
+
+
+class _HFMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(8, 12, bias=False)
+        self.up_proj = torch.nn.Linear(8, 12, bias=False)
+        self.down_proj = torch.nn.Linear(12, 8, bias=False)
+        self.act_fn = torch.nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, mlp: torch.nn.Module, bias: bool = False) -> None:
+        super().__init__()
+        self.self_attn = _Attention(bias)
+        self.mlp = mlp
+
+
+class _Unknown(torch.nn.Module):  # an MLP this module does not know: left as it is
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(8, 12, bias=False)
+        self.up_proj = torch.nn.Linear(8, 12, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.gate_proj(x) + self.up_proj(x)
+        return out
+
+
+def test_fused_projections_equal_the_separate_ones_and_share_their_weights() -> None:
+    torch.manual_seed(0)
+    layers = [_Layer(_HFMLP(), bias=True), _Layer(MLP(8, 12)), _Layer(_Unknown())]
+    x = torch.randn(3, 5, 8)
+    with torch.inference_mode():
+        want = [
+            ((lay.self_attn.q_proj(x), lay.self_attn.k_proj(x), lay.self_attn.v_proj(x)), lay.mlp(x))
+            for lay in layers
+        ]
+    fuse_projections(layers)
+    fuse_projections(layers)  # idempotent
+    with torch.inference_mode():
+        for lay, (qkv, mlp_out) in zip(layers, want):
+            for got, ref in zip(project_qkv(lay.self_attn, x), qkv, strict=True):
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(run_mlp(lay.mlp, x), mlp_out, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(lay.mlp(x), mlp_out, rtol=0, atol=0)  # the module itself unchanged
+    attn = layers[0].self_attn
+    fused = attn.omnirelay_qkv_weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == fused[16:].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.omnirelay_qkv_bias[20:].data_ptr()
+    assert layers[1].mlp.up_proj.weight.data_ptr() == layers[1].mlp.omnirelay_gate_up_weight[12:].data_ptr()
+    assert not hasattr(layers[2].mlp, "omnirelay_gate_up_weight")
+    # Not saved with the model: the checkpoint's names stay the model's own.
+    assert not any("omnirelay" in name for name in layers[0].state_dict())
