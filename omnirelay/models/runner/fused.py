@@ -43,7 +43,7 @@ def _fuse(module: torch.nn.Module, names: tuple[str, ...], prefix: str) -> None:
         return
     with torch.no_grad():
         weight = torch.cat([m.weight for m in parts])
-        bias = torch.cat([m.bias for m in parts]) if all(has_bias) else None  # type: ignore[misc]
+        bias = torch.cat([m.bias for m in parts]) if all(has_bias) else None
         offset = 0
         for m in parts:
             n = m.out_features
