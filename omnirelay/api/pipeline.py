@@ -338,20 +338,8 @@ class Pipeline:
         answer begins again (docs/protocol.md §2.8).
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
-        ids = _validate_prompt(prompt_token_ids)
         req_extras = dict(extras or {})
-        if text is not None:
-            if ids is not None:
-                raise InvalidRequestError("pass prompt_token_ids or text, not both")
-            if not isinstance(text, str):
-                raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
-            if self._tokenizer is None:
-                raise InvalidRequestError(
-                    "this pipeline was started without a tokenizer; pass prompt_token_ids, "
-                    "or Pipeline.start(..., tokenizer=...)"
-                )
-            ids = _validate_prompt(self._tokenizer(text))
-            req_extras.setdefault("prompt_text", text)
+        ids = self._prompt_ids(_validate_prompt(prompt_token_ids), text, req_extras)
         request = PipelineRequest(
             request_id=rid,
             prompt_token_ids=ids,
@@ -388,6 +376,25 @@ class Pipeline:
             self._forget(rid)
             raise PipelineError("the pipeline is shut down; start a new one") from None
         return handle
+
+    def _prompt_ids(
+        self, ids: list[int] | None, text: str | None, extras: dict[str, Any]
+    ) -> list[int] | None:
+        """The prompt's token ids: ``ids``, or ``text`` through the pipeline's tokenizer
+        (kept in ``extras`` as ``prompt_text``)."""
+        if text is None:
+            return ids
+        if ids is not None:
+            raise InvalidRequestError("pass prompt_token_ids or text, not both")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+        if self._tokenizer is None:
+            raise InvalidRequestError(
+                "this pipeline was started without a tokenizer; pass prompt_token_ids, "
+                "or Pipeline.start(..., tokenizer=...)"
+            )
+        extras.setdefault("prompt_text", text)
+        return _validate_prompt(self._tokenizer(text))
 
     def _sampling(
         self, sampling: SamplingParams | Mapping[int, SamplingParams] | None
