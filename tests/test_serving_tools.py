@@ -25,7 +25,7 @@ from omnirelay.serving.protocol import ChatCompletionRequest, parse
 from omnirelay.serving.text import ByteCodec
 from omnirelay.serving.tools import read_chat_tools_request
 from tests.orchestrator_audit import audit_stopped
-from tests.serving_support import Served
+from tests.serving_support import Served, chat_stream_audio
 from tests.tool_model import PLAIN_ANSWER, ScriptedToolModel
 
 WEATHER_TOOL = {
@@ -158,6 +158,44 @@ def test_tool_choice_none_renders_no_tools_and_parses_no_calls(srv: Served) -> N
     r = _ask(srv, tools=TOOLS, tool_choice="none")
     assert "<tools>" not in _model(srv).rendered[-1]
     assert r.choices[0].message.content == PLAIN_ANSWER and r.choices[0].message.tool_calls is None
+
+
+def test_a_spoken_answer_carries_calls_where_the_voice_leaves_them_out(srv: Served) -> None:
+    model = _model(srv)
+    model.voice_skips_tool_calls = True  # as the voice pipeline's Thinker does
+    try:
+        audio: Any = {"voice": "ethan", "format": "pcm16"}
+        r: Any = srv.client().chat.completions.create(
+            model=srv.model,
+            messages=ASK,
+            tools=TOOLS,
+            modalities=["text", "audio"],
+            audio=audio,
+            max_tokens=MAX_TOKENS,
+        )
+        message = r.choices[0].message
+        assert message.content is None and message.audio is not None
+        assert message.audio.transcript == "Let me check.\n"  # the call is not in what was said
+        assert [c.function.name for c in message.tool_calls or []] == ["get_weather"]
+        assert r.choices[0].finish_reason == "tool_calls"
+        chunks = srv.client().chat.completions.create(
+            model=srv.model,
+            messages=ASK,
+            tools=TOOLS,
+            modalities=["text", "audio"],
+            audio=audio,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
+        text, pcm, seen = chat_stream_audio(chunks)
+        deltas = [c.choices[0].delta for c in seen if c.choices]
+        names = [
+            tc.function.name for d in deltas for tc in d.tool_calls or [] if tc.function and tc.function.name
+        ]
+        assert pcm  # the voice spoke
+        assert text == "Let me check.\n" and names == ["get_weather"]
+    finally:
+        model.voice_skips_tool_calls = False
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(srv: Served) -> None:

@@ -128,6 +128,9 @@ class PromptSide:
     #: The model's chat template seen for tools (None: the model has no such template);
     #: :attr:`tool_format` and :attr:`tool_refusal` read it.
     chat_tools: ChatTemplateTools | None = None
+    #: Whether the family's Thinker leaves tool calls out of the text its voice reads: a
+    #: spoken answer may then come with tools (else the voice would read the calls).
+    voice_skips_tool_calls: bool = False
 
     def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
         """Prompt ids of ``turns`` and the open assistant turn."""

@@ -22,6 +22,8 @@ class SmolPromptSide(PromptSide):
     """SmolLM2's tokenizer and its own chat template (the default system turn when the
     turns have none); speech is read verbatim (see the module docstring)."""
 
+    voice_skips_tool_calls = True  # SmolLM2Executor: a call never reaches the voice
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         # a checkpoint's template may take tools (ChatTokenizer); the built-in SmolLM2's takes none

@@ -22,7 +22,8 @@
 * ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``, assistant
   messages with ``tool_calls`` and ``tool`` messages, on a model whose chat template takes
   tools (:mod:`omnirelay.serving.tools`): the answer's calls are ``message.tool_calls`` /
-  index-keyed ``delta.tool_calls``, ``finish_reason`` ``tool_calls``; a text answer only.
+  index-keyed ``delta.tool_calls``, ``finish_reason`` ``tool_calls``; with audio, only
+  where the pipeline's voice leaves the calls out (the voice pipeline's Thinker does).
 * What omnirelay cannot do is refused with a 400 naming the field, never ignored: tools
   on a model that takes none, the deprecated function calls, ``n > 1``, a
   ``response_format`` other than text, log
@@ -50,6 +51,7 @@ from starlette.responses import JSONResponse, Response
 from omnirelay.api import RequestOutput
 from omnirelay.errors import OmniRelayError, RequestFailedError
 from omnirelay.models.family import Detokenizer, PromptSide
+from omnirelay.models.tools import ToolCall
 from omnirelay.serving.errors import ApiError, error_body, request_failed, stream_error_body
 from omnirelay.serving.frontend import STOP_SEQUENCE, STREAMED, WHOLE, Frontend, RequestStream
 from omnirelay.serving.media.audio_out import AudioEmitter, AudioStreamError
@@ -224,11 +226,11 @@ async def chat_completions(request: Request, fe: Frontend) -> Response:
     modalities = fe.chat_modalities(req.modalities)
     audio = _audio_params(fe, req, modalities)
     tools = read_chat_tools_request(req, fe.prompts, fe.model_name)
-    if tools is not None and audio is not None:
+    if tools is not None and audio is not None and not fe.prompts.voice_skips_tool_calls:
         raise ApiError(
             400,
-            "tools are supported with a text answer only (the voice would read the calls); "
-            "ask for modalities ['text']",
+            "this pipeline's voice would read the tool calls aloud: tools are supported with a "
+            "text answer only here; ask for modalities ['text']",
             param="modalities",
             code="unsupported_parameter",
         )
@@ -310,13 +312,16 @@ async def _complete(
         answer.stream.abort("bad_audio")
         raise ApiError(500, f"the audio could not be sent: {exc}", type="server_error") from exc
     text = "".join(answer.text)
-    # With audio, the spoken text is the audio's transcript, and content is null (OpenAI's).
-    message: dict[str, Any] = {"role": "assistant", "content": None if fmt else text, "refusal": None}
     reason = answer.finish_reason
-    if tools is not None:
-        message["content"], calls, reason = tools.complete(text, reason)
-        if calls:
-            message["tool_calls"] = [c.chat() for c in calls]
+    content: str | None = text
+    calls: list[ToolCall] = []
+    if tools is not None:  # the calls come out of the text (and of a spoken answer's transcript)
+        content, calls, reason = tools.complete(text, reason)
+        text = content or ""
+    # With audio, the spoken text is the audio's transcript, and content is null (OpenAI's).
+    message: dict[str, Any] = {"role": "assistant", "content": None if fmt else content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [c.chat() for c in calls]
     if fmt is not None and answer.audio is not None:
         samples = torch.cat(pieces) if pieces else torch.zeros(0)
         rate = answer.audio.sample_rate or answer.audio.default_sample_rate
@@ -337,6 +342,13 @@ async def _complete(
         "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
         "usage": answer.usage(),
     }
+
+
+def _spoken(delta: dict[str, Any], audio_id: str) -> dict[str, Any]:
+    """A text delta of a spoken answer: the audio's transcript (OpenAI's); calls as they are."""
+    if "content" in delta:
+        return {"audio": {"id": audio_id, "transcript": delta["content"]}}
+    return delta
 
 
 def _event(payload: Any) -> bytes:
@@ -369,13 +381,9 @@ async def _sse(
             answer.last_finish_reason = out.finish_reason or answer.last_finish_reason
             if out.modality == "text":
                 piece = answer.text_of(out)
-                if piece and encoder is not None:  # spoken: the text is the audio's transcript
-                    yield chunk({"audio": {"id": audio_id, "transcript": piece}})
-                elif piece and calls is not None:
-                    for delta in calls.push(piece):
-                        yield chunk(delta)
-                elif piece:
-                    yield chunk({"content": piece})
+                deltas = calls.push(piece) if calls is not None else [{"content": piece}] if piece else []
+                for delta in deltas:
+                    yield chunk(_spoken(delta, audio_id) if encoder is not None else delta)
             elif out.modality == "audio" and (got := answer.audio_of(out)) is not None:
                 assert encoder is not None
                 data = encoder.push(*got)
@@ -401,7 +409,7 @@ async def _sse(
     reason = answer.finish_reason
     if calls is not None:
         for delta in calls.finish():
-            yield chunk(delta)
+            yield chunk(_spoken(delta, audio_id) if encoder is not None else delta)
         reason = calls.finish_reason(reason)
     yield chunk({}, reason)
     if include_usage:
