@@ -100,3 +100,57 @@ def test_requests_that_leave_and_join_decode_as_if_alone(
         assert got[i] == want[i], i
     assert modes.count(False) == 1 and len(modes) > 10  # every other decode read the cache in place
     assert runner.slots.holders() == [] and runner.slots.num_free == 4
+
+
+def _tts_runner() -> Any:
+    from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+    from omnirelay.models.qwen3_tts.talker import TTSTalkerExecutor
+
+    args = TTSModelArgs(load_format="tiny", device="cpu", max_num_seqs=4, max_model_len=128)
+    return TTSTalkerExecutor.from_checkpoint(TTSCheckpoint.open(args), args).runner
+
+
+def test_talker_frames_keep_their_codes_when_a_stream_leaves_and_its_slot_is_refilled() -> None:
+    """A leaving stream's slot takes the top holder's cache, its last frame's codec input
+    and its repetition-penalty history: the moved stream's codes stay those it gets alone."""
+    from omnirelay.models.runner import TalkerRow
+
+    runner = _tts_runner()
+    gen = torch.Generator().manual_seed(3)
+    conditioning = [
+        (torch.randn(6 + i, runner.hidden, generator=gen) * 0.5).to(runner.dtype) for i in range(3)
+    ]
+    texts = [(torch.randn(10, 1, runner.hidden, generator=gen) * 0.5).to(runner.dtype) for _ in range(3)]
+
+    def row(i: int, embeds: torch.Tensor) -> TalkerRow:
+        return TalkerRow(f"s{i}", embeds, SamplingParams(), torch.Generator(), repetition_penalty=1.3)
+
+    frames = 8
+    with torch.inference_mode():
+        alone = {}
+        for i in range(3):
+            runner.slots.acquire(f"s{i}")
+            codes = [runner.prefill([row(i, conditioning[i])])]
+            codes += [runner.decode([row(i, texts[i][f])]) for f in range(frames - 1)]
+            alone[i] = torch.cat(codes)
+            runner.slots.release(f"s{i}")
+        together: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+        for i in range(3):
+            runner.slots.acquire(f"s{i}")
+        for i, codes in enumerate(runner.prefill([row(i, conditioning[i]) for i in range(3)])):
+            together[i].append(codes.unsqueeze(0))
+        live = [0, 1, 2]
+        for f in range(frames - 1):
+            if f == 2:  # s0 leaves: s2 moves from slot 2 into slot 0
+                runner.slots.release("s0")
+                live.remove(0)
+                assert runner.slots.slot("s2") == 0
+            out = runner.decode([row(i, texts[i][f]) for i in live])
+            for i, codes in zip(live, out):
+                together[i].append(codes.unsqueeze(0))
+        for i in live:
+            runner.slots.release(f"s{i}")
+    assert torch.equal(torch.cat(together[0]), alone[0][:3])
+    for i in (1, 2):
+        assert torch.equal(torch.cat(together[i]), alone[i]), i
+    assert runner.slots.holders() == []
