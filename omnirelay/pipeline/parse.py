@@ -109,30 +109,7 @@ def parse_pipeline(
     elif "async_chunk" in data:
         kwargs["async_chunk"] = ctx.strict_bool(data, "async_chunk")
         kwargs["async_chunk_origin"] = FlagOrigin.FILE
-    if "input_wait_timeout_s" in data:
-        timeout = ctx.number(data, "input_wait_timeout_s", fix="use seconds, e.g. 600, or 0 to disable")
-        kwargs["input_wait_timeout_s"] = timeout
-        if timeout == 0:
-            pending_warnings.append(
-                f"{source}: input_wait_timeout_s is 0, which disables the input deadline: a request "
-                "whose input never arrives waits forever (default: "
-                f"{DEFAULT_INPUT_WAIT_TIMEOUT_S:g} s)"
-            )
-    if "default_modalities" in data:
-        kwargs["default_modalities"] = tuple(ctx.string_list(data, "default_modalities"))
-    if "max_audio_streams" in data:
-        limit = ctx.integer(data, "max_audio_streams", optional=True)
-        if limit is not None and limit < 1:
-            ctx.fail(
-                "max_audio_streams",
-                f"expected an int >= 1 or null, got {limit}",
-                "write max_audio_streams: <streams one machine keeps real-time>, or null for no fixed limit",
-            )
-        kwargs["max_audio_streams"] = limit
-    if "hold_audio_while_dry" in data:
-        kwargs["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
-    if "device_groups" in data:
-        kwargs["device_groups"] = ctx.choice(data, "device_groups", DeviceGroups)
+    kwargs.update(_parse_limits(ctx, data, pending_warnings))
     if "connectors" in data:
         kwargs["connectors"] = _parse_connectors(ctx, data["connectors"])
     if "openai_voices" in data:
@@ -158,6 +135,38 @@ def parse_pipeline(
     for message in pending_warnings:
         warnings.warn(PipelineConfigWarning(message), stacklevel=3)
     return cfg
+
+
+def _parse_limits(ctx: _Ctx, data: Mapping[str, Any], pending_warnings: list[str]) -> dict[str, Any]:
+    """The pipeline's request limits and modes: the input deadline, default modalities,
+    audio streams at once, holding audio while dry, device groups (a warning for a
+    disabled deadline goes to ``pending_warnings``)."""
+    limits: dict[str, Any] = {}
+    if "input_wait_timeout_s" in data:
+        timeout = ctx.number(data, "input_wait_timeout_s", fix="use seconds, e.g. 600, or 0 to disable")
+        limits["input_wait_timeout_s"] = timeout
+        if timeout == 0:
+            pending_warnings.append(
+                f"{ctx.source}: input_wait_timeout_s is 0, which disables the input deadline: a request "
+                "whose input never arrives waits forever (default: "
+                f"{DEFAULT_INPUT_WAIT_TIMEOUT_S:g} s)"
+            )
+    if "default_modalities" in data:
+        limits["default_modalities"] = tuple(ctx.string_list(data, "default_modalities"))
+    if "max_audio_streams" in data:
+        limit = ctx.integer(data, "max_audio_streams", optional=True)
+        if limit is not None and limit < 1:
+            ctx.fail(
+                "max_audio_streams",
+                f"expected an int >= 1 or null, got {limit}",
+                "write max_audio_streams: <streams one machine keeps real-time>, or null for no fixed limit",
+            )
+        limits["max_audio_streams"] = limit
+    if "hold_audio_while_dry" in data:
+        limits["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
+    if "device_groups" in data:
+        limits["device_groups"] = ctx.choice(data, "device_groups", DeviceGroups)
+    return limits
 
 
 def _parse_restart(ctx: _Ctx, raw: object) -> RestartPolicy:
