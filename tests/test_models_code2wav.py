@@ -220,6 +220,33 @@ def test_windows_of_several_streams_decode_in_one_batch(windowed: Code2WavExecut
         assert float((res.audio - alone.audio).abs().max()) < TOL
 
 
+def test_a_launched_step_gives_what_a_step_gives(windowed: Code2WavExecutor) -> None:
+    """``launch`` (a device group's split step) on the CPU: done at once, the same audio."""
+    windows = [chunk_payloads(random_frames(n, seed=n), DEPLOY)[k] for n, k in ((60, 2), (3, 0))]
+    items = [chunk_item(f"r{i}", p) for i, p in enumerate(windows)]
+    launched = windowed.launch(items)
+    assert launched.is_done()
+    for res, alone in zip(launched.result(), windowed.step(items)):
+        assert res.internal_id == alone.internal_id and torch.equal(res.audio, alone.audio)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_launched_step_on_cuda_polls_its_event_and_gives_what_a_step_gives(
+    windowed: Code2WavExecutor,
+) -> None:
+    import copy
+
+    executor = Code2WavExecutor(copy.deepcopy(windowed.model).to("cuda:0"), stateful=False, cuda_graphs=True)
+    windows = [chunk_payloads(random_frames(n, seed=n), DEPLOY)[k] for n, k in ((60, 2), (3, 0))]
+    items = [chunk_item(f"r{i}", p) for i, p in enumerate(windows)]
+    launched = executor.launch(items)
+    while not launched.is_done():  # polled, as a device group's loop does
+        pass
+    for res, alone in zip(launched.result(), executor.step(items)):
+        assert res.audio.device.type == "cpu" and res.audio.is_pinned()
+        assert float((res.audio - alone.audio).abs().max()) < TOL
+
+
 def test_complete_input_uses_the_chunked_decode(code2wav: Code2WavExecutor) -> None:
     frames = random_frames(130, seed=4)
     reference = whole(code2wav, frames)

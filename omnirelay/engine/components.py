@@ -129,6 +129,7 @@ def create_stage_engine(
             transfer_config=transfer_config,
             clock=clock,
             tracer=tracer,
+            use_launch=_in_group(pipeline, s),
         )
     except BaseException:
         if connector is not None:
@@ -149,3 +150,11 @@ def _outputs_stay_on_device(pipeline: PipelineConfig, stage: StageConfig, roles:
     if stage_edge_backends(pipeline, stage, roles)[1] != "inproc" or group_key(pipeline, stage) is None:
         return False
     return cuda_index(stage_device(stage)) is not None
+
+
+def _in_group(pipeline: PipelineConfig, stage: StageConfig) -> bool:
+    """Does the stage run in a device group (docs/design.md §12)? Only there does its
+    executor's ``launch`` pay: a process of its own has nothing to overlap it with."""
+    from omnirelay.pipeline.groups import group_key
+
+    return group_key(pipeline, stage) is not None

@@ -163,6 +163,7 @@ class StageEngine:
         transfer_config: TransferConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracer: StepTracer | None = None,
+        use_launch: bool = True,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
         self.stage_id = stage.id
@@ -175,8 +176,9 @@ class StageEngine:
                 f"{executor.execution_type!r} but the stage is {str(stage.execution_type)!r}"
             )
         self._executor = executor
-        #: the executor splits a step into launch and completion (``launch``)
-        self._launches = callable(getattr(executor, "launch", None))
+        #: the executor splits a step into launch and completion (``launch``), and this
+        #: engine uses it (``use_launch``: in a device group, where a loop overlaps stages)
+        self._launches = use_launch and callable(getattr(executor, "launch", None))
         #: the tick launched and not yet completed (:meth:`launch_step`)
         self._tick: _Tick | None = None
         #: told whenever this engine may have work (:meth:`set_wake_listener`)

@@ -52,7 +52,7 @@ layout) are an error naming the request, never decoded into another codebook's t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,26 +136,36 @@ class Code2WavExecutor:
         self.sample_rate = sample_rate
         self.chunk_frames = chunk_frames
         self.chunk_left_context = chunk_left_context
+        #: the stream launched decodes run on (:meth:`launch`; made on first use)
+        self._stream: torch.cuda.Stream | None = None
 
     # ----------------------------------------------------------------- Executor
 
     def step(self, batch: list[BatchItem]) -> list[ItemResult]:
         """Decode every item's codes (engine thread); results in batch order."""
         inputs = [self._read(item) for item in batch]
-        audio: dict[int, torch.Tensor] = {}
-        with torch.inference_mode():
-            if self.vocoder is not None:
-                streams = [(i, x) for i, x in enumerate(inputs) if x.left_context is not None]
-                inputs_left = [x if x.left_context is None else None for x in inputs]
-                for i, piece in self._decode_stateful(streams):
-                    audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
-            else:
-                inputs_left = list(inputs)
-            for group in self._groups(inputs_left):
-                is_stream = group[0][1].left_context is not None
-                pieces = self._decode_stream(group) if is_stream else self._decode_complete(group)
-                for (i, _), piece in zip(group, pieces):
-                    audio[i] = piece.reshape(-1).to(device="cpu", dtype=torch.float32)
+        return self._results(inputs, self._decode_all(inputs, _to_host))
+
+    def launch(self, batch: list[BatchItem]) -> _LaunchedDecode:
+        """The step split in two (docs/design.md §12): on CUDA the decode is enqueued on
+        this executor's own high-priority stream, its audio copied non-blocking into
+        pinned host memory, an event recorded after it; ``is_done()`` polls the event.
+        Elsewhere the step runs now."""
+        inputs = [self._read(item) for item in batch]
+        if self.device.type != "cuda":
+            return _LaunchedDecode(self._results(inputs, self._decode_all(inputs, _to_host)))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device, priority=-1)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the inputs are ready
+        with torch.cuda.stream(stream):
+            audio = self._decode_all(inputs, _to_pinned_host)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The inputs stay referenced until the event completed: no allocation reuses them.
+        return _LaunchedDecode(self._results(inputs, audio), done, inputs)
+
+    def _results(self, inputs: list[_Input], audio: dict[int, torch.Tensor]) -> list[ItemResult]:
         return [
             ItemResult(
                 internal_id=x.item.internal_id,
@@ -164,6 +174,26 @@ class Code2WavExecutor:
             )
             for i, x in enumerate(inputs)
         ]
+
+    def _decode_all(
+        self, inputs: list[_Input], to_host: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Each item's audio (by batch index), brought to the host by ``to_host``."""
+        audio: dict[int, torch.Tensor] = {}
+        with torch.inference_mode():
+            if self.vocoder is not None:
+                streams = [(i, x) for i, x in enumerate(inputs) if x.left_context is not None]
+                inputs_left = [x if x.left_context is None else None for x in inputs]
+                for i, piece in self._decode_stateful(streams):
+                    audio[i] = to_host(piece)
+            else:
+                inputs_left = list(inputs)
+            for group in self._groups(inputs_left):
+                is_stream = group[0][1].left_context is not None
+                pieces = self._decode_stream(group) if is_stream else self._decode_complete(group)
+                for (i, _), piece in zip(group, pieces):
+                    audio[i] = to_host(piece)
+        return audio
 
     def release(self, internal_id: str) -> None:
         """Free the stream's decoder state (idempotent; nothing when decoding by windows)."""
@@ -276,6 +306,42 @@ class Code2WavExecutor:
                 f"request {rid!r}: meta.left_context_size {left!r} is not an int in [0, {codes.shape[1]}]"
             )
         return _Input(item=item, codes=codes.to(torch.long), left_context=left)
+
+
+def _to_host(piece: torch.Tensor) -> torch.Tensor:
+    return piece.reshape(-1).to(device="cpu", dtype=torch.float32)
+
+
+def _to_pinned_host(piece: torch.Tensor) -> torch.Tensor:
+    """A copy into pinned host memory, enqueued on the current stream (not waited for)."""
+    flat = piece.reshape(-1).to(dtype=torch.float32)
+    host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    return host
+
+
+class _LaunchedDecode:
+    """A launched Code2Wav step (:class:`~omnirelay.engine.interfaces.PendingStep`): its
+    results, whose audio is complete once ``done`` (a CUDA event; None: already) completed."""
+
+    def __init__(
+        self, results: list[ItemResult], done: torch.cuda.Event | None = None, inputs: Any = None
+    ) -> None:
+        self._results = results
+        self._done = done
+        self._inputs = inputs
+
+    def is_done(self) -> bool:
+        if self._done is None or self._done.query():
+            self._inputs = None
+            return True
+        return False
+
+    def result(self) -> list[ItemResult]:
+        if self._done is not None:
+            self._done.synchronize()  # only when asked before it ended (a step outside a group)
+            self._done = self._inputs = None
+        return self._results
 
 
 def _codes_tensor(value: Any) -> torch.Tensor | None:
