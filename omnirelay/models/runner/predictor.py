@@ -20,8 +20,11 @@ With ``compile="inductor"`` both functions go through ``torch.compile`` (static 
 a test uses a lighter backend to check that they trace whole); compilation happens on the first call per batch size — at startup, when the
 runner warms its graphs up — and the compiled kernels are then captured inside the CUDA
 graphs like any others. Inductor keeps its compiled kernels in an on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``; omnirelay points it under its own cache directory), so a
-restarted stage compiles much faster. Fused kernels round differently in bf16, so a
+(``TORCHINDUCTOR_CACHE_DIR``): omnirelay points it under its own cache directory, in a
+folder per code-predictor config, torch version, device and dtype
+(:func:`keyed_compile_cache`), so a restarted stage on the same machine reuses the
+kernels instead of compiling them again, and a changed model, torch or card never reads
+another's. Fused kernels round differently in bf16, so a
 compiled tail samples the same codes as the eager one only up to ties: equivalence is
 judged on logits within tolerance.
 
@@ -41,6 +44,8 @@ first (``projection``: Qwen3-TTS 1.7B's ``small_to_mtp_projection``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +65,7 @@ __all__ = [
     "PREDICTOR_TOP_P",
     "CodePredictor",
     "ResidualSampling",
+    "keyed_compile_cache",
     "use_compile_cache",
 ]
 
@@ -84,13 +90,44 @@ class ResidualSampling:
 DEFAULT_RESIDUAL = ResidualSampling()
 
 
+#: the directory :func:`use_compile_cache` chose (None: it chose none, or the
+#: environment had already named one, which is then left as it is)
+_OWN_CACHE: Path | None = None
+
+
 def use_compile_cache(root: Path) -> Path:
     """Point inductor's on-disk cache at ``root / "inductor"`` unless the environment
     already chose one; returns the directory in use."""
+    global _OWN_CACHE
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen:
         return Path(chosen)
     path = root / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    _OWN_CACHE = path
+    return path
+
+
+def _config_text(config: Any) -> str:
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return json.dumps(to_dict(), sort_keys=True, default=str)
+    return repr(config)
+
+
+def keyed_compile_cache(config: Any, device: torch.device, dtype: torch.dtype) -> Path | None:
+    """Inductor's cache folder for a model ``config`` on ``device`` in ``dtype`` with this
+    torch: ``<the folder use_compile_cache chose>/<hash of all four>`` (made the cache in
+    use); the environment's own folder, untouched, when it named one; None: no cache set."""
+    if _OWN_CACHE is None:
+        chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return Path(chosen) if chosen else None
+    card = "cpu"
+    if device.type == "cuda":
+        card = f"{torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    recipe = f"{_config_text(config)}|torch {torch.__version__}|{card}|{dtype}"
+    path = _OWN_CACHE / hashlib.sha256(recipe.encode()).hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
@@ -152,6 +189,10 @@ class CodePredictor:
         self._groups = [(heads[g], no_bias, embeds[g]) for g in range(self.q - 1)]
         #: the ``torch.compile`` backend of both bodies (None: eager)
         self.compile_backend = compile
+        #: inductor's on-disk cache for this predictor (None: not compiling with inductor)
+        self.compile_cache: Path | None = None
+        if compile == "inductor":
+            self.compile_cache = keyed_compile_cache(config, self.device, self.dtype)
         self.pass_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._pass
         self.head_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._head
         self.first_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._first_head

@@ -143,6 +143,8 @@ class TalkerRunner:
     def capture_graphs(self) -> None:
         if not self.graphs.enabled:
             return
+        if self.predictor.compile_backend is not None:
+            print(f"omnirelay: talker: {self._compile_plan()}", file=sys.stderr, flush=True)
         start = time.monotonic()
         with torch.inference_mode():
             for b, t in self.buckets.prefill_shapes():
@@ -160,6 +162,17 @@ class TalkerRunner:
             self.predictor.finish_compiling()
             how = f" (code-predictor tail compiled with {self.predictor.compile_backend})"
         print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
+
+    def _compile_plan(self) -> str:
+        """What the capture is about to compile, and whether a cache already holds it."""
+        sizes = ", ".join(map(str, self.buckets.batch_sizes))
+        what = f"compiling the code-predictor tail with {self.predictor.compile_backend} for batches {sizes}"
+        cache = self.predictor.compile_cache
+        if cache is None:
+            return f"{what} (no on-disk cache: every start compiles again)"
+        if any(cache.iterdir()):
+            return f"{what}, reusing the kernels cached in {cache}"
+        return f"{what}; first start on this machine: this takes minutes, later starts reuse {cache}"
 
     def _move_slot(self, src: int, dst: int, length: int) -> None:
         """A holder moves from slot ``src`` to ``dst`` (the slot table packs its holders):
