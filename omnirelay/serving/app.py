@@ -171,6 +171,13 @@ def create_app(
         async def _page() -> Response:
             return ui.page_response()
 
+    _install_status_routes(app, fe, pipeline)
+    return app
+
+
+def _install_status_routes(app: FastAPI, fe: Frontend, pipeline: Pipeline) -> None:
+    """``/v1/models``, ``/health`` (with ``?audit=1``: the leak audit) and ``/metrics``."""
+
     @app.get("/v1/models", responses=error_responses("401", "403"))
     async def _models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(fe)]}
@@ -203,8 +210,6 @@ def create_app(
             fe.metrics.update_health(health)
             fe.admission.live_bytes = live_bytes(health)
         return Response(fe.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
 
 
 def _install_error_handlers(app: FastAPI, fe: Frontend) -> None:
