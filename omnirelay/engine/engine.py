@@ -60,7 +60,8 @@ from typing import Any
 from omnirelay.connectors.base import Connector
 from omnirelay.engine.generation_scheduler import GenerationScheduler
 from omnirelay.engine.intake import admission_problem, stage_sampling
-from omnirelay.engine.interfaces import BatchItem, Executor, PendingStep, StageOutput, StageRequest
+from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
+from omnirelay.engine.launched import Call, Tick
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
@@ -97,35 +98,6 @@ class _Release:
 
 
 _Command = _Add | _Abort | _Release
-
-
-class _Call:
-    """One executor call of a tick: launched (``pending``) or ended (``value``: the
-    results, or the exception)."""
-
-    __slots__ = ("batch", "pending", "value")
-
-    def __init__(self, batch: tuple[BatchItem, ...]) -> None:
-        self.batch = batch
-        self.pending: PendingStep | None = None
-        self.value: Any = None
-
-    def is_done(self) -> bool:
-        if self.pending is None:
-            return True
-        try:
-            return self.pending.is_done()
-        except Exception:
-            return True  # its result() raises it, which fails the batch
-
-
-@dataclasses.dataclass(slots=True)
-class _Tick:
-    """A launched tick, until :meth:`StageEngine.complete_step`."""
-
-    outputs: list[StageOutput]
-    sched: Any = None
-    calls: list[_Call] = dataclasses.field(default_factory=list)
 
 
 def _build_scheduler(
@@ -180,7 +152,7 @@ class StageEngine:
         #: engine uses it (``use_launch``: in a device group, where a loop overlaps stages)
         self._launches = use_launch and callable(getattr(executor, "launch", None))
         #: the tick launched and not yet completed (:meth:`launch_step`)
-        self._tick: _Tick | None = None
+        self._tick: Tick | None = None
         #: told whenever this engine may have work (:meth:`set_wake_listener`)
         self._wake_listener: Callable[[], None] | None = None
         self._clock = clock
@@ -345,7 +317,7 @@ class StageEngine:
             if self._tick is not None:
                 raise PipelineError(f"stage {self.stage_id}: a step is in flight; complete it first")
             outputs: list[StageOutput] = []
-            self._tick = _Tick(outputs)
+            self._tick = Tick(outputs)
             if self._is_closed:
                 return False
             self._counts["num_steps"] += 1
@@ -386,14 +358,14 @@ class StageEngine:
             self._counts["num_outputs"] += len(outputs)
             return outputs
 
-    def _launch_executor(self, batch: tuple[BatchItem, ...]) -> _Call:
+    def _launch_executor(self, batch: tuple[BatchItem, ...]) -> Call:
         """Start one executor call: launched (an executor with ``launch``) or run now."""
         self._counts["num_executor_calls"] += 1
         self._counts["num_items"] += len(batch)
         self._counts["max_batch_size"] = max(self._counts["max_batch_size"], len(batch))
         if self._tracer is not None:
             self._tracer.call_started(batch)
-        call = _Call(batch)
+        call = Call(batch)
         try:
             if self._launches:
                 call.pending = self._executor.launch(list(batch))  # type: ignore[attr-defined]
@@ -403,7 +375,7 @@ class StageEngine:
             call.value = exc
         return call
 
-    def _end_call(self, call: _Call) -> Any:
+    def _end_call(self, call: Call) -> Any:
         """One executor call's results, or the exception it raised (which fails this
         batch's requests, not the stage)."""
         if call.pending is not None:
