@@ -25,7 +25,8 @@ Conversation (what the template renders):
   take (a call's arguments as an object).
 * :class:`ToolPrompt` — what tools add to a prompt of ``(role, text)`` turns: the
   definitions, each turn's calls or answered call id, the forced prefix; it travels in a
-  request's ``extras`` as JSON when the prompt is made after recognition.
+  request's ``extras`` (under :data:`TOOLS_EXTRA`) as JSON when the prompt is made after
+  recognition.
 
 The model's side:
 
@@ -34,14 +35,16 @@ The model's side:
   one read today. :meth:`ToolFormat.forced_prefix` is the text the assistant turn is
   started with to make the model call (``required``) or call one function (named).
 * :class:`ChatTemplateTools` — a ``transformers`` tokenizer's chat template seen from
-  here: :meth:`~ChatTemplateTools.probe` says whether it takes tools and in which format
-  (or why not), :meth:`~ChatTemplateTools.render` renders messages and tools.
+  here, probed once when made: ``format`` (the call format, None when it takes no
+  tools) and ``refusal`` (why not); :meth:`~ChatTemplateTools.render` renders messages
+  and tools.
 * :class:`ToolCallParser` — the streaming parser: :meth:`~ToolCallParser.push` a text
   delta, get :data:`ParserEvent` s back (:class:`TextDelta`, :class:`CallStarted`,
   :class:`ArgumentsDelta`, :class:`CallDone`); :meth:`~ToolCallParser.finish` at the
   end. Text that may be the start of a call is held until the next delta decides; a call
-  is sent whole once its closing tag arrives (it is checked before any of it is sent),
-  and a call whose JSON is malformed, or that never closes, is text: nothing is lost.
+  is sent whole once its closing tag arrives (it is checked before any of it is sent);
+  a call whose JSON is malformed is text, and so is one left open at the end unless its
+  JSON is whole: nothing is lost.
   :func:`parse_tool_calls` is the same over a whole answer.
 """
 
