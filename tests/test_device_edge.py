@@ -297,6 +297,7 @@ def test_check_prints_each_edge_path() -> None:
     text = out.getvalue()
     assert "tensors: gpu-direct-peer (cuda:0 -> cuda:1: CUDA IPC handle, peer copy" in text
     assert "tensors: in-process (inproc connector: one process)" in text
+    assert "processes (device_groups: auto): 0 | 1+2" in text and report["processes"] == [[0], [1, 2]]
     apart = io.StringIO()
     render_report(build_report(load_pipeline("qwen3-omni").with_device_groups("off")), apart)
     text = apart.getvalue()

@@ -29,6 +29,7 @@ from omnirelay.pipeline import (
     load_pipeline,
     shipped_pipeline_names,
 )
+from omnirelay.pipeline.groups import process_groups
 
 __all__ = ["build_report", "register", "render_report", "run_check"]
 
@@ -150,6 +151,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         t.value: [s.id for s in cfg.stages if s.final_output and s.final_output_type is t]
         for t in FinalOutputType
     }
+    workers = cfg.workers()
     return {
         "name": cfg.name,
         "source": cfg.source,
@@ -171,6 +173,9 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         },
         "stages": stages,
         "edges": edges,
+        "device_groups": cfg.device_groups.value,
+        # the worker processes: the stage ids each hosts (docs/design.md §12)
+        "processes": [sorted({workers[i].stage_id for i in g}) for g in process_groups(cfg)],
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
         "final_output_stage_ids": list(cfg.final_output_stage_ids()),
     }
@@ -215,7 +220,8 @@ def render_report(report: dict[str, Any], out: TextIO) -> None:
             f"  placement: Ray cluster at {placement['address'] or 'auto'}; edge backends from where stages run\n"
         )
     else:
-        w("  placement: local (every stage a process of this machine)\n")
+        processes = " | ".join("+".join(str(i) for i in p) for p in report["processes"])
+        w(f"  placement: local; processes (device_groups: {report['device_groups']}): {processes}\n")
     _render_stages(report["stages"], w)
     _render_edges(report["edges"], w)
     w("\nfinal outputs\n")
