@@ -207,6 +207,7 @@ def test_the_probe_tells_templates_that_take_tools_from_those_that_do_not() -> N
 
 
 def test_the_families_prompt_sides_render_tools_with_their_templates() -> None:
+    from omnirelay.models.family import PromptSide
     from omnirelay.models.qwen3_omni.prompt import QwenPromptSide
     from omnirelay.models.voice.chat_model import ChatTokenizer
     from omnirelay.models.voice.prompt import SmolPromptSide
@@ -221,10 +222,14 @@ def test_the_families_prompt_sides_render_tools_with_their_templates() -> None:
             side.encode_chat_tools([("user", "hi")], tooling), skip_special_tokens=False
         )
         assert '"name": "get_weather"' in text and text.endswith("<|im_start|>assistant\n<tool_call>\n")
-    for side in (QwenPromptSide(make_tokenizer(None)), SmolPromptSide(object())):
-        assert side.tool_format is None and "no chat template" in side.tool_refusal
+    refusals: list[tuple[PromptSide, str]] = [
+        (QwenPromptSide(make_tokenizer(None)), "no chat template"),
+        (SmolPromptSide(object()), "serve a --model checkpoint whose template does"),
+    ]
+    for plain, refusal in refusals:
+        assert plain.tool_format is None and refusal in plain.tool_refusal
         with pytest.raises(ValueError, match="takes no tools"):
-            side.encode_chat_tools([("user", "hi")], tooling)
+            plain.encode_chat_tools([("user", "hi")], tooling)
 
 
 def test_after_recognition_the_tools_travel_in_extras_into_the_prompt() -> None:

@@ -29,6 +29,15 @@ class SmolPromptSide(PromptSide):
         # a checkpoint's template may take tools (ChatTokenizer); the built-in SmolLM2's takes none
         self.chat_tools = getattr(tokenizer, "chat_tools", None)
 
+    @property
+    def tool_refusal(self) -> str:
+        if self.chat_tools is None:  # the built-in SmolLM2
+            return (
+                "the built-in SmolLM2-135M-Instruct's chat template takes no tools; serve a --model "
+                "checkpoint whose template does (Qwen2.5-0.5B-Instruct's, for one)"
+            )
+        return super().tool_refusal
+
     def encode_rendered(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
 
