@@ -184,7 +184,9 @@ def submit_turns(
     extras = dict(extras or {})
     clips = [p for _, ps in turns for p in ps if isinstance(p, np.ndarray)]
     images = [p.pixels for _, ps in turns for p in ps if isinstance(p, DecodedImage)]
-    if images:
+    config = fe.pipeline.config
+    # Images, or audio without a recognizer stage: the prompt stage's model sees them itself.
+    if images or (clips and config.audio_entry_stage_id is None):
         return _submit_media(
             fe,
             endpoint,
@@ -212,49 +214,34 @@ def submit_turns(
             delivery=delivery,
         )
         return stream, prompt
-    config = fe.pipeline.config
-    if config.audio_entry_stage_id is not None:
-        marked: list[list[Any]] = []
-        k = 0
-        for role, ps in turns:
-            parts: list[Any] = []
-            for p in ps:
-                if isinstance(p, np.ndarray):
-                    parts.append({"audio": k})
-                    k += 1
-                else:
-                    parts.append(p)
-            marked.append([role, parts])
-        extras["chat_turns"] = marked
-        if tooling is not None:
-            extras[TOOLS_EXTRA] = tooling.extra()
-        stream = fe.submit(
-            endpoint=endpoint,
-            prompt_token_ids=[0],  # a generation stage's prompt: its input is the audio
-            modalities=modalities,
-            request_id=request_id,
-            sampling=sampling,
-            extras=extras,
-            inputs=audio_inputs(clips),
-            entry_stage_id=config.audio_entry_stage_id,
-            session=session,
-            delivery=delivery,
-        )
-        return stream, []
-    return _submit_media(
-        fe,
-        endpoint,
-        turns,
-        modalities,
-        request_id,
-        sampling,
-        extras,
-        clips=clips,
-        images=[],
+    # Audio, heard first by the recognizer stage: the front makes no prompt.
+    marked: list[list[Any]] = []
+    k = 0
+    for role, ps in turns:
+        parts: list[Any] = []
+        for p in ps:
+            if isinstance(p, np.ndarray):
+                parts.append({"audio": k})
+                k += 1
+            else:
+                parts.append(p)
+        marked.append([role, parts])
+    extras["chat_turns"] = marked
+    if tooling is not None:
+        extras[TOOLS_EXTRA] = tooling.extra()
+    stream = fe.submit(
+        endpoint=endpoint,
+        prompt_token_ids=[0],  # a generation stage's prompt: its input is the audio
+        modalities=modalities,
+        request_id=request_id,
+        sampling=sampling,
+        extras=extras,
+        inputs=audio_inputs(clips),
+        entry_stage_id=config.audio_entry_stage_id,
         session=session,
         delivery=delivery,
-        tooling=tooling,
     )
+    return stream, []
 
 
 def _submit_media(
