@@ -11,7 +11,8 @@ what a request gets back (:class:`RequestHandle`, :class:`RequestOutput`,
 :class:`RequestResult`, :data:`TRANSCRIPT`), what it asks for (:class:`SamplingParams`,
 :func:`stage_sampling_defaults`), what the pipeline reports (:class:`PipelineHealth`,
 :class:`StageHealth`, :class:`StageState`, :class:`ShutdownReport`) and what a stage
-hands to ``on_stage_output`` (:class:`StageOutput`).
+hands to ``on_stage_output`` (:class:`StageOutput`); and :func:`local_cluster`, simulated
+hosts on this machine for a pipeline placed on Ray (``--local-cluster``).
 """
 
 from omnirelay.api.options import PipelineOptions, RuntimeHooks
@@ -26,6 +27,7 @@ from omnirelay.api.pipeline import (
 )
 from omnirelay.engine.interfaces import SamplingParams, StageOutput
 from omnirelay.orchestrator.handle import RequestHandle, RequestResult
+from omnirelay.orchestrator.local_cluster import local_cluster
 from omnirelay.orchestrator.requests import RequestOutput, stage_sampling_defaults
 from omnirelay.orchestrator.router import TRANSCRIPT
 from omnirelay.orchestrator.stage_processes import PipelineHealth, ShutdownReport, StageHealth, StageState
@@ -48,6 +50,7 @@ __all__ = [
     "StageOutput",
     "StageState",
     "chat_tokenizer",
+    "local_cluster",
     "prompt_side",
     "stage_sampling_defaults",
     "validate_request_id",

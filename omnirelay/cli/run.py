@@ -261,7 +261,7 @@ def run_run(args: argparse.Namespace) -> int:
     check_multihost(config, local_cluster=local)
     if not local:
         return _run(args, config, modalities)
-    from omnirelay.orchestrator.local_cluster import local_cluster
+    from omnirelay.api import local_cluster
 
     print("starting a local two-node Ray cluster (hostA, hostB; UCX over TCP)", file=sys.stderr, flush=True)
     with local_cluster() as address:

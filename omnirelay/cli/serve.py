@@ -298,7 +298,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_multihost(pipeline, local_cluster=local)
     if not local:
         return _serve(args, pipeline)
-    from omnirelay.orchestrator.local_cluster import local_cluster
+    from omnirelay.api import local_cluster
 
     print(
         "omnirelay serve: starting a local two-node Ray cluster (hostA, hostB)", file=sys.stderr, flush=True
