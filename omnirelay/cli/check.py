@@ -26,6 +26,7 @@ from omnirelay.errors import ConfigError
 from omnirelay.pipeline import (
     FinalOutputType,
     PipelineConfig,
+    StageConfig,
     load_pipeline,
     shipped_pipeline_names,
 )
@@ -100,35 +101,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def build_report(cfg: PipelineConfig) -> dict[str, Any]:
     """The resolved pipeline as plain data (what ``--json`` writes)."""
-    stages = []
-    for s in cfg.stages:
-        stages.append(
-            {
-                "id": s.id,
-                "name": s.name,
-                "execution_type": s.execution_type.value,
-                "executor": s.executor,
-                "devices": s.devices,
-                "device": stage_device(s),
-                "max_num_seqs": s.max_num_seqs,
-                "async_chunk": s.async_chunk,
-                "resolved_async_chunk": cfg.resolved_async_chunk(s),
-                "async_chunk_reason": cfg.async_chunk_reason(s),
-                "receives_chunks": cfg.stage_receives_chunks(s),
-                "receives_chunks_reason": _receives_reason(cfg, s.id),
-                "next_stage_processor": cfg.next_stage_processor(s),
-                "input_builder": cfg.stage_input_builder(s),
-                "final_output": s.final_output,
-                "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
-                "process_env": s.process_env(),
-                "entry": _entry_text(cfg, s.id),
-                "resources": dict(s.resources),
-                "replicas": [
-                    {"replica": r, "devices": s.replica_devices_of(r), "resources": s.replica_resources_of(r)}
-                    for r in range(s.replicas)
-                ],
-            }
-        )
+    stages = [_stage_report(cfg, s) for s in cfg.stages]
     edges = [
         {
             "src": e.src,
@@ -178,6 +151,35 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
         "processes": [sorted({workers[i].stage_id for i in g}) for g in process_groups(cfg)],
         "final_outputs": {k: v for k, v in final_outputs.items() if v},
         "final_output_stage_ids": list(cfg.final_output_stage_ids()),
+    }
+
+
+def _stage_report(cfg: PipelineConfig, s: StageConfig) -> dict[str, Any]:
+    """One stage of :func:`build_report`."""
+    return {
+        "id": s.id,
+        "name": s.name,
+        "execution_type": s.execution_type.value,
+        "executor": s.executor,
+        "devices": s.devices,
+        "device": stage_device(s),
+        "max_num_seqs": s.max_num_seqs,
+        "async_chunk": s.async_chunk,
+        "resolved_async_chunk": cfg.resolved_async_chunk(s),
+        "async_chunk_reason": cfg.async_chunk_reason(s),
+        "receives_chunks": cfg.stage_receives_chunks(s),
+        "receives_chunks_reason": _receives_reason(cfg, s.id),
+        "next_stage_processor": cfg.next_stage_processor(s),
+        "input_builder": cfg.stage_input_builder(s),
+        "final_output": s.final_output,
+        "final_output_type": None if s.final_output_type is None else s.final_output_type.value,
+        "process_env": s.process_env(),
+        "entry": _entry_text(cfg, s.id),
+        "resources": dict(s.resources),
+        "replicas": [
+            {"replica": r, "devices": s.replica_devices_of(r), "resources": s.replica_resources_of(r)}
+            for r in range(s.replicas)
+        ],
     }
 
 
