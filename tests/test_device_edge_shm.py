@@ -264,11 +264,18 @@ def test_a_put_that_fails_after_placing_releases_its_blocks(edge: Edge) -> None:
 
 def test_the_pipeline_sets_the_gpu_direct_options_of_each_stage() -> None:
     cfg = load_pipeline("qwen3-omni")
-    options = [gpu_direct_options(cfg, s) for s in cfg.stages]
+    apart = cfg.with_device_groups("off")  # a process per stage: both edges cross processes
+    options = [gpu_direct_options(apart, s) for s in apart.stages]
     assert options == [
         {"gpu_direct_to": (1,), "gpu_direct_in": False, "device": "cuda:0"},
         {"gpu_direct_to": (2,), "gpu_direct_in": True, "device": "cuda:1"},
         {"gpu_direct_to": (), "gpu_direct_in": True, "device": "cuda:1"},
+    ]
+    # The Talker and Code2Wav share cuda:1, so a process (a device group): their edge is in it.
+    assert [gpu_direct_options(cfg, s) for s in cfg.stages] == [
+        options[0],
+        {"gpu_direct_to": (), "gpu_direct_in": True, "device": "cuda:1"},
+        {},
     ]
     tiny = load_pipeline("qwen3-omni-tiny")
     assert all(gpu_direct_options(tiny, s) == {} for s in tiny.stages)
