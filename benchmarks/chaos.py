@@ -20,6 +20,8 @@ up again. The report (docs/protocol.md §2.8 is the rule it checks):
 
 * **errors, client had nothing** — a request that failed before its client received any
   of the answer (every failure of a non-streamed one): target 0;
+* **errors, past the rerun bound** — a request that lost a replica more than 3 times
+  (``MAX_RERUNS``) fails by design: counted apart;
 * **errors, stream playing** — a stream cut or failed after part of the answer arrived
   (the rule: failed fast, never resumed elsewhere);
 * **wrong / duplicated** — an answer that came back whole but differs from the reference
@@ -62,6 +64,7 @@ import numpy as np
 import openai
 
 from omnirelay.connectors.shm import sweep
+from omnirelay.orchestrator.router import MAX_RERUNS, RERUN_BOUND_NOTE
 from omnirelay.serving.media.audio_out import parse_wav
 
 __all__ = ["KINDS", "ChaosOptions", "main", "render_chaos", "run_chaos"]
@@ -82,6 +85,8 @@ class ChaosOptions:
     max_tokens: int = 8
     request_timeout_s: float = 120.0
     seed: int = 0
+    #: stop killing after this many (None: no limit)
+    max_kills: int | None = None
 
 
 @dataclass
@@ -99,6 +104,8 @@ class Tally:
     requests: int = 0
     ok: int = 0
     errors_nothing_received: int = 0
+    #: failed after losing a replica more often than a request is run again
+    errors_rerun_bound: int = 0
     errors_playing: int = 0
     wrong: int = 0
     duplicated: int = 0
@@ -114,6 +121,7 @@ class Tally:
             "requests": self.requests,
             "ok": self.ok,
             "errors_nothing_received": self.errors_nothing_received,
+            "errors_rerun_bound": self.errors_rerun_bound,
             "errors_playing": self.errors_playing,
             "wrong": self.wrong,
             "duplicated": self.duplicated,
@@ -249,7 +257,10 @@ def judge(tally: Tally, kind: str, got: Answer | None, want: Answer, sample: str
             tally.error_samples.append(f"{sample}: hung")
             return
         if got.error is not None and not got.got_any:
-            tally.errors_nothing_received += 1
+            if RERUN_BOUND_NOTE in got.error:
+                tally.errors_rerun_bound += 1
+            else:
+                tally.errors_nothing_received += 1
             tally.error_samples.append(f"{sample}: {got.error}")
             return
         is_cut = got.error is not None or (
@@ -292,8 +303,11 @@ class Killer:
     """SIGKILLs a random replica of a replicated stage every ``every_s`` (a random interval
     in the range), each time once every worker is up again."""
 
-    def __init__(self, url: str, every_s: tuple[float, float], rng: random.Random) -> None:
+    def __init__(
+        self, url: str, every_s: tuple[float, float], rng: random.Random, max_kills: int | None = None
+    ) -> None:
         self.url = url
+        self.max_kills = max_kills
         self.every_s = every_s
         self.rng = rng
         self.kills: list[dict[str, Any]] = []
@@ -310,6 +324,8 @@ class Killer:
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self._stop.wait(self.rng.uniform(*self.every_s)):
+            if self.max_kills is not None and len(self.kills) >= self.max_kills:
+                return
             while not self._stop.is_set():  # the last victim is back (or never was killed)
                 health = _health(self.url)
                 if health.get("status") == "healthy":
@@ -405,7 +421,7 @@ def run_chaos(url: str, opts: ChaosOptions) -> dict[str, Any]:
                 if got is None:
                     return  # its thread is stuck in the hung request
 
-    killer = Killer(url, opts.kill_every_s, rng)
+    killer = Killer(url, opts.kill_every_s, rng, opts.max_kills)
     t0 = time.monotonic()
     killer.start()
     try:
@@ -453,6 +469,7 @@ def render_chaos(report: dict[str, Any]) -> str:
         f"{len(report['kills'])} kills, {report['restarts']} restarts, {report['reruns']} reruns",
         f"  ok                                  {report['ok']}",
         f"  errors, client had nothing          {report['errors_nothing_received']}",
+        f"  errors, past the rerun bound ({MAX_RERUNS})    {report['errors_rerun_bound']}",
         f"  errors, stream already playing      {report['errors_playing']}",
         f"  wrong answers                       {report['wrong']}",
         f"  duplicated audio                    {report['duplicated']}",

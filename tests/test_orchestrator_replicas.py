@@ -19,6 +19,7 @@ from omnirelay.errors import ConfigError
 from omnirelay.orchestrator.replicas import ReplicaBalancer
 from omnirelay.orchestrator.requests import PipelineRequest
 from omnirelay.orchestrator.router import (
+    RERUN_BOUND_NOTE,
     Action,
     ClientOutput,
     Rerun,
@@ -312,6 +313,7 @@ def test_a_buffered_request_still_fails_past_the_rerun_bound() -> None:
     assert not of(acts, Rerun)
     (failed,) = [o.output for o in of(acts, ClientOutput)]
     assert failed.finished and failed.error_code == "stage_unavailable"
+    assert RERUN_BOUND_NOTE in (failed.error or "")  # why a whole answer failed
     assert_idle(r)
 
 

@@ -122,6 +122,8 @@ Action = StageSubmit | StageAbort | StageRelease | ClientOutput | Rerun
 
 #: How often one request may be run again after losing a replica.
 MAX_RERUNS = 3
+#: what a request's failure adds when it lost a replica once more than that
+RERUN_BOUND_NOTE = f"the request had already run again {MAX_RERUNS} times, the most it is"
 
 
 @dataclass
@@ -668,8 +670,9 @@ class Router:
                 continue
             if (st.has_delivered and not st.request.buffered) or st.num_reruns >= MAX_RERUNS:
                 # Another replica serves new requests now: the client may retry at once.
+                why = reason if st.num_reruns < MAX_RERUNS else f"{reason}; {RERUN_BOUND_NOTE}"
                 actions.extend(
-                    self.fail(rid, reason, stage_id=stage_id, code="stage_unavailable", retry_after_s=0.0)
+                    self.fail(rid, why, stage_id=stage_id, code="stage_unavailable", retry_after_s=0.0)
                 )
                 continue
             if st.has_delivered:  # buffered: its consumer drops what the failed attempt gave
