@@ -76,3 +76,23 @@ def test_fused_projections_equal_the_separate_ones_and_share_their_weights() -> 
     assert not hasattr(layers[2].mlp, "omnirelay_gate_up_weight")
     # Not saved with the model: the checkpoint's names stay the model's own.
     assert not any("omnirelay" in name for name in layers[0].state_dict())
+
+
+def test_rms_norms_run_as_one_op_with_the_modules_results() -> None:
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    from omnirelay.models.qwen3_tts.layers import RMSNorm
+    from omnirelay.models.runner.fused import run_norm
+
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 64)
+    norms = [hf.Qwen3OmniMoeThinkerTextRMSNorm(64, eps=1e-6), RMSNorm(64, 1e-6)]
+    with torch.inference_mode():
+        for norm in norms:
+            norm.weight.normal_()
+            torch.testing.assert_close(run_norm(norm, x), norm(x), rtol=0, atol=0)  # float32: exact
+            # bfloat16: one rounding instead of two, so within one step of bfloat16 (2^-7 relative).
+            half, xb = norm.to(torch.bfloat16), x.to(torch.bfloat16)
+            torch.testing.assert_close(run_norm(half, xb).float(), half(xb).float(), rtol=2**-7, atol=1e-2)
+        layer_norm = torch.nn.LayerNorm(64)  # not an RMS norm: run as it is
+        torch.testing.assert_close(run_norm(layer_norm, x), layer_norm(x), rtol=0, atol=0)

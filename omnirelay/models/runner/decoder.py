@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
-from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp
+from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp, run_norm
 
 __all__ = [
     "KVStep",
@@ -86,8 +86,8 @@ def _attend(
     b, t, _ = x.shape
     d = attn.head_dim
     q_, k_, v_ = project_qkv(attn, x)
-    q = attn.q_norm(q_.view(b, t, -1, d)).transpose(1, 2)
-    k = attn.k_norm(k_.view(b, t, -1, d)).transpose(1, 2)
+    q = run_norm(attn.q_norm, q_.view(b, t, -1, d)).transpose(1, 2)
+    k = run_norm(attn.k_norm, k_.view(b, t, -1, d)).transpose(1, 2)
     v = v_.view(b, t, -1, d).transpose(1, 2)
     q, k = _rotary_fn()(q, k, cos, sin)
     keys, values, mask, causal = kv_step(li, k, v)
@@ -104,8 +104,8 @@ def decoder_layer(
     layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
 ) -> torch.Tensor:
     """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE)."""
-    h = h + _attend(layer.self_attn, layer.input_layernorm(h), cos, sin, kv_step, li)
-    out: torch.Tensor = h + run_mlp(layer.mlp, layer.post_attention_layernorm(h))
+    h = h + _attend(layer.self_attn, run_norm(layer.input_layernorm, h), cos, sin, kv_step, li)
+    out: torch.Tensor = h + run_mlp(layer.mlp, run_norm(layer.post_attention_layernorm, h))
     return out
 
 
@@ -231,7 +231,7 @@ class StaticDecoder:
             if li in capture:
                 captured[li] = h
             h = decoder_layer(layer, h, cos, sin, kv_step, li)
-        h = self.model.norm(h)
+        h = run_norm(self.model.norm, h)
         if len(self.layers) in capture:
             captured[len(self.layers)] = h
         last = h[torch.arange(b, device=device), counts - 1]

@@ -14,6 +14,11 @@ columns may differ, so in float32 the results equal the separate projections' up
 the last bits, and in bfloat16 up to its rounding of the same sums. A layer without the
 expected modules (an MoE block's experts: ``transformers`` already keeps their gate
 and up projections in one tensor) runs as it is.
+
+:func:`run_norm` runs an RMS norm of these families (``x · rsqrt(mean(x²) + ε) · w``,
+computed in float32) as one ``F.rms_norm`` — a single fused kernel on a GPU instead of
+the module's six (cast, square, mean, add, rsqrt, two products); it rounds to the input's
+dtype once, after the weight, where the module rounds before it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fuse_projections", "project_qkv", "run_mlp"]
+__all__ = ["fuse_projections", "project_qkv", "run_mlp", "run_norm"]
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -97,3 +102,26 @@ def run_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, weight, mlp.omnirelay_gate_up_bias).split(mlp.omnirelay_gate_up_sizes, dim=-1)
     out = mlp.down_proj(mlp.omnirelay_act(gate) * up)
     return out
+
+
+def _rms_eps(norm: Any) -> float | None:
+    """The epsilon of an RMS norm this module knows (``transformers``' Qwen3 norms:
+    ``variance_epsilon``; Qwen3-TTS's own: ``eps``), None for any other module."""
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(
+        getattr(norm, "weight", None), torch.Tensor
+    ):
+        return None
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(norm, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def run_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for an RMS norm over the last dimension, as one ``F.rms_norm``."""
+    eps = _rms_eps(norm)
+    if eps is None:
+        out: torch.Tensor = norm(x)
+        return out
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.models.runner.decoder import grouped_attention
-from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp
+from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp, run_norm
 from omnirelay.models.runner.sampler import sample
 
 __all__ = [
@@ -239,19 +239,19 @@ class CodePredictor:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             d = attn.head_dim
-            y = layer.input_layernorm(h)
+            y = run_norm(layer.input_layernorm, h)
             q_, k_, v_ = project_qkv(attn, y)
-            q = attn.q_norm(q_.view(b, 1, -1, d)).transpose(1, 2)
-            k = attn.k_norm(k_.view(b, 1, -1, d)).transpose(1, 2)
+            q = run_norm(attn.q_norm, q_.view(b, 1, -1, d)).transpose(1, 2)
+            k = run_norm(attn.k_norm, k_.view(b, 1, -1, d)).transpose(1, 2)
             v = v_.view(b, 1, -1, d).transpose(1, 2)
             q, k = rotate(q, k, cos, sin)
             keys = torch.where(slot, k, cache[li, 0])
             values = torch.where(slot, v, cache[li, 1])
             out = grouped_attention(q, keys, values, allowed, attn.scaling)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
-            h = h + run_mlp(layer.mlp, layer.post_attention_layernorm(h))
+            h = h + run_mlp(layer.mlp, run_norm(layer.post_attention_layernorm, h))
             new.append(torch.stack([k, v]))
-        return self.model.norm(h)[:, -1], torch.stack(new)
+        return run_norm(self.model.norm, h)[:, -1], torch.stack(new)
 
     @staticmethod
     def _head(
