@@ -209,8 +209,15 @@ def _register_benches(bsub: Any) -> None:
         help=(
             "run the stages under a private CUDA MPS daemon started for this run and stopped after it "
             "(their kernels share the GPU at once instead of in time slices; a stage's gpu_share and "
-            "gpu_priority act only under MPS)"
+            "gpu_priority act only under MPS; a process per stage unless --device-groups says otherwise)"
         ),
+    )
+    q.add_argument(
+        "--device-groups",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="which stages share a worker process: auto (the stages on one CUDA device), on (also the "
+        "CPU stages), off (a process per stage); default: the pipeline file's",
     )
     q.add_argument(
         "--schedule",
@@ -537,6 +544,7 @@ def run_bench_pipeline(args: argparse.Namespace) -> int:
             mps=args.mps,
             schedule=args.schedule,
             max_audio_streams=args.max_audio_streams,
+            device_groups=args.device_groups,
         )
     except (ValueError, MpsError) as exc:
         raise SystemExit(f"omnirelay bench pipeline: {exc}") from exc

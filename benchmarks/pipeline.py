@@ -258,6 +258,7 @@ def run_pipeline_bench(
     mps: bool = False,
     schedule: str = "adaptive",
     max_audio_streams: int | None = None,
+    device_groups: str | None = None,
 ) -> dict[str, Any]:
     """Start ``pipeline`` (default ``qwen3-omni-tiny``; the full-size ``qwen3-omni``
     with ``load_format="dummy"``; ``device``/``load_format``/``runner`` as in
@@ -267,7 +268,9 @@ def run_pipeline_bench(
     ``schedule``: one of :data:`SCHEDULES`; with ``both`` the report is the adaptive
     schedule's and ``report["fixed_schedule"]`` the fixed one's, measured after it.
     ``max_audio_streams``: the pipeline's real-time capacity for this run (None: the
-    file's); requests past it wait for a stream, and that wait counts in their figures."""
+    file's); requests past it wait for a stream, and that wait counts in their figures.
+    ``device_groups`` (``auto``, ``on``, ``off``) overrides the pipeline's (docs/design.md
+    §12); under ``mps`` it defaults to ``off``: a process per stage, which MPS shares."""
     _check_options(concurrency, requests, warmup)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -276,6 +279,7 @@ def run_pipeline_bench(
         from benchmarks.mps import mps_daemon
 
         daemon = mps_daemon()
+        device_groups = device_groups or "off"
     with daemon:
         report = _run_schedules(
             schedule,
@@ -290,16 +294,19 @@ def run_pipeline_bench(
             runner,
             timeout_s,
             stream,
+            device_groups=device_groups,
         )
     report["mps"] = mps
     return report
 
 
-def _run_schedules(schedule: str, max_audio_streams: int | None, *args: Any) -> dict[str, Any]:
+def _run_schedules(
+    schedule: str, max_audio_streams: int | None, *args: Any, device_groups: str | None
+) -> dict[str, Any]:
     first = "fixed" if schedule == "fixed" else "adaptive"
-    report = _run_pipeline_bench(first, max_audio_streams, *args)
+    report = _run_pipeline_bench(first, max_audio_streams, *args, device_groups=device_groups)
     if schedule == "both":
-        fixed = _run_pipeline_bench("fixed", max_audio_streams, *args)
+        fixed = _run_pipeline_bench("fixed", max_audio_streams, *args, device_groups=device_groups)
         report["fixed_schedule"] = fixed
         report["ok"] = report["ok"] and fixed["ok"]
     return report
@@ -346,13 +353,19 @@ def _run_pipeline_bench(
     runner: str | None,
     timeout_s: float,
     stream: TextIO | None,
+    *,
+    device_groups: str | None = None,
 ) -> dict[str, Any]:
+    from omnirelay.pipeline.groups import process_groups
+
     err = stream if stream is not None else sys.stderr
     if pipeline is None and load_format != "dummy":
         pipeline = "qwen3-omni-tiny"  # the protocol's test bed: codec frames on every edge
     config = with_codec_schedule(
         load_run_config(pipeline, device=device, load_format=load_format, runner=runner), schedule
     )
+    if device_groups is not None:
+        config = config.with_device_groups(device_groups)
     if max_audio_streams is not None:
         import msgspec
 
@@ -388,6 +401,10 @@ def _run_pipeline_bench(
         startup_s=startup_s,
         stage_args={s.name: dict(s.executor_args) for s in config.stages},
         stage_env={s.name: s.process_env() for s in config.stages},
+        device_groups=config.device_groups.value,
+        processes=[
+            [config.stages[config.workers()[i].stage_id].name for i in g] for g in process_groups(config)
+        ],
     )
     report["audit"].update(
         shutdown_killed=shutdown.num_killed, shutdown_objects_left=shutdown.num_objects_left
