@@ -149,10 +149,12 @@ def group_main(specs: tuple[WorkerSpec, ...]) -> None:
     is_clean = False
     try:
         for spec, control in zip(specs, controls, strict=True):
+            before = _device_bytes()
             engine = _build_engine(spec, control, is_parent_alive)
             if engine is None:
                 raise _Stop()
             engines.append(engine)
+            _say_built(spec, before, len(specs))
         waker = GroupWaker()
         loops: list[WorkerLoop] = []
         for spec, control, engine in zip(specs, controls, engines, strict=True):
@@ -193,3 +195,28 @@ def group_main(specs: tuple[WorkerSpec, ...]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if is_clean else 1)
+
+
+def _device_bytes() -> int | None:
+    """Bytes the process's CUDA caching allocator holds on its devices (None: no CUDA yet)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+
+
+def _say_built(spec: WorkerSpec, before: int | None, size: int) -> None:
+    """One startup line per stage of a group: what its build took of the shared device
+    memory (weights, KV slots, graph pools together)."""
+    after = _device_bytes()
+    if after is None:
+        return
+    took = after - (before or 0)
+    stage = spec.pipeline.stages[spec.stage_id]
+    print(
+        f"omnirelay: {stage.label} built in process {os.getpid()} ({size} stages): "
+        f"{took / 2**30:.2f} GiB of device memory (weights, KV slots, graph pools), "
+        f"{after / 2**30:.2f} GiB for the process so far",
+        file=sys.stderr,
+        flush=True,
+    )
