@@ -124,34 +124,7 @@ def run_tts_talker_bench(
         for b in batches:
             err.write(f"bench tts-talker: batch {b}\n")
             err.flush()
-            lasts = torch.empty((b, runner.hidden), dtype=runner.dtype, device=dev)
-
-            def rewind(b: int = b) -> None:
-                for r in rows[:b]:
-                    runner.slots.set_length(r.rid, CACHED)
-
-            def frame(b: int = b, lasts: torch.Tensor = lasts) -> None:
-                rewind()
-                runner._frame_lasts(text[:b], lasts)
-
-            def step(b: int = b) -> None:
-                rewind()
-                runner.step([], text[:b])
-
-            def admit(b: int = b) -> None:
-                rewind()
-                runner.slots.acquire(newcomer.rid)
-                runner.step([newcomer], text[: b - 1])
-                runner.slots.release(newcomer.rid)
-
-            figures = {
-                "frame_ms": median_ms(frame, reps, sync),
-                "step_ms": median_ms(step, reps, sync),
-                "admit_ms": median_ms(admit, reps, sync),
-            }
-            figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
-            figures.update(floor(_step_bytes(runner, b), bandwidth, figures["step_ms"]))
-            figures["kernels_per_step"] = count_kernels(step, sync, dev, steps=2)
+            figures, step = _batch(runner, rows, text, newcomer, b, reps, sync, bandwidth)
             report["batches"][str(b)] = figures
             if profile == b:
                 report["profile"] = _profile(step, sync, dev, b)
@@ -159,6 +132,50 @@ def run_tts_talker_bench(
             runner.slots.release(r.rid)
     report["leak_state"] = executor.leak_state()
     return report
+
+
+def _batch(
+    runner: Any,
+    rows: list[Any],
+    text: list[Any],
+    newcomer: Any,
+    b: int,
+    reps: int,
+    sync: Callable[[], None],
+    bandwidth: float,
+) -> tuple[dict[str, float], Callable[[], None]]:
+    """The figures of ``b`` continuing rows (``rows[:b]``, each rewound to ``CACHED``
+    positions) and the whole step it timed (to profile)."""
+    dev = runner.device
+    lasts = torch.empty((b, runner.hidden), dtype=runner.dtype, device=dev)
+
+    def rewind(b: int = b) -> None:
+        for r in rows[:b]:
+            runner.slots.set_length(r.rid, CACHED)
+
+    def frame(b: int = b, lasts: torch.Tensor = lasts) -> None:
+        rewind()
+        runner._frame_lasts(text[:b], lasts)
+
+    def step(b: int = b) -> None:
+        rewind()
+        runner.step([], text[:b])
+
+    def admit(b: int = b) -> None:
+        rewind()
+        runner.slots.acquire(newcomer.rid)
+        runner.step([newcomer], text[: b - 1])
+        runner.slots.release(newcomer.rid)
+
+    figures = {
+        "frame_ms": median_ms(frame, reps, sync),
+        "step_ms": median_ms(step, reps, sync),
+        "admit_ms": median_ms(admit, reps, sync),
+    }
+    figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
+    figures.update(floor(_step_bytes(runner, b), bandwidth, figures["step_ms"]))
+    figures["kernels_per_step"] = count_kernels(step, sync, dev, steps=2)
+    return figures, step
 
 
 def _step_bytes(runner: Any, b: int) -> int:
