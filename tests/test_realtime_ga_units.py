@@ -5,14 +5,17 @@ answer's transcript, and items inserted after an item or at the root."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from omnirelay.models.tools import HERMES, ToolChoice
 from omnirelay.serving.realtime import ga
 from omnirelay.serving.realtime.conversation import ROOT, Conversation, Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, apply_session_update
 from omnirelay.serving.realtime.items import cut_transcript
+from omnirelay.serving.realtime.tools import read_tools
 
 RATE = 24000
 PCM = {"type": "audio/pcm", "rate": RATE}
@@ -92,7 +95,6 @@ def test_a_frameworks_session_update_is_honoured() -> None:
         ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
         ({"truncation": "disabled"}, "session.truncation"),
         ({"prompt": {"id": "p"}}, "session.prompt"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
         ({"type": "realtime", "voice": "ethan"}, "session.voice"),  # beta's field in a GA update
         ({"output_modalities": "audio"}, "session.output_modalities"),
     ],
@@ -104,6 +106,27 @@ def test_what_would_change_what_the_user_gets_is_refused_by_its_ga_name(
         _apply(session)
     want = param or "session.audio.input.turn_detection.eagerness"
     assert info.value.param == want and want in info.value.message
+
+
+def test_tools_need_a_model_whose_template_takes_them() -> None:
+    takes_none = SimpleNamespace(
+        model_name="m",
+        prompts=SimpleNamespace(tool_format=None, tool_refusal="its template renders no tools"),
+    )
+    takes = SimpleNamespace(model_name="m", prompts=SimpleNamespace(tool_format=HERMES))
+    start = RealtimeSettings(modalities=("text",), voice="v")
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    session = {"instructions": "x", "tools": [tool], "tool_choice": "required"}
+    with pytest.raises(EventError) as info:
+        read_tools(session, start, takes_none)  # type: ignore[arg-type]
+    assert info.value.param == "session.tools" and "renders no tools" in info.value.message
+    rest, values = read_tools(session, start, takes)  # type: ignore[arg-type]
+    assert rest == {"instructions": "x"} and values["tool_choice"] == ToolChoice("required")
+    assert [t.name for t in values["tools"]] == ["get_weather"]
+    # GA's defaults without tools: nothing to call.
+    assert (
+        read_tools({"tools": [], "tool_choice": "auto"}, start, takes_none)[1]["tool_choice"].mode == "none"
+    )  # type: ignore[arg-type]
 
 
 def test_a_ga_response_create_and_its_metadata() -> None:

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnirelay.models.tools import ToolCall
+
 __all__ = ["ROOT", "Conversation", "Item"]
 
 #: ``previous_item_id`` of an item that goes first
@@ -41,9 +43,18 @@ class Item:
     #: an assistant's answer: the samples of its audio sent to the client (at the
     #: session's rate), up to where ``conversation.item.truncate`` cut it
     output_samples: int = 0
+    #: a ``function_call`` item's call (an assistant's); a ``function_call_output``
+    #: item's ``call_id`` (role ``tool``, its ``text`` the output)
+    call: ToolCall | None = None
+    call_id: str | None = None
 
     def event_item(self) -> dict[str, Any]:
         """The item as OpenAI's realtime ``item`` object."""
+        head = {"id": self.id, "object": "realtime.item", "type": self.kind, "status": self.status}
+        if self.call is not None:
+            return {**head, "call_id": self.call.id, "name": self.call.name, "arguments": self.call.arguments}
+        if self.call_id is not None:
+            return {**head, "call_id": self.call_id, "output": self.text}
         part: dict[str, Any] = {"type": self.kind}
         if self.kind in ("input_text", "text"):
             part["text"] = self.text
@@ -122,16 +133,42 @@ class Conversation:
             item.role == "user" and (item.text or item.audio is not None) for item in self._items.values()
         )
 
+    def items(self) -> list[Item]:
+        return list(self._items.values())
+
+    def _entries(self, instructions: str) -> list[tuple[str, list[Any], list[ToolCall], str | None]]:
+        """The prompt's turns with their tool fields: ``(role, parts, calls, call_id)``; an
+        assistant's calls join its turn (the message before them in the same answer)."""
+        out: list[tuple[str, list[Any], list[ToolCall], str | None]] = []
+        if instructions:
+            out.append(("system", [instructions], [], None))
+        for item in self._items.values():
+            if item.call is not None:
+                if item.status != "completed":
+                    continue  # cut before its end
+                if out and out[-1][0] == "assistant":
+                    out[-1][2].append(item.call)
+                else:
+                    out.append(("assistant", [""], [item.call], None))
+            elif item.call_id is not None:
+                out.append(("tool", [item.text], [], item.call_id))
+            elif item.audio is not None and not item.is_heard:
+                out.append((item.role, [item.audio], [], None))
+            elif item.text:
+                out.append((item.role, [item.text], [], None))
+        return out
+
     def turns(self, instructions: str) -> list[tuple[str, list[Any]]]:
         """The prompt's turns as chat input takes them (:mod:`omnirelay.serving.media.chat_turns`):
         ``(role, [text | clip])``; a user's speech is its clip until it has a transcript."""
-        out: list[tuple[str, list[Any]]] = [("system", [instructions])] if instructions else []
-        for item in self._items.values():
-            if item.audio is not None and not item.is_heard:
-                out.append((item.role, [item.audio]))
-            elif item.text:
-                out.append((item.role, [item.text]))
-        return out
+        return [(role, parts) for role, parts, _, _ in self._entries(instructions)]
+
+    def tool_fields(
+        self, instructions: str
+    ) -> tuple[tuple[tuple[ToolCall, ...], ...], tuple[str | None, ...]]:
+        """Each turn's calls and answered call id, beside :meth:`turns`."""
+        entries = self._entries(instructions)
+        return tuple(tuple(c) for _, _, c, _ in entries), tuple(i for _, _, _, i in entries)
 
     def unheard(self) -> list[Item]:
         """The speech items without a transcript yet, in the order :meth:`turns` gives their

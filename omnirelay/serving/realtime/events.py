@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from omnirelay.models.tools import ToolChoice, ToolSpec
 from omnirelay.serving.protocol import loads_object
 from omnirelay.serving.realtime.vad import VadParams
 
@@ -116,6 +117,25 @@ class RealtimeSettings:
     transcription: dict[str, Any] | None = None
     #: ``response.create``'s ``metadata`` (GA), echoed in that response's events
     metadata: dict[str, str] | None = None
+    #: ``session.tools`` and ``tool_choice`` (:mod:`omnirelay.serving.realtime.tools`)
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice | None = None
+
+
+def tool_event(spec: ToolSpec) -> dict[str, Any]:
+    """A tool in Realtime's form (``session.tools``)."""
+    out: dict[str, Any] = {"type": "function", "name": spec.name}
+    if spec.description is not None:
+        out["description"] = spec.description
+    out["parameters"] = dict(spec.parameters) if spec.parameters is not None else {"type": "object"}
+    return out
+
+
+def choice_event(choice: ToolChoice | None, none: str = "auto") -> Any:
+    """``tool_choice`` in Realtime's form (``none``: what a session without tools says)."""
+    if choice is None or choice.mode == "none":
+        return none if choice is None else "none"
+    return {"type": "function", "name": choice.name} if choice.mode == "function" else choice.mode
 
 
 def session_object(
@@ -137,8 +157,8 @@ def session_object(
         "output_audio_format": AUDIO_FORMAT,
         "input_audio_transcription": settings.transcription,
         "turn_detection": None if td is None else td.as_event(),
-        "tools": [],
-        "tool_choice": "none",
+        "tools": [tool_event(t) for t in settings.tools],
+        "tool_choice": choice_event(settings.tool_choice, "none"),
         "temperature": settings.temperature,
         "max_response_output_tokens": tokens,
         "sample_rate": sample_rate,

@@ -28,7 +28,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from omnirelay.serving.realtime.events import EventError, RealtimeSettings
+from omnirelay.serving.realtime.events import EventError, RealtimeSettings, choice_event, tool_event
 
 __all__ = [
     "AUTO",
@@ -309,9 +309,15 @@ def response_to_beta(response: Any, rate: int) -> tuple[Any, dict[str, str] | No
     _refuse_unknown(audio, {"output"}, "response.audio")
     _audio_output(audio.get("output"), out, rate, "response.audio.output")
     if response.get("tools"):
-        raise EventError("response.tools is not supported by this server", param="response.tools")
+        raise EventError(
+            "response.tools is not supported by this server; set the tools with session.update",
+            param="response.tools",
+        )
     if response.get("tool_choice") not in (None, "auto", "none"):
-        raise EventError("response.tool_choice: this server has no tools", param="response.tool_choice")
+        raise EventError(
+            "response.tool_choice is not supported by this server; set it with session.update",
+            param="response.tool_choice",
+        )
     if response.get("input"):
         raise EventError(
             "response.input is not supported; a response answers the session's conversation "
@@ -355,8 +361,8 @@ def session_object(
             },
             "output": {"format": _pcm(sample_rate), "voice": settings.voice, "speed": 1.0},
         },
-        "tools": [],
-        "tool_choice": "auto",
+        "tools": [tool_event(t) for t in settings.tools],
+        "tool_choice": choice_event(settings.tool_choice),
         "max_output_tokens": "inf" if settings.max_output_tokens is None else settings.max_output_tokens,
         "tracing": None,
         "truncation": "auto",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.realtime.conversation import ROOT, Item
 from omnirelay.serving.realtime.events import EventError, new_id, parse_text_item
+from omnirelay.serving.realtime.tools import parse_call_item
 
 if TYPE_CHECKING:
     from omnirelay.serving.realtime.session import Session
@@ -48,10 +49,18 @@ def _existing(session: Session, event: Mapping[str, Any]) -> Item:
 
 
 async def create(session: Session, event: Mapping[str, Any]) -> None:
-    """A text message, after ``previous_item_id`` (an item's id, ``root``: first; absent: last)."""
-    item_id, role, text = parse_text_item(event)
+    """A text message, a tool call or a call's output, after ``previous_item_id`` (an
+    item's id, ``root``: first; absent: last)."""
     conversation = session.conversation
     previous = event.get("previous_item_id")
+    raw = event.get("item")
+    if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+        call_item = parse_call_item(raw, session.fe, session)
+        if call_item.id in conversation:
+            raise EventError(f"an item with id {call_item.id!r} already exists", param="item.id")
+        await session.add_item(call_item, conversation.last_id)
+        return
+    item_id, role, text = parse_text_item(event)
     if previous is not None and previous != ROOT and previous not in conversation:
         raise EventError(
             f"previous_item_id {str(previous)[:64]!r} is not an item of the conversation (nor 'root')",

@@ -34,6 +34,7 @@ from omnirelay.serving.media.chat_turns import submit_turns
 from omnirelay.serving.media.encoding import PcmResampler
 from omnirelay.serving.realtime.conversation import Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, new_id
+from omnirelay.serving.realtime.tools import CallRelay, tool_prompt
 
 if TYPE_CHECKING:
     from omnirelay.serving.realtime.session import Session
@@ -64,6 +65,10 @@ class Response:
     resampler: PcmResampler | None = None
     #: the speech items whose clips the request hears (the recognizer's transcripts, in order)
     heard: list[Item] = field(default_factory=list)
+    #: the answer's calls (:mod:`omnirelay.serving.realtime.tools`): None when it may call none
+    relay: CallRelay | None = None
+    #: its ``function_call`` items, output items 1, 2, … after the message
+    calls: list[Item] = field(default_factory=list)
 
     @property
     def has_audio(self) -> bool:
@@ -78,7 +83,8 @@ class Response:
 
     def body(self, status: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
         """OpenAI's ``response`` object."""
-        output = [] if status == "in_progress" or self.stream is None else [self.item.event_item()]
+        items = [self.item, *self.calls]
+        output = [] if status == "in_progress" or self.stream is None else [i.event_item() for i in items]
         extra = {} if self.settings.metadata is None else {"metadata": self.settings.metadata}
         return {
             **extra,
@@ -129,9 +135,13 @@ class ResponseRunner:
             sampling = s.fe.sampling(max_tokens=settings.max_output_tokens, temperature=settings.temperature)
         except ApiError as exc:
             raise EventError(exc.message, code=exc.code or "invalid_value", param=exc.param) from exc
+        tooling = tool_prompt(s.fe, settings, s)
         kind = "audio" if "audio" in settings.modalities else "text"
         item = Item(id=new_id("item"), role="assistant", kind=kind, status="in_progress")
         resp = Response(new_id("resp"), item, settings, [], heard=heard)
+        fmt = s.fe.prompts.tool_format
+        if tooling is not None and tooling.tools and fmt is not None:
+            resp.relay = CallRelay(fmt.parser(tooling.prefix))
         try:
             # A user's speech enters the way chat's input_audio does (a recognizer stage,
             # or the Thinker's audio encoder); text-only turns make the plain chat prompt.
@@ -145,6 +155,7 @@ class ResponseRunner:
                 extras={"voice": settings.voice} if kind == "audio" else {},
                 session=s.id,  # a replicated stage keeps the session's turns on one replica
                 delivery=UNTIL_FIRST,  # runs again on a lost replica until its first event
+                tooling=tooling,
             )
         except ApiError as exc:
             await self._refused(resp, exc)
@@ -224,6 +235,8 @@ class ResponseRunner:
             resp.stream.close()
         if status == "completed" and resp.resampler is not None:
             await self._audio_delta(resp, resp.resampler.flush())  # what the resampler held back
+        if resp.relay is not None and not resp.is_over:  # text held back as a possible call's start
+            await self._say(resp, await resp.relay.finish(self.session, resp))
         await self._finish(resp, status, details)
 
     async def _output(self, resp: Response, out: RequestOutput, emitter: AudioEmitter | None) -> None:
@@ -232,10 +245,9 @@ class ResponseRunner:
             await self._heard(resp.heard, out.text or "")
         elif out.modality == "text":
             piece = self._text_of(resp, out)
-            if piece:
-                resp.text.append(piece)
-                kind = "response.audio_transcript.delta" if resp.has_audio else "response.text.delta"
-                await s.send(kind, {**resp.ids(), "delta": piece}, unless=resp)
+            if piece and resp.relay is not None:
+                piece = await resp.relay.push(s, resp, piece)
+            await self._say(resp, piece)
         elif out.modality == "audio" and emitter is not None:
             new = emitter.push(out.audio, out.sample_rate)
             if new is None or new.numel() == 0:
@@ -246,6 +258,12 @@ class ResponseRunner:
                 resp.resampler = PcmResampler(rate, s.rate)
             resp.stream.note_audio_sent(new.numel(), rate)
             await self._audio_delta(resp, resp.resampler.push(new.numpy()))
+
+    async def _say(self, resp: Response, piece: str) -> None:
+        if piece:
+            resp.text.append(piece)
+            kind = "response.audio_transcript.delta" if resp.has_audio else "response.text.delta"
+            await self.session.send(kind, {**resp.ids(), "delta": piece}, unless=resp)
 
     async def _audio_delta(self, resp: Response, data: bytes) -> None:
         if not data:
@@ -345,6 +363,8 @@ class ResponseRunner:
         s = self.session
         resp.item.text = "".join(resp.text)
         resp.item.status = "completed" if status == "completed" else "incomplete"
+        for call in resp.calls:  # a call cut before its end is no call (the prompt skips it)
+            call.status = "completed" if call.status == "completed" else "incomplete"
         ids = resp.ids()
         if resp.has_audio:
             await s.send("response.audio.done", ids)

@@ -88,7 +88,7 @@ from omnirelay.serving.media import audio_in as audio_input
 from omnirelay.serving.media.audio_out import wav_header
 from omnirelay.serving.media.chat_turns import hears_audio
 from omnirelay.serving.media.encoding import PCM_RATE
-from omnirelay.serving.realtime import ga, items
+from omnirelay.serving.realtime import ga, items, tools
 from omnirelay.serving.realtime.conversation import Conversation, Item
 from omnirelay.serving.realtime.events import (
     EventError,
@@ -338,8 +338,11 @@ class Session:
         is_ga = self.protocol == ga.GA
         if is_ga:
             session = ga.session_to_beta(session, self.rate)
+        tooling: dict[str, Any] = {}
+        if isinstance(session, dict):
+            session, tooling = tools.read_tools(session, self.settings, self.fe)
         try:
-            self.settings = apply_session_update(
+            settings = apply_session_update(
                 self.settings,
                 session,
                 check_voice=self.fe.check_voice,
@@ -349,6 +352,7 @@ class Session:
             )
         except EventError as exc:
             raise ga.ga_error(exc) if is_ga else exc from None
+        self.settings = replace(settings, **tooling)
         if self.settings.turn_detection != before:
             self._reset_vad()
         await self.send_session()
