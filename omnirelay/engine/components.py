@@ -152,9 +152,17 @@ def _outputs_stay_on_device(pipeline: PipelineConfig, stage: StageConfig, roles:
     return cuda_index(stage_device(stage)) is not None
 
 
+#: ``0``: stages in a device group step synchronously even where their executor can
+#: launch (to measure what the overlap is worth; docs/design.md §12)
+GROUP_LAUNCH_ENV = "OMNIRELAY_GROUP_LAUNCH"
+
+
 def _in_group(pipeline: PipelineConfig, stage: StageConfig) -> bool:
-    """Does the stage run in a device group (docs/design.md §12)? Only there does its
-    executor's ``launch`` pay: a process of its own has nothing to overlap it with."""
+    """Does the stage launch its steps: it runs in a device group (docs/design.md §12)
+    and :data:`GROUP_LAUNCH_ENV` is not ``0``? Only in a group does an executor's
+    ``launch`` pay: a process of its own has nothing to overlap it with."""
+    import os
+
     from omnirelay.pipeline.groups import group_key
 
-    return group_key(pipeline, stage) is not None
+    return group_key(pipeline, stage) is not None and os.environ.get(GROUP_LAUNCH_ENV, "1") != "0"
