@@ -13,7 +13,8 @@ its death is each stage's death and its restart restarts them all.
 1. each stage takes its queued control messages (add / abort / release go to its
    engine; queries wait);
 2. each stage whose launched step ended is completed: the step's results go to its
-   scheduler, its outputs and completed releases go out;
+   scheduler, its outputs and completed releases go out (looked at again after every
+   synchronous step of step 3, so a launched stage's outputs do not wait for the rest);
 3. in priority order — the stage nearest the client first (Code2Wav, then the Talker,
    then the Thinker: the streams short of playback headroom are theirs) — each stage
    with work and no step in flight launches one (``StageEngine.launch_step``): an
@@ -140,9 +141,7 @@ class GroupLoop:
             has_messages |= got
             if asked:
                 queries.append((member, asked))
-        for member in self.members:
-            if id(member) in self._in_flight and member.is_step_done():
-                self._complete(member)
+        self._complete_done()
         for member in self._polled:
             if id(member) not in self._in_flight and not member.is_stopping:
                 member.engine.wait_for_work(0.0)
@@ -156,6 +155,7 @@ class GroupLoop:
                 self._in_flight.add(id(member))
             else:
                 member.complete()
+                self._complete_done()  # what ended meanwhile goes out now, not after the rest
         for member, asked in queries:
             if id(member) in self._in_flight:
                 self._complete(member)  # a leak audit looks at a settled stage
@@ -174,6 +174,14 @@ class GroupLoop:
         engine that cannot tell the waker (no ``set_wake_listener``) holds requests."""
         slices = [m.spec.wait_slice_s for m in self._polled if m.engine.num_requests()]
         return min([self.idle_wait_s, *slices])
+
+    def _complete_done(self) -> None:
+        """Complete every launched step whose work ended."""
+        if not self._in_flight:
+            return
+        for member in self.members:
+            if id(member) in self._in_flight and member.is_step_done():
+                self._complete(member)
 
     def _complete(self, member: WorkerLoop) -> None:
         self._in_flight.discard(id(member))
