@@ -34,7 +34,7 @@ class BusySampler:
                 f"--id={index}",
                 "--query-gpu=utilization.gpu",
                 "--format=csv,noheader,nounits",
-                f"-lms={interval_ms}",
+                f"--loop-ms={interval_ms}",
             ]
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
