@@ -24,11 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import msgspec
+import numpy as np
 import pytest
 
+from benchmarks.chaos import MAX_DIFFERING_FRACTION, ChaosOptions, render_chaos, run_chaos
+from omnirelay.pipeline import RestartPolicy, load_pipeline
 from omnirelay.serving import ServerConfig
 from omnirelay.serving.media.audio_out import parse_wav
-from tests.serving_support import Served, assert_same_pcm, serve
+from tests.serving_support import Served, serve
 
 MODEL = "qwen3-omni-tiny-replicas"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -36,7 +40,11 @@ HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Served]:
-    yield from serve(MODEL, ServerConfig())
+    # The module kills replicas more often than the shipped restart budget allows.
+    config = msgspec.structs.replace(
+        load_pipeline(MODEL), restart=RestartPolicy(max_restarts=50, backoff_s=0.1, max_backoff_s=1.0)
+    )
+    yield from serve(config, ServerConfig())
 
 
 def chat_audio(srv: Served, content: str) -> tuple[str, int]:
@@ -144,6 +152,18 @@ def ask_speech(srv: Served, i: int) -> tuple[str, bytes]:
     return "", pcm.tobytes()
 
 
+def assert_same_answer_audio(got: bytes, want: bytes) -> None:
+    """Two renderings of one answer: the same number of samples, nearly all equal to 1 LSB.
+    Two undisturbed runs of an answer of the tiny pipeline may differ in a frame or two of
+    audio when the machine is loaded (docs/performance.md, the chaos run); another answer's
+    audio, or a piece twice, differs in length or nearly everywhere."""
+    a, b = np.frombuffer(got, dtype="<i2"), np.frombuffer(want, dtype="<i2")
+    assert len(a) == len(b) > 0, (len(a), len(b))
+    off = np.abs(a.astype(np.int32) - b.astype(np.int32)) > 1
+    assert float(off.mean()) <= MAX_DIFFERING_FRACTION, f"{int(off.sum())} of {len(off)} samples differ"
+    assert float(np.abs(b.astype(np.int32)).mean()) > 100  # a real signal, not silence
+
+
 def held_on(srv: Served, stage_id: int, replica: int) -> int:
     """Requests a replica holds by the front's books (a stopped worker's own reply times out)."""
     stages = srv.pipe.health(timeout_s=0.2).stages
@@ -193,7 +213,7 @@ def kill_while_holding(srv: Served, stage_id: int, asks: list[Any]) -> None:
             pass
     for (text, pcm), (want_text, want_pcm) in zip(got, want):
         assert text == want_text
-        assert_same_pcm(pcm, want_pcm)
+        assert_same_answer_audio(pcm, want_pcm)
     assert srv.pipe.health().num_reruns - reruns == num_held
     srv.pipe.wait_ready(120)
     srv.audit()
@@ -206,3 +226,27 @@ def test_a_talker_replica_killed_holding_whole_chat_answers_fails_none(srv: Serv
 def test_a_code2wav_replica_killed_holding_whole_answers_fails_none(srv: Served) -> None:
     asks = [functools.partial(ask_speech if i % 2 else ask_chat, srv, i) for i in range(8)]
     kill_while_holding(srv, 2, asks)
+
+
+def test_a_short_chaos_run_fails_no_client_that_had_nothing(srv: Served) -> None:
+    """The chaos benchmark's short form (benchmarks/chaos.py): streamed and whole chat and
+    speech while replicas are SIGKILLed at random."""
+    srv.pipe.wait_ready(120)
+    report = run_chaos(
+        srv.url,
+        ChaosOptions(
+            duration_s=8.0,
+            kill_every_s=(2.0, 3.0),
+            max_kills=1,
+            concurrency=5,
+            prompts=1,
+            request_timeout_s=120.0,
+        ),
+    )
+    text = render_chaos(report)
+    assert report["kills"], text
+    assert report["requests"] >= 5, text
+    assert report["errors_nothing_received"] == 0, text
+    assert report["wrong"] == 0 and report["duplicated"] == 0 and report["hung"] == 0, text
+    assert report["health_after"] == "healthy" and report["audit_clean"], text
+    srv.audit()
