@@ -96,3 +96,28 @@ def test_rms_norms_run_as_one_op_with_the_modules_results() -> None:
             torch.testing.assert_close(run_norm(half, xb).float(), half(xb).float(), rtol=2**-7, atol=1e-2)
         layer_norm = torch.nn.LayerNorm(64)  # not an RMS norm: run as it is
         torch.testing.assert_close(run_norm(layer_norm, x), layer_norm(x), rtol=0, atol=0)
+
+
+def test_queries_and_keys_normed_and_rotated_together_equal_the_layers_own() -> None:
+    import copy
+
+    from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
+    from omnirelay.models.runner.decoder import _rotary_fn
+    from omnirelay.models.runner.fused import attention_inputs
+
+    model = open_checkpoint(ModelArgs(tiny=True, device="cpu")).load_thinker()
+    text = getattr(model.model, "language_model", model.model)
+    layer = text.layers[0]
+    plain = copy.deepcopy(layer)
+    fuse_projections([layer])
+    assert hasattr(layer.self_attn, "omnirelay_qk_norm")
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, text.config.hidden_size)
+    positions = torch.arange(3).view(1, 1, 3).expand(3, 2, 3)
+    with torch.inference_mode():
+        cos, sin = text.rotary_emb(x, positions)
+        got = attention_inputs(layer.self_attn, x, cos, sin, _rotary_fn())
+        want = attention_inputs(plain.self_attn, x, cos, sin, _rotary_fn())  # unfused: the modules
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
-from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp, run_norm
+from omnirelay.models.runner.fused import attention_inputs, fuse_projections, run_mlp, run_norm
 
 __all__ = [
     "KVStep",
@@ -75,7 +75,7 @@ def grouped_attention(
     qg = q.reshape(b, hk, g * t, d)  # query head h uses key head h // g
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
     allowed = mask.unsqueeze(2).expand(b, 1, g, t, length).reshape(b, 1, g * t, length)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = torch.where(allowed, scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(b, hq, t, d)
 
@@ -84,12 +84,7 @@ def _attend(
     attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
 ) -> torch.Tensor:
     b, t, _ = x.shape
-    d = attn.head_dim
-    q_, k_, v_ = project_qkv(attn, x)
-    q = run_norm(attn.q_norm, q_.view(b, t, -1, d)).transpose(1, 2)
-    k = run_norm(attn.k_norm, k_.view(b, t, -1, d)).transpose(1, 2)
-    v = v_.view(b, t, -1, d).transpose(1, 2)
-    q, k = _rotary_fn()(q, k, cos, sin)
+    q, k, v = attention_inputs(attn, x, cos, sin, _rotary_fn())
     keys, values, mask, causal = kv_step(li, k, v)
     if mask is None:
         out = F.scaled_dot_product_attention(

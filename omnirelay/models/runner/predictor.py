@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.models.runner.decoder import grouped_attention
-from omnirelay.models.runner.fused import fuse_projections, project_qkv, run_mlp, run_norm
+from omnirelay.models.runner.fused import attention_inputs, fuse_projections, run_mlp, run_norm
 from omnirelay.models.runner.sampler import sample
 
 __all__ = [
@@ -238,13 +238,8 @@ class CodePredictor:
         allowed = mask.expand(b, 1, 1, mask.shape[-1])
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            d = attn.head_dim
             y = run_norm(layer.input_layernorm, h)
-            q_, k_, v_ = project_qkv(attn, y)
-            q = run_norm(attn.q_norm, q_.view(b, 1, -1, d)).transpose(1, 2)
-            k = run_norm(attn.k_norm, k_.view(b, 1, -1, d)).transpose(1, 2)
-            v = v_.view(b, 1, -1, d).transpose(1, 2)
-            q, k = rotate(q, k, cos, sin)
+            q, k, v = attention_inputs(attn, y, cos, sin, rotate)
             keys = torch.where(slot, k, cache[li, 0])
             values = torch.where(slot, v, cache[li, 1])
             out = grouped_attention(q, keys, values, allowed, attn.scaling)
