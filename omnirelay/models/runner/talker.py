@@ -191,6 +191,10 @@ class TalkerRunner:
         if not self.row_controls:
             codes, total = self.predictor(last, *sampling)
         else:
+            # Copies kept, each one small ([B, V] of one step): the per-row bias (the codec
+            # vocabulary, EOS blocked for a row too short to stop) and the rows' first-code
+            # histories, gathered because the tail's rows (new requests and continuing
+            # ones, in step order) are not a run of slots.
             bias = self._codec_bias.unsqueeze(0).expand(b, -1).clone()
             bias[:, self.codec_eos] += self._eos_bias[:b]
             seen = self._seen.index_select(0, slots)
@@ -360,6 +364,7 @@ class TalkerRunner:
             group = rows[first : first + step]
             n = len(group)
             b = self.buckets.batch(n)
+            # The tail's input buffer (the graph reads it): [n, H], the frames' last states.
             self._last[:n].copy_(lasts[first : first + n])
             self._set_rows(b, group, [self.slots.slot(r.rid) for r in group], [0] * n, [1] * n)
             self._set_sampling(b, group)
