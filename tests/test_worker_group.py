@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from omnirelay.api import Pipeline, RuntimeHooks
 from omnirelay.connectors.inproc import InprocConnector
@@ -263,3 +264,25 @@ def test_a_dead_group_fails_its_stages_restarts_them_together_and_serves_again()
         pipe.shutdown()
     audit_stopped(pipe)
     assert pids_alive(list(pipe.pids().values())) == []
+
+
+def test_an_in_process_edge_hands_the_object_itself_with_the_same_books() -> None:
+    namespace = fresh_namespace("ref")
+    producer = InprocConnector(namespace, 1, by_reference=True)
+    consumer = InprocConnector(namespace, 2, by_reference=True)
+    try:
+        payload = {"codes": torch.arange(6).reshape(2, 3)}
+        assert producer.put(1, 2, "r_1_0", payload).ok
+        assert not producer.put(1, 2, "r_1_0", payload).ok  # unread: refused, as across processes
+        assert list(consumer.wait_arrivals(2, timeout=0)) == ["r_1_0"]
+        got = consumer.get(1, 2, "r_1_0")
+        assert got.is_ready and got.obj is payload  # by reference: no copy
+        assert not consumer.get(1, 2, "r_1_0").is_ready  # exactly one reader
+        assert producer.reap_consumed() == 1 and producer.pending_keys() == []
+        assert producer.put(1, 2, "r_1_1", payload).ok and producer.put(1, 2, "s_1_0", payload).ok
+        assert producer.cleanup_prefix("r_1_") == 1  # an abort's cleanup withdraws unread objects
+        producer.close()  # and close the rest
+        assert producer.hub.live_keys() == [] and producer.pending_keys() == []
+    finally:
+        producer.close()
+        consumer.close()
