@@ -10,6 +10,10 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
   :mod:`omnirelay.worker.processes`), wait for every hello; a failure raises :class:`StageDiedError`
   naming the stage (a stage that cannot start at all is not restarted: that is a
   configuration or model error, and retrying it would only hide it).
+* The workers of a device group (docs/design.md §12: the stages on one CUDA device) share
+  one process (:func:`omnirelay.worker.group_main`): each keeps its own entry, control
+  sockets and hello; their process is watched once, its death is each one's (one restart
+  budget entry, one backoff, one sweep) and they restart together.
 * Each worker's event socket is watched with ``loop.add_reader``: what it queued is read
   a bounded batch per loop callback and handed to :attr:`SupervisorHooks.route`.
 * Each process's sentinel is watched with ``loop.add_reader``, so a dead worker is seen
