@@ -102,6 +102,13 @@ def test_a_call_round_trip_in_a_ga_session(srv: Served) -> None:
         done = (await c.until("response.done", timeout=120))["response"]
         assert done["output"][0]["content"][0]["text"] == 'The tool says: {"temp_c": 21}'
 
+        # A response that may not call may speak.
+        await c.send(
+            {"type": "response.create", "response": {"tool_choice": "none", "output_modalities": ["audio"]}}
+        )
+        done = (await c.until("response.done", timeout=120))["response"]
+        assert done["output_modalities"] == ["audio"] and [o["type"] for o in done["output"]] == ["message"]
+
         # Bad tool input: errors naming the field; the session goes on.
         for event, param in [
             (

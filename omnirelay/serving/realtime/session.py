@@ -81,6 +81,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnirelay.models.inputs import AUDIO_INPUT_RATE
+from omnirelay.models.tools import ToolChoice
 from omnirelay.serving.admission import BUSY_CLOSE_CODE, BUSY_CLOSE_REASON
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.frontend import Frontend
@@ -372,6 +373,12 @@ class Session:
             )
         except EventError as exc:
             raise ga.ga_error(exc) if is_ga else exc from None
+        if (
+            is_ga
+            and isinstance(event.get("response"), dict)
+            and event["response"].get("tool_choice") == "none"
+        ):
+            settings = replace(settings, tool_choice=ToolChoice("none"))  # this response calls nothing
         return replace(settings, metadata=metadata)
 
     def _reset_vad(self) -> None:
