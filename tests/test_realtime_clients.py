@@ -41,7 +41,10 @@ QUESTION = "What is the capital of France?"
 
 
 def needs(module: str) -> pytest.MarkDecorator:
-    missing = importlib.util.find_spec(module.split(".")[0]) is None
+    try:
+        missing = importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a parent package is missing
+        missing = True
     return pytest.mark.skipif(missing, reason=f"{module} is not installed: pip install 'omnirelay[agents]'")
 
 
