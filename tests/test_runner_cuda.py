@@ -1,7 +1,8 @@
 """On a GPU: CUDA-graph replays compute what the same steps compute eagerly.
 
 * tiny model: the Thinker's greedy tokens and the Talker's frames (greedy and seeded)
-  are identical with and without graphs, batched; Code2Wav graph windows (padded to a
+  are identical with and without graphs, batched; the runner's bfloat16 logits (fused
+  projections, in-place attention) match the model's own forward within bf16 tolerance; Code2Wav graph windows (padded to a
   bucket) equal eager decodes within float32 tolerance.
 * full size (``OMNIRELAY_TEST_FULL_SIZE=1``, ~70 GiB of GPU memory): the dummy 30B
   Thinker's logits from graphs match eager ones within bf16 tolerance, the Talker's greedy
@@ -60,6 +61,19 @@ def test_tiny_thinker_graphs_give_the_greedy_tokens_of_eager() -> None:
     for rid in prompts:
         assert got[rid].tokens == want[rid].tokens, rid
     assert graphed.runner.graphs.num_replays >= STEPS and graphed.runner.graphs.num_eager == 0
+
+
+def test_tiny_thinker_fused_runner_logits_match_the_models_forward_in_bfloat16() -> None:
+    """Fused QKV, norms and rotary, in-place decode attention, graphs: the last-token
+    logits of a prefill and 8 decodes against the model's own ``transformers`` forward
+    over the whole sequence, within bfloat16's rounding (3 % relative: a few units of
+    2^-8 per operation, over two layers; a wrong slot, weight or rotation is off by far
+    more)."""
+    from tests.test_runner_fused import runner_vs_model_logits
+
+    error = runner_vs_model_logits("cuda:0", "bfloat16")
+    print(f"tiny Thinker runner vs model forward, bf16: relative error {error:.2e}")
+    assert error < 3e-2
 
 
 def _thinker_payloads() -> dict[str, Any]:
