@@ -16,9 +16,9 @@ are read in the model's own format. A model that takes no tools refuses them (an
   ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``)
   and a ``function_call`` item of the conversation.
 
-A response that may call answers in text only: the pipeline's voice would say the call
-(the same rule as chat's), so ``response.create`` with tools and audio is refused with
-an error that says so.
+A response that may call speaks only where the pipeline's voice leaves the calls out (the
+voice pipeline's Thinker does); elsewhere it answers in text, and ``response.create``
+with tools and audio is refused with an error that says so (chat's rule).
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ def tool_prompt(fe: Frontend, settings: RealtimeSettings, session: Session) -> T
     calls, call_ids = session.conversation.tool_fields(settings.instructions)
     if fmt is None or not (settings.tools or any(calls) or any(call_ids)):
         return None
-    if choice.allows_calls and "audio" in settings.modalities:
+    if choice.allows_calls and "audio" in settings.modalities and not fe.prompts.voice_skips_tool_calls:
         raise EventError(
-            "a response that may call a tool answers in text only (the voice would say the call): "
-            "set output_modalities to ['text'], or tool_choice to 'none'",
+            "this pipeline's voice would say the tool calls aloud: a response that may call a tool "
+            "answers in text only here; set output_modalities to ['text'], or tool_choice to 'none'",
             param="response.output_modalities",
         )
     return ToolPrompt(
