@@ -22,9 +22,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["CaptureReport", "GraphSet", "Step"]
+__all__ = ["CaptureReport", "GraphSet", "Step", "to_device", "upload"]
 
 Step = Callable[[], dict[str, torch.Tensor]]
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the host tensor ``src`` into the device buffer ``dst`` without blocking the
+    host: from pinned memory, ordered on the stream before the next replay, so the host
+    prepares a step while the device still runs the last one (the caching host allocator
+    keeps ``src``'s pinned block until the copy has run). Off CUDA: a plain copy."""
+    if dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied as :func:`upload` does."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
 
 
 @dataclass

@@ -44,7 +44,7 @@ import torch
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
-from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
 from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
@@ -256,9 +256,9 @@ class TalkerRunner:
         slot_ids, starts_, counts_ = [self.kv.scratch] * b, [0] * b, [1] * b
         for i, row in enumerate(at):
             slot_ids[row], starts_[row], counts_[row] = slots[i], starts[i], counts[i]
-        self._slot_ids[:b].copy_(torch.tensor(slot_ids, dtype=torch.long))
-        self._starts[:b].copy_(torch.tensor(starts_, dtype=torch.long))
-        self._counts[:b].copy_(torch.tensor(counts_, dtype=torch.long))
+        upload(self._slot_ids[:b], torch.tensor(slot_ids, dtype=torch.long))
+        upload(self._starts[:b], torch.tensor(starts_, dtype=torch.long))
+        upload(self._counts[:b], torch.tensor(counts_, dtype=torch.long))
 
     def _set_sampling(self, b: int, rows: Sequence[TalkerRow]) -> None:
         """Each row's sampling parameters and ``Q`` uniform numbers (drawn from the row's
@@ -275,15 +275,15 @@ class TalkerRunner:
             top_p.append(params.top_p if sampled else 1.0)
             draws.append(torch.rand(self.q, generator=row.generator) if sampled else greedy)
         draws += [greedy] * pad
-        self._temperature[:b].copy_(torch.tensor(temperature + [0.0] * pad))
-        self._top_k[:b].copy_(torch.tensor(top_k + [0] * pad, dtype=torch.long))
-        self._top_p[:b].copy_(torch.tensor(top_p + [1.0] * pad))
-        self._uniform[:b].copy_(torch.stack(draws))
+        upload(self._temperature[:b], torch.tensor(temperature + [0.0] * pad))
+        upload(self._top_k[:b], torch.tensor(top_k + [0] * pad, dtype=torch.long))
+        upload(self._top_p[:b], torch.tensor(top_p + [1.0] * pad))
+        upload(self._uniform[:b], torch.stack(draws))
         if self.row_controls:
             penalty = [row.repetition_penalty for row in rows] + [1.0] * pad
             eos_bias = [0.0 if row.may_stop else float("-inf") for row in rows] + [0.0] * pad
-            self._penalty[:b].copy_(torch.tensor(penalty))
-            self._eos_bias[:b].copy_(torch.tensor(eos_bias))
+            upload(self._penalty[:b], torch.tensor(penalty))
+            upload(self._eos_bias[:b], torch.tensor(eos_bias))
 
     def _prefill_launch(self, launch: Launch, rows: Sequence[TalkerRow]) -> torch.Tensor:
         b, t = launch.batch, launch.tokens
@@ -336,7 +336,7 @@ class TalkerRunner:
                 out = self.graphs.run(("frame", b, launch.attn_len), self._frame_step(b, length))
                 into[first : first + n].copy_(out["last"][:n])
             else:  # each row in the launch row of its slot (attention reads the cache in place)
-                order = torch.tensor(at, device=self.device)
+                order = to_device(list(at), self.device)
                 self._embeds[:b, 0].index_copy_(0, order, text)
                 out = self.graphs.run(
                     ("frame", b, launch.attn_len, "in_place"), self._frame_step(b, length, in_place=True)

@@ -29,7 +29,7 @@ import torch
 from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
-from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
@@ -181,10 +181,10 @@ class ThinkerRunner:
             slots[at] = self.slots.slot(row.rid)
             starts[at] = piece.start
             counts[at] = piece.count
-        self._ids[:b, :t].copy_(ids)
-        self._slot_ids[:b].copy_(slots)
-        self._starts[:b].copy_(starts)
-        self._counts[:b].copy_(counts)
+        upload(self._ids[:b, :t], ids)
+        upload(self._slot_ids[:b], slots)
+        upload(self._starts[:b], starts)
+        upload(self._counts[:b], counts)
         overrides = self._overrides(launch, rows)
         if overrides is not None:
             # Embeddings from outside the graph (audio tokens): this launch runs eagerly.
@@ -229,7 +229,7 @@ class ThinkerRunner:
         keep_logits: bool,
     ) -> None:
         n = len(launch.pieces)
-        order = None if launch.rows_at is None else torch.tensor(launch.rows_at, device=self.device)
+        order = None if launch.rows_at is None else to_device(list(launch.rows_at), self.device)
 
         def pick(x: torch.Tensor) -> torch.Tensor:
             """The pieces' rows of a launch output, in piece order (a view when they are
