@@ -1,7 +1,9 @@
 """The realtime endpoint's GA translation and item edits, without a server: GA's
 ``session.update`` and ``response.create`` in beta's terms (what is refused names GA's
 field), server events reshaped as GA's, which interface a client speaks, a truncated
-answer's transcript, and items inserted after an item or at the root."""
+answer's transcript, items inserted after an item or at the root, and tools (which
+model takes them, when an answer that may call speaks, the calls and results beside the
+prompt's turns)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from omnirelay.models.tools import HERMES, ToolChoice
+from omnirelay.models.tools import HERMES, ToolCall, ToolChoice, ToolSpec
 from omnirelay.serving.realtime import ga
 from omnirelay.serving.realtime.conversation import ROOT, Conversation, Item
 from omnirelay.serving.realtime.events import EventError, RealtimeSettings, apply_session_update
 from omnirelay.serving.realtime.items import cut_transcript
-from omnirelay.serving.realtime.tools import read_tools
+from omnirelay.serving.realtime.tools import read_tools, tool_prompt
 
 RATE = 24000
 PCM = {"type": "audio/pcm", "rate": RATE}
@@ -240,3 +242,34 @@ def test_items_go_after_their_previous_item_or_first() -> None:
     assert [d.id for d in dropped] == ["r"] and c.last_id == "b" and len(c) == 4
     assert c.remove("m") is not None and c.remove("m") is None
     assert [t[1][0] for t in c.turns("")] == ["n", "a", "b"]
+
+
+def test_a_response_that_may_call_speaks_only_where_the_voice_leaves_the_calls_out() -> None:
+    conversation = Conversation(8, 10_000)
+    conversation.add(Item(id="u", role="user", kind="input_text", text="Weather in Paris?"))
+    conversation.add(Item(id="a", role="assistant", kind="text", text="Let me check."))
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    conversation.add(Item(id="c", role="assistant", kind="function_call", call=call))
+    conversation.add(Item(id="o", role="tool", kind="function_call_output", text="21 C", call_id="call_1"))
+    session: Any = SimpleNamespace(conversation=conversation)
+    tool = ToolSpec("get_weather")
+    settings = RealtimeSettings(("text", "audio"), "v", tools=(tool,), tool_choice=ToolChoice("auto"))
+    reads: Any = SimpleNamespace(prompts=SimpleNamespace(tool_format=HERMES, voice_skips_tool_calls=False))
+    with pytest.raises(EventError) as info:
+        tool_prompt(reads, settings, session)
+    assert info.value.param == "response.output_modalities"
+    skips: Any = SimpleNamespace(prompts=SimpleNamespace(tool_format=HERMES, voice_skips_tool_calls=True))
+    prompt = tool_prompt(skips, settings, session)
+    # The call joins the answer it ends; its output is a tool turn answering it.
+    assert conversation.turns("") == [
+        ("user", ["Weather in Paris?"]),
+        ("assistant", ["Let me check."]),
+        ("tool", ["21 C"]),
+    ]
+    assert prompt is not None and prompt.tools == (tool,) and prompt.prefix == ""
+    assert prompt.calls == ((), (call,), ()) and prompt.call_ids == (None, None, "call_1")
+    # A call cut before its end is left out of the prompt.
+    call_item = conversation.get("c")
+    assert call_item is not None
+    call_item.status = "incomplete"
+    assert conversation.tool_fields("") == (((), (), ()), (None, None, "call_1"))
