@@ -16,7 +16,7 @@ at a time. The requests cycle through five kinds, each over ``--prompts`` prompt
 Before the chaos every (kind, prompt) is asked once, undisturbed: its answer is the
 reference. Then every ``--kill-every-s`` seconds (a random interval in that range) a
 random replica of a replicated stage is SIGKILLed, once ``/health`` says every worker is
-up again. The report (docs/protocol.md §2.8 is the rule it checks):
+up again. The report (docs/protocol.md §2.9 is the rule it checks):
 
 * **errors, client had nothing** — a request that failed before its client received any
   of the answer (every failure of a non-streamed one): target 0;
@@ -454,7 +454,7 @@ def run_chaos(url: str, opts: ChaosOptions) -> dict[str, Any]:
 
 
 def targets(report: dict[str, Any]) -> dict[str, bool]:
-    """The run's targets (docs/protocol.md §2.8)."""
+    """The run's targets (docs/protocol.md §2.9)."""
     checks = {
         "no error for a client that had nothing": report["errors_nothing_received"] == 0,
         "no wrong or duplicated answer": report["wrong"] == 0 and report["duplicated"] == 0,

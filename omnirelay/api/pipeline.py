@@ -335,7 +335,7 @@ class Pipeline:
         with :meth:`RequestHandle.result`, or answers only at the end), so when a replica
         the request is bound to dies it runs again on another from the start, however far
         it got; iterating its handle then yields a ``restarted`` output, after which the
-        answer begins again (docs/protocol.md §2.8).
+        answer begins again (docs/protocol.md §2.9).
         """
         rid = uuid.uuid4().hex if request_id is None else validate_request_id(request_id)
         req_extras = dict(extras or {})

@@ -54,7 +54,7 @@ class PipelineRequest(msgspec.Struct, kw_only=True, frozen=True):
     the outputs until the answer is whole (a non-streamed response), so the client has
     nothing of it before its last output: losing a replica runs it again however much
     the pipeline had produced, and its consumer gets a :attr:`RequestOutput.restarted`
-    output first (docs/protocol.md §2.8).
+    output first (docs/protocol.md §2.9).
     """
 
     request_id: str

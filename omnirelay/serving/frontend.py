@@ -16,7 +16,7 @@ each response it asks for is a request as above.
 can call it from its ``finally``. :meth:`RequestStream.abort` records why.
 
 How the route hands the outputs to its client (``submit``'s ``delivery``) decides what
-losing a replica does to a request (docs/protocol.md §2.8): :data:`STREAMED` — each as it
+losing a replica does to a request (docs/protocol.md §2.9): :data:`STREAMED` — each as it
 comes; the request runs again only while the pipeline had produced nothing for it.
 :data:`WHOLE` — the answer at its end (a non-streamed response): the request runs again
 however far it got, and the stream yields a ``restarted`` output after which the route
