@@ -106,11 +106,12 @@ def _gone(pid: int, timeout_s: float) -> bool:
 
 def test_the_setup_block_is_what_ci_runs() -> None:
     """CI installs exactly the README's install line (it has no pip line of its own), and
-    that line installs the optional parts the suite tests (NIXL; Ray through ``dev``)."""
+    that line installs the optional parts the suite tests (NIXL; Ray through ``dev``; the
+    voice-agent frameworks the realtime client tests drive, through ``agents``)."""
     install = _bash_blocks()[0].splitlines()[0].split("&& omnirelay run", 1)[0]
     for step in install.split("&&"):
         assert step.split()[:2] == ["pip", "install"], step
-    assert "'nixl-cu12>=1.5,<2'" in install and "'.[dev]'" in install
+    assert "'nixl-cu12>=1.5,<2'" in install and "'.[dev,agents]'" in install
     ci = (ROOT / ".ci" / "run").read_text()
     own = [ln for ln in ci.splitlines() if re.search(r"(^\s*|[;&|]\s*|-m\s+)pip\s", ln)]
     assert own == [], f".ci/run installs something the README does not: {own}"
