@@ -216,8 +216,9 @@ def _register_benches(bsub: Any) -> None:
         "--device-groups",
         choices=("auto", "on", "off"),
         default=None,
-        help="which stages share a worker process: auto (the stages on one CUDA device), on (also the "
-        "CPU stages), off (a process per stage); default: the pipeline file's",
+        help="which stages share a worker process: off (a process per stage), auto (experimental: the "
+        "stages on one CUDA device), on (experimental: also the CPU stages); default: the pipeline "
+        "file's device_groups, else off",
     )
     q.add_argument(
         "--schedule",
@@ -387,8 +388,9 @@ def _register_benches(bsub: Any) -> None:
         choices=("auto", "on", "off"),
         default=None,
         help=(
-            "which stages share a worker process: auto (the pipeline's default: the stages on one CUDA "
-            "device), on (also the CPU stages), off (a process per stage); default: the pipeline file's"
+            "which stages share a worker process: off (a process per stage), auto (experimental: the "
+            "stages on one CUDA device), on (experimental: also the CPU stages); default: the pipeline "
+            "file's device_groups, else off"
         ),
     )
     sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")

@@ -65,11 +65,12 @@ def _two(devices: tuple[str | None, str | None], **kw: object) -> dict:
 def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     cfg = load_pipeline("qwen3-omni")
     paths = [edge_path(cfg, e) for e in cfg.edges()]
-    # The Talker and Code2Wav share cuda:1: one process (a device group), their edge in it.
-    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.IN_PROCESS]
+    # A process per stage by default: both edges cross processes on the device.
+    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
     assert "cuda:0 -> cuda:1" in paths[0][1] and "peer copy" in paths[0][1]
-    apart = cfg.with_device_groups("off")
-    assert [edge_path(apart, e)[0] for e in apart.edges()] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
+    # Opted into device groups, the Talker and Code2Wav share cuda:1: one process, their edge in it.
+    grouped = cfg.with_device_groups("auto")
+    assert [edge_path(grouped, e)[0] for e in grouped.edges()] == [EdgePath.GPU_PEER, EdgePath.IN_PROCESS]
 
 
 @pytest.mark.parametrize(
@@ -84,12 +85,13 @@ def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     ],
 )
 def test_gpu_direct_needs_both_stages_on_cuda(devices: tuple[str | None, str | None], path: EdgePath) -> None:
+    assert _paths(_two(devices)) == [path]  # a process per stage by default
     assert _paths(_two(devices, device_groups="off")) == [path]
 
 
-def test_stages_on_one_device_share_a_process_unless_told_otherwise() -> None:
-    assert _paths(_two(("cuda:0", "cuda"))) == [EdgePath.IN_PROCESS]
-    alone = _two(("cuda:0", "cuda:0"))
+def test_stages_on_one_device_share_a_process_only_when_grouped() -> None:
+    assert _paths(_two(("cuda:0", "cuda"), device_groups="auto")) == [EdgePath.IN_PROCESS]
+    alone = _two(("cuda:0", "cuda:0"), device_groups="auto")
     alone["stages"][1]["own_process"] = True
     assert _paths(alone) == [EdgePath.GPU_SAME]
 
@@ -290,7 +292,7 @@ def test_check_prints_each_edge_path() -> None:
 
     from omnirelay.cli.check import build_report, render_report
 
-    report = build_report(load_pipeline("qwen3-omni"))
+    report = build_report(load_pipeline("qwen3-omni").with_device_groups("auto"))
     assert [e["path"] for e in report["edges"]] == ["gpu-direct-peer", "in-process"]
     out = io.StringIO()
     render_report(report, out)

@@ -27,6 +27,7 @@ from omnirelay.pipeline import (
     resolve_stage_async_chunk,
     shipped_pipeline_names,
 )
+from omnirelay.pipeline.config import DeviceGroups
 from omnirelay.pipeline.parse import PIPELINE_KEYS, SAMPLING_KEYS, STAGE_KEYS
 from omnirelay.pipeline.validate import NAMESPACE_PATTERN
 
@@ -807,8 +808,12 @@ def test_qwen3_omni_deploy_defaults() -> None:
     assert code2wav.execution_type is ExecutionType.GENERATION
     assert code2wav.max_num_batched_tokens == 65536 and code2wav.async_scheduling is False
     e01, e12 = cfg.edges()
-    # The Talker and Code2Wav share cuda:1: one process (a device group), an in-process edge.
-    assert e01.connector == e12.connector and (e01.backend, e12.backend) == ("shm", "inproc")
+    # A process per stage by default: both edges through shared memory.
+    assert e01.connector == e12.connector and (e01.backend, e12.backend) == ("shm", "shm")
+    assert cfg.device_groups is DeviceGroups.OFF
+    # Opted into device groups, the Talker and Code2Wav share cuda:1: an in-process edge.
+    grouped = cfg.with_device_groups("auto")
+    assert [e.backend for e in grouped.edges()] == ["shm", "inproc"]
     assert e12.extra == {"codec_chunk_frames": 25, "codec_left_context_frames": 0}
     assert (e01.contract, e12.contract) == (EdgeContract.CHUNKS, EdgeContract.CHUNKS)
     assert (e01.processor, e12.processor) == ("thinker_to_talker", "talker_to_code2wav")

@@ -119,9 +119,9 @@ _MPS_PRIORITY_VALUES = {GpuPriority.NORMAL: "0", GpuPriority.LOW: "1"}
 class DeviceGroups(enum.StrEnum):
     """Which stages share one worker process (``device_groups:``, docs/design.md §12)."""
 
-    AUTO = "auto"  # the stages placed on one CUDA device share a process
-    ON = "on"  # also the stages on no CUDA device share one (the CPU pipelines, tests)
-    OFF = "off"  # every stage in a process of its own
+    AUTO = "auto"  # experimental: the stages placed on one CUDA device share a process
+    ON = "on"  # experimental: also the stages on no CUDA device share one (CPU pipelines, tests)
+    OFF = "off"  # the default: every stage in a process of its own
 
 
 class FlagOrigin(enum.StrEnum):
@@ -329,7 +329,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: (``hold_audio_while_dry:``): for pipelines whose streams never pause by design.
     hold_audio_while_dry: bool = False
     #: Which stages share a worker process (``device_groups:``; :mod:`omnirelay.pipeline.groups`).
-    device_groups: DeviceGroups = DeviceGroups.AUTO
+    device_groups: DeviceGroups = DeviceGroups.OFF
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 
