@@ -53,3 +53,24 @@ def test_every_supported_row_names_tests_that_exist() -> None:
             unnamed.append(cells[0])
         missing += [f"{f}::{t}" for f, t in named if t not in _tests_of(f)]
     assert unnamed == [] and missing == []
+
+
+def _status_counts(text: str) -> list[int]:
+    """Rows before the summary, by the first word of their status: supported, refused, n/a."""
+    counts = [0, 0, 0]
+    for line in text.split("\n## Summary", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 3:
+            continue
+        word = re.match(r"[\w/]+", cells[1].strip("*"))
+        index = {"supported": 0, "refused": 1, "n/a": 2}.get(word.group(0) if word else "")
+        if index is not None:
+            counts[index] += 1
+    return counts
+
+
+def test_the_summary_total_counts_the_rows() -> None:
+    text = (ROOT / "docs" / "conformance.md").read_text()
+    total = re.search(r"\| \*\*all\*\* \| \*\*(\d+)\*\* \| \*\*(\d+)\*\* \| \*\*(\d+)\*\* \|", text)
+    assert total is not None, "the summary has no **all** row"
+    assert [int(n) for n in total.groups()] == _status_counts(text)
