@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from omnirelay.connectors.base import Connector
+from omnirelay.connectors.base import Connector, GetResult, is_prefix_match
 from omnirelay.engine import (
     SamplingParams,
     StageEngine,
@@ -538,6 +538,41 @@ def test_release_of_a_live_request_is_silent_and_the_id_can_be_used_again() -> N
     outs = run_until_idle(engine)
     assert [t for o in outs for t in o.token_ids] == [6, 7] and outs[-1].finish_reason == "length"
     engine.release("R")
+    audit(engine, store)
+
+
+class NoticeBookConnector(FakeConnector):
+    """Holds each arrival notice it received until a get takes it or a cleanup forgets it,
+    as the ``nixl`` reader does (a dead producer's notice is never taken)."""
+
+    def __init__(self, store: FakeStore, stage_id: int, notices: set[str]) -> None:
+        super().__init__(store, stage_id)
+        self.notices = set(notices)
+
+    def get(self, from_stage: int, to_stage: int, key: str) -> GetResult:
+        with self._lock:
+            self.notices.discard(key)
+        return super().get(from_stage, to_stage, key)
+
+    def cleanup_prefix(self, prefix: str) -> int:
+        with self._lock:
+            self.notices = {k for k in self.notices if not is_prefix_match(k, prefix)}
+        return super().cleanup_prefix(prefix)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_release_forgets_the_notices_of_the_id_received_and_never_read(stage: int) -> None:
+    """A dead producer's notices of R, never read: after R's release a reuse of R cannot
+    take one of them (it would claim from the dead producer and fail)."""
+    source = stage - 1
+    store = FakeStore()
+    kept = {f"S_{source}_0", f"R_{source}_1_0"}  # another id's, and id "R_<source>"'s
+    conn = NoticeBookConnector(store, stage, {f"R_{source}_0", f"R_{source}_3", *kept})
+    engine = make_engine(stage, conn)
+    engine.release("R")
+    assert engine.step() == []
+    assert engine.take_released() == ["R"]
+    assert conn.notices == kept
     audit(engine, store)
 
 

@@ -41,8 +41,10 @@ Ownership at the finish of a request:
   generation retires (``events.retired_senders``) and the engine drops the request's last
   entry;
 * abort, failure, or nothing sent: ``adapter.cleanup(internal, external)`` at once;
-* ``release(request_id)``: all of the above, then — once no sender generation of the id
-  is left — ``connector.cleanup_prefix("{id}_{stage}_")`` for chunks nobody read. The
+* ``release(request_id)``: all of the above, and ``connector.cleanup_prefix`` of the
+  incoming ``"{id}_{source}_"`` (the arrival notices of it nobody read are forgotten), then
+  — once no sender generation of the id is left — ``connector.cleanup_prefix("{id}_{stage}_")``
+  for chunks nobody read. The
   release is then complete: ``take_released()`` hands the id out once (release as data,
   the way vLLM's scheduler reports finished requests). A stage that sends nothing for
   the id completes it in the step that applies it.
@@ -446,6 +448,11 @@ class StageEngine:
             request = self._scheduler.abort(iid)
             assert request is not None, iid
             self._cleanup(request, terminal_admitted=False)  # silent: nobody waits for it
+        source = self.roles.receive_from_stage
+        if source is not None and self._connector is not None:
+            # Notices received for the id and never read (a dead producer's) must not answer
+            # the id once it is reused; a connector forgets them here (docs/protocol.md §3.5).
+            self._counts["num_keys_released"] += self._connector.cleanup_prefix(key_prefix(ext, source))
         adapter = self._adapter
         if adapter is None or not self.roles.is_sender:
             self._released.append(ext)  # nothing of the id is left here
