@@ -92,6 +92,13 @@ class StageHost:
         self._proc.join()
         return self._proc.exitcode
 
+    def sweep(self, namespace: str) -> int:
+        """Reclaim the objects of ``namespace`` whose owners died, on this node (a dead
+        worker's shm slots and keys live where it ran); how many were removed."""
+        from omnirelay.connectors import reclaim_namespace
+
+        return len(reclaim_namespace(namespace).reclaimed)
+
     def signal(self, signum: int) -> None:
         if self._proc is not None and self._proc.pid is not None and self._proc.exitcode is None:
             try:
@@ -159,6 +166,17 @@ class RayWorkerProcess:
 
     def is_alive(self) -> bool:
         return self._watch is not None and not self._done.is_set()
+
+    def sweep_node(self, namespace: str) -> bool:
+        """Sweep the worker's node (after its death, before its fences go): its host actor
+        outlives it. False when the host cannot (its actor or node was lost)."""
+        if self.lost is not None:
+            return False
+        try:
+            self._ray.get(self._actor.sweep.remote(namespace), timeout=self._timeout_s)
+        except Exception:  # RayActorError, GetTimeoutError: the node is not reachable
+            return False
+        return True
 
     def join(self, timeout: float | None = None) -> None:
         self._done.wait(timeout)

@@ -25,7 +25,10 @@ orchestrator owns requests. Everything runs on the orchestrator's event loop thr
      the dead stage's fences dropped);
   3. the connectors reclaim what the dead process owned (shm: slots, published keys,
      claim records; docs/protocol.md §3.5) — *before* any new process of the stage
-     exists, so a reused id never meets a dead incarnation's key;
+     exists, so a reused id never meets a dead incarnation's key — on this host, and on
+     a Ray-placed worker's node through its host actor; then :attr:`SupervisorHooks.swept`
+     lifts its fences (a node no host could sweep: at the restarted worker's hello, its
+     connector having swept the node as it started);
   4. :class:`RestartBook` decides: wait the backoff and spawn a new worker on fresh
      control sockets, or give up (``failed``, with the reason) when the policy's budget
      of restarts in its window is spent or restarts are off;
@@ -151,6 +154,9 @@ class StageSupervisor:
         #: the front's address when workers run on other hosts (control plane over TCP)
         self._tcp_host = tcp_host
         self._tasks: set[asyncio.Future[Any]] = set()
+        #: dead workers whose node no host could sweep: their fences wait for the hello of
+        #: the restarted worker, whose connector sweeps the node as it starts
+        self._swept_at_hello: set[int] = set()
         self.is_started = False
         self.is_closing = False
         #: undecodable messages from workers (skipped)
@@ -248,6 +254,8 @@ class StageSupervisor:
         st.startup_s = time.monotonic() - st.startup_began
         if st.hello is not None and not st.hello.done():
             st.hello.set_result(None)
+        if st.index in self._swept_at_hello:
+            self._report_swept([st])
         if not self.is_started:
             st.state = StageState.HEALTHY
             if self._hooks.stage_ready is not None:
@@ -361,30 +369,50 @@ class StageSupervisor:
             f"{self.policy.window_s:g} s already (restart policy: {self.policy.describe()})"
         )
 
-    async def _sweep(self, members: list[StageProcess]) -> None:
-        """Reclaim the dead process's objects, then tell the orchestrator (its fences)."""
+    async def _sweep(self, members: list[StageProcess], *, restarting: bool = False) -> None:
+        """Reclaim the dead process's objects — on this host, and on its Ray node through
+        its host actor — then tell the orchestrator (its fences). A node no host could
+        sweep (the actor or the node was lost) is swept by the restarted worker's connector
+        as it starts: with ``restarting`` the fences wait for that worker's hello."""
         loop = asyncio.get_running_loop()
+        swept = False
         try:
             await loop.run_in_executor(None, lambda: reclaim_namespace(self.namespace))
+            sweep_node = getattr(members[0].process, "sweep_node", None)  # placed on a Ray node
+            swept = sweep_node is None or await loop.run_in_executor(None, sweep_node, self.namespace)
         finally:  # a sweep that failed must not fence the dead worker's ids for ever
+            if swept or not restarting:
+                self._report_swept(members)
+            else:
+                self._swept_at_hello.update(st.index for st in members)
+
+    def _report_swept(self, members: list[StageProcess]) -> None:
+        for st in members:
+            self._swept_at_hello.discard(st.index)
             if self._hooks.swept is not None:
-                for st in members:
-                    self._hooks.swept(st.index)
+                self._hooks.swept(st.index)
+
+    def _stop_waiting_for_hello(self, members: list[StageProcess]) -> None:
+        """No restarted worker will sweep (given up, shutting down): lift the fences now."""
+        self._report_swept([st for st in members if st.index in self._swept_at_hello])
 
     async def _recover(self, members: list[StageProcess], delay: float | None) -> None:
         """Reclaim the dead process's objects, then restart its stages (unless given up)."""
         # Before any new process of the stage can put, and before an id the dead process
         # held is admitted again: a reused id must not find a dead incarnation's object
         # (docs/protocol.md §3.5 crash safety).
-        await self._sweep(members)
+        await self._sweep(members, restarting=delay is not None and not self.is_closing)
         if self.is_closing or delay is None:
+            self._stop_waiting_for_hello(members)
             return
         await asyncio.sleep(delay)
         if self.is_closing:
+            self._stop_waiting_for_hello(members)
             return
         try:
             await self._restart(members)
         except Exception as exc:  # no new process (sockets, fork): nothing will bring it back
+            self._stop_waiting_for_hello(members)
             for st in members:
                 st.state = StageState.FAILED
                 st.expected_back = None
