@@ -95,7 +95,7 @@ class GroupRun(ToyPipelineRun):
     """The toy pipeline's engines in one device group: one GroupLoop thread drives them
     through their worker loops; outputs and releases come back as the front gets them."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, *, idle_wait_s: float = 0.05, **kw: Any) -> None:
         self.launches: list[tuple[int, int]] = []
         holder: list[GroupLoop] = []
         namespace = fresh_namespace("grp")
@@ -127,7 +127,7 @@ class GroupRun(ToyPipelineRun):
             )
             for e in self.engines
         ]
-        self.group = GroupLoop(members, idle_wait_s=0.05)
+        self.group = GroupLoop(members, idle_wait_s=idle_wait_s)
         holder.append(self.group)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="test-group", daemon=True)
@@ -183,6 +183,22 @@ def test_a_group_serves_requests_launching_by_priority(run: GroupRun) -> None:
     assert all(stages == sorted(stages, reverse=True) for stages in by_iteration.values())
     assert any(len(stages) > 1 for stages in by_iteration.values())
     assert run.group.num_overlapped > 0
+
+
+def test_a_busy_stage_does_not_hold_the_chunks_of_another() -> None:
+    # The counter never idles (a text-only request that would run for minutes), so the loop
+    # never waits idle and its idle timer is an hour anyway. The synth stage (a generation
+    # stage) must register its next chunk right after its step completes: were that left
+    # to its next step, nothing would wake it, and its chunk would sit put meanwhile.
+    with GroupRun(idle_wait_s=3600.0) as run:
+        busy = run.submit("busy", [1], max_tokens=1_000_000, final_stage_id=0)
+        tracks = [run.submit(f"w{i}", [i * 10], max_tokens=6) for i in range(3)]
+        run.wait_done([t.request_id for t in tracks])
+        for t in tracks:
+            assert t.finished[2].finish_reason is not None and t.waveform().numel() > 0
+        assert not busy.is_done
+        run.abort("busy")
+        run.pump(lambda: busy.released_by == {0, 1, 2})
 
 
 def test_a_late_completion_does_not_hold_the_other_stages(run: GroupRun) -> None:

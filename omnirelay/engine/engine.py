@@ -506,6 +506,13 @@ class StageEngine:
             for iid, ext in loads:
                 self._adapter.load_async(iid, ext)
 
+    def load_deferred(self) -> None:
+        """Register the chunk loads the last step deferred now (engine thread). A device
+        group's loop calls it once a completed step's outputs went out: it never waits in
+        :meth:`wait_for_work`, and a parked request's chunk that arrives unregistered wakes
+        nothing, so it would wait for whatever next steps this stage."""
+        self._load_deferred()
+
     def _load_deferred(self) -> None:
         """Register the chunk loads the last step deferred (engine thread: at the start of
         the next step, or before waiting). Nothing can finish their requests in between:

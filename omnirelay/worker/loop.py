@@ -219,14 +219,21 @@ class WorkerLoop:
         complete_step = getattr(self.engine, "complete_step", None)
         if not callable(complete_step) or not callable(getattr(self.engine, "launch_step", None)):
             self._step()
-            return
-        try:
-            outputs = complete_step()
-            released = self.engine.take_released()
-        except Exception as exc:
-            self._fatal(exc)
-            raise
-        self._send_step(outputs, released)
+        else:
+            try:
+                outputs = complete_step()
+                released = self.engine.take_released()
+            except Exception as exc:
+                self._fatal(exc)
+                raise
+            self._send_step(outputs, released)
+        # The chunk loads the step deferred are registered now, its outputs out: a stage's
+        # own loop does it in wait_for_work, which a group's loop never calls, and a chunk
+        # that arrives unregistered wakes nothing (the stage would idle until another
+        # reason to step it, or the group's idle timer).
+        load_deferred = getattr(self.engine, "load_deferred", None)
+        if callable(load_deferred):
+            load_deferred()
 
     def answer(self, queries: list[ToWorker]) -> None:
         for query in queries:
