@@ -14,6 +14,7 @@ every wait is for an output, an error or a state, never a nap.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from omnirelay.api import Pipeline, RestartPolicy, RuntimeHooks
-from omnirelay.errors import StageUnavailableError
+from omnirelay.errors import InvalidRequestError, StageUnavailableError
 from omnirelay.pipeline import parse_pipeline
 from tests.orchestrator_audit import audit_running, audit_stopped
 from tests.orchestrator_fakes import expected_audio, expected_text_tokens
@@ -148,28 +149,22 @@ def test_a_buffered_request_that_lost_its_replica_mid_answer_runs_again_and_come
     hold.touch()
     # Two whole-answer requests of one session (one Code2Wav replica), each held after two
     # tokens: their consumers got text and audio of the first attempt when it is killed.
+    # One is submitted buffered and iterated, the other is the API's whole-answer call.
     knobs = {"stall_while": str(hold), "stall_while_after": 2}
-    iterated, whole = (
-        pipe.submit(
-            [p],
-            modalities=["text", "audio"],
-            sampling=sampling(6),
-            request_id=rid,
-            extras=knobs,
-            session="conv",
-            buffered=True,
-        )
-        for rid, p in (("iterated", 7), ("whole", 11))
-    )
+    args: dict[str, Any] = {"modalities": ["text", "audio"], "sampling": sampling(6), "extras": knobs}
+    with pytest.raises(InvalidRequestError, match="generate\\(\\) takes no buffered"):
+        pipe.generate([11], buffered=False, **args)
+    iterated = pipe.submit([7], request_id="iterated", session="conv", buffered=True, **args)
+    calls = concurrent.futures.ThreadPoolExecutor(1)
+    whole = calls.submit(pipe.generate, [11], request_id="whole", session="conv", timeout_s=60, **args)
     first = []
     for o in iterated:
         first.append(o)
         if o.modality == "audio":
             break
     assert first and not any(o.restarted for o in first)
-    loads = replica_loads(pipe, 2)
-    assert sorted(loads) == [0, 2], loads
-    victim = loads.index(2)
+    wait_for(lambda: sorted(replica_loads(pipe, 2)) == [0, 2], "both requests on one Code2Wav replica")
+    victim = replica_loads(pipe, 2).index(2)
     pid = pipe.replica_pids()[(2, victim)]
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -184,7 +179,8 @@ def test_a_buffered_request_that_lost_its_replica_mid_answer_runs_again_and_come
     audio = torch.cat([o.audio for o in again if o.modality == "audio" and o.audio is not None])
     assert torch.equal(audio, expected_audio([7], 6))
     assert [o.finished for o in again].count(True) == 1
-    res = whole.result(timeout=30)  # the API's whole-answer call keeps only the rerun's
+    res = whole.result(timeout=60)  # the API's whole-answer call keeps only the rerun's
+    calls.shutdown()
     assert res.token_ids("text") == expected_text_tokens([11], 6)
     assert res.audio is not None and torch.equal(res.audio, expected_audio([11], 6))
     assert pipe.health().num_reruns == 2

@@ -51,7 +51,7 @@ from omnirelay.errors import (
 )
 from omnirelay.ids import MAX_REQUEST_ID_LEN, request_id_problem
 from omnirelay.models.family import Announce, PromptSide, quiet
-from omnirelay.orchestrator.handle import RequestHandle
+from omnirelay.orchestrator.handle import RequestHandle, RequestResult
 from omnirelay.orchestrator.orchestrator import Orchestrator
 from omnirelay.orchestrator.requests import PipelineRequest, requested_modalities
 from omnirelay.orchestrator.router import Router
@@ -377,6 +377,36 @@ class Pipeline:
             raise PipelineError("the pipeline is shut down; start a new one") from None
         return handle
 
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        timeout_s: float | None = None,
+        **submit_args: Any,
+    ) -> RequestResult:
+        """Run one request and return its whole answer (blocking): :meth:`submit` with the
+        same arguments, ``buffered`` since the caller has nothing before the end (a replica
+        lost on the way runs it again from the start, docs/protocol.md §2.9), then
+        :meth:`RequestHandle.result`. Past ``timeout_s`` the request is aborted and
+        ``TimeoutError`` raised."""
+        handle = self.submit(prompt_token_ids, **_whole_answer(submit_args))
+        try:
+            return handle.result(timeout_s)
+        except TimeoutError:
+            handle.abort()
+            raise
+
+    async def generate_async(
+        self, prompt_token_ids: Sequence[int] | None = None, **submit_args: Any
+    ) -> RequestResult:
+        """:meth:`generate` from an event loop (cancelling it aborts the request)."""
+        handle = self.submit(prompt_token_ids, **_whole_answer(submit_args))
+        try:
+            return await handle.result_async()
+        except asyncio.CancelledError:
+            handle.abort()
+            raise
+
     def _prompt_ids(
         self, ids: list[int] | None, text: str | None, extras: dict[str, Any]
     ) -> list[int] | None:
@@ -564,6 +594,15 @@ class Pipeline:
     def __repr__(self) -> str:
         state = "closed" if self._is_closed else "running"
         return f"Pipeline({self.config.name!r}, namespace={self.namespace!r}, {state})"
+
+
+def _whole_answer(submit_args: dict[str, Any]) -> dict[str, Any]:
+    """``submit``'s arguments for a whole-answer call: buffered, and no held id (its handle
+    is never the caller's to close)."""
+    for name in ("buffered", "hold_id"):
+        if name in submit_args:
+            raise InvalidRequestError(f"generate() takes no {name}: it is always buffered and frees its id")
+    return {**submit_args, "buffered": True}
 
 
 def _config_and_namespace(
