@@ -17,17 +17,20 @@ import sys
 import wave
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from omnirelay.cli.main import main
-from omnirelay.cli.run import WavWriter
+from omnirelay.cli.run import WavWriter, _Answer
 from omnirelay.cli.session import Progress, load_run_config, sampling_overrides
 from omnirelay.connectors.shm import sweep
 from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.qwen3_omni.tiny import CACHE_ENV
+from omnirelay.orchestrator.requests import RequestOutput
 from omnirelay.pipeline import load_pipeline
+from omnirelay.timeline import StageTrace, drive_request
 from tests.orchestrator_audit import fork_servers, pids_alive, processes
 from tests.test_models_support import tiny_cache, tiny_dir
 
@@ -225,3 +228,55 @@ def test_ctrl_c_aborts_the_request_and_leaves_nothing(run_env: dict[str, str], t
     assert pids_alive(list(workers)) == []
     assert [o.name for o in sweep().objects if o.namespace.startswith(f"p{proc.pid}x")] == []
     assert list(tmp_path.iterdir()) == []  # no WAV, no partial file
+
+
+def test_a_restarted_run_writes_only_the_reruns_audio_and_words(tmp_path: Path) -> None:
+    """Audio alone is buffered: a replica lost on the way runs it again, and what the WAV
+    and the aligner's words had of the failed attempt goes."""
+    target = tmp_path / "c.wav"
+    out = io.StringIO()
+    shown = _Answer(out, WavWriter(target))
+
+    def audio(samples: list[float], **kw: Any) -> RequestOutput:
+        return RequestOutput(request_id="r", stage_id=2, modality="audio", audio=torch.tensor(samples), **kw)
+
+    shown(audio([0.5, 0.5, 0.5], sample_rate=16000), 0.1)
+    shown(
+        RequestOutput(request_id="r", stage_id=3, modality="timestamps", text="[]", stage_finished=True), 0.2
+    )
+    shown(RequestOutput(request_id="r", stage_id=2, modality="", restarted=True), 0.3)
+    assert shown.stamps == [] and not list(tmp_path.iterdir())  # the part-file went too
+    shown(audio([1.0], sample_rate=24000, finished=True), 0.4)
+    assert shown.writer is not None and shown.writer.commit()
+    with wave.open(str(target), "rb") as w:
+        assert (w.getframerate(), w.getnframes()) == (24000, 1)
+    assert out.getvalue() == ""
+
+
+def test_drive_request_submits_buffered_when_asked_and_times_only_the_rerun() -> None:
+    outputs = [
+        RequestOutput(request_id="r", stage_id=0, modality="text", token_ids=[1], text="a"),
+        RequestOutput(request_id="r", stage_id=0, modality="", restarted=True),
+        RequestOutput(request_id="r", stage_id=0, modality="text", token_ids=[2], text="b"),
+        RequestOutput(request_id="r", stage_id=0, modality="text", finished=True, finish_reason="stop"),
+    ]
+    submitted: list[dict[str, Any]] = []
+
+    class OnePipe:
+        config = load_pipeline("toy-3stage")
+
+        def submit(self, prompt: list[int], **kw: Any) -> Iterator[RequestOutput]:
+            submitted.append(kw)
+            return iter(outputs)
+
+    seen: list[RequestOutput] = []
+    timeline = drive_request(
+        OnePipe(),  # type: ignore[arg-type]
+        StageTrace(),
+        [1],
+        request_id="r",
+        on_output=lambda o, at: seen.append(o),
+        buffered=True,
+    )
+    assert submitted[0]["buffered"] is True and seen == outputs  # the caller sees the restart
+    assert timeline.text == "b" and len(timeline.arrivals) == 2 and timeline.finish_reason == "stop"

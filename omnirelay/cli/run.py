@@ -1,7 +1,9 @@
 """``omnirelay run``: one request through the real multi-process pipeline, with a timeline.
 
 Startup progress goes to stderr; the answer's text streams to stdout as the Thinker
-produces it; the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
+produces it (a stream: past its first text a lost replica fails the request); without text
+the request is submitted buffered (nothing shows before the WAV, so a lost replica runs it
+again, docs/protocol.md §2.9); the audio streams into ``--out`` (16-bit PCM WAV, mono, the pipeline's
 sample rate: 22.05 kHz for the default voice, 24 kHz for Qwen3-Omni); then the timeline: time to first text token, time to first audio,
 first playable audio and the gaps a listener would hear (:mod:`omnirelay.timeline.playback`),
 each audio chunk's arrival and length, the total, and the critical paths to the first
@@ -236,6 +238,12 @@ class WavWriter:
             self._tmp.unlink(missing_ok=True)
             self._tmp = None
 
+    def restart(self) -> None:
+        """Drop what was written: the audio begins again (a request run again)."""
+        self.discard()
+        self.num_samples = 0
+        self.sample_rate = None
+
 
 # ----------------------------------------------------------------------- the command
 
@@ -269,6 +277,30 @@ def run_run(args: argparse.Namespace) -> int:
         return _run(args, config, modalities)
 
 
+class _Answer:
+    """What ``run`` shows of the answer as it comes: its text on stdout, its audio into the
+    WAV, the aligner's words; a ``restarted`` output (a buffered run that lost a replica)
+    begins the WAV and the words again."""
+
+    def __init__(self, out: Any, writer: WavWriter | None) -> None:
+        self.out, self.writer = out, writer
+        self.stamps: list[list[tuple[str, int, int]] | None] = []
+
+    def __call__(self, output: RequestOutput, at_s: float) -> None:
+        if output.restarted:
+            if self.writer is not None:
+                self.writer.restart()
+            self.stamps.clear()
+            return
+        if output.text and output.modality == "text":
+            self.out.write(output.text)
+            self.out.flush()
+        if output.audio is not None and self.writer is not None:
+            self.writer.write(output.audio, output.sample_rate)
+        if output.modality == "timestamps" and output.stage_finished:
+            self.stamps.append(_parse_stamps(output.text))
+
+
 def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]) -> int:
     from omnirelay.timeline import StageTrace, drive_request
 
@@ -281,9 +313,8 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
     pipe, startup_s = start_pipeline(config, on_stage_output=trace, trace_steps=True)
     writer = WavWriter(args.out) if args.out is not None else None
     out = sys.stdout
-    answer: list[str] = []
     asked = [*modalities, "timestamps"] if aligns_answer(config, modalities) else modalities
-    stamps: list[list[tuple[str, int, int]] | None] = []
+    shown = _Answer(out, writer)
     try:
         print(
             f"request: {len(prompt_ids)} prompt tokens, modalities {'+'.join(modalities)}",
@@ -291,24 +322,17 @@ def _run(args: argparse.Namespace, config: PipelineConfig, modalities: list[str]
             flush=True,
         )
 
-        def on_output(output: RequestOutput, at_s: float) -> None:
-            if output.text and output.modality == "text":
-                answer.append(output.text)
-                out.write(output.text)
-                out.flush()
-            if output.audio is not None and writer is not None:
-                writer.write(output.audio, output.sample_rate)
-            if output.modality == "timestamps" and output.stage_finished:
-                stamps.append(_parse_stamps(output.text))
-
+        # Without text, nothing shows before the end (the WAV appears whole): the request is
+        # buffered, and a replica lost on the way runs it again (docs/protocol.md §2.9).
+        buffered = "text" not in modalities
         timeline = drive_request(
-            pipe, trace, prompt_ids, modalities=asked, sampling=sampling, on_output=on_output
+            pipe, trace, prompt_ids, modalities=asked, sampling=sampling, on_output=shown, buffered=buffered
         )
         placement = pipe.placement()
         out.write("\n")
         out.flush()
         wrote = writer.commit() if writer is not None else False
-        words = _words(stamps[-1]) if stamps else None
+        words = _words(shown.stamps[-1]) if shown.stamps else None
         if words:
             out.write(render_words(words))
     except BaseException:

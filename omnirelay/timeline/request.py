@@ -143,6 +143,18 @@ class RequestTimeline:
         }
 
 
+def _arrival(out: RequestOutput, at_s: float, num_samples: int) -> ClientArrival:
+    return ClientArrival(
+        at_s=at_s,
+        stage_id=out.stage_id,
+        modality=out.modality,
+        num_tokens=len(out.token_ids),
+        num_samples=num_samples,
+        finished=out.finished,
+        step=step_of(out.stage_id, out.metrics),
+    )
+
+
 def drive_request(
     pipe: Pipeline,
     trace: StageTrace,
@@ -154,12 +166,16 @@ def drive_request(
     on_output: Callable[[RequestOutput, float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     inputs: Any = None,
+    buffered: bool = False,
 ) -> RequestTimeline:
     """Submit one request on ``pipe`` (started with ``on_stage_output=trace`` and
     ``trace_steps=True``: without step times the critical paths are empty), read every
     output, and return its timeline. ``on_output(output, seconds_since_submit)`` sees each
     output as it arrives (streaming text, writing audio). ``inputs``: the prompt stage's
-    full input (a speech prompt's voice, ``SpeechPrompt.inputs``).
+    full input (a speech prompt's voice, ``SpeechPrompt.inputs``). ``buffered``: the caller
+    shows nothing before the end, so a lost replica runs the request again (docs/protocol.md
+    §2.9); ``on_output`` then sees the ``restarted`` output, and the timeline keeps only the
+    rerun's arrivals (its times still from the first submit).
 
     A failed request raises :class:`~omnirelay.errors.RequestFailedError`. An interrupt
     (``KeyboardInterrupt``) while waiting aborts the request, waits for its terminal
@@ -179,22 +195,17 @@ def drive_request(
             sampling=dict(sampling or {}),
             request_id=rid,
             inputs=inputs,
+            buffered=buffered,
         )
         try:
             for out in handle:
                 at = clock() - submit_s
                 n = audio_length(out.audio)
-                arrivals.append(
-                    ClientArrival(
-                        at_s=at,
-                        stage_id=out.stage_id,
-                        modality=out.modality,
-                        num_tokens=len(out.token_ids),
-                        num_samples=n,
-                        finished=out.finished,
-                        step=step_of(out.stage_id, out.metrics),
-                    )
-                )
+                if out.restarted:  # what came before was the failed attempt's
+                    arrivals.clear()
+                    texts.clear()
+                else:
+                    arrivals.append(_arrival(out, at, n))
                 if out.text and out.modality == "text":
                     texts.append(out.text)  # the answer (not a transcript's or the aligner's words)
                 if n and out.sample_rate:
