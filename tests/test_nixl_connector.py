@@ -134,6 +134,36 @@ def test_a_dead_producers_object_fails_fast_and_names_it(
     assert cons.num_notices() == 0
 
 
+def test_a_release_forgets_a_dead_producers_notices_so_a_reused_id_never_waits_on_it(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reading stage's release calls ``cleanup_prefix`` on the incoming prefix
+    (docs/protocol.md §2.8): the notices of a producer that died go with it, so a get of
+    the key a reuse of the id reads is NOT_YET at once, never FAILED after the claim timeout."""
+    cons = _reader(True, namespace, monkeypatch)
+    ready = _CTX.Event()
+    proc = _CTX.Process(target=_put_and_hang, args=(namespace, cons.listening_at, ready))
+    proc.start()
+    try:
+        assert ready.wait(30)
+        deadline = time.monotonic() + 10
+        while cons.num_notices() < 2:
+            cons.wait_arrivals(2, timeout=1)
+            assert time.monotonic() < deadline
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert cons.cleanup_prefix("D_1_") == 0  # none of them its own to withdraw
+        assert cons.num_notices() == 0
+        t0 = time.monotonic()
+        assert cons.get(1, 2, "D_1_0").status is GetStatus.NOT_YET
+        assert time.monotonic() - t0 < 0.2
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        cons.close()
+
+
 @pytest.fixture
 def pair(namespace: str) -> Any:
     prod = create_connector("nixl", namespace=namespace, stage_id=1, lease_s=0.2)

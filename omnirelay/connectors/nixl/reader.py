@@ -260,7 +260,8 @@ class Reader:
     def forget(self, key: str | None = None, prefix_match: Callable[[str], bool] | None = None) -> int:
         """Drop notices (of ``key``, or whose key ``prefix_match`` accepts) never got,
         those still queued on the socket too (a release forgets what arrived before it)."""
-        self._drain_if_free()
+        if not self.closed:
+            self._drain_if_free()
         with self._lock:
             keys = [k for k in self._table if k == key or (prefix_match is not None and prefix_match(k))]
             for k in keys:
