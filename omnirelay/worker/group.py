@@ -1,7 +1,8 @@
 """A device group: several stage engines in one worker process, driven by one loop.
 
-The stages of a pipeline that share a CUDA device run in one process by default
-(:mod:`omnirelay.pipeline.groups` says which; docs/design.md §12): one CUDA context, one
+The stages of a pipeline that share a CUDA device run in one process when the pipeline
+opts in (``device_groups: auto``, experimental; :mod:`omnirelay.pipeline.groups` says
+which; docs/design.md §12): one CUDA context, one
 caching allocator, no time slices between processes, and one loop that decides whose
 step goes next. To the front each stage is still a worker of its own — its own control
 sockets, hello, outputs, releases, health and leak-state answers (a
@@ -13,8 +14,10 @@ its death is each stage's death and its restart restarts them all.
 1. each stage takes its queued control messages (add / abort / release go to its
    engine; queries wait);
 2. each stage whose launched step ended is completed: the step's results go to its
-   scheduler, its outputs and completed releases go out (looked at again after every
-   synchronous step of step 3, so a launched stage's outputs do not wait for the rest);
+   scheduler, its outputs and completed releases go out, then the chunk loads the step
+   deferred are registered (a chunk that arrives unregistered wakes nothing) — looked at
+   again after every synchronous step of step 3, so a launched stage's outputs do not
+   wait for the rest;
 3. in priority order — the stage nearest the client first (Code2Wav, then the Talker,
    then the Thinker: the streams short of playback headroom are theirs) — each stage
    with work and no step in flight launches one (``StageEngine.launch_step``): an
