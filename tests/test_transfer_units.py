@@ -428,6 +428,26 @@ def test_budget_reconciliation_never_releases_a_put_newer_than_the_snapshot() ->
     assert b.leak_state() == {} and b.stats()["edges"] == {}
 
 
+def test_budget_releases_every_record_of_zero_bytes() -> None:
+    # By-reference puts (an in-process edge of a device group) carry no bytes: releasing one
+    # of them must not drop the edge's books from under the others.
+    b = ByteBudget(100)
+    edge = (0, 1)
+    for n in range(3):
+        b.add(f"z{n}", edge, 0)
+    b.add("k", (1, 2), 10)
+    assert not b.is_over(edge) and b.used(edge) == 0
+    assert b.release(["z0"]) == 1  # one by the sender's cleanup ...
+    assert b.release_absent(b.snapshot(), present={"k"}) == 2  # ... the rest by a reap pass
+    assert b.leak_state() == {"budget_records": ["k"]} and b.stats()["edges"] == {
+        "1->2": {"pending_bytes": 10, "pending_keys": 1}
+    }
+    b.add("z0", edge, 0)
+    b.add("z1", edge, 30)
+    assert b.release(["z1", "z0"]) == 2 and b.used(edge) == 0
+    assert b.release(["k"]) == 1 and b.leak_state() == {} and b.used((1, 2)) == 0
+
+
 def test_event_box_keeps_failures_for_both_sides_and_bounds_the_external_copy() -> None:
     box = EventBox(max_external=2)
     fs = [TransferFailure(f"i{n}", "E", FailureKind.SEND_FAILED, f"r{n}", 0) for n in range(3)]

@@ -58,15 +58,20 @@ class ByteBudget:
                 self._drop(key, old)
             rec = PutRecord(edge, max(0, int(nbytes)))
             self._records[key] = rec
-            self._used[edge] = self._used.get(edge, 0) + rec.nbytes
+            if rec.nbytes:
+                self._used[edge] = self._used.get(edge, 0) + rec.nbytes
 
     def _drop(self, key: str, rec: PutRecord) -> None:
+        # ``_used`` holds an edge only while its records hold bytes: a record of no bytes
+        # (a put by reference, docs/protocol.md §3.10) never touches it, so releasing one
+        # cannot take the books of an edge whose other records are still there.
         del self._records[key]
-        left = self._used[rec.edge] - rec.nbytes
-        if left:
-            self._used[rec.edge] = left
-        else:
-            del self._used[rec.edge]
+        if rec.nbytes:
+            left = self._used[rec.edge] - rec.nbytes
+            if left:
+                self._used[rec.edge] = left
+            else:
+                del self._used[rec.edge]
         self.num_released += 1
 
     def release(self, keys: Iterable[str]) -> int:
