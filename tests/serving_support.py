@@ -16,6 +16,7 @@ import numpy as np
 import openai
 
 from omnirelay.api import Pipeline
+from omnirelay.models import PromptSide
 from omnirelay.pipeline import PipelineConfig
 from omnirelay.serving import AdmissionGate, ServerConfig, ServerThread, create_app
 from omnirelay.serving.frontend import Frontend
@@ -92,12 +93,16 @@ def assert_same_pcm(got: bytes, want: bytes) -> None:
 
 
 def serve(
-    pipeline: str | PipelineConfig, config: ServerConfig, admission: AdmissionGate | None = None
+    pipeline: str | PipelineConfig,
+    config: ServerConfig,
+    admission: AdmissionGate | None = None,
+    prompts: PromptSide | None = None,
 ) -> Iterator[Served]:
-    """A module fixture's body: start the pipeline and a server; stop both; audit."""
+    """A module fixture's body: start the pipeline and a server (``prompts``: another prompt
+    side than the pipeline's); stop both; audit."""
     pipe = Pipeline.start(pipeline)
     try:
-        app = create_app(pipe, config, admission=admission)
+        app = create_app(pipe, config, admission=admission, prompts=prompts)
         server = ServerThread(app).start()
         served = Served(pipe, server, app.state.frontend)
         try:

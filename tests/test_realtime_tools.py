@@ -21,11 +21,9 @@ import pytest
 from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
 
-from omnirelay.api import Pipeline
-from omnirelay.serving import ServerConfig, ServerThread, create_app
-from tests.orchestrator_audit import audit_stopped
+from omnirelay.serving import ServerConfig
 from tests.realtime_support import RealtimeClient
-from tests.serving_support import Served
+from tests.serving_support import Served, serve
 from tests.tool_model import ScriptedToolModel
 
 GA_EVENT: TypeAdapter[Any] = TypeAdapter(RealtimeServerEvent)
@@ -39,16 +37,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    pipe = Pipeline.start("toy-3stage")
-    try:
-        app = create_app(pipe, ServerConfig(), prompts=ScriptedToolModel())
-        server = ServerThread(app).start()
-        try:
-            yield Served(pipe, server, app.state.frontend)
-        finally:
-            server.stop()
-    finally:
-        audit_stopped(pipe)
+    yield from serve("toy-3stage", ServerConfig(), prompts=ScriptedToolModel())
 
 
 @pytest.fixture

@@ -18,14 +18,12 @@ import httpx
 import openai
 import pytest
 
-from omnirelay.api import Pipeline
-from omnirelay.serving import ServerConfig, ServerThread, create_app
+from omnirelay.serving import ServerConfig
 from omnirelay.serving.errors import ApiError
 from omnirelay.serving.protocol import ChatCompletionRequest, parse
 from omnirelay.serving.text import ByteCodec
 from omnirelay.serving.tools import read_chat_tools_request
-from tests.orchestrator_audit import audit_stopped
-from tests.serving_support import Served, chat_stream_audio
+from tests.serving_support import Served, chat_stream_audio, serve
 from tests.tool_model import PLAIN_ANSWER, ScriptedToolModel
 
 WEATHER_TOOL = {
@@ -43,19 +41,7 @@ MAX_TOKENS = 60  # the scripted answers are shorter (3 characters a token)
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    pipe = Pipeline.start("toy-3stage")
-    try:
-        app = create_app(pipe, ServerConfig(max_concurrency=8), prompts=ScriptedToolModel())
-        server = ServerThread(app).start()
-        served = Served(pipe, server, app.state.frontend)
-        try:
-            yield served
-        finally:
-            for client in served.clients:
-                client.close()
-            server.stop()
-    finally:
-        audit_stopped(pipe)
+    yield from serve("toy-3stage", ServerConfig(max_concurrency=8), prompts=ScriptedToolModel())
 
 
 @pytest.fixture
