@@ -219,26 +219,26 @@ def ask(client: openai.OpenAI, model: str, kind: str, p: int, max_tokens: int) -
 MAX_DIFFERING_FRACTION = 0.1
 
 
-def _same_answer_audio(got: bytes, want: bytes) -> bool:
-    """The same number of samples, nearly all of them equal to 1 LSB."""
+def _off_by_more_than_1_lsb(got: bytes, want: bytes) -> np.ndarray | None:
+    """Per sample, whether two pcm16 answers differ by more than 1 LSB; None when their
+    lengths differ."""
     if len(got) != len(want):
-        return False
-    if not got:
-        return True
+        return None
     x = np.frombuffer(got, dtype="<i2").astype(np.int32)
     y = np.frombuffer(want, dtype="<i2").astype(np.int32)
-    return float((np.abs(x - y) > 1).mean()) <= MAX_DIFFERING_FRACTION
+    return np.abs(x - y) > 1
+
+
+def _same_answer_audio(got: bytes, want: bytes) -> bool:
+    """The same number of samples, nearly all of them equal to 1 LSB."""
+    off = _off_by_more_than_1_lsb(got, want)
+    return off is not None and (off.size == 0 or float(off.mean()) <= MAX_DIFFERING_FRACTION)
 
 
 def _same_pcm(got: bytes, want: bytes) -> bool:
     """The same samples to 1 LSB (two runs of one answer agree to float rounding)."""
-    if len(got) != len(want):
-        return False
-    if not got:
-        return True
-    x = np.frombuffer(got, dtype="<i2").astype(np.int32)
-    y = np.frombuffer(want, dtype="<i2").astype(np.int32)
-    return int(np.abs(x - y).max()) <= 1
+    off = _off_by_more_than_1_lsb(got, want)
+    return off is not None and not off.any()
 
 
 def _difference(got: Answer, want: Answer) -> str:
