@@ -23,6 +23,9 @@ experts its batch routes to — distinct experts per layer from the routers' top
 eager pass — and each row's cached keys and values), the bandwidth a device copy
 measured at the start of the run, the floor (bytes ÷ bandwidth), the graph time over
 the floor, and the step's kernels (``torch.profiler``).
+The Thinker's report names its experts path (``experts``: the fused Triton path of
+:mod:`omnirelay.models.runner.moe`, or with ``OMNIRELAY_FUSED_MOE=0`` ``transformers``'
+``grouped_mm``, for a before/after on one machine).
 The graphs' capture time is reported per stage, and the eager/graph agreement: the
 Thinker's greedy ids and the Talker's greedy codes must be equal.
 """
@@ -110,6 +113,7 @@ def _thinker(
 ) -> dict[str, Any]:
     from omnirelay.engine.interfaces import SamplingParams
     from omnirelay.models.runner import Buckets, Row, ThinkerRunner
+    from omnirelay.models.runner.thinker import experts_for
 
     model = checkpoint.load_thinker()
     text = getattr(model.model, "language_model", model.model)
@@ -128,6 +132,8 @@ def _thinker(
         "build_s": _build_s(model),
         "capture_s": time.monotonic() - start,
         "num_graphs": len(runner.graphs),
+        # the experts path of a many-row launch (OMNIRELAY_FUSED_MOE=0: transformers' own)
+        "experts": experts_for(runner.device, runner.dtype, 2, 1),
     }
     gen = torch.Generator().manual_seed(0)
     greedy = SamplingParams()

@@ -30,6 +30,7 @@ from omnirelay.engine.interfaces import SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
+from omnirelay.models.runner.moe import FUSED_EXPERTS, fused_experts_enabled
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
@@ -37,11 +38,15 @@ __all__ = ["RowOutput", "ThinkerRunner", "experts_for"]
 
 
 def experts_for(device: torch.device, dtype: torch.dtype, batch: int, tokens: int) -> str | None:
-    """The experts implementation of a launch (None: the model's own, off CUDA).
-    ``grouped_mm`` runs in half precision only (float32 weights fall back to a path that
-    copies to the host, which a CUDA graph cannot capture): float32 uses ``batched_mm``."""
+    """The experts implementation of a launch (None: the model's own, off CUDA). Half
+    precision: the fused Triton path (:mod:`~omnirelay.models.runner.moe`) where it is on,
+    else ``transformers``' own as below. ``grouped_mm`` runs in half precision only (float32 weights fall
+    back to a path that copies to the host, which a CUDA graph cannot capture): float32
+    uses ``batched_mm``."""
     if device.type != "cuda":
         return None
+    if fused_experts_enabled(dtype):
+        return FUSED_EXPERTS
     if batch * tokens == 1 or dtype not in (torch.bfloat16, torch.float16):
         return "batched_mm"
     return "grouped_mm"

@@ -1,0 +1,204 @@
+"""The MoE experts as one fused Triton path (CUDA, half precision).
+
+Registered with ``transformers``' experts interface as :data:`FUSED_EXPERTS`, so an
+experts module of the usual layout (``gate_up_proj [E, 2I, H]``, gate rows first;
+``down_proj [E, H, I]``; SiLU; no bias) runs, per call, five launches
+(:mod:`~omnirelay.models.runner.moe_kernels`):
+
+1. count the token-expert pairs per expert (per chunk of pairs);
+2. place every pair in its expert's run of positions, each run padded to a multiple of
+   the block height ``BM`` (stable and without atomics, so a step's result does not
+   depend on scheduling);
+3. one grouped GEMM over those blocks for gate and up together, ``silu(gate) · up``
+   applied before anything leaves the registers;
+4. one grouped GEMM for down, each pair's row scaled by its routing weight and written
+   at the pair's own index;
+5. the top-k sum of each token's rows (float32 accumulation, one rounding).
+
+The routing (softmax, top-k, renormalization) is the model's own router, unchanged. No
+step reads a value back to the host and every buffer has a size fixed by the token count,
+so the path records into a CUDA graph. Block sizes are fixed per pair count (decode's few
+rows: thin blocks that spread the weight reads over many programs; a prefill's thousands:
+square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
+
+Anything else (another layout, float32, a CPU tensor) falls back to ``transformers``'
+``grouped_mm`` / ``batched_mm``; ``OMNIRELAY_FUSED_MOE=0`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["FUSED_EXPERTS", "fused_experts", "fused_experts_enabled"]
+
+#: The name the path is registered under in ``transformers``' experts interface.
+FUSED_EXPERTS = "omnirelay_fused"
+
+#: Pairs per program of the two routing kernels.
+_CHUNK = 256
+
+_registered = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Tiles:
+    bm: int
+    bn_up: int
+    bk_up: int
+    bn_down: int
+    bk_down: int
+    warps: int
+    stages: int
+
+
+def _tiles(pairs: int) -> _Tiles:
+    """Block sizes for ``pairs`` token-expert pairs."""
+    if pairs <= 64:  # decode of a few rows: one or two pairs per expert
+        return _Tiles(bm=16, bn_up=32, bk_up=128, bn_down=64, bk_down=128, warps=4, stages=4)
+    if pairs <= 1024:  # decode of up to 128 rows: a handful of pairs per expert
+        return _Tiles(bm=16, bn_up=64, bk_up=128, bn_down=64, bk_down=128, warps=4, stages=4)
+    if pairs <= 8192:
+        return _Tiles(bm=32, bn_up=64, bk_up=64, bn_down=128, bk_down=64, warps=4, stages=3)
+    return _Tiles(bm=64, bn_up=128, bk_up=64, bn_down=128, bk_down=64, warps=8, stages=3)
+
+
+def _kernels() -> Any:
+    return importlib.import_module("omnirelay.models.runner.moe_kernels")
+
+
+def fused_experts_enabled(dtype: torch.dtype) -> bool:
+    """Whether a CUDA launch in ``dtype`` runs the fused path (registering it on first use):
+    half precision, ``triton`` importable, ``OMNIRELAY_FUSED_MOE`` not ``0``."""
+    global _registered
+    if dtype not in (torch.bfloat16, torch.float16) or os.environ.get("OMNIRELAY_FUSED_MOE") == "0":
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if not _registered:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(FUSED_EXPERTS, _experts_forward)
+        _registered = True
+    return True
+
+
+def _supported(module: Any, x: torch.Tensor) -> bool:
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return False
+    layout = (
+        getattr(module, "has_gate", False)
+        and getattr(module, "is_concatenated", False)
+        and not getattr(module, "has_bias", True)
+        and not getattr(module, "is_transposed", True)
+        and not getattr(module, "has_post_expert_norm", True)
+        and not getattr(module, "_is_expert_parallel", True)
+    )
+    act = getattr(module, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(
+        layout
+        and silu
+        and on_device
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and gate_up.dtype == x.dtype == down.dtype
+        and gate_up.dim() == 3
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[2] == down.shape[1] == x.shape[-1]
+    )
+
+
+def _experts_forward(
+    module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    if not _supported(module, hidden_states):
+        from transformers.integrations.moe import (
+            batched_mm_experts_forward,
+            grouped_mm_experts_forward,
+        )
+
+        half = hidden_states.dtype in (torch.bfloat16, torch.float16)
+        fallback = grouped_mm_experts_forward if half else batched_mm_experts_forward
+        out: torch.Tensor = fallback(module, hidden_states, top_k_index, top_k_weights)
+        return out
+    return fused_experts(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_k w[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = top_k_index[t, k]``;
+    ``x [N, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``top_k_* [N, K]``."""
+    kernels = _kernels()
+    n, h = x.shape
+    k = top_k_index.shape[-1]
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    pairs = n * k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    ids = top_k_index.reshape(-1).contiguous()
+    weights = top_k_weights.reshape(-1).contiguous()
+    tiles = _tiles(pairs)
+    block_e = max(16, 1 << (e - 1).bit_length())
+    chunks = -(-pairs // _CHUNK)
+    blocks = -(-pairs // tiles.bm) + min(e, pairs)  # runs padded to BM: at most this many blocks
+    dev = x.device
+    partial = torch.empty((chunks, e), dtype=torch.int32, device=dev)
+    meta = torch.empty((3, e), dtype=torch.int32, device=dev)
+    order = torch.empty(blocks * tiles.bm, dtype=torch.int32, device=dev)
+    kernels.count_pairs[(chunks,)](ids, partial, pairs, e, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8)
+    kernels.place_pairs[(chunks,)](
+        ids, partial, order, meta, pairs, e, chunks, BM=tiles.bm, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8
+    )
+    hidden = torch.empty((blocks * tiles.bm, inter), dtype=x.dtype, device=dev)
+    kernels.gate_up_silu[(blocks, -(-inter // tiles.bn_up))](
+        x,
+        gate_up,
+        hidden,
+        order,
+        meta,
+        e,
+        h,
+        inter,
+        TOP_K=k,
+        BM=tiles.bm,
+        BN=tiles.bn_up,
+        BK=tiles.bk_up,
+        BLOCK_E=block_e,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
+    rows = torch.empty((pairs, h), dtype=x.dtype, device=dev)
+    kernels.down_weighted[(blocks, -(-h // tiles.bn_down))](
+        hidden,
+        down,
+        weights,
+        rows,
+        order,
+        meta,
+        e,
+        h,
+        inter,
+        BM=tiles.bm,
+        BN=tiles.bn_down,
+        BK=tiles.bk_down,
+        BLOCK_E=block_e,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
+    return rows.view(n, k, h).sum(dim=1)
