@@ -127,3 +127,35 @@ def test_full_size_talker_graph_frames_equal_eager_frames() -> None:
     assert results[True][0] == results[False][0]
     same = sum(x == y for g, w in zip(results[True], results[False]) for x, y in zip(g, w))
     assert same >= 0.9 * 12 * 16  # bf16: a tie may break the other way, then the frame differs
+
+
+def test_a_launched_step_never_waits_for_the_device_and_speaks_the_stepped_frames() -> None:
+    """The Talker's launch split on CUDA: ``runner.launch`` enqueues the step on the
+    runner's own stream with no synchronizing call (the sync debug mode turns one into
+    an error), the codes land in pinned host memory once the event completed, and the
+    frames equal those of ``step``."""
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=7)
+    stepped = _speak(_reference_talker(True), 6, seeded)
+    ex = _reference_talker(True)
+    case = CASES["ryan_english"]
+    got: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(6):
+        batch = [item(rid, case, step, seeded) for rid in got]
+        with torch.inference_mode():
+            prefills, decodes, seqs = ex._rows(batch)
+            torch.cuda.synchronize()  # the rows' own work (conditioning) is not the launch's
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                frames = ex.runner.launch(prefills, decodes)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        while not frames.is_done():
+            pass
+        codes = frames.codes()
+        assert codes.is_pinned()
+        for it, result in zip(batch, ex._results(batch, seqs, [*prefills, *decodes], codes)):
+            got[it.internal_id].append(result.next_stage_output[0].tolist())
+    assert got == stepped
+    for rid in got:
+        ex.release(rid)
+    assert ex.leak_state() == {}

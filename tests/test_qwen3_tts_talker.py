@@ -89,6 +89,32 @@ def test_batched_requests_speak_what_they_speak_alone(model: tuple[TTSTalker, TT
     assert ex.runner.slots.holders() == []
 
 
+def test_a_launched_step_speaks_what_the_step_speaks(model: tuple[TTSTalker, TTSConfig]) -> None:
+    """``launch`` (a device group's split step) gives the frames ``step`` gives; on the
+    CPU the launched step has ended when ``launch`` returns. A failing launch releases
+    its batch, as a failing step does."""
+    case = CASES["ryan_english"]
+    sampling = SamplingParams(temperature=0.9, top_k=50, seed=7)
+    stepped = speak(executor(model, text_streaming=False), {"a": case, "b": case}, 5, sampling=sampling)
+    ex = executor(model, text_streaming=False)
+    launched: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(5):
+        pending = ex.launch([item(rid, case, step, sampling) for rid in ("a", "b")])
+        assert pending.is_done()
+        for rid, result in zip(("a", "b"), pending.result()):
+            launched[rid].append(result.next_stage_output[0].tolist())
+    assert launched == stepped
+    with pytest.raises(ModelError, match="twice"):
+        ex.launch([item("a", case, 5), item("a", case, 5)])
+    bad = item("c", case, 0)
+    bad.inputs = {"speaker": "nobody"}
+    with pytest.raises(ModelError, match="nobody"):
+        ex.launch([item("a", case, 5), bad])
+    assert "a" not in ex.runner.slots.holders()  # the failed launch released its batch
+    ex.release("b")
+    assert ex.num_live_requests() == 0 and ex.leak_state() == {}
+
+
 class _CountedTail:
     """The runner's code predictor, recording the batch of every call."""
 

@@ -32,7 +32,7 @@ which that processor drops). A Talker request cannot be recomputed after a preem
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from omnirelay.models.qwen3_tts.prompt import default_speaker
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.predictor import ResidualSampling, use_compile_cache
+from omnirelay.models.runner.talker import LaunchedFrames
 from omnirelay.models.sampling import make_generator
 from omnirelay.models.stepping import guarded_step
 
@@ -169,7 +170,29 @@ class TTSTalkerExecutor:
 
     # ----------------------------------------------------------------- one step
 
+    def launch(self, batch: list[BatchItem]) -> _LaunchedStep:
+        """The step split in two (docs/design.md §12): the rows are prepared and the
+        runner's work enqueued (:meth:`TalkerRunner.launch`); the codes become results in
+        ``result()``, once the step's event completed. A failure releases the batch's
+        requests, as :meth:`step` does."""
+        launched: list[_LaunchedStep] = []
+
+        def start(items: list[BatchItem]) -> list[ItemResult]:
+            prefills, decodes, seqs = self._rows(items)
+            frames = self.runner.launch(prefills, decodes)
+            launched.append(_LaunchedStep(self, items, seqs, [*prefills, *decodes], frames))
+            return []
+
+        guarded_step(batch, start, self.release)
+        return launched[0]
+
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
+        prefills, decodes, seqs = self._rows(batch)
+        return self._results(batch, seqs, [*prefills, *decodes], self.runner.step(prefills, decodes))
+
+    def _rows(self, batch: list[BatchItem]) -> tuple[list[TalkerRow], list[TalkerRow], list[_Sequence]]:
+        """The step's prefill rows (new requests, their slots acquired), frame rows and
+        each item's sequence."""
         gen = self.generation
         prefills: list[TalkerRow] = []
         decodes: list[TalkerRow] = []
@@ -200,13 +223,18 @@ class TTSTalkerExecutor:
                     TalkerRow(rid, text, item.sampling, seq.generator, gen.repetition_penalty, may_stop)
                 )
             seqs.append(seq)
-        with torch.inference_mode():
-            frames = self.runner.step(prefills, decodes)
-        codes = dict(zip((r.rid for r in (*prefills, *decodes)), frames))
+        return prefills, decodes, seqs
+
+    def _results(
+        self, batch: list[BatchItem], seqs: list[_Sequence], rows: Sequence[TalkerRow], frames: torch.Tensor
+    ) -> list[ItemResult]:
+        """Each item's frame as its result (``frames`` in the order of the runner's
+        ``rows``: the prefills, then the decodes)."""
+        order = {row.rid: i for i, row in enumerate(rows)}
         eos = self.config.talker_config.codec_eos_token_id
         results = []
         for item, seq in zip(batch, seqs):
-            frame = codes[item.internal_id].reshape(1, -1).clone()
+            frame = frames[order[item.internal_id]].reshape(1, -1).clone()
             first = int(frame[0, 0])
             is_eos = first == eos
             if is_eos:
@@ -233,6 +261,37 @@ class TTSTalkerExecutor:
         except ModelError as exc:
             raise ModelError(f"request {rid!r}: {exc}") from exc
         return _Sequence(conditioning=conditioning, generator=make_generator(item.sampling.seed))
+
+
+class _LaunchedStep:
+    """A launched Talker step (:class:`~omnirelay.engine.interfaces.PendingStep`): the
+    runner's launched frames, made results in :meth:`result`."""
+
+    def __init__(
+        self,
+        executor: TTSTalkerExecutor,
+        batch: list[BatchItem],
+        seqs: list[_Sequence],
+        rows: list[TalkerRow],
+        frames: LaunchedFrames,
+    ) -> None:
+        self._executor = executor
+        self._batch = batch
+        self._seqs = seqs
+        self._rows = rows
+        self._frames = frames
+
+    def is_done(self) -> bool:
+        return self._frames.is_done()
+
+    def result(self) -> list[ItemResult]:
+        executor = self._executor
+        try:
+            return executor._results(self._batch, self._seqs, self._rows, self._frames.codes())
+        except BaseException:
+            for item in self._batch:  # as guarded_step does: a failed step fails its requests
+                executor.release(item.internal_id)
+            raise
 
 
 def create_talker(**executor_args: Any) -> TTSTalkerExecutor:

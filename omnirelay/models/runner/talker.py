@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, R
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
 
-__all__ = ["TalkerRow", "TalkerRunner"]
+__all__ = ["LaunchedFrames", "TalkerRow", "TalkerRunner"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +137,8 @@ class TalkerRunner:
             residual=residual,
             projection=projection,
         )
+        #: the stream launched steps run on (:meth:`launch`; made on first use)
+        self._stream: torch.cuda.Stream | None = None
 
     # ----------------------------------------------------------------- startup
 
@@ -351,9 +353,38 @@ class TalkerRunner:
         The Talker runs per launch (the new rows' prefill, the continuing rows' frame
         step), then **one** tail samples every row's frame: a step that admits new
         requests costs one code-predictor tail, not one for them and one for the rest."""
+        return _cat(self._enqueue(prefills, decodes, _to_host), self.q)
+
+    def launch(self, prefills: Sequence[TalkerRow], decodes: Sequence[TalkerRow]) -> LaunchedFrames:
+        """:meth:`step` split in two (docs/design.md §12): on CUDA its work is enqueued on
+        this runner's own stream (after what the current stream holds: the rows'
+        embeddings, slot moves), the codes copied non-blocking into pinned host memory
+        and an event recorded after them; :meth:`LaunchedFrames.codes` reads them once
+        the event completed. Nothing here waits for the device. Elsewhere the step runs now."""
+        if self.device.type != "cuda":
+            return LaunchedFrames(self.step(prefills, decodes))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            pieces = self._enqueue(prefills, decodes, _to_pinned_host)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The rows' device tensors stay referenced until the event completed.
+        return LaunchedFrames(pieces, done, (prefills, decodes), self.q)
+
+    def _enqueue(
+        self,
+        prefills: Sequence[TalkerRow],
+        decodes: Sequence[TalkerRow],
+        to_host: Callable[[torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The step's work on the current stream; its codes in pieces brought to the host
+        by ``to_host`` (one per tail launch)."""
         rows = [*prefills, *decodes]
         if not rows:
-            return torch.zeros((0, self.q), dtype=torch.long)
+            return []
         lasts = torch.empty((len(rows), self.hidden), dtype=self.dtype, device=self.device)
         if prefills:
             self._prefill_lasts(prefills, lasts[: len(prefills)])
@@ -369,10 +400,10 @@ class TalkerRunner:
             self._set_rows(b, group, [self.slots.slot(r.rid) for r in group], [0] * n, [1] * n)
             self._set_sampling(b, group)
             out = self.graphs.run(("tail", b), self._tail_step(b))
-            codes.append(out["codes"][:n].to("cpu"))
+            codes.append(to_host(out["codes"][:n]))
         for row, position in zip(decodes, positions):
             self.slots.set_length(row.rid, position + 1)
-        return torch.cat(codes)
+        return codes
 
     def prefill(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
         """Conditioning of new requests (slots acquired) → their first frames ``[n, Q]`` (CPU)."""
@@ -381,3 +412,48 @@ class TalkerRunner:
     def decode(self, rows: Sequence[TalkerRow]) -> torch.Tensor:
         """One frame for each row (prefilled before) → ``[n, Q]`` codes (CPU)."""
         return self.step([], rows)
+
+
+def _to_host(codes: torch.Tensor) -> torch.Tensor:
+    return codes.to("cpu")
+
+
+def _to_pinned_host(codes: torch.Tensor) -> torch.Tensor:
+    """A copy into pinned host memory, enqueued on the current stream (not waited for)."""
+    host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+    host.copy_(codes, non_blocking=True)
+    return host
+
+
+def _cat(pieces: list[torch.Tensor], q: int) -> torch.Tensor:
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.zeros((0, q), dtype=torch.long)
+
+
+class LaunchedFrames:
+    """A launched Talker step (:meth:`TalkerRunner.launch`): its codes, complete once
+    ``done`` (a CUDA event; None: already) completed."""
+
+    def __init__(
+        self, codes: torch.Tensor | list[torch.Tensor], done: Any = None, keep: Any = None, q: int = 0
+    ) -> None:
+        self._pieces = [codes] if isinstance(codes, torch.Tensor) else codes
+        self._done = done
+        self._keep = keep
+        self._q = q
+
+    def is_done(self) -> bool:
+        """Has the step's work ended? Polls the event; never blocks."""
+        if self._done is None or self._done.query():
+            self._done = self._keep = None
+            return True
+        return False
+
+    def codes(self) -> torch.Tensor:
+        """``[rows, Q]`` codes on the host (waits for the event when asked before it ended:
+        a step outside a device group)."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = self._keep = None
+        return _cat(self._pieces, self._q)
