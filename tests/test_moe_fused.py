@@ -1,0 +1,243 @@
+"""The fused Triton experts path (:mod:`omnirelay.models.runner.moe`).
+
+* CPU, where ``triton`` is importable: the kernels under the Triton interpreter
+  (``TRITON_INTERPRET=1``) against the model's own experts module (``transformers``'
+  eager per-expert loop, in float32) on random weights at small dims, float16 (the
+  interpreter mishandles bfloat16 arithmetic; bfloat16 is covered on the GPU): every
+  output within 2e-3 x the output's largest magnitude (a few float16 roundings of the
+  two products; a misrouted pair or a wrong weight is off by the order of the output).
+  The pairs' placement per expert is checked exactly.
+* GPU: the real Thinker dims (128 experts, top-8, hidden 2048, intermediate 768) in
+  bfloat16 against float32, replayed from a CUDA graph, and the tiny Thinker runner's
+  greedy ids with the fused path against ``transformers``' ``grouped_mm``.
+
+Skipped with a reason where ``triton`` (CPU part) or CUDA (GPU part) is missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.models.runner import moe
+from omnirelay.models.runner.decoder import experts_implementation
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="needs triton (not a dependency: the GPU install has it)"
+)
+needs_cuda = pytest.mark.skipif(
+    not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton"
+)
+KERNELS = "omnirelay.models.runner.moe_kernels"
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The kernels module built for the Triton interpreter; dropped afterwards, so a
+    later import compiles for the device again."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("OMNIRELAY_FUSED_MOE", raising=False)
+    sys.modules.pop(KERNELS, None)
+    yield importlib.import_module(KERNELS)
+    sys.modules.pop(KERNELS, None)
+
+
+def _block(experts: int, top_k: int, hidden: int, inter: int, *, talker: bool = False, seed: int = 0) -> Any:
+    """The model's own sparse MoE block (router + experts) with random weights."""
+    from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as conf
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+    kind = "Talker" if talker else "Thinker"
+    config = getattr(conf, f"Qwen3OmniMoe{'TalkerText' if talker else 'Text'}Config")(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        **({"shared_expert_intermediate_size": inter} if talker else {}),
+    )
+    config._experts_implementation_internal = "eager"
+    block = getattr(modeling, f"Qwen3OmniMoe{kind}TextSparseMoeBlock")(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=gen))
+        gu, dn = block.experts.gate_up_proj, block.experts.down_proj
+        gu.copy_(torch.randn(gu.shape, generator=gen) / hidden**0.5)
+        dn.copy_(torch.randn(dn.shape, generator=gen) / inter**0.5)
+    return block
+
+
+def _route(block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _, weights, ids = block.gate(x)
+    return ids, weights
+
+
+def _compare(block: Any, x: torch.Tensor, dtype: torch.dtype) -> float:
+    """Max |fused - float32 eager| over max |eager|, both from the same routing."""
+    ids, weights = _route(block, x)
+    want = block.experts(x, ids, weights)  # transformers' eager loop, float32
+    half = copy.deepcopy(block.experts).to(dtype)
+    assert moe.fused_experts_enabled(dtype)
+    with experts_implementation([half], moe.FUSED_EXPERTS):
+        got = half(x.to(dtype), ids, weights.to(dtype))
+    assert got.dtype == dtype and got.shape == want.shape
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_interpreted_fused_experts_match_the_models_experts(interpreted: Any, tokens: int) -> None:
+    """1 token (one block per expert), 5 and 70 (pairs in more than one chunk of 256 for
+    70 x 4, runs of several blocks); hidden and intermediate not multiples of a tile."""
+    block = _block(16, 4, 96, 40)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        assert _compare(block, x, torch.float16) < 2e-3
+
+
+@needs_triton
+def test_interpreted_prefill_tiles_and_the_talkers_experts(
+    interpreted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill tile sizes (taken only past 8,192 pairs) on a small input, through
+    the Qwen3-Omni Talker's experts module (same layout, its own class)."""
+    monkeypatch.setattr(moe, "_tiles", lambda pairs: moe._Tiles(64, 64, 32, 64, 32, 4, 2))
+    block = _block(8, 2, 64, 48, talker=True)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _compare(block, x, torch.float16) < 2e-3
+
+
+@needs_triton
+def test_interpreted_placement_is_stable_and_padded_per_expert(interpreted: Any) -> None:
+    ids = torch.tensor([3, 1, 3, 0, 5, 1, 3, 7, 1])
+    pairs, experts, bm = ids.numel(), 8, 4
+    partial = torch.empty((1, experts), dtype=torch.int32)
+    meta = torch.empty((3, experts), dtype=torch.int32)
+    order = torch.full((32,), -1, dtype=torch.int32)
+    interpreted.count_pairs[(1,)](ids, partial, pairs, experts, CHUNK=256, BLOCK_E=16)
+    interpreted.place_pairs[(1,)](ids, partial, order, meta, pairs, experts, 1, BM=bm, CHUNK=256, BLOCK_E=16)
+    counts = [1, 3, 0, 3, 0, 1, 0, 1]
+    runs = [4, 4, 0, 4, 0, 4, 0, 4]
+    ends = torch.tensor(runs).cumsum(0)
+    assert meta[1].tolist() == counts
+    assert meta[2].tolist() == ends.tolist()
+    assert meta[0].tolist() == (ends - torch.tensor(runs)).tolist()
+    # each expert's pairs in their original order at the start of its run; the rest untouched
+    assert order.tolist()[:20] == [3, -1, -1, -1, 1, 5, 8, -1, 0, 2, 6, -1, 4, -1, -1, -1, 7, -1, -1, -1]
+
+
+def test_the_path_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnirelay.models.runner.thinker import experts_for
+
+    assert experts_for(torch.device("cpu"), torch.bfloat16, 4, 1) is None
+    assert not moe.fused_experts_enabled(torch.float32)
+    monkeypatch.setenv("OMNIRELAY_FUSED_MOE", "0")
+    assert not moe.fused_experts_enabled(torch.bfloat16)
+
+
+@needs_triton
+def test_an_unsupported_call_falls_back_to_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on the CPU (no interpreter): ``transformers``' ``batched_mm``, same result."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("OMNIRELAY_FUSED_MOE", raising=False)
+    assert moe.fused_experts_enabled(torch.bfloat16)  # registers the name
+    block = _block(8, 2, 32, 16)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ids, weights = _route(block, x)
+        want = block.experts(x, ids, weights)
+        with experts_implementation([block.experts], moe.FUSED_EXPERTS):
+            got = block.experts(x, ids, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64, 1920])
+def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
+    """bfloat16, 128 experts, top-8, hidden 2048, intermediate 768: relative error (norm)
+    against float32 under 1e-2, no worse than ``grouped_mm``'s plus 2e-3; a CUDA graph
+    replay with new inputs equals an eager call exactly (no atomics, no host reads)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    torch.manual_seed(0)
+    dev = "cuda:0"
+    block = _block(128, 8, 2048, 768).to(dev)
+    x = torch.randn(tokens, 2048, device=dev)
+    with torch.no_grad():
+        ids, weights = _route(block, x)
+        gu, dn = block.experts.gate_up_proj, block.experts.down_proj
+        want = block.experts(x, ids, weights)
+        half = copy.deepcopy(block.experts).to(torch.bfloat16)
+        xb, wb = x.bfloat16(), weights.bfloat16()
+        got = moe.fused_experts(xb, gu.bfloat16(), dn.bfloat16(), ids, wb)
+        base = grouped_mm_experts_forward(half, xb, ids, wb)
+
+        def rel(a: torch.Tensor) -> float:
+            return float((a.float() - want).norm() / want.norm())
+
+        print(f"tokens {tokens}: fused {rel(got):.2e}, grouped_mm {rel(base):.2e}")
+        assert rel(got) < 1e-2 and rel(got) < rel(base) + 2e-3
+
+        static_x, static_ids, static_w = xb.clone(), ids.clone(), wb.clone()
+        g16, d16 = gu.bfloat16(), dn.bfloat16()
+        moe.fused_experts(static_x, g16, d16, static_ids, static_w)  # compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.fused_experts(static_x, g16, d16, static_ids, static_w)
+        x2 = torch.randn(tokens, 2048, device=dev)
+        ids2, w2 = _route(block, x2)
+        static_x.copy_(x2.bfloat16())
+        static_ids.copy_(ids2)
+        static_w.copy_(w2.bfloat16())
+        graph.replay()
+        torch.testing.assert_close(
+            out, moe.fused_experts(x2.bfloat16(), g16, d16, ids2, w2.bfloat16()), rtol=0, atol=0
+        )
+
+
+@needs_cuda
+def test_cuda_tiny_thinker_greedy_ids_fused_vs_grouped_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Thinker in bfloat16 on the static runner with CUDA graphs, 12 steps of
+    three prompts: the fused path gives ``grouped_mm``'s greedy ids."""
+    from omnirelay.models.qwen3_omni import Checkpoint, encode_chat_prompt
+    from omnirelay.models.qwen3_omni.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
+    from tests.test_models_support import run_thinker, tiny_dir
+
+    def executor(fused: bool) -> ThinkerExecutor:
+        monkeypatch.setenv("OMNIRELAY_FUSED_MOE", "1" if fused else "0")
+        args = ModelArgs(
+            device="cuda:0",
+            runner="static",
+            cuda_graphs=True,
+            compile=False,
+            max_num_seqs=8,
+            max_model_len=256,
+        )
+        checkpoint = Checkpoint.open(tiny_dir(), device="cuda:0", dtype="bfloat16")
+        return ThinkerExecutor.from_checkpoint(checkpoint, args)
+
+    fused, base = executor(True), executor(False)
+    assert fused.runner is not None and fused.runner.dtype == torch.bfloat16
+    tok = fused.tokenizer
+    prompts = {
+        "a": encode_chat_prompt(tok, "Hello there, how are you today?"),
+        "b": encode_chat_prompt(tok, "Tell me a story."),
+        "c": encode_chat_prompt(tok, "Hi", system="Be brief."),
+    }
+    got, want = run_thinker(fused, prompts, 12), run_thinker(base, prompts, 12)
+    for rid in prompts:
+        assert got[rid].tokens == want[rid].tokens, rid
