@@ -272,6 +272,13 @@ class StageEngine:
         """Requests this engine holds (admitted, not yet finished, aborted or released)."""
         return len(self._live)
 
+    def limit_slots(self, num_slots: int) -> int:
+        """Run at most ``num_slots`` requests at once (the executor's KV slots, sized at
+        startup from the device memory); returns the stage's limit now. Before any request."""
+        sched = self._scheduler
+        sched.max_num_seqs = max(1, min(sched.max_num_seqs, num_slots))
+        return sched.max_num_seqs
+
     # ----------------------------------------------------------------- waiting (engine thread)
 
     def has_work(self) -> bool:

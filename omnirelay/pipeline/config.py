@@ -69,6 +69,8 @@ __all__ = [
 
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_INPUT_WAIT_TIMEOUT_S = 600.0
+#: The share of a CUDA device's memory a process's stages may use (vLLM's convention).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class ExecutionType(enum.StrEnum):
@@ -330,6 +332,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     hold_audio_while_dry: bool = False
     #: Which stages share a worker process (``device_groups:``; :mod:`omnirelay.pipeline.groups`).
     device_groups: DeviceGroups = DeviceGroups.OFF
+    #: The share of each CUDA device's memory the stages of one process may use
+    #: (``gpu_memory_utilization:``): KV slots not given by ``executor_args.max_num_seqs``
+    #: are sized from what it leaves after the weights (docs/design.md §12).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     #: The file this config came from (``<dict>`` when built in memory); errors name it.
     source: str = "<dict>"
 

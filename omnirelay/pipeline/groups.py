@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from omnirelay.pipeline.config import PipelineConfig, StageConfig
 
-__all__ = ["group_key", "process_groups", "shares_process"]
+__all__ = ["cuda_device", "group_key", "process_groups", "shares_process", "sizing_device"]
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 
@@ -43,13 +43,10 @@ def group_key(cfg: PipelineConfig, stage: StageConfig) -> tuple[object, ...] | N
         return None
     if stage.own_process or stage.replicas > 1:
         return None
-    device = stage.executor_args.get("device") or stage.devices
-    match = _CUDA.fullmatch(str(device).strip()) if device else None
-    if match is not None:
-        where = f"cuda:{int(match.group(1) or 0)}"
-    elif cfg.device_groups is DeviceGroups.ON:
+    where = cuda_device(stage)
+    if where is None and cfg.device_groups is DeviceGroups.ON:
         where = "host"
-    else:
+    if where is None:
         return None
     return (where, tuple(sorted(stage.process_env().items())))
 
@@ -69,3 +66,24 @@ def shares_process(cfg: PipelineConfig, src: int, dst: int) -> bool:
     """Do stages ``src`` and ``dst`` run in one worker process?"""
     a = group_key(cfg, cfg.stages[src])
     return a is not None and a == group_key(cfg, cfg.stages[dst])
+
+
+def cuda_device(stage: StageConfig) -> str | None:
+    """The one CUDA device a stage runs on (``devices`` or ``executor_args.device``:
+    ``cuda:0``; ``cuda`` is ``cuda:0``), or None."""
+    device = stage.executor_args.get("device") or stage.devices
+    match = _CUDA.fullmatch(str(device).strip()) if device else None
+    return None if match is None else f"cuda:{int(match.group(1) or 0)}"
+
+
+def sizing_device(cfg: PipelineConfig, stage_ids: tuple[int, ...]) -> str | None:
+    """The CUDA device on which the process hosting ``stage_ids`` sizes its KV slots from
+    the memory left (:mod:`omnirelay.models.runner.memory`): theirs, when they all run on
+    it, none runs replicas, and no stage of another process shares it (two processes
+    would each count the other's memory as theirs). None: slots are fixed numbers."""
+    mine = {cuda_device(cfg.stages[i]) for i in stage_ids}
+    if len(mine) != 1 or None in mine or any(cfg.stages[i].replicas > 1 for i in stage_ids):
+        return None
+    device = mine.pop()
+    others = (s for s in cfg.stages if s.id not in stage_ids)
+    return None if any(cuda_device(s) == device for s in others) else device

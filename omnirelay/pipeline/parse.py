@@ -166,6 +166,10 @@ def _parse_limits(ctx: _Ctx, data: Mapping[str, Any], pending_warnings: list[str
         limits["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
     if "device_groups" in data:
         limits["device_groups"] = ctx.choice(data, "device_groups", DeviceGroups)
+    if "gpu_memory_utilization" in data:
+        limits["gpu_memory_utilization"] = ctx.number(
+            data, "gpu_memory_utilization", fix="use a share of the device's memory, e.g. 0.9"
+        )
     return limits
 
 
@@ -334,6 +338,7 @@ PIPELINE_KEYS = (
     "max_audio_streams",
     "hold_audio_while_dry",
     "device_groups",
+    "gpu_memory_utilization",
 )
 #: What a worker's view of a stage adds (never written in a file).
 _DERIVED_STAGE_FIELDS = ("replica_devices", "replica_resources", "replica")

@@ -89,6 +89,15 @@ def _check_pipeline_values(cfg: PipelineConfig) -> None:
             f"must be a finite number of seconds ≥ 0, got {t!r}",
             "use a positive number of seconds (default 600), or 0 to disable the input deadline",
         )
+    share = cfg.gpu_memory_utilization
+    if not math.isfinite(share) or not 0.0 < share <= 1.0:
+        raise config_error(
+            src,
+            None,
+            "gpu_memory_utilization",
+            f"must be a share of the device's memory in (0, 1], got {share!r}",
+            "use e.g. 0.9 (the default)",
+        )
     if cfg.namespace is not None and not NAMESPACE_PATTERN.match(cfg.namespace):
         raise config_error(
             src,

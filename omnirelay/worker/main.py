@@ -32,6 +32,8 @@ from types import FrameType
 
 from omnirelay.engine.interfaces import StageEngineProtocol
 from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.models.runner.memory import DeviceBudget, activate
+from omnirelay.pipeline.groups import sizing_device
 from omnirelay.worker.loop import WorkerLoop
 from omnirelay.worker.messages import Goodbye, Hello, StartupFailed, ToFront
 from omnirelay.worker.processes import watch_parent
@@ -94,15 +96,23 @@ def worker_main(spec: WorkerSpec) -> None:
     engine: StageEngineProtocol | None = None
     is_clean = False
     try:
-        engine = _build_engine(spec, control, is_parent_alive)
+        budget = _device_budget((spec,))
+        with activate(budget):
+            engine = _build_engine(spec, control, is_parent_alive)
+        capacities = None
         if engine is not None:
+            capacities = _size_slots((spec,), [engine], [control], budget, is_parent_alive)
+            if capacities is None:  # told the front why
+                engine.shutdown()
+                engine = None
+        if engine is not None and capacities is not None:
             inbox = CommandInbox()
             loop = WorkerLoop(engine, inbox, send, spec)
             control.start_receiving(
                 inbox, wake=loop.wake, is_parent_alive=is_parent_alive, parent_check_s=spec.parent_check_s
             )
             stage = spec.pipeline.stages[spec.stage_id]
-            send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=stage.max_num_seqs))
+            send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=capacities[0]))
             loop.run()
             is_clean = True
     except _Stop:
@@ -147,14 +157,24 @@ def group_main(specs: tuple[WorkerSpec, ...]) -> None:
     controls = [WorkerControl(spec.paths, spec.worker_index) for spec in specs]
     engines: list[StageEngineProtocol] = []
     is_clean = False
+    is_sized = True
     try:
-        for spec, control in zip(specs, controls, strict=True):
-            before = _device_bytes()
-            engine = _build_engine(spec, control, is_parent_alive)
-            if engine is None:
-                raise _Stop()
-            engines.append(engine)
-            _say_built(spec, before, len(specs))
+        budget = _device_budget(specs)
+        with activate(budget):
+            for spec, control in zip(specs, controls, strict=True):
+                if budget is not None:
+                    stage = spec.pipeline.stages[spec.stage_id]
+                    budget.stage = (stage.label, stage.max_num_seqs)
+                before = _device_bytes()
+                engine = _build_engine(spec, control, is_parent_alive)
+                if engine is None:
+                    raise _Stop()
+                engines.append(engine)
+                _say_built(spec, before, len(specs))
+        capacities = _size_slots(specs, engines, controls, budget, is_parent_alive)
+        if capacities is None:
+            is_sized = False
+            raise _Stop()
         waker = GroupWaker()
         loops: list[WorkerLoop] = []
         for spec, control, engine in zip(specs, controls, engines, strict=True):
@@ -171,13 +191,13 @@ def group_main(specs: tuple[WorkerSpec, ...]) -> None:
                 is_parent_alive=is_parent_alive,
                 parent_check_s=spec.parent_check_s,
             )
-        for spec, loop in zip(specs, loops, strict=True):
+        for spec, loop, capacity in zip(specs, loops, capacities, strict=True):
             stage = spec.pipeline.stages[spec.stage_id]
-            loop.send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=stage.max_num_seqs))
+            loop.send(Hello(spec.stage_id, os.getpid(), replica=stage.replica, capacity=capacity))
         group.run()
         is_clean = True
     except _Stop:
-        is_clean = len(engines) == len(specs)
+        is_clean = is_sized and len(engines) == len(specs)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
@@ -195,6 +215,50 @@ def group_main(specs: tuple[WorkerSpec, ...]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if is_clean else 1)
+
+
+def _device_budget(specs: tuple[WorkerSpec, ...]) -> DeviceBudget | None:
+    """Where the process's stages size their KV slots from the device memory left
+    (:func:`omnirelay.pipeline.groups.sizing_device`); None: they keep fixed counts."""
+    pipeline = specs[0].pipeline
+    device = sizing_device(pipeline, tuple(spec.stage_id for spec in specs))
+    if device is None:
+        return None
+    budget = DeviceBudget(device, pipeline.gpu_memory_utilization)
+    stage = pipeline.stages[specs[0].stage_id]
+    budget.stage = (stage.label, stage.max_num_seqs)
+    return budget
+
+
+def _size_slots(
+    specs: tuple[WorkerSpec, ...],
+    engines: list[StageEngineProtocol],
+    controls: list[WorkerControl],
+    budget: DeviceBudget | None,
+    is_front_alive: Callable[[], bool],
+) -> list[int] | None:
+    """Build the runners that wait for the sizing (weights first, then every stage's KV,
+    then their graphs) and limit each stage to its slots; returns each stage's capacity,
+    or None after telling the front, for every stage, why it could not (not even one slot
+    fits, or the build failed)."""
+    capacities = [spec.pipeline.stages[spec.stage_id].max_num_seqs for spec in specs]
+    if budget is None or not budget.is_pending:
+        return capacities
+    try:
+        slots = budget.finish()
+    except Exception as exc:
+        detail = f"{exc}\n{traceback.format_exc()}"
+        for spec, control in zip(specs, controls, strict=True):
+            control.send(
+                StartupFailed(spec.stage_id, os.getpid(), detail), is_peer_alive=is_front_alive, timeout_s=5.0
+            )
+        return None
+    for index, (spec, engine) in enumerate(zip(specs, engines, strict=True)):
+        count = slots.get(spec.pipeline.stages[spec.stage_id].label)
+        limit = getattr(engine, "limit_slots", None)
+        if count is not None and callable(limit):
+            capacities[index] = int(limit(count))
+    return capacities
 
 
 def _device_bytes() -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnirelay.models.code2wav import Code2WavExecutor
-from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.loader import DEFAULT_SLOTS, Checkpoint, ModelArgs, open_checkpoint
 
 __all__ = ["create_code2wav", "open_code2wav"]
 
@@ -28,7 +28,7 @@ def open_code2wav(checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code
         checkpoint.load_code2wav(),
         cuda_graphs=graphs and checkpoint.device.type == "cuda",
         stateful=args.stateful if args is not None else True,
-        max_streams=args.max_num_seqs if args is not None else 64,
+        max_streams=args.num_slots if args is not None else DEFAULT_SLOTS,
     )
 
 

@@ -45,6 +45,7 @@ from omnirelay.models.hf import quiet_transformers
 from omnirelay.models.qwen3_omni.tiny import build_tiny
 
 __all__ = [
+    "DEFAULT_SLOTS",
     "LOAD_FORMATS",
     "MODEL_TYPE",
     "RUNNERS",
@@ -69,6 +70,8 @@ LOAD_FORMATS = ("auto", "dummy")
 #: ``transformers`` caches stacked per step (:mod:`omnirelay.models.kv`); ``static``: the
 #: slot KV cache and CUDA graphs of :mod:`omnirelay.models.runner`.
 RUNNERS = ("auto", "dynamic", "static")
+#: KV slots of a static runner whose ``max_num_seqs`` is not given and not sized from memory
+DEFAULT_SLOTS = 64
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 
 
@@ -84,7 +87,10 @@ class ModelArgs:
     a dummy model's weights.
 
     The static runner (``runner``: see :data:`RUNNERS`) holds KV for ``max_num_seqs``
-    requests of up to ``max_model_len`` tokens each, allocated at startup; with
+    requests of up to ``max_model_len`` tokens each, allocated at startup (not given: as
+    many as fit the memory the process's stages leave, capped by the stage's
+    ``max_num_seqs``, where the process sizes them — a device group, or a stage alone on
+    its device; elsewhere :data:`DEFAULT_SLOTS`; docs/design.md §12); with
     ``cuda_graphs`` its steps are captured as CUDA graphs at startup. ``compile``
     compiles the Talker frame's code-predictor tail with ``torch.compile`` before its
     graphs are captured (None, the default: on for the static runner on CUDA with CUDA
@@ -108,7 +114,9 @@ class ModelArgs:
     cuda_graphs: bool = True
     compile: bool | None = None
     stateful: bool = True
-    max_num_seqs: int = 64
+    #: KV slots; None (not given): sized from the device memory where the process sizes
+    #: them (:mod:`omnirelay.models.runner.memory`), else :data:`DEFAULT_SLOTS`
+    max_num_seqs: int | None = None
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
@@ -159,6 +167,8 @@ class ModelArgs:
             raise ConfigError(f"executor_args.compile must be true, false or null, got {self.compile!r}")
         for name, low in (("max_num_seqs", 1), ("max_model_len", 16)):
             value = getattr(self, name)
+            if name == "max_num_seqs" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"executor_args.{name} must be an int >= {low}, got {value!r}")
 
@@ -170,6 +180,11 @@ class ModelArgs:
         if unknown:
             raise ConfigError(f"unknown executor_args {unknown}; known keys: {sorted(known)}")
         return cls(**dict(args))
+
+    @property
+    def num_slots(self) -> int:
+        """``max_num_seqs``, or :data:`DEFAULT_SLOTS` where it is not given."""
+        return self.max_num_seqs if self.max_num_seqs is not None else DEFAULT_SLOTS
 
     @property
     def is_dummy(self) -> bool:

@@ -37,6 +37,7 @@ be recomputed (its Thinker input was consumed): that is an error, not a silent r
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,7 @@ from omnirelay.models.qwen3_omni.talker_input import (
 )
 from omnirelay.models.qwen3_omni.talker_text import TextConditioner
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
+from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
 from omnirelay.models.runner.predictor import use_compile_cache
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.stepping import guarded_step
@@ -147,6 +149,7 @@ class TalkerExecutor:
         static: Buckets | None = None,
         cuda_graphs: bool = True,
         compile: str | None = None,
+        sized: bool = False,
     ) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self.spec = spec
@@ -170,16 +173,46 @@ class TalkerExecutor:
         #: the static runner (None: the dynamic KVPool path)
         self.runner: TalkerRunner | None = None
         if static is not None:
+            self._provision(static, cuda_graphs=cuda_graphs, compile=compile, sized=sized)
+
+    def _provision(self, static: Buckets, *, cuda_graphs: bool, compile: str | None, sized: bool) -> None:
+        """The static runner for ``static``'s slots, or (``sized``) for the slots that fit
+        the memory the process's stages leave (:mod:`omnirelay.models.runner.memory`)."""
+
+        def build(num_slots: int) -> None:
             self.runner = TalkerRunner(
-                model,
-                codebook_size=spec.codebook_size,
-                codec_eos=spec.codec_eos_token_id,
-                num_code_groups=spec.num_code_groups,
-                buckets=static,
+                self.model,
+                codebook_size=self.spec.codebook_size,
+                codec_eos=self.spec.codec_eos_token_id,
+                num_code_groups=self.spec.num_code_groups,
+                buckets=dataclasses.replace(static, max_num_seqs=num_slots),
                 cuda_graphs=cuda_graphs,
                 compile=compile,
             )
+
+        def capture() -> None:
+            assert self.runner is not None
             self.runner.capture_graphs()
+
+        config = self._decoder.config
+        itemsize = self.dtype.itemsize
+        # per slot: its KV, its last frame's codec embedding, its first codes seen so far
+        slot = decoder_slot_bytes(config, static.max_model_len, itemsize)
+        slot += int(config.hidden_size) * itemsize + int(config.vocab_size)
+        provision(
+            device=self.device,
+            max_len=static.max_model_len,
+            given=None if sized else static.max_num_seqs,
+            default=static.max_num_seqs,
+            slot_bytes=slot,
+            fixed_bytes=slot
+            + decoder_reserve_bytes(
+                config, max_tokens=static.max_prefill_tokens, max_batch=static.max_batch, itemsize=itemsize
+            ),
+            weights_bytes=module_bytes(self.model),
+            build=build,
+            capture=capture,
+        )
 
     @classmethod
     def from_checkpoint(
@@ -190,7 +223,7 @@ class TalkerExecutor:
         static = None
         compile = None
         if args is not None and args.uses_static_runner():
-            static = Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+            static = Buckets(max_num_seqs=args.num_slots, max_model_len=args.max_model_len)
             if args.compiles():
                 use_compile_cache(cache_root())
                 compile = "inductor"
@@ -201,6 +234,7 @@ class TalkerExecutor:
             static=static,
             cuda_graphs=args.cuda_graphs if args is not None else False,
             compile=compile,
+            sized=args is not None and args.max_num_seqs is None,
         )
 
     @property

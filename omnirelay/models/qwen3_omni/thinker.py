@@ -50,6 +50,7 @@ that says so, and the server refuses it up front. Video input is not wired.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ from omnirelay.models.qwen3_omni.vision import (
     mrope_positions,
 )
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
+from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.stepping import guarded_step
 
@@ -107,6 +109,7 @@ class ThinkerExecutor:
         static: Buckets | None = None,
         cuda_graphs: bool = True,
         vision: VisionLayout | None = None,
+        sized: bool = False,
     ) -> None:
         self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
         self.tokenizer = tokenizer
@@ -148,15 +151,44 @@ class ThinkerExecutor:
         #: the static runner (None: the dynamic KVPool path)
         self.runner: ThinkerRunner | None = None
         if static is not None:
+            self._provision(static, cuda_graphs=cuda_graphs, sized=sized)
+
+    def _provision(self, static: Buckets, *, cuda_graphs: bool, sized: bool) -> None:
+        """The static runner for ``static``'s slots, or (``sized``, in a process that sizes
+        KV from memory: :mod:`omnirelay.models.runner.memory`) for the slots that fit,
+        built once every stage of the process has its weights."""
+
+        def build(num_slots: int) -> None:
             self.runner = ThinkerRunner(
                 self._text,
                 self._lm_head,
                 capture_layers=tuple(self._layers),
                 num_text_ids=self._num_text_ids,
-                buckets=static,
+                buckets=dataclasses.replace(static, max_num_seqs=num_slots),
                 cuda_graphs=cuda_graphs,
             )
+            self.runner.keep_hidden_on_device = self._out_device is not None
+
+        def capture() -> None:
+            assert self.runner is not None
             self.runner.capture_graphs()
+
+        config, itemsize = self._text.config, self._lm_head.weight.element_size()
+        slot = decoder_slot_bytes(config, static.max_model_len, itemsize)
+        provision(
+            device=self.device,
+            max_len=static.max_model_len,
+            given=None if sized else static.max_num_seqs,
+            default=static.max_num_seqs,
+            slot_bytes=slot,
+            fixed_bytes=slot
+            + decoder_reserve_bytes(
+                config, max_tokens=static.max_prefill_tokens, max_batch=static.max_batch, itemsize=itemsize
+            ),
+            weights_bytes=module_bytes(self.model),
+            build=build,
+            capture=capture,
+        )
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, args: ModelArgs | None = None) -> ThinkerExecutor:
@@ -184,6 +216,7 @@ class ThinkerExecutor:
             static=_static_buckets(args),
             cuda_graphs=args.cuda_graphs if args is not None else False,
             vision=layout_of_checkpoint(config, checkpoint.path),
+            sized=args is not None and args.max_num_seqs is None,
         )
 
     # ----------------------------------------------------------------- Executor
@@ -534,7 +567,7 @@ class ThinkerExecutor:
 def _static_buckets(args: ModelArgs | None) -> Buckets | None:
     if args is None or not args.uses_static_runner():
         return None
-    return Buckets(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    return Buckets(max_num_seqs=args.num_slots, max_model_len=args.max_model_len)
 
 
 def create_thinker(**executor_args: Any) -> ThinkerExecutor:
