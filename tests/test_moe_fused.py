@@ -81,27 +81,34 @@ def _route(block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
-def _compare(block: Any, x: torch.Tensor, dtype: torch.dtype) -> float:
-    """Max |fused - float32 eager| over max |eager|, both from the same routing."""
+def _compare(block: Any, x: torch.Tensor, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> float:
+    """Max |fused - float32 eager| over max |eager|, both from the same routing; the
+    module's call must reach the kernels (not a fallback)."""
+    calls = []
+    fused = moe.fused_experts
+    monkeypatch.setattr(moe, "fused_experts", lambda *a: calls.append(1) or fused(*a))
     ids, weights = _route(block, x)
     want = block.experts(x, ids, weights)  # transformers' eager loop, float32
     half = copy.deepcopy(block.experts).to(dtype)
     assert moe.fused_experts_enabled(dtype)
     with experts_implementation([half], moe.FUSED_EXPERTS):
         got = half(x.to(dtype), ids, weights.to(dtype))
+    assert calls == [1]
     assert got.dtype == dtype and got.shape == want.shape
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
 @needs_triton
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_interpreted_fused_experts_match_the_models_experts(interpreted: Any, tokens: int) -> None:
+def test_interpreted_fused_experts_match_the_models_experts(
+    interpreted: Any, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """1 token (one block per expert), 5 and 70 (pairs in more than one chunk of 256 for
     70 x 4, runs of several blocks); hidden and intermediate not multiples of a tile."""
     block = _block(16, 4, 96, 40)
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens))
     with torch.no_grad():
-        assert _compare(block, x, torch.float16) < 2e-3
+        assert _compare(block, x, torch.float16, monkeypatch) < 2e-3
 
 
 @needs_triton
@@ -114,7 +121,7 @@ def test_interpreted_prefill_tiles_and_the_talkers_experts(
     block = _block(8, 2, 64, 48, talker=True)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert _compare(block, x, torch.float16) < 2e-3
+        assert _compare(block, x, torch.float16, monkeypatch) < 2e-3
 
 
 @needs_triton
