@@ -11,9 +11,11 @@ launch brings back the greedy ids and those hidden rows; rows that sample (tempe
 (:func:`omnirelay.models.sampling.sample_rows`), so a request draws the same tokens in
 any batch.
 
-Experts implementation per phase: ``batched_mm`` for a decode of one row, ``grouped_mm``
-for everything else (``batched_mm`` copies every selected expert's weights per token); the
-timings that chose it are in docs/performance.md, "Figures behind choices in the code".
+Experts implementation: in half precision where ``triton`` is, the fused Triton path
+(:mod:`~omnirelay.models.runner.moe`); otherwise per phase ``batched_mm`` for a decode of
+one row, ``grouped_mm`` for everything else (``batched_mm`` copies every selected
+expert's weights per token); the timings that chose it are in docs/performance.md,
+"Figures behind choices in the code".
 """
 
 from __future__ import annotations
