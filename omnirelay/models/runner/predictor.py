@@ -5,13 +5,17 @@ samples the first, then the code predictor (a small transformer over a per-frame
 samples one codebook per pass. Eagerly that is ~6,000 small kernels a frame. This module
 lays the tail out so it compiles into few, fused kernels:
 
-* **one pass per position**, always one token: the Talker's hidden state at position 0,
-  then each sampled codebook's embedding at the next position — ``Q`` passes of the same
-  shape over a fixed ``Q``-position cache, attention masked to the positions filled so
-  far. Every pass is one call of the same function (:meth:`CodePredictor._pass`), and
-  every sampling step one call of another (:meth:`CodePredictor._head`): position,
-  mask and weights are tensor arguments, not Python values, so ``torch.compile`` makes
-  one graph of each per batch size instead of one per position and layer;
+* **an opening pass of two tokens, then one pass per position**: the codec head samples
+  the first codebook from the Talker's hidden state, then one pass
+  (:meth:`CodePredictor._opening`) takes that hidden state and the first codebook's
+  embedding at positions 0 and 1 (causal, as the reference's own first call does), and
+  each later pass one token, the last sampled codebook's embedding — ``Q − 2`` passes
+  of the same shape over a fixed ``Q``-position cache, attention masked to the positions
+  filled so far. Every such pass is one call of the same function
+  (:meth:`CodePredictor._pass`), and every residual codebook's sampling one call of
+  another (:meth:`CodePredictor._residual_head`): position, mask and weights are tensor
+  arguments, not Python values, so ``torch.compile`` makes one graph of each per batch
+  size instead of one per position and layer;
 * **functional inside, one write outside**: a pass reads the cache and returns the new
   keys and values of all layers in one tensor; one copy stores them at the pass's
   position.
@@ -29,9 +33,12 @@ compiled tail samples the same codes as the eager one only up to ties: equivalen
 judged on logits within tolerance.
 
 Sampling is :func:`~omnirelay.models.runner.sampler.sample` with the request's
-parameters for the first codebook and the model family's for the others
-(:class:`ResidualSampling`: Qwen3-Omni's reference uses temperature 1, top-k 50, top-p 0.8;
-Qwen3-TTS's 0.9, 50, 1.0), each with the uniform number drawn for it on the host. The
+parameters for the first codebook and
+:func:`~omnirelay.models.runner.sampler.sample_top_k` with the model family's for the
+others (:class:`ResidualSampling`: Qwen3-Omni's reference uses temperature 1, top-k 50,
+top-p 0.8; Qwen3-TTS's 0.9, 50, 1.0) — one ``torch.topk`` of a few dozen ids per
+codebook instead of a sort of the whole vocabulary — each with the uniform number drawn
+for it on the host. The
 first codebook's logits may carry a per-row repetition penalty over the codes the
 request already produced (``seen``: one flag per vocabulary id, divided when positive,
 multiplied when negative — the ``transformers`` rule) and a per-row bias (the codec
@@ -40,6 +47,13 @@ penalty 1 and no block they leave the logits exactly as they were.
 
 A family whose code predictor is narrower than its Talker projects each pass's input
 first (``projection``: Qwen3-TTS 1.7B's ``small_to_mtp_projection``).
+
+Three environment switches, read when the predictor is built, let one run compare the
+tail's variants on a GPU: ``OMNIRELAY_TAIL_SORT=1`` samples the residual codebooks with
+:func:`~omnirelay.models.runner.sampler.sample` (a full sort each, the former way);
+``OMNIRELAY_TAIL_SDPA=1`` attends with one ``scaled_dot_product_attention`` per layer
+instead of two matmuls around a softmax; ``OMNIRELAY_TAIL_AUTOTUNE=1`` compiles with
+inductor's ``max-autotune-no-cudagraphs`` mode (its own matmul kernels, longer compiles).
 """
 
 from __future__ import annotations
@@ -57,12 +71,15 @@ import torch.nn.functional as F
 
 from omnirelay.models.runner.decoder import grouped_attention
 from omnirelay.models.runner.fused import attention_inputs, fuse_projections, run_mlp, run_norm
-from omnirelay.models.runner.sampler import sample
+from omnirelay.models.runner.sampler import sample, sample_top_k
 
 __all__ = [
+    "AUTOTUNE_ENV",
     "DEFAULT_RESIDUAL",
     "PREDICTOR_TOP_K",
     "PREDICTOR_TOP_P",
+    "SDPA_ENV",
+    "SORT_ENV",
     "CodePredictor",
     "ResidualSampling",
     "keyed_compile_cache",
@@ -72,6 +89,12 @@ __all__ = [
 #: The code predictor's sampling when the request samples (the reference's values).
 PREDICTOR_TOP_K = 50
 PREDICTOR_TOP_P = 0.8
+#: "1": residual codebooks sampled with a sort of the whole vocabulary (the former way)
+SORT_ENV = "OMNIRELAY_TAIL_SORT"
+#: "1": one ``scaled_dot_product_attention`` per layer
+SDPA_ENV = "OMNIRELAY_TAIL_SDPA"
+#: "1": inductor's ``max-autotune-no-cudagraphs`` mode
+AUTOTUNE_ENV = "OMNIRELAY_TAIL_AUTOTUNE"
 #: Compiled graphs kept per function: one per batch bucket, with room to spare.
 _RECOMPILE_LIMIT = 64
 
@@ -140,6 +163,17 @@ def _rotary() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return fn
 
 
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "") == "1"
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`grouped_attention` as one ``scaled_dot_product_attention``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 class CodePredictor:
     """``__call__(last, b) -> codes [b, Q]`` for the first ``b`` rows of the runner's
     sampling buffers; see the module docstring."""
@@ -181,6 +215,11 @@ class CodePredictor:
         self._sin = [sin[:, p : p + 1].clone() for p in range(self.q)]
         self._mask = [(positions <= p).view(1, 1, 1, self.q).clone() for p in range(self.q)]
         self._slot = [(positions == p).view(1, 1, self.q, 1).clone() for p in range(self.q)]
+        # the opening pass: positions 0 and 1, each attending to itself and those before
+        self._opening_rotary = (cos[:, :2].clone(), sin[:, :2].clone())
+        self._causal = torch.ones((2, 2), dtype=torch.bool, device=self.device).tril().view(1, 1, 2, 2)
+        self._attention = _sdpa if _switch(SDPA_ENV) else grouped_attention
+        self._sort = _switch(SORT_ENV)
         self._first = (talker.codec_head.weight, codec_bias, weight)
         vocab = int(config.vocab_size)
         no_bias = torch.zeros(vocab, device=self.device)
@@ -193,20 +232,26 @@ class CodePredictor:
         self.compile_cache: Path | None = None
         if compile == "inductor":
             self.compile_cache = keyed_compile_cache(config, self.device, self.dtype)
+        self.opening_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._opening
         self.pass_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._pass
         self.head_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._head
         self.first_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._first_head
+        self.residual_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._residual_head
         if compile is not None:
-            from torch import _dynamo
+            self._compile_bodies(compile)
 
-            dynamo_config: Any = _dynamo.config
-            dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
-            # dynamic=None: the first batch size compiles static, the next one turns the batch
-            # dimension symbolic, and every later size reuses that graph (about five
-            # compiles for a whole set of buckets instead of three per bucket).
-            self.pass_fn = torch.compile(self._pass, backend=compile, fullgraph=True)
-            self.head_fn = torch.compile(self._head, backend=compile, fullgraph=True)
-            self.first_fn = torch.compile(self._first_head, backend=compile, fullgraph=True)
+    def _compile_bodies(self, backend: str) -> None:
+        from torch import _dynamo
+
+        dynamo_config: Any = _dynamo.config
+        dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
+        mode = "max-autotune-no-cudagraphs" if backend == "inductor" and _switch(AUTOTUNE_ENV) else None
+        # dynamic=None: the first batch size compiles static, the next one turns the batch
+        # dimension symbolic, and every later size reuses that graph (about two compiles
+        # of each body for a whole set of buckets instead of one per bucket).
+        for name in ("opening_fn", "pass_fn", "head_fn", "first_fn", "residual_fn"):
+            body = getattr(self, name)
+            setattr(self, name, torch.compile(body, backend=backend, fullgraph=True, mode=mode))
 
     def finish_compiling(self) -> None:
         """Every graph is compiled (and captured): stop inductor's pool of compile worker
@@ -218,6 +263,46 @@ class CodePredictor:
 
     # ----------------------------------------------------------------- the two bodies
 
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: torch.Tensor,
+        cache: torch.Tensor | None,
+        slot: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [b, T, H]`` through every layer, attending where ``allowed [b, 1, T, L]``:
+        to the pass's own keys and values (``cache`` None, ``L = T``) or to the cache with
+        this position's (``slot``) taken from the pass. Returns the last token's normed
+        hidden state ``[b, H]`` and the new keys and values ``[layers, 2, b, kv_heads, T,
+        head_dim]``."""
+        b, t = x.shape[0], x.shape[1]
+        rotate = self._rotate
+        h = x if self.projection is None else self.projection(x)
+        new = []
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            y = run_norm(layer.input_layernorm, h)
+            q, k, v = attention_inputs(attn, y, cos, sin, rotate)
+            keys, values = k, v
+            if cache is not None and slot is not None:
+                keys = torch.where(slot, k, cache[li, 0])
+                values = torch.where(slot, v, cache[li, 1])
+            out = self._attention(q, keys, values, allowed, attn.scaling)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            h = h + run_mlp(layer.mlp, run_norm(layer.post_attention_layernorm, h))
+            new.append(torch.stack([k, v]))
+        return run_norm(self.model.norm, h)[:, -1], torch.stack(new)
+
+    def _opening(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0 and 1 (``x [b, 2, H]``: the Talker's hidden state, the first
+        codebook's embedding), causal over themselves: see :meth:`_layers`."""
+        b = x.shape[0]
+        return self._layers(x, cos, sin, causal.expand(b, 1, 2, 2), None, None)
+
     def _pass(
         self,
         x: torch.Tensor,
@@ -227,26 +312,28 @@ class CodePredictor:
         mask: torch.Tensor,
         slot: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row (``x [b, 1, H]``) through every layer, attending to the
-        cache's positions up to this one (``mask``), this position's keys and values
-        taken from the pass itself (``slot``). Returns the normed hidden state ``[b, H]``
-        and the new keys and values ``[layers, 2, b, kv_heads, 1, head_dim]``."""
+        """One token per row (``x [b, 1, H]``) attending to the cache's positions up to
+        this one (``mask``), this position's keys and values taken from the pass itself
+        (``slot``): see :meth:`_layers`."""
         b = x.shape[0]
-        rotate = self._rotate
-        h = x if self.projection is None else self.projection(x)
-        new = []
-        allowed = mask.expand(b, 1, 1, mask.shape[-1])
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            y = run_norm(layer.input_layernorm, h)
-            q, k, v = attention_inputs(attn, y, cos, sin, rotate)
-            keys = torch.where(slot, k, cache[li, 0])
-            values = torch.where(slot, v, cache[li, 1])
-            out = grouped_attention(q, keys, values, allowed, attn.scaling)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, 1, -1))
-            h = h + run_mlp(layer.mlp, run_norm(layer.post_attention_layernorm, h))
-            new.append(torch.stack([k, v]))
-        return run_norm(self.model.norm, h)[:, -1], torch.stack(new)
+        return self._layers(x, cos, sin, mask.expand(b, 1, 1, mask.shape[-1]), cache, slot)
+
+    def _residual_head(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        embedding: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+        total: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_head` of a residual codebook: no bias, the family's top-k for every
+        row, sampled without a sort of the whole vocabulary."""
+        logits = F.linear(h, weight)
+        token = sample_top_k(logits, temperature, self.residual.top_k, top_p, uniform)
+        embed = F.embedding(token, embedding)
+        return token, embed.unsqueeze(1), total + embed
 
     @staticmethod
     def _head(
@@ -344,16 +431,22 @@ class CodePredictor:
         pred_temperature = torch.where(temperature > 0, residual.temperature, 0.0)
         pred_top_k = torch.full_like(top_k, residual.top_k)
         pred_top_p = torch.full_like(top_p, residual.top_p)
-        inputs = last.unsqueeze(1)
-        for p in range(self.q):
-            h, new = self.pass_fn(inputs, cache, self._cos[p], self._sin[p], self._mask[p], self._slot[p])
-            cache[..., p : p + 1, :].copy_(new)
-            if p == 0:
-                inputs = x  # the first codebook's embedding comes next
-                continue
+        h, new = self.opening_fn(
+            torch.cat([last.unsqueeze(1), x], dim=1), *self._opening_rotary, self._causal
+        )
+        cache[..., :2, :].copy_(new)
+        for p in range(1, self.q):
+            if p > 1:
+                h, new = self.pass_fn(x, cache, self._cos[p], self._sin[p], self._mask[p], self._slot[p])
+                cache[..., p : p + 1, :].copy_(new)
             weight, bias, embedding = self._groups[p - 1]
-            token, inputs, total = self.head_fn(
-                h, weight, bias, embedding, pred_temperature, pred_top_k, pred_top_p, uniform[:, p], total
-            )
+            if self._sort:
+                token, x, total = self.head_fn(
+                    h, weight, bias, embedding, pred_temperature, pred_top_k, pred_top_p, uniform[:, p], total
+                )
+            else:
+                token, x, total = self.residual_fn(
+                    h, weight, embedding, pred_temperature, pred_top_p, uniform[:, p], total
+                )
             codes.append(token)
         return torch.stack(codes, dim=1), total
