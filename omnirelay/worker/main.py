@@ -271,7 +271,8 @@ def _device_bytes() -> int | None:
 
 def _say_built(spec: WorkerSpec, before: int | None, size: int) -> None:
     """One startup line per stage of a group: what its build took of the shared device
-    memory (weights, KV slots, graph pools together)."""
+    memory (weights, KV slots, graph pools together; only the weights where its KV is
+    sized from the memory left, whose own line follows once every stage is built)."""
     after = _device_bytes()
     if after is None:
         return
@@ -279,7 +280,7 @@ def _say_built(spec: WorkerSpec, before: int | None, size: int) -> None:
     stage = spec.pipeline.stages[spec.stage_id]
     print(
         f"omnirelay: {stage.label} built in process {os.getpid()} ({size} stages): "
-        f"{took / 2**30:.2f} GiB of device memory (weights, KV slots, graph pools), "
+        f"{took / 2**30:.2f} GiB of device memory (weights, and KV slots and graph pools unless sized below), "
         f"{after / 2**30:.2f} GiB for the process so far",
         file=sys.stderr,
         flush=True,
