@@ -98,6 +98,23 @@ def test_a_released_slot_starts_the_next_stream_from_silence(model: object) -> N
     assert float((got - whole(model, second)).abs().max()) < TOL
 
 
+def test_a_stream_keeps_its_state_when_one_in_a_lower_slot_leaves(model: object) -> None:
+    """The slot table keeps its holders packed: when ``x`` (slot 0) leaves, ``y`` moves
+    from slot 1 into slot 0, and its state must move with it."""
+    voc = StreamingVocoder(model, max_streams=2, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(5)
+    x, y, z = (torch.randint(0, 2048, (Q, 6), generator=gen) for _ in range(3))
+    with torch.inference_mode():
+        _, first = voc.decode([StreamRow("x", x[:, :3]), StreamRow("y", y[:, :3])])
+        _, second = voc.decode([StreamRow("x", x[:, 3:]), StreamRow("y", y[:, 3:4])])
+        assert voc.slots.slot("y") == 1
+        voc.release("x")
+        assert voc.slots.slot("y") == 0  # moved down into the freed slot
+        _, rest = voc.decode([StreamRow("z", z[:, :2]), StreamRow("y", y[:, 4:])])
+    got = torch.cat([first, second, rest])
+    assert float((got - whole(model, y)).abs().max()) < TOL
+
+
 def test_a_step_refuses_a_stream_twice_and_a_stream_too_many() -> None:
     model = Checkpoint.open(tiny_dir()).load_code2wav()
     voc = StreamingVocoder(model, max_streams=1, cuda_graphs=False)

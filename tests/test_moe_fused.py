@@ -143,6 +143,65 @@ def test_interpreted_placement_is_stable_and_padded_per_expert(interpreted: Any)
     assert order.tolist()[:20] == [3, -1, -1, -1, 1, 5, 8, -1, 0, 2, 6, -1, 4, -1, -1, -1, 7, -1, -1, -1]
 
 
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_interpreted_routing_in_one_program_matches_the_models_router(interpreted: Any, tokens: int) -> None:
+    """:func:`route_place` picks the router's experts in its order with its renormalized
+    weights (float32 logits; weights within 1e-6), and places the pairs token-major."""
+    block = _block(16, 4, 96, 40)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, want_w, want_ids = block.gate(x)
+    ids = torch.empty((tokens, 4), dtype=torch.int64)
+    weights = torch.empty((tokens, 4), dtype=torch.float32)
+    order = torch.full((moe._blocks(tokens * 4, 16, moe._tiles(tokens * 4)) * 16,), -1, dtype=torch.int32)
+    meta = torch.empty((3, 16), dtype=torch.int32)
+    interpreted.route_place[(1,)](
+        logits,
+        ids,
+        weights,
+        order,
+        meta,
+        tokens,
+        16,
+        TOP_K=4,
+        NORM=True,
+        BM=16,
+        BLOCK_T=moe._pow2(tokens),
+        BLOCK_E=16,
+    )
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_w, rtol=0, atol=1e-6)
+    counts = torch.bincount(want_ids.reshape(-1), minlength=16)
+    assert meta[1].tolist() == counts.tolist()
+    for expert in range(16):
+        start = int(meta[0, expert])
+        run = order[start : start + int(counts[expert])].tolist()
+        assert run == (want_ids.reshape(-1) == expert).nonzero().reshape(-1).tolist()
+
+
+@needs_triton
+def test_interpreted_fused_block_matches_the_models_block(interpreted: Any) -> None:
+    """A whole MoE block (router included) in float16 against the model's block on the
+    float16 router's picks with float32 experts, same tolerance as above; a hook on the
+    router turns the block path off (the hook must see the model's routing)."""
+    block = _block(16, 4, 96, 40)
+    half = copy.deepcopy(block).half()
+    x = torch.randn(1, 9, 96, generator=torch.Generator().manual_seed(4)).half()
+    assert moe.fused_experts_enabled(torch.float16)
+    with torch.no_grad():
+        _, weights, ids = half.gate(x.view(-1, 96))
+        want = block.experts(x.view(-1, 96).float(), ids, weights.float())
+        with experts_implementation([half.experts], moe.FUSED_EXPERTS):
+            got = moe.fused_moe_block(half, x)
+            handle = half.gate.register_forward_hook(lambda *a: None)
+            assert moe.fused_moe_block(half, x) is None
+            handle.remove()
+        assert moe.fused_moe_block(half, x) is None  # the experts' own implementation: as is
+    assert got is not None and got.shape == x.shape
+    assert float((got.view(-1, 96).float() - want).abs().max() / want.abs().max()) < 2e-3
+
+
 def test_the_path_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from omnirelay.models.runner.thinker import experts_for
 

@@ -197,7 +197,14 @@ class Code2WavExecutor:
 
     def release(self, internal_id: str) -> None:
         """Free the stream's decoder state (idempotent; nothing when decoding by windows)."""
-        if self.vocoder is not None:
+        if self.vocoder is None:
+            return
+        if self._stream is None:
+            self.vocoder.release(internal_id)
+            return
+        # Another stream's state may move into the freed slot: on the decode stream, after
+        # the steps launched there and before the next.
+        with torch.cuda.stream(self._stream):
             self.vocoder.release(internal_id)
 
     def num_live_requests(self) -> int:

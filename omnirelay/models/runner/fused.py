@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omnirelay.models.runner.moe import fused_moe_block
+
 __all__ = ["attention_inputs", "fuse_projections", "project_qkv", "run_mlp", "run_norm"]
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -148,10 +150,13 @@ def project_qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def run_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-    """``mlp(x)``: a fused dense MLP as ``down(act(gate) · up)``, anything else as is."""
+    """``mlp(x)``: a fused dense MLP as ``down(act(gate) · up)``, an MoE block through
+    :func:`~omnirelay.models.runner.moe.fused_moe_block` where that applies, anything
+    else as is."""
     weight = getattr(mlp, "omnirelay_gate_up_weight", None)
     if weight is None:
-        out: torch.Tensor = mlp(x)
+        fused = fused_moe_block(mlp, x)  # an MoE block while its experts run fused
+        out: torch.Tensor = mlp(x) if fused is None else fused
         return out
     gate, up = F.linear(x, weight, mlp.omnirelay_gate_up_bias).split(mlp.omnirelay_gate_up_sizes, dim=-1)
     out = mlp.down_proj(mlp.omnirelay_act(gate) * up)

@@ -15,8 +15,10 @@ experts module of the usual layout (``gate_up_proj [E, 2I, H]``, gate rows first
    at the pair's own index;
 5. the top-k sum of each token's rows (float32 accumulation, one rounding).
 
-The routing (softmax, top-k, renormalization) is the model's own router, unchanged. No
-step reads a value back to the host and every buffer has a size fixed by the token count,
+Steps 1 and 2 take the model's routing (its router's softmax, top-k and renormalization)
+as given. For a whole MoE block of a decode's few tokens, :func:`fused_moe_block` also
+takes the routing in: the router's matmul, then softmax, top-k, renormalization and
+placement in one program, so the block is six launches in all. No step reads a value back to the host and every buffer has a size fixed by the token count,
 so the path records into a CUDA graph. Block sizes are fixed per pair count (decode's few
 rows: thin blocks that spread the weight reads over many programs; a prefill's thousands:
 square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
@@ -34,14 +36,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["FUSED_EXPERTS", "fused_experts", "fused_experts_enabled"]
+__all__ = ["FUSED_EXPERTS", "ROUTED_TOKENS", "fused_experts", "fused_experts_enabled", "fused_moe_block"]
 
 #: The name the path is registered under in ``transformers``' experts interface.
 FUSED_EXPERTS = "omnirelay_fused"
 
-#: Pairs per program of the two routing kernels.
+#: Pairs per program of the two placement kernels.
 _CHUNK = 256
+
+#: Most tokens :func:`fused_moe_block` routes in one program (a decode's rows).
+ROUTED_TOKENS = 64
 
 _registered = False
 
@@ -142,30 +148,110 @@ def fused_experts(
     """``sum_k w[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = top_k_index[t, k]``;
     ``x [N, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``top_k_* [N, K]``."""
     kernels = _kernels()
-    n, h = x.shape
-    k = top_k_index.shape[-1]
-    e, two_i, _ = gate_up.shape
-    inter = two_i // 2
+    n, k = x.shape[0], top_k_index.shape[-1]
+    e = gate_up.shape[0]
     pairs = n * k
     if pairs == 0:
         return torch.zeros_like(x)
-    x = x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
     ids = top_k_index.reshape(-1).contiguous()
-    weights = top_k_weights.reshape(-1).contiguous()
     tiles = _tiles(pairs)
-    block_e = max(16, 1 << (e - 1).bit_length())
+    block_e = _pow2(e)
     chunks = -(-pairs // _CHUNK)
-    blocks = -(-pairs // tiles.bm) + min(e, pairs)  # runs padded to BM: at most this many blocks
-    dev = x.device
-    partial = torch.empty((chunks, e), dtype=torch.int32, device=dev)
-    meta = torch.empty((3, e), dtype=torch.int32, device=dev)
-    order = torch.empty(blocks * tiles.bm, dtype=torch.int32, device=dev)
+    order, meta = _placement(pairs, e, tiles, x.device)
+    partial = torch.empty((chunks, e), dtype=torch.int32, device=x.device)
     kernels.count_pairs[(chunks,)](ids, partial, pairs, e, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8)
     kernels.place_pairs[(chunks,)](
         ids, partial, order, meta, pairs, e, chunks, BM=tiles.bm, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8
     )
-    hidden = torch.empty((blocks * tiles.bm, inter), dtype=x.dtype, device=dev)
+    weights = top_k_weights.reshape(-1).contiguous()
+    return _grouped(x, gate_up, down, k, weights, order, meta, tiles)
+
+
+def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
+    """``block(hidden)`` for a router + experts MoE block (no shared expert) of at most
+    :data:`ROUTED_TOKENS` tokens while its experts run the fused path: the router's
+    logits (one matmul), then routing and placement in one program
+    (:func:`~omnirelay.models.runner.moe_kernels.route_place`) instead of the router's
+    softmax, top-k, sum and division and the two placement launches. None where that does
+    not apply (the caller runs the block as is), also while a hook observes the router or
+    the experts, so what they see is the model's own routing."""
+    experts: Any = getattr(block, "experts", None)
+    gate: Any = getattr(block, "gate", None)
+    config = getattr(experts, "config", None)
+    if config is None or getattr(config, "_experts_implementation", None) != FUSED_EXPERTS:
+        return None
+    if getattr(block, "shared_expert", None) is not None or gate is None:
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, experts)):
+        return None
+    router = getattr(gate, "weight", None)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    n = x.shape[0]
+    if not (0 < n <= ROUTED_TOKENS) or not isinstance(router, torch.Tensor) or not _supported(experts, x):
+        return None
+    k, e = int(gate.top_k), int(experts.gate_up_proj.shape[0])
+    logits = F.linear(x, router)
+    ids = torch.empty((n, k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((n, k), dtype=x.dtype, device=x.device)
+    tiles = _tiles(n * k)
+    order, meta = _placement(n * k, e, tiles, x.device)
+    _kernels().route_place[(1,)](
+        logits,
+        ids,
+        weights,
+        order,
+        meta,
+        n,
+        e,
+        TOP_K=k,
+        NORM=bool(gate.norm_topk_prob),
+        BM=tiles.bm,
+        BLOCK_T=_pow2(n),
+        BLOCK_E=_pow2(e),
+        num_warps=8,
+    )
+    out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
+    return out.view_as(hidden)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _placement(
+    pairs: int, experts: int, tiles: _Tiles, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair index per position, meta ``[3, E]``: run starts, pair counts, run ends);
+    positions for the most blocks ``pairs`` can fill, runs padded to ``BM``."""
+    blocks = _blocks(pairs, experts, tiles)
+    order = torch.empty(blocks * tiles.bm, dtype=torch.int32, device=device)
+    meta = torch.empty((3, experts), dtype=torch.int32, device=device)
+    return order, meta
+
+
+def _blocks(pairs: int, experts: int, tiles: _Tiles) -> int:
+    return -(-pairs // tiles.bm) + min(experts, pairs)
+
+
+def _grouped(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    k: int,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+    meta: torch.Tensor,
+    tiles: _Tiles,
+) -> torch.Tensor:
+    """The two grouped GEMMs over placed pairs and the top-k sum."""
+    kernels = _kernels()
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    n, h = x.shape
+    e, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    blocks = _blocks(n * k, e, tiles)
+    block_e = _pow2(e)
+    hidden = torch.empty((blocks * tiles.bm, inter), dtype=x.dtype, device=x.device)
     kernels.gate_up_silu[(blocks, -(-inter // tiles.bn_up))](
         x,
         gate_up,
@@ -183,7 +269,7 @@ def fused_experts(
         num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
-    rows = torch.empty((pairs, h), dtype=x.dtype, device=dev)
+    rows = torch.empty((n * k, h), dtype=x.dtype, device=x.device)
     kernels.down_weighted[(blocks, -(-h // tiles.bn_down))](
         hidden,
         down,

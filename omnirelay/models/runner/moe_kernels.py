@@ -8,6 +8,8 @@ interpreter). Shapes: ``S = tokens x top_k`` token-expert pairs, ``E`` experts, 
 * :func:`count_pairs` — pairs per expert of each chunk of ``CHUNK`` pairs.
 * :func:`place_pairs` — each expert's padded run (a multiple of ``BM`` rows) and each
   pair's position in it; stable (pairs keep their order inside an expert), no atomics.
+* :func:`route_place` — for a decode's few tokens, the router's softmax, top-k and
+  renormalization and both steps above, in one program.
 * :func:`gate_up_silu` — per block of ``BM`` positions (one expert), ``silu(x W_gate^T) ·
   (x W_up^T)`` for a ``BN`` slice of ``I``.
 * :func:`down_weighted` — per block, ``h W_down^T`` times the pair's routing weight,
@@ -71,6 +73,64 @@ def place_pairs(
     rank = tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1) - 1
     base = tl.sum(onehot * (starts + before)[None, :], axis=1)
     tl.store(sorted_ptr + base + rank, offs, mask=valid)
+
+
+@triton.jit
+def route_place(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    sorted_ptr,
+    meta_ptr,
+    M,
+    E,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Routing and placement of up to ``BLOCK_T`` tokens in one program: softmax over
+    the router logits (float32), the top-k (largest first, the lower expert on a tie),
+    renormalized when ``NORM``, each token's pairs in ``ids``/``weights`` at ``t·K + j``,
+    and the pairs placed per expert as :func:`place_pairs` does."""
+    t = tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    tok_ok = t < M
+    e_ok = e[None, :] < E
+    x = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=tok_ok[:, None] & e_ok, other=0.0)
+    x = tl.where(e_ok, x.to(tl.float32), float("-inf"))
+    x = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = x / tl.sum(x, axis=1)[:, None]
+    remaining = tl.where(e_ok, p, -1.0)
+    slot = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)  # j + 1 where expert e is pick j
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        pick = tl.min(tl.where(remaining == best[:, None], e[None, :], BLOCK_E), axis=1)
+        hit = e[None, :] == pick[:, None]
+        slot = tl.where(hit, j + 1, slot)
+        total += best
+        remaining = tl.where(hit, -1.0, remaining)
+    if NORM:
+        p = p / total[:, None]
+    chosen = (slot > 0) & tok_ok[:, None]
+    pair = t[:, None] * TOP_K + slot - 1
+    tl.store(ids_ptr + pair, (e[None, :] + tl.zeros_like(slot)).to(ids_ptr.dtype.element_ty), mask=chosen)
+    tl.store(weights_ptr + pair, p.to(weights_ptr.dtype.element_ty), mask=chosen)
+    picked = chosen.to(tl.int32)
+    totals = tl.sum(picked, axis=0)
+    padded = (totals + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    live = e < E
+    tl.store(meta_ptr + e, starts, mask=live)
+    tl.store(meta_ptr + E + e, totals, mask=live)
+    tl.store(meta_ptr + 2 * E + e, ends, mask=live)
+    # a token holds an expert at most once: its rank in the expert's run is the count of
+    # earlier tokens that picked it, so pairs keep their order (token-major)
+    rank = tl.cumsum(picked, axis=0) - picked
+    tl.store(sorted_ptr + starts[None, :] + rank, pair, mask=chosen)
 
 
 @triton.jit

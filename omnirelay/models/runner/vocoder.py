@@ -109,6 +109,7 @@ class StreamingVocoder:
         self.q = int(config.num_quantizers)
         self.upsample = int(model.total_upsample)
         self.slots = SlotTable(max_streams, _MAX_FRAMES)
+        self.slots.on_move = self._move  # a leaving stream's slot takes the top holder's state
         self.batch_sizes = tuple(b for b in batch_sizes if b <= max_streams) or (1,)
         self.frames = frames
         self._rotate = _rotary_fn()
@@ -357,8 +358,18 @@ class StreamingVocoder:
         print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
 
     def release(self, rid: str) -> None:
-        """Forget the stream's state (idempotent); its slot is free for another."""
+        """Forget the stream's state (idempotent); its slot is free for another. The table
+        keeps its holders packed from slot 0, so the stream in the highest slot may move
+        into the freed one: its state moves with it (copies enqueued on the current
+        stream, after any step launched on it)."""
         self.slots.release(rid)
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        del length  # the state is a fixed window whatever the stream's length
+        for buffer in (self._keys, self._values):
+            buffer[:, dst].copy_(buffer[:, src])
+        for state in self._states:
+            state[dst].copy_(state[src])
 
     def decode(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
         """One step: each row's new frames decoded with its stream's state → its new
