@@ -7,9 +7,12 @@
   output within 2e-3 x the output's largest magnitude (a few float16 roundings of the
   two products; a misrouted pair or a wrong weight is off by the order of the output).
   The pairs' placement per expert is checked exactly.
+  The one-program routing picks the router's experts and weights; a whole block
+  (router included) matches the model's block.
 * GPU: the real Thinker dims (128 experts, top-8, hidden 2048, intermediate 768) in
-  bfloat16 against float32, replayed from a CUDA graph, and the tiny Thinker runner's
-  greedy ids with the fused path against ``transformers``' ``grouped_mm``.
+  bfloat16 against float32, the experts alone and the whole block, each replayed from a
+  CUDA graph, and the tiny Thinker runner's greedy ids with the fused path against
+  ``transformers``' ``grouped_mm``.
 
 Skipped with a reason where ``triton`` (CPU part) or CUDA (GPU part) is missing.
 """
@@ -17,6 +20,7 @@ Skipped with a reason where ``triton`` (CPU part) or CUDA (GPU part) is missing.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import sys
@@ -230,6 +234,12 @@ def test_an_unsupported_call_falls_back_to_transformers(monkeypatch: pytest.Monk
 # ----------------------------------------------------------------- GPU
 
 
+@functools.lru_cache(maxsize=1)
+def _real_block() -> Any:
+    """The Thinker's MoE block at its real dims, random float32 weights, on the GPU."""
+    return _block(128, 8, 2048, 768).to("cuda:0")
+
+
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 16, 64, 1920])
 def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
@@ -240,7 +250,7 @@ def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
 
     torch.manual_seed(0)
     dev = "cuda:0"
-    block = _block(128, 8, 2048, 768).to(dev)
+    block = _real_block()
     x = torch.randn(tokens, 2048, device=dev)
     with torch.no_grad():
         ids, weights = _route(block, x)
@@ -272,6 +282,38 @@ def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
         torch.testing.assert_close(
             out, moe.fused_experts(x2.bfloat16(), g16, d16, ids2, w2.bfloat16()), rtol=0, atol=0
         )
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cuda_fused_block_at_the_thinkers_dims(tokens: int) -> None:
+    """The whole block (routing in one program) in bfloat16 against the float32 experts on
+    the model's own routing: relative error (norm) under 1e-2; replayed from a CUDA
+    graph with new inputs, equal to an eager call."""
+    torch.manual_seed(0)
+    block = _real_block()
+    half = copy.deepcopy(block).to(torch.bfloat16)
+    assert moe.fused_experts_enabled(torch.bfloat16)
+    x = torch.randn(1, tokens, 2048, device="cuda:0").bfloat16()
+    with torch.no_grad(), experts_implementation([half.experts], moe.FUSED_EXPERTS):
+        _, weights, ids = half.gate(x.view(-1, 2048))
+        want = block.experts(x.view(-1, 2048).float(), ids, weights.float())
+        got = moe.fused_moe_block(half, x)
+        assert got is not None
+        error = float((got.view(-1, 2048).float() - want).norm() / want.norm())
+        print(f"block, tokens {tokens}: relative error {error:.2e}")
+        assert error < 1e-2
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.fused_moe_block(half, static)
+        assert out is not None
+        x2 = torch.randn_like(x)
+        static.copy_(x2)
+        graph.replay()
+        again = moe.fused_moe_block(half, x2)
+        assert again is not None
+        torch.testing.assert_close(out, again, rtol=0, atol=0)
 
 
 @needs_cuda
