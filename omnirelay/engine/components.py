@@ -130,6 +130,7 @@ def create_stage_engine(
             clock=clock,
             tracer=tracer,
             use_launch=_in_group(pipeline, s),
+            schedule_by_need=_by_need(pipeline, s),
         )
     except BaseException:
         if connector is not None:
@@ -155,6 +156,20 @@ def _outputs_stay_on_device(pipeline: PipelineConfig, stage: StageConfig, roles:
 #: ``0``: stages in a device group step synchronously even where their executor can
 #: launch (to measure what the overlap is worth; docs/design.md §12)
 GROUP_LAUNCH_ENV = "OMNIRELAY_GROUP_LAUNCH"
+
+
+#: ``1``: the stages of a device group choose each step's requests by need
+#: (:mod:`omnirelay.engine.need`); off by default (docs/performance.md: it pays only with
+#: capacity to spare)
+GROUP_BY_NEED_ENV = "OMNIRELAY_GROUP_BY_NEED"
+
+
+def _by_need(pipeline: PipelineConfig, stage: StageConfig) -> bool:
+    """Does the stage choose its steps' requests by need: it launches in a device group
+    and :data:`GROUP_BY_NEED_ENV` is ``1``?"""
+    import os
+
+    return os.environ.get(GROUP_BY_NEED_ENV, "0") == "1" and _in_group(pipeline, stage)
 
 
 def _in_group(pipeline: PipelineConfig, stage: StageConfig) -> bool:

@@ -64,6 +64,12 @@ from omnirelay.engine.generation_scheduler import GenerationScheduler
 from omnirelay.engine.intake import admission_problem, stage_sampling
 from omnirelay.engine.interfaces import BatchItem, Executor, StageOutput, StageRequest
 from omnirelay.engine.launched import Call, Tick
+from omnirelay.engine.need import (
+    DECODER_STEP_TOKENS,
+    DECODER_URGENT_HEADROOM_S,
+    FRAMES_URGENT_HEADROOM_S,
+    NeedPolicy,
+)
 from omnirelay.engine.request import Request, RequestStatus, make_internal_id
 from omnirelay.engine.scheduler import ARScheduler
 from omnirelay.engine.scheduler_base import BaseScheduler, ChunkLoad, RequestUpdate, describe_failure
@@ -102,8 +108,27 @@ class _Release:
 _Command = _Add | _Abort | _Release
 
 
+def need_policy(stage: StageConfig, roles: StageRoles, processor: Any) -> NeedPolicy | None:
+    """How the stage picks a tick's requests by need (:mod:`omnirelay.engine.need`), or
+    None (every running request): a chunk-receiving generation stage (Code2Wav) by the
+    audio it decoded, an AR stage whose tokens are codec frames (the Talker: its
+    processor names ``frame_seconds``) by its frames; any other stage steps everyone."""
+    if stage.execution_type is ExecutionType.GENERATION:
+        if roles.receive_from_stage is None:
+            return None
+        return NeedPolicy(headroom_s=DECODER_URGENT_HEADROOM_S, max_step_tokens=DECODER_STEP_TOKENS)
+    frame_s = getattr(processor, "frame_seconds", None)
+    if not isinstance(frame_s, float | int) or frame_s <= 0:
+        return None
+    return NeedPolicy(headroom_s=FRAMES_URGENT_HEADROOM_S, seconds_per_token=float(frame_s))
+
+
 def _build_scheduler(
-    stage: StageConfig, roles: StageRoles, executor: Executor, clock: Callable[[], float]
+    stage: StageConfig,
+    roles: StageRoles,
+    executor: Executor,
+    clock: Callable[[], float],
+    need: NeedPolicy | None = None,
 ) -> BaseScheduler:
     """The stage's scheduler: the generation scheduler for a generation stage (with the
     executor's chunk reader: what a committed chunk means is the consuming model's
@@ -117,10 +142,10 @@ def _build_scheduler(
         "clock": clock,
     }
     if stage.execution_type is ExecutionType.GENERATION:
-        return GenerationScheduler(chunk_reader=getattr(executor, "read_chunk", None), **common)
+        return GenerationScheduler(chunk_reader=getattr(executor, "read_chunk", None), need=need, **common)
     # An AR receiver (a Talker) needs a chunk for every step and it is usually there
     # already: fetch it while the executor computes the step before (chunk prefetch).
-    return ARScheduler(prefetch_chunks=True, **common)
+    return ARScheduler(prefetch_chunks=True, need=need, **common)
 
 
 class StageEngine:
@@ -138,6 +163,7 @@ class StageEngine:
         clock: Callable[[], float] = time.monotonic,
         tracer: StepTracer | None = None,
         use_launch: bool = True,
+        schedule_by_need: bool = False,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
         self.stage_id = stage.id
@@ -161,7 +187,9 @@ class StageEngine:
         #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
         self._tracer = tracer
         self._connector = connector
-        self._scheduler = _build_scheduler(stage, self.roles, executor, clock)
+        #: a device group's stage picks each tick's requests by need (:func:`need_policy`)
+        need = need_policy(stage, self.roles, processor) if schedule_by_need else None
+        self._scheduler = _build_scheduler(stage, self.roles, executor, clock, need)
         #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
         #: away: it registers once the step's outputs are on their way (see
         #: :meth:`_load_deferred`), so its first poll does not compete with them.

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from omnirelay.engine.interfaces import BatchItem, ChunkReader, ItemResult
+from omnirelay.engine.need import NeedPolicy, audio_seconds
 from omnirelay.engine.request import Request, RequestStatus
 from omnirelay.engine.scheduler_base import BaseScheduler, RequestUpdate
 from omnirelay.errors import ConfigError
@@ -49,6 +50,7 @@ class GenerationScheduler(BaseScheduler):
         prefetch_chunks: bool = False,
         clock: Callable[[], float],
         chunk_reader: ChunkReader | None = None,
+        need: NeedPolicy | None = None,
     ) -> None:
         """``chunk_reader`` is required when the stage receives chunks; the other
         arguments are :class:`BaseScheduler`'s."""
@@ -60,6 +62,7 @@ class GenerationScheduler(BaseScheduler):
             max_num_batched_tokens=max_num_batched_tokens,
             prefetch_chunks=prefetch_chunks,
             clock=clock,
+            need=need,
         )
         if receives_chunks and chunk_reader is None:
             raise ConfigError(
@@ -112,6 +115,7 @@ class GenerationScheduler(BaseScheduler):
         now = self._clock()
         if result.audio is not None and request.first_token_time is None:
             request.first_token_time = now
+        request.output_seconds += audio_seconds(result.audio, result.sample_rate)
         input_done = not self.receives_chunks or request.is_upstream_exhausted
         if result.finished or input_done:
             request.finish(RequestStatus.FINISHED_STOPPED, now)

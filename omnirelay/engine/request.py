@@ -157,6 +157,7 @@ class Request:
         "num_chunks_received",
         "num_computed_tokens",
         "num_steps",
+        "output_seconds",
         "output_token_ids",
         "parked_from",
         "prompt_token_ids",
@@ -191,6 +192,8 @@ class Request:
         self.stage_id = stage_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        #: The audio this stage's outputs carried so far (seconds; a generation stage's).
+        self.output_seconds = 0.0
         #: Tokens of ``prompt + output`` the executor has computed (its KV covers them).
         self.num_computed_tokens = 0
         self.sampling = sampling

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
+from omnirelay.engine.need import NeedPolicy
 from omnirelay.engine.request import Request, RequestStatus
 from omnirelay.transfer.events import ChunkInput, TransferEvents, TransferFailure
 
@@ -111,6 +112,7 @@ class BaseScheduler(abc.ABC):
         max_num_batched_tokens: int | None = None,
         prefetch_chunks: bool = False,
         clock: Callable[[], float],
+        need: NeedPolicy | None = None,
     ) -> None:
         assert max_num_seqs >= 1, max_num_seqs
         self.stage_id = stage_id
@@ -120,6 +122,8 @@ class BaseScheduler(abc.ABC):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefetch_chunks = prefetch_chunks and receives_chunks
         self._clock = clock
+        #: which running requests a tick steps (None: all, within the token budget)
+        self.need = need
         self.requests: dict[str, Request] = {}
         self._new: list[Request] = []
         self._waiting: deque[Request] = deque()
@@ -379,8 +383,16 @@ class BaseScheduler(abc.ABC):
             return ()
         chosen: list[Request] = []
         budget = self.max_num_batched_tokens
+        candidates: Sequence[Request] = tuple(self._running.values())
+        if self.need is not None and not self._waiting:
+            # By need: the urgent requests alone, else a capped step. Not while requests
+            # wait for a slot: a short step then only holds the slots longer.
+            candidates, is_urgent = self.need.select(candidates, self._clock())
+            cap = self.need.max_step_tokens
+            if not is_urgent and cap is not None:
+                budget = cap if budget is None else min(budget, cap)
         used = 0
-        for request in self._running.values():
+        for request in candidates:
             cost = max(1, request.num_uncomputed_tokens)
             if budget is not None and chosen and used + cost > budget:
                 continue  # next tick; always at least one item per tick

@@ -110,6 +110,11 @@ class TalkerToCode2WavStage:
         self._lock = threading.Lock()
         self._states: dict[str, CodecStreamState] = {}
 
+    @property
+    def frame_seconds(self) -> float:
+        """The audio of one codec frame (the edge's ``codec_frame_ms``), in seconds."""
+        return self._proc.config.codec_frame_ms / 1000.0
+
     def build(self, req: BuildRequest) -> OmniPayload | None:
         with self._lock:
             state = self._states.get(req.external_id)
