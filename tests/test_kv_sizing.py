@@ -113,7 +113,7 @@ def _provision(memory: _FakeMemory, events: list[str], name: str, slot_gib: floa
 
 
 def test_the_budget_builds_every_kv_before_any_graph_and_says_one_line_per_stage() -> None:
-    memory, events, lines = _FakeMemory(in_use_gib=62), [], []
+    memory, events, lines = _FakeMemory(in_use_gib=62), list[str](), list[str]()
     budget = DeviceBudget("cuda:0", 0.9, memory=memory)
     with activate(budget):
         budget.stage = ("thinker", 64)
@@ -135,7 +135,7 @@ def test_the_budget_builds_every_kv_before_any_graph_and_says_one_line_per_stage
 
 
 def test_without_a_budget_of_its_device_a_runner_is_built_at_once() -> None:
-    memory, events = _FakeMemory(in_use_gib=0), []
+    memory, events = _FakeMemory(in_use_gib=0), list[str]()
     _provision(memory, events, "thinker", 0.2, None)
     _provision(memory, events, "talker", 0.2, 8)
     with activate(DeviceBudget("cuda:1", 0.9, memory=memory)) as other:
@@ -149,7 +149,7 @@ def test_without_a_budget_of_its_device_a_runner_is_built_at_once() -> None:
 
 
 def test_a_failed_sizing_builds_nothing() -> None:
-    memory, events = _FakeMemory(in_use_gib=71.9), []
+    memory, events = _FakeMemory(in_use_gib=71.9), list[str]()
     budget = DeviceBudget("cuda:0", 0.9, memory=memory)
     with activate(budget):
         _provision(memory, events, "thinker", 0.2, None)
@@ -231,3 +231,67 @@ def test_the_share_is_read_from_the_pipeline_file(tmp_path: pytest.TempPathFacto
     for bad in ("0", "1.2", "high"):
         with pytest.raises(ConfigError, match="gpu_memory_utilization"):
             _pipeline(tmp_path, "cpu", "cpu", share=f"gpu_memory_utilization: {bad}")
+
+
+class _Stage:
+    def __init__(self, label: str, max_num_seqs: int) -> None:
+        self.label, self.max_num_seqs = label, max_num_seqs
+
+
+class _Spec:
+    def __init__(self, stage_id: int, stages: list[_Stage]) -> None:
+        self.stage_id = stage_id
+        self.pipeline = type("P", (), {"stages": stages})()
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.limits: list[int] = []
+
+    def limit_slots(self, n: int) -> int:
+        self.limits.append(n)
+        return n
+
+
+class _Control:
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send(self, message: object, **kwargs: object) -> None:
+        self.sent.append(message)
+
+
+def _group(in_use_gib: float) -> tuple[list[_Spec], list[_Engine], list[_Control], DeviceBudget]:
+    stages = [_Stage("thinker", 64), _Stage("talker", 64), _Stage("code2wav", 64)]
+    specs = [_Spec(i, stages) for i in range(3)]
+    memory, events = _FakeMemory(in_use_gib), list[str]()
+    budget = DeviceBudget("cuda:0", 0.9, memory=memory)
+    with activate(budget):
+        for name in ("thinker", "talker"):
+            budget.stage = (name, 64)
+            _provision(memory, events, name, 0.2, None)
+    return specs, [_Engine() for _ in specs], [_Control() for _ in specs], budget
+
+
+def test_a_group_limits_each_sized_stage_to_its_slots_and_says_so_in_its_hello() -> None:
+    from omnirelay.worker.main import _size_slots
+
+    specs, engines, controls, budget = _group(in_use_gib=62)
+    capacities = _size_slots(specs, engines, controls, budget, lambda: True)  # type: ignore[arg-type]
+    # 10 GiB left, 1 fixed, 9 / 0.4 = 22 slots each; Code2Wav keeps its max_num_seqs
+    assert capacities == [22, 22, 64]
+    assert [e.limits for e in engines] == [[22], [22], []]
+    assert all(c.sent == [] for c in controls)
+
+
+def test_a_group_whose_slots_do_not_fit_fails_each_stage_with_the_one_line() -> None:
+    from omnirelay.worker.main import _size_slots
+    from omnirelay.worker.messages import StartupFailed
+
+    specs, engines, controls, budget = _group(in_use_gib=71.9)
+    assert _size_slots(specs, engines, controls, budget, lambda: True) is None  # type: ignore[arg-type]
+    for spec, control in zip(specs, controls, strict=True):
+        (failed,) = control.sent
+        assert isinstance(failed, StartupFailed) and failed.stage_id == spec.stage_id
+        assert failed.error.startswith("not even one KV slot fits") and "\n" not in failed.error
+    assert all(e.limits == [] for e in engines)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from omnirelay.engine.interfaces import StageEngineProtocol
-from omnirelay.errors import ConfigError, PipelineError
+from omnirelay.errors import ConfigError, ModelError, PipelineError
 from omnirelay.models.runner.memory import DeviceBudget, activate
 from omnirelay.pipeline.groups import sizing_device
 from omnirelay.worker.loop import WorkerLoop
@@ -246,8 +246,11 @@ def _size_slots(
         return capacities
     try:
         slots = budget.finish()
+    except _Stop:
+        raise
     except Exception as exc:
-        detail = f"{exc}\n{traceback.format_exc()}"
+        # Not even one slot fits: its one line says all; anything else with its traceback.
+        detail = str(exc) if isinstance(exc, ModelError) else f"{exc!r}\n{traceback.format_exc()}"
         for spec, control in zip(specs, controls, strict=True):
             control.send(
                 StartupFailed(spec.stage_id, os.getpid(), detail), is_peer_alive=is_front_alive, timeout_s=5.0

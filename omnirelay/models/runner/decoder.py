@@ -147,7 +147,9 @@ class SlotKV:
             if self.nbytes > free:
                 raise ModelError(
                     f"the KV cache needs {self.nbytes / 2**30:.1f} GiB ({num_slots} slots x {max_len} positions) but "
-                    f"{device} has {free / 2**30:.1f} GiB free; lower executor_args.max_num_seqs or max_model_len"
+                    f"{device} has {free / 2**30:.1f} GiB free; lower executor_args.max_num_seqs or max_model_len, "
+                    "or leave max_num_seqs out and give the stages on this device one process "
+                    "(device_groups: auto) so their slots are sized from the memory left"
                 )
         self.cache = torch.zeros(shape, dtype=dtype, device=device)
         self.keys = list(self.cache[0].unbind(0))
