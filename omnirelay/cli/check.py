@@ -116,7 +116,7 @@ def build_report(cfg: PipelineConfig) -> dict[str, Any]:
             "input_builder": e.input_builder,
             "path": edge_path(cfg, e)[0].value,
             "path_reason": edge_path(cfg, e)[1],
-            "schedule": _schedule_text(e),
+            "schedule": _schedule_text(e, reproducible=cfg.reproducible),
         }
         for e in cfg.edges()
     ]
@@ -290,13 +290,13 @@ def _render_edges(edges: list[dict[str, Any]], w: Callable[[str], Any]) -> None:
             w(f"      chunk schedule: {e['schedule']}\n")
 
 
-def _schedule_text(edge: Any) -> str | None:
+def _schedule_text(edge: Any, *, reproducible: bool = False) -> str | None:
     """How a codec edge cuts its chunks (None for other edges)."""
     if edge.contract.value != "chunks" or edge.processor != "talker_to_code2wav":
         return None
     from omnirelay.processors import TalkerToCode2WavConfig
 
-    return TalkerToCode2WavConfig.from_extra(edge.extra).describe()
+    return TalkerToCode2WavConfig.from_extra(edge.extra, reproducible=reproducible).describe()
 
 
 _ORIGIN_TEXT = {"default": "the default", "file": "set in the file", "override": "from --async-chunk"}

@@ -39,6 +39,7 @@ from omnirelay.cli.session import (
     start_pipeline,
 )
 from omnirelay.errors import ConfigError, ModelError
+from omnirelay.pipeline.reproducible import with_reproducible
 
 if TYPE_CHECKING:
     # Imported where used: `omnirelay --help` and `run --help` must not import torch.
@@ -98,6 +99,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="which stages share a worker process: off (a process per stage), auto (experimental: "
         "the stages on one CUDA device, one loop driving them), on (experimental: also the CPU "
         "stages); default: the pipeline file's device_groups, else off",
+    )
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        default=None,
+        help="the same request (same seed and sampling) gives the same text and audio sample for "
+        "sample, alone or beside others: each request's rows are stepped on their own and codec "
+        "chunks follow a fixed frame schedule (costs batching: see docs/usage.md); default: the "
+        "pipeline file's reproducible, else off",
     )
 
 
@@ -264,6 +274,8 @@ def run_run(args: argparse.Namespace) -> int:
     )
     if args.device_groups is not None:
         config = config.with_device_groups(args.device_groups)
+    if args.reproducible:
+        config = with_reproducible(config)
     local = bool(getattr(args, "local_cluster", False))
     # Ray and NIXL, where the pipeline needs them, before a cluster or a stage starts.
     check_multihost(config, local_cluster=local)

@@ -278,6 +278,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from omnirelay.cli.doctor import check_multihost
     from omnirelay.cli.session import load_run_config
     from omnirelay.pipeline import load_pipeline
+    from omnirelay.pipeline.reproducible import with_reproducible
 
     local = bool(getattr(args, "local_cluster", False))
     if args.model is None and args.device is None and args.load_format is None and args.runner is None:
@@ -294,6 +295,8 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     if args.device_groups is not None:
         pipeline = pipeline.with_device_groups(args.device_groups)
+    if args.reproducible:
+        pipeline = with_reproducible(pipeline)
     # Ray and NIXL, where the pipeline needs them, before a cluster, the port or a stage.
     check_multihost(pipeline, local_cluster=local)
     if not local:

@@ -70,6 +70,10 @@ def build_stage_components(
             f"{s.label}: executor factory {s.executor!r} returned {type(executor).__name__}, "
             "which lacks execution_type / supports_batching / step / release"
         )
+    if pipeline.reproducible:
+        # Each request's rows stepped on their own, so its results never depend on what
+        # else is in the batch (float sums of a batched step do; docs/usage.md).
+        executor.supports_batching = False
     processor: ChunkProcessor | None = None
     name = pipeline.next_stage_processor(s)
     if resolve_stage_roles(pipeline, s).is_sender and name is not None:

@@ -330,6 +330,10 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: Also hold new audio streams while an admitted one is running dry
     #: (``hold_audio_while_dry:``): for pipelines whose streams never pause by design.
     hold_audio_while_dry: bool = False
+    #: Reproducible mode (``reproducible:``): each request's answer is the same whatever else
+    #: runs beside it and however fast its chunks come — every stage steps each request's rows
+    #: on their own, and a codec edge cuts its chunks on a fixed frame schedule (docs/usage.md).
+    reproducible: bool = False
     #: Which stages share a worker process (``device_groups:``; :mod:`omnirelay.pipeline.groups`).
     device_groups: DeviceGroups = DeviceGroups.OFF
     #: The share of each CUDA device's memory the stages of one process may use

@@ -38,6 +38,7 @@ from omnirelay.pipeline.config import (
 from omnirelay.pipeline.diagnostics import PipelineConfigWarning, config_error
 from omnirelay.pipeline.placement import parse_placement, parse_resources
 from omnirelay.pipeline.registry import ComponentRegistry
+from omnirelay.pipeline.reproducible import check_reproducible
 from omnirelay.pipeline.restart import RESTART_KEYS, RestartPolicy, restart_policy_problem
 from omnirelay.pipeline.validate import ENV_NAME_PATTERN
 from omnirelay.pipeline.yamlfile import parse_yaml, read_pipeline_text
@@ -130,6 +131,7 @@ def parse_pipeline(
     kwargs["stages"] = tuple(_parse_stage(source, index, raw) for index, raw in enumerate(stages_raw))
 
     cfg = PipelineConfig(**kwargs)
+    check_reproducible(cfg)
     if registry is not None:
         registry.check_pipeline(cfg)
     for message in pending_warnings:
@@ -166,6 +168,8 @@ def _parse_limits(ctx: _Ctx, data: Mapping[str, Any], pending_warnings: list[str
         limits["hold_audio_while_dry"] = ctx.strict_bool(data, "hold_audio_while_dry")
     if "device_groups" in data:
         limits["device_groups"] = ctx.choice(data, "device_groups", DeviceGroups)
+    if "reproducible" in data:
+        limits["reproducible"] = ctx.strict_bool(data, "reproducible")
     if "gpu_memory_utilization" in data:
         limits["gpu_memory_utilization"] = ctx.number(
             data, "gpu_memory_utilization", fix="use a share of the device's memory, e.g. 0.9"
@@ -338,6 +342,7 @@ PIPELINE_KEYS = (
     "max_audio_streams",
     "hold_audio_while_dry",
     "device_groups",
+    "reproducible",
     "gpu_memory_utilization",
 )
 #: What a worker's view of a stage adds (never written in a file).

@@ -19,7 +19,12 @@ from typing import Any
 from omnirelay.errors import ConfigError
 from omnirelay.processors.pacing import PacingConfig
 
-__all__ = ["DEFAULT_CODEC_STOP_TOKEN_IDS", "TalkerToCode2WavConfig", "parse_codec_chunk_ramp"]
+__all__ = [
+    "DEFAULT_CODEC_STOP_TOKEN_IDS",
+    "REPRODUCIBLE_FIRST_CHUNK_FRAMES",
+    "TalkerToCode2WavConfig",
+    "parse_codec_chunk_ramp",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,13 @@ def parse_codec_chunk_ramp(value: object) -> tuple[int, ...] | None:
     return tuple(_check_int(f"codec_chunk_ramp[{i}]", e, 1) for i, e in enumerate(entries))
 
 
+#: C, the largest (adaptive) or steady (fixed) chunk, when an edge sets none.
+DEFAULT_CODEC_CHUNK_FRAMES = 25
+#: The first chunk of an edge in reproducible mode that sets no fixed schedule of its own
+#: (the seed's 4-then-25, docs/protocol.md §5.2).
+REPRODUCIBLE_FIRST_CHUNK_FRAMES = 4
+
+
 @dataclass(frozen=True, slots=True)
 class TalkerToCode2WavConfig:
     """Chunking of the Talker → Code2Wav edge (docs/protocol.md §5.2 config, §5.3 ramp).
@@ -87,7 +99,7 @@ class TalkerToCode2WavConfig:
     tuple.
     """
 
-    codec_chunk_frames: int = 25
+    codec_chunk_frames: int = DEFAULT_CODEC_CHUNK_FRAMES
     codec_left_context_frames: int = 25
     initial_codec_chunk_frames: int = 0
     codec_chunk_ramp: tuple[int, ...] | None = None
@@ -180,16 +192,33 @@ class TalkerToCode2WavConfig:
         *,
         num_codebooks: int = 16,
         stop_token_ids: Iterable[int] = DEFAULT_CODEC_STOP_TOKEN_IDS,
+        reproducible: bool = False,
     ) -> TalkerToCode2WavConfig:
         """Read the ``codec_*`` options of an edge's connector ``extra`` mapping.
 
         ``extra`` is shared with the connector's own options, so other keys are left to
         the connector; an unknown ``codec_*`` key (a typo such as ``codec_chunk_frame``)
         is an error rather than a silently ignored setting.
+
+        ``reproducible`` (the pipeline's reproducible mode): the chunks are cut on a fixed
+        frame schedule, never by timing (docs/protocol.md §5.3) — the edge's ramp or first
+        chunk if it sets one, else :data:`REPRODUCIBLE_FIRST_CHUNK_FRAMES` then ``C``. An
+        edge that asks for the adaptive schedule explicitly is a configuration error.
         """
         known = set(cls._KEYS)
         for key in extra:
             if isinstance(key, str) and key.startswith("codec_") and key not in known:
                 raise ConfigError(f"unknown option {key!r}; known codec options: {sorted(known)}")
         kwargs: dict[str, Any] = {k: extra[k] for k in cls._KEYS if k in extra}
+        if reproducible:
+            if kwargs.get("codec_chunk_adaptive") is True:
+                raise ConfigError(
+                    "reproducible: true needs a fixed chunk schedule, but this edge sets "
+                    "codec_chunk_adaptive: true (chunks sized by timing); drop it or set it to false"
+                )
+            kwargs["codec_chunk_adaptive"] = False
+            if kwargs.get("codec_chunk_ramp") is None and not kwargs.get("initial_codec_chunk_frames"):
+                chunk = kwargs.get("codec_chunk_frames", DEFAULT_CODEC_CHUNK_FRAMES)
+                first = REPRODUCIBLE_FIRST_CHUNK_FRAMES
+                kwargs["initial_codec_chunk_frames"] = min(first, chunk) if isinstance(chunk, int) else first
         return cls(num_codebooks=num_codebooks, stop_token_ids=frozenset(stop_token_ids), **kwargs)

@@ -106,7 +106,9 @@ class TalkerToCode2WavStage:
             name = pipeline.input_connector(consumers[0])
             if name is not None:
                 extra = dict(pipeline.connector_spec(name).extra)
-        self._proc = TalkerToCode2WavProcessor(TalkerToCode2WavConfig.from_extra(extra))
+        self._proc = TalkerToCode2WavProcessor(
+            TalkerToCode2WavConfig.from_extra(extra, reproducible=pipeline.reproducible)
+        )
         self._lock = threading.Lock()
         self._states: dict[str, CodecStreamState] = {}
 
