@@ -13,8 +13,12 @@ the forward pass, the device→host copy of the results), median of ``reps`` run
   in the graphs, its compile time, and how many greedy codes the two tails agree on;
 * Code2Wav — windows of 4, 29 and 50 frames (one stream), 50 frames x 16 streams; then
   steps of the stateful streaming decoder (each stream's new frames only, with its
-  state): 1 frame x 1 / 16 / 64 streams, 4 x 64, 25 x 16, and a 120-frame stream decoded
-  chunk by chunk against its whole-utterance decode (relative error).
+  state): 1 frame x 1 / 16 / 64 streams, 4 x 16 / 64, 25 x 16, each with its kernels per
+  step, and a 120-frame stream decoded chunk by chunk against its whole-utterance decode
+  (relative error); then the same with the step compiled by inductor inside its graphs
+  (its compile time, and its samples against the uncompiled step's);
+* ``tts-code2wav`` — the same stateful steps for Qwen3-TTS's 12 Hz decoder (not in the
+  default stages of ``omnirelay bench runner``).
 
 Each figure is taken with the graphs bypassed (the same code run eagerly) and replayed.
 The Thinker's steps and the Talker's frames also get their **floor**
@@ -337,41 +341,127 @@ def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str,
         for b, t in ((1, 4), (1, 29), (1, 50), (16, 50)):
             codes = torch.randint(0, size, (b, q, t), generator=gen)
             out[f"window_{b}x{t}"] = _pair(graphed.graphs, functools.partial(graphed, codes), reps, sync)
-    out["stateful"] = _stateful_code2wav(model, reps, sync)
+    out["stateful"] = _stateful_code2wav(model, reps, sync, _stream_backend(model))
     return out
 
 
-def _stateful_code2wav(model: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
-    from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
+#: Stateful steps timed: (streams, new frames each).
+STREAM_STEPS = ((1, 1), (16, 1), (64, 1), (16, 4), (64, 4), (16, 25))
 
-    voc = StreamingVocoder(model, max_streams=64, cuda_graphs=True)
+
+def _stateful_code2wav(
+    model: Any, reps: int, sync: Callable[[], None], backend: str | None = None
+) -> dict[str, Any]:
+    """The streaming steps with the step uncompiled, then compiled with ``backend``
+    (None: not) inside the same graphs: each step's time, kernels per step (launched
+    without the graph), and how far the compiled step's samples are from the uncompiled."""
+    from omnirelay.models.runner.vocoder import StreamingVocoder
+
+    device = next(model.parameters()).device
+    plain = StreamingVocoder(model, max_streams=64, cuda_graphs=True)
     start = time.monotonic()
-    voc.capture_graphs()
-    out: dict[str, Any] = {"capture_s": time.monotonic() - start, "num_graphs": len(voc.graphs)}
-    gen = torch.Generator().manual_seed(1)
+    plain.capture_graphs()
+    out: dict[str, Any] = {"capture_s": time.monotonic() - start, "num_graphs": len(plain.graphs)}
+    compiled = None
+    if backend is not None:
+        compiled = StreamingVocoder(model, max_streams=64, cuda_graphs=True, compile=backend)
+        start = time.monotonic()
+        compiled.capture_graphs()
+        out["compiled_capture_s"] = time.monotonic() - start
     q, size = int(model.config.num_quantizers), int(model.config.codebook_size)
     with torch.inference_mode():
-        for b, t in ((1, 1), (16, 1), (64, 1), (64, 4), (16, 25)):
-            rows = [StreamRow(f"s{i}", torch.randint(0, size, (q, t), generator=gen)) for i in range(b)]
-            out[f"step_{b}x{t}"] = _pair(voc.graphs, functools.partial(voc.decode, rows), reps, sync)
-            for row in rows:
-                voc.release(row.rid)
-        codes = torch.randint(0, size, (q, 120), generator=gen)
-        pieces: list[torch.Tensor] = []
-        sent, sizes = 0, (1, 2, 4, 8, 25)
-        while sent < 120:
-            k = min(sizes[len(pieces) % len(sizes)], 120 - sent)
-            (piece,) = voc.decode([StreamRow("exact", codes[:, sent : sent + k])])
-            pieces.append(piece)
-            sent += k
-        voc.release("exact")
-        want = model(codes.unsqueeze(0).to(voc.device))[0, 0].float()
-        got = torch.cat(pieces).float()
-        out["stream_relative_error"] = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        for b, t in STREAM_STEPS:
+            gen = torch.Generator().manual_seed(1000 * b + t)
+            codes = [torch.randint(0, size, (q, t), generator=gen) for _ in range(b)]
+            out[f"step_{b}x{t}"] = _stream_step(plain, compiled, codes, reps, sync)
+        gen = torch.Generator().manual_seed(1)
+        whole = torch.randint(0, size, (q, 120), generator=gen)
+        want = model(whole.unsqueeze(0).to(device))[0, 0].float()
+        out["stream_relative_error"] = _relative(_chunked(plain, whole), want)
+        if compiled is not None:
+            out["compiled_stream_relative_error"] = _relative(_chunked(compiled, whole), want)
     return out
 
 
-STAGES = ("thinker", "talker", "code2wav")
+def _stream_step(
+    plain: Any, compiled: Any, codes: list[torch.Tensor], reps: int, sync: Callable[[], None]
+) -> dict[str, float]:
+    """One step shape on both decoders: the same streams stepped again and again (each
+    call one more chunk of every stream), released after; then two chunks of fresh
+    streams on each decoder, compared."""
+    from benchmarks.floors import count_kernels
+    from omnirelay.models.runner.vocoder import StreamRow
+
+    def rows(prefix: str) -> list[StreamRow]:
+        return [StreamRow(f"{prefix}{i}", c) for i, c in enumerate(codes)]
+
+    def timed(voc: Any) -> dict[str, float]:
+        figures = _pair(voc.graphs, functools.partial(voc.decode, rows("s")), reps, sync)
+        voc.graphs.bypass = True  # kernels as launched: a profiler sees a replay as one launch
+        figures["kernels_per_step"] = count_kernels(
+            functools.partial(voc.decode, rows("s")), sync, voc.device
+        )
+        voc.graphs.bypass = False
+        for row in rows("s"):
+            voc.release(row.rid)
+        return figures
+
+    figures = timed(plain)
+    if compiled is not None:
+        more = timed(compiled)
+        figures.update(
+            compiled_eager_ms=more["eager_ms"],
+            compiled_ms=more["graph_ms"],
+            compiled_kernels_per_step=more["kernels_per_step"],
+        )
+        errors = []
+        for _ in range(2):  # a first chunk, then a continuing one
+            want, got = plain.decode(rows("c")), compiled.decode(rows("c"))
+            errors += [_relative(g, w) for g, w in zip(got, want)]
+        figures["compiled_relative_error"] = max(errors)
+        for row in rows("c"):
+            plain.release(row.rid)
+            compiled.release(row.rid)
+    return figures
+
+
+def _chunked(voc: Any, codes: torch.Tensor) -> torch.Tensor:
+    """``codes [Q, T]`` decoded as one stream in chunks of 1, 2, 4, 8 and 25 frames."""
+    from omnirelay.models.runner.vocoder import StreamRow
+
+    pieces: list[torch.Tensor] = []
+    sent, sizes, total = 0, (1, 2, 4, 8, 25), int(codes.shape[-1])
+    while sent < total:
+        k = min(sizes[len(pieces) % len(sizes)], total - sent)
+        (piece,) = voc.decode([StreamRow("exact", codes[:, sent : sent + k])])
+        pieces.append(piece)
+        sent += k
+    voc.release("exact")
+    return torch.cat(pieces).float()
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def _tts_code2wav(device: str, tiny: bool, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """Qwen3-TTS's 12 Hz decoder (the shipped size, random weights): its stateful steps."""
+    from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+
+    args = (
+        TTSModelArgs(tiny=True, device=device) if tiny else TTSModelArgs(load_format="dummy", device=device)
+    )
+    codec = TTSCheckpoint.open(args).load_codec()
+    return {"stateful": _stateful_code2wav(codec, reps, sync, _stream_backend(codec))}
+
+
+def _stream_backend(model: Any) -> str | None:
+    """Inductor on a GPU; nothing on the CPU (minutes of compiling for the tiny model)."""
+    return "inductor" if next(model.parameters()).device.type == "cuda" else None
+
+
+STAGES = ("thinker", "talker", "code2wav", "tts-code2wav")
 
 
 def run_runner_bench(
@@ -419,9 +509,43 @@ def run_runner_bench(
             report[name] = _thinker(checkpoint, reps, sync, bandwidth, sizes)
         elif name == "talker":
             report[name] = _talker(checkpoint, reps, sync, bandwidth, sizes)
-        else:
+        elif name == "code2wav":
             report[name] = _code2wav(checkpoint, reps, sync)
+        else:
+            report[name] = _tts_code2wav(device, tiny, reps, sync)
     return report
+
+
+def _render_stateful(stage: str, stateful: dict[str, Any]) -> str:
+    lines = [
+        f"{stage}, stateful streaming steps (new frames only); compiled: the step through inductor, "
+        "in the same graphs\n",
+        f"{'stage':<14}{'step':<14}{'eager ms':>10}{'graph ms':>10}{'kernels':>9}"
+        f"{'compiled ms':>13}{'kernels':>9}{'rel. error':>12}\n",
+    ]
+    for key, value in stateful.items():
+        if isinstance(value, dict):
+            line = (
+                f"{stage:<14}{key:<14}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}"
+                f"{value['kernels_per_step']:>9.0f}"
+            )
+            if "compiled_ms" in value:
+                line += (
+                    f"{value['compiled_ms']:>13.2f}{value['compiled_kernels_per_step']:>9.0f}"
+                    f"{value['compiled_relative_error']:>12.1e}"
+                )
+            lines.append(line + "\n")
+    compiled = ""
+    if "compiled_capture_s" in stateful:
+        compiled = (
+            f"; compiled: compile + capture {stateful['compiled_capture_s']:.1f} s, chunked vs whole "
+            f"{stateful['compiled_stream_relative_error']:.2e}"
+        )
+    lines.append(
+        f"{stage:<14}capture {stateful['capture_s']:.1f} s, {stateful['num_graphs']} graphs; a 120-frame "
+        f"stream chunk by chunk vs whole: relative error {stateful['stream_relative_error']:.2e}{compiled}\n"
+    )
+    return "".join(lines)
 
 
 def render_runner_bench(report: dict[str, Any]) -> str:
@@ -453,18 +577,10 @@ def render_runner_bench(report: dict[str, Any]) -> str:
             if not isinstance(v, dict)
         )
         lines.append(f"{stage:<10}{extra}\n")
-    stateful = report.get("code2wav", {}).get("stateful")
-    if stateful:
-        lines.append("code2wav, stateful streaming steps (new frames only)\n")
-        for key, value in stateful.items():
-            if isinstance(value, dict):
-                lines.append(
-                    f"{'code2wav':<10}{key:<18}{value['eager_ms']:>10.2f}{value['graph_ms']:>10.2f}{value['speedup']:>8.1f}x\n"
-                )
-        lines.append(
-            f"{'code2wav':<10}capture {stateful['capture_s']:.1f} s, {stateful['num_graphs']} graphs; a 120-frame "
-            f"stream chunk by chunk vs whole: relative error {stateful['stream_relative_error']:.2e}\n"
-        )
+    for stage in ("code2wav", "tts-code2wav"):
+        stateful = report.get(stage, {}).get("stateful")
+        if stateful:
+            lines.append(_render_stateful(stage, stateful))
     compiled = report.get("talker", {}).get("compiled")
     if compiled:
         lines.append("talker frame, graphs: eager tail vs compiled tail (ms)\n")

@@ -112,6 +112,7 @@ class Code2WavExecutor:
         stateful: bool = True,
         max_streams: int = 64,
         sample_rate: int = SAMPLE_RATE,
+        compile: str | None = None,
     ) -> None:
         self.model = model  # a codec decoder (see the module docstring)
         self.device = next(model.parameters()).device
@@ -121,7 +122,9 @@ class Code2WavExecutor:
         #: streamed requests' decoder state (None: streams are decoded by windows)
         self.vocoder: StreamingVocoder | None = None
         if stateful:
-            self.vocoder = StreamingVocoder(model, max_streams=max_streams, cuda_graphs=cuda_graphs)
+            self.vocoder = StreamingVocoder(
+                model, max_streams=max_streams, cuda_graphs=cuda_graphs, compile=compile
+            )
             self.vocoder.capture_graphs()
         if max_decode_batch is None:
             # The vocoder's convs are compute-bound on a CPU: stacking more than two windows

@@ -15,6 +15,7 @@ from typing import Any
 
 from omnirelay.models.code2wav import Code2WavExecutor
 from omnirelay.models.qwen3_omni.loader import DEFAULT_SLOTS, Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.runner.vocoder import stream_compile_backend
 
 __all__ = ["create_code2wav", "open_code2wav"]
 
@@ -29,6 +30,7 @@ def open_code2wav(checkpoint: Checkpoint, args: ModelArgs | None = None) -> Code
         cuda_graphs=graphs and checkpoint.device.type == "cuda",
         stateful=args.stateful if args is not None else True,
         max_streams=args.num_slots if args is not None else DEFAULT_SLOTS,
+        compile=stream_compile_backend(graphs and checkpoint.device.type == "cuda"),
     )
 
 

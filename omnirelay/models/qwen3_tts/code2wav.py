@@ -20,6 +20,7 @@ import torch
 from omnirelay.models.code2wav import Code2WavExecutor
 from omnirelay.models.qwen3_tts import SAMPLE_RATE
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+from omnirelay.models.runner.vocoder import stream_compile_backend
 
 __all__ = ["create_code2wav"]
 
@@ -31,10 +32,12 @@ def create_code2wav(**executor_args: Any) -> Code2WavExecutor:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     codec = TTSCheckpoint.open(args).load_codec()
+    graphs = args.uses_cuda_graphs()
     return Code2WavExecutor(
         codec,
-        cuda_graphs=args.uses_cuda_graphs(),
+        cuda_graphs=graphs,
         stateful=args.stateful,
         max_streams=args.max_num_seqs,
         sample_rate=SAMPLE_RATE,
+        compile=stream_compile_backend(graphs),
     )

@@ -39,10 +39,28 @@ sample of look-ahead; 0: causal).
 :class:`StreamingVocoder` holds the state in slots (:class:`SlotTable`, one per stream,
 released with the request); ``decode(rows)`` runs one step and returns each row's new
 samples.
+
+With ``compile="inductor"`` the step goes through ``torch.compile`` before its graphs are
+captured: eagerly a step is hundreds of small kernels — each SnakeBeta alone is a handful
+of element-wise passes over the layer's whole activation, each state-bearing convolution
+a gather of its history, a masked fill, a concatenation and a scatter of the new state —
+and inductor fuses the element-wise work around each convolution (activation, prefix
+mask, history concatenation, residual add) into one kernel that writes the convolution's
+input, and the transformer's norms, rotary and mask arithmetic likewise; the
+convolutions and matrix products stay library calls. The compiled step is one function
+of the step's tensors (codes, slots, counts, positions; the state buffers are updated in
+place inside it), so one compiled graph serves every bucket with a batch and a frame
+count above one (the batch and frames dimensions turn symbolic on the second size seen);
+its kernels are cached on disk like the code predictor's
+(:func:`~omnirelay.models.runner.predictor.keyed_compile_cache`). Fused kernels round
+differently: the compiled step equals the eager one within float rounding (the tests
+bound the difference), not bit for bit. A stage compiles its stream steps when
+``OMNIRELAY_CODE2WAV_COMPILE=1`` (:func:`stream_compile_backend`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,15 +73,33 @@ import torch.nn.functional as F
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 
-__all__ = ["DEFAULT_STREAM_FRAMES", "StreamRow", "StreamingVocoder"]
+__all__ = ["COMPILE_ENV", "DEFAULT_STREAM_FRAMES", "StreamRow", "StreamingVocoder", "stream_compile_backend"]
 
 DEFAULT_STREAM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 #: Frame buckets of a streaming step (chunks carry at most ``codec_chunk_frames``, 25).
 DEFAULT_STREAM_FRAMES = (1, 2, 4, 8, 16, 32)
 #: A stream's position is unbounded for the slots' purpose (rotary positions grow with it).
 _MAX_FRAMES = 1 << 40
+#: ``1``: a stage's stream steps are compiled with inductor (with CUDA graphs); unset or ``0``: not.
+COMPILE_ENV = "OMNIRELAY_CODE2WAV_COMPILE"
+#: Compiled graphs kept for the step: a handful cover every bucket, with room to spare.
+_RECOMPILE_LIMIT = 64
+
+
+def stream_compile_backend(cuda_graphs: bool) -> str | None:
+    """The ``torch.compile`` backend of a stage's stream steps as :data:`COMPILE_ENV`
+    says: ``"inductor"`` when it is on and the steps are captured as CUDA graphs, else
+    None (uncompiled: the default until the compiled step is measured on every card the
+    stages run on, docs/performance.md)."""
+    value = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return None
+    if value in ("1", "true", "on", "yes", "inductor"):
+        return "inductor" if cuda_graphs else None
+    raise ModelError(f"{COMPILE_ENV} must be 0 or 1 (or unset), got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +137,7 @@ class StreamingVocoder:
         cuda_graphs: bool,
         batch_sizes: tuple[int, ...] = DEFAULT_STREAM_BATCHES,
         frames: tuple[int, ...] = DEFAULT_STREAM_FRAMES,
+        compile: str | None = None,
     ) -> None:
         self.model = model
         weight = next(model.parameters())
@@ -133,6 +170,23 @@ class StreamingVocoder:
         self._counts = torch.zeros(mb, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(mb, dtype=torch.long, device=self.device)
         self.graphs = GraphSet("code2wav-stream", self.device, enabled=cuda_graphs)
+        self._init_compile(compile)
+
+    def _init_compile(self, backend: str | None) -> None:
+        #: the ``torch.compile`` backend of the step (None: eager)
+        self.compile_backend = backend
+        #: inductor's on-disk cache for this decoder (None: not compiling with inductor)
+        self.compile_cache = None
+        self._step_fn: Callable[..., torch.Tensor] = self._forward
+        if backend is None:
+            return
+        if backend == "inductor":
+            self.compile_cache = keyed_compile_cache(self.model.config, self.device, self.dtype)
+        from torch import _dynamo
+
+        dynamo_config: Any = _dynamo.config
+        dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
+        self._step_fn = torch.compile(self._forward, backend=backend, fullgraph=True)
 
     # ----------------------------------------------------------------- layout
 
@@ -193,7 +247,7 @@ class StreamingVocoder:
     def _step(self, b: int, t: int) -> Step:
         def step() -> dict[str, torch.Tensor]:
             return {
-                "wav": self._forward(
+                "wav": self._step_fn(
                     self._codes[:b, :, :t], self._slot_ids[:b], self._counts[:b], self._positions[:b]
                 )
             }
@@ -349,13 +403,27 @@ class StreamingVocoder:
     def capture_graphs(self) -> None:
         if not self.graphs.enabled:
             return
+        if self.compile_backend is not None:
+            cache = self.compile_cache
+            where = f"kernels cached in {cache}" if cache is not None else "no on-disk cache"
+            print(
+                f"omnirelay: code2wav-stream: compiling the stream step with {self.compile_backend} ({where})",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.monotonic()
         with torch.inference_mode():
             for t in self.frames:
                 for b in self.batch_sizes:
                     self.graphs.capture((b, t), self._step(b, t))
         self.graphs.report.seconds = time.monotonic() - start
-        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+        how = f" (step compiled with {self.compile_backend})" if self.compile_backend else ""
+        print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
+        if self.compile_backend == "inductor":
+            from torch._inductor import async_compile
+
+            # Every graph is captured: the compile worker processes would only idle.
+            async_compile.shutdown_compile_workers()
 
     def release(self, rid: str) -> None:
         """Forget the stream's state (idempotent); its slot is free for another. The table
@@ -417,9 +485,9 @@ class StreamingVocoder:
             self._counts[:b].copy_(frame_counts)
             self._positions[:b].copy_(starts)
             wav = self.graphs.run((b, t), self._step(b, t))["wav"]
-        else:  # no bucket: the same computation, eagerly, on tensors of its own
+        else:  # no bucket: the same computation without a graph, on tensors of its own
             dev = self.device
-            wav = self._forward(block.to(dev), slot_ids.to(dev), frame_counts.to(dev), starts.to(dev))
+            wav = self._step_fn(block.to(dev), slot_ids.to(dev), frame_counts.to(dev), starts.to(dev))
         pieces = []
         for i, row in enumerate(rows):
             start = self.holdback if positions[i] == 0 else 0
