@@ -73,7 +73,7 @@ from omnirelay.models.qwen3_omni.vision import (
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.stepping import guarded_step
+from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
 
 __all__ = ["ThinkerExecutor", "create_thinker"]
 
@@ -150,6 +150,8 @@ class ThinkerExecutor:
         self.num_images = 0
         #: the static runner (None: the dynamic KVPool path)
         self.runner: ThinkerRunner | None = None
+        #: where :meth:`launch` enqueues a decode (created on its first CUDA launch)
+        self._stream: Any | None = None
         if static is not None:
             self._provision(static, cuda_graphs=cuda_graphs, sized=sized)
 
@@ -224,6 +226,39 @@ class ThinkerExecutor:
     def step(self, batch: list[BatchItem]) -> list[ItemResult]:
         """One step for every item (engine thread): prefills one by one, decodes batched."""
         return guarded_step(batch, self._step, self.release)
+
+    def launch(self, batch: list[BatchItem]) -> GuardedLaunch:
+        """The step split in two in a device group (docs/design.md §12): a batch of greedy
+        decodes on the static runner is enqueued on this executor's own CUDA stream, its
+        ids copied without blocking, and completed once its event has; anything else (a
+        prefill, a sampled row, the dynamic path) runs now."""
+        runner = self.runner
+        if runner is None or not all(
+            self._is_decode(item) and item.sampling.temperature <= 0 for item in batch
+        ):
+            return GuardedLaunch(batch, self.release, results=self.step(batch))
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+
+        def launch(items: list[BatchItem]) -> GuardedLaunch:
+            assert runner is not None
+            seqs = [self._seqs[item.internal_id] for item in items]
+            rows = [
+                Row(item.internal_id, item.num_computed_tokens, item.input_token_ids[:1], item.sampling, None)
+                for item in items
+            ]
+            run = runner.launch_decode(rows, self._stream)
+
+            def finish() -> list[ItemResult]:
+                results = []
+                for item, seq, out in zip(items, seqs, run.outputs(), strict=True):
+                    assert out.token is not None
+                    results.append(self._result(item, seq, out.token, out.hidden))
+                return results
+
+            return GuardedLaunch(items, self.release, is_done=run.is_done, finish=finish)
+
+        return guarded_launch(batch, launch, self.release)
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         results: dict[str, ItemResult] = {}

@@ -36,7 +36,7 @@ from omnirelay.models.runner.moe import FUSED_EXPERTS, fused_experts_enabled
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
-__all__ = ["RowOutput", "ThinkerRunner", "experts_for"]
+__all__ = ["LaunchedRun", "RowOutput", "ThinkerRunner", "experts_for"]
 
 
 def experts_for(device: torch.device, dtype: torch.dtype, batch: int, tokens: int) -> str | None:
@@ -291,4 +291,102 @@ class ThinkerRunner:
             self._collect(launch, rows, out, results, keep_logits)
         for row in rows:
             self.slots.set_length(row.rid, row.start + len(row.token_ids))
+        return results
+
+    def launch_decode(self, rows: Sequence[Row], stream: Any | None) -> LaunchedRun:
+        """A decode of greedy ``rows`` (each row's generator None or its temperature 0),
+        enqueued and not waited for: on ``stream`` (a CUDA stream; None: run now), its
+        ids and hidden rows copied without blocking (into pinned host memory, or device
+        copies when :attr:`keep_hidden_on_device`), an event recorded after them. The
+        rows' cached lengths count the step at once: the next step on this runner is
+        ordered after it on the stream."""
+        for row in rows:
+            self.slots.check_room(row.rid, row.start, len(row.token_ids))
+            assert row.generator is None or row.sampling.temperature <= 0, "launch_decode is greedy only"
+        slots = [self.slots.slot(row.rid) for row in rows]
+        launches = plan_decode([row.start for row in rows], self.buckets, slots)
+        done = None
+        if stream is None:
+            parts = [self._copy_out(launch, self._launch(launch, rows)) for launch in launches]
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the caches' last writes
+            with torch.cuda.stream(stream):
+                parts = [self._copy_out(launch, self._launch(launch, rows)) for launch in launches]
+                done = torch.cuda.Event()
+                done.record(stream)
+        for row in rows:
+            self.slots.set_length(row.rid, row.start + len(row.token_ids))
+        return LaunchedRun(len(rows), parts, done, self.device)
+
+    def _copy_out(self, launch: Launch, out: dict[str, torch.Tensor]) -> _Copied:
+        """What a launch's rows keep of its outputs (the graph's buffers are reused by the
+        next replay), copied on the current stream without blocking the host."""
+        n = len(launch.pieces)
+        order = None if launch.rows_at is None else to_device(list(launch.rows_at), self.device)
+
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            return x[:n] if order is None else x.index_select(0, order)
+
+        greedy = _to_host(pick(out["greedy"]))
+        if self.keep_hidden_on_device:
+            hidden = {layer: pick(out[f"h{layer}"]).clone() for layer in self.capture_layers}
+        else:
+            hidden = {layer: _to_host(pick(out[f"h{layer}"])) for layer in self.capture_layers}
+        return _Copied(launch, greedy, hidden)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host: a non-blocking copy into pinned memory from a CUDA device."""
+    if x.device.type != "cuda":
+        return x.to("cpu")
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
+@dataclass(slots=True)
+class _Copied:
+    launch: Launch
+    greedy: torch.Tensor  # [n] on the host
+    hidden: dict[int, torch.Tensor]  # per captured layer [n, T, H]: host, or device copies
+
+
+class LaunchedRun:
+    """A decode enqueued by :meth:`ThinkerRunner.launch_decode`; its outputs are complete
+    once ``done`` (a CUDA event; None: already) completed."""
+
+    def __init__(self, num_rows: int, parts: list[_Copied], done: Any | None, device: torch.device) -> None:
+        self._num_rows = num_rows
+        self._parts = parts
+        self._done = done
+        self._device = device
+
+    def is_done(self) -> bool:
+        """Has the decode ended? Never blocks."""
+        return self._done is None or bool(self._done.query())
+
+    def outputs(self) -> list[RowOutput]:
+        """Each row's id and hidden rows, in row order (waits only when asked before
+        :meth:`is_done`). Device copies are handed to the current stream: it waits for
+        the decode, and their memory is not reused before its work on them."""
+        if self._done is not None:
+            self._done.synchronize()
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(self._done)
+            for part in self._parts:
+                for rows in part.hidden.values():
+                    if rows.device.type == "cuda":
+                        rows.record_stream(current)
+            self._done = None
+        results = [RowOutput(token=None, hidden={}) for _ in range(self._num_rows)]
+        for part in self._parts:
+            greedy = part.greedy.tolist()
+            for i, piece in enumerate(part.launch.pieces):
+                result = results[piece.row]
+                for layer, rows in part.hidden.items():
+                    chunk = rows[i, : piece.count]
+                    prev = result.hidden.get(layer)
+                    result.hidden[layer] = chunk if prev is None else torch.cat([prev, chunk])
+                if piece.is_last:
+                    result.token = int(greedy[i])
         return results
