@@ -296,12 +296,13 @@ class CodePredictor:
         return run_norm(self.model.norm, h)[:, -1], torch.stack(new)
 
     def _opening(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor
+        self, last: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions 0 and 1 (``x [b, 2, H]``: the Talker's hidden state, the first
-        codebook's embedding), causal over themselves: see :meth:`_layers`."""
+        """Positions 0 and 1 (the Talker's hidden state ``last [b, H]``, the first
+        codebook's embedding ``x [b, 1, H]``), causal over themselves: see :meth:`_layers`."""
         b = x.shape[0]
-        return self._layers(x, cos, sin, causal.expand(b, 1, 2, 2), None, None)
+        both = torch.cat([last.unsqueeze(1), x], dim=1)
+        return self._layers(both, cos, sin, causal.expand(b, 1, 2, 2), None, None)
 
     def _pass(
         self,
@@ -324,14 +325,17 @@ class CodePredictor:
         weight: torch.Tensor,
         embedding: torch.Tensor,
         temperature: torch.Tensor,
-        top_p: torch.Tensor,
         uniform: torch.Tensor,
         total: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_head` of a residual codebook: no bias, the family's top-k for every
-        row, sampled without a sort of the whole vocabulary."""
+        """:meth:`_head` of a residual codebook: no bias, the family's sampling for every
+        row that samples (``temperature`` > 0: the request's), without a sort of the whole
+        vocabulary."""
+        residual = self.residual
         logits = F.linear(h, weight)
-        token = sample_top_k(logits, temperature, self.residual.top_k, top_p, uniform)
+        temperature = torch.where(temperature > 0, residual.temperature, 0.0)
+        top_p = torch.full_like(temperature, residual.top_p)
+        token = sample_top_k(logits, temperature, residual.top_k, top_p, uniform)
         embed = F.embedding(token, embedding)
         return token, embed.unsqueeze(1), total + embed
 
@@ -427,13 +431,12 @@ class CodePredictor:
                 total,
             )
         codes = [first]
-        residual = self.residual
-        pred_temperature = torch.where(temperature > 0, residual.temperature, 0.0)
-        pred_top_k = torch.full_like(top_k, residual.top_k)
-        pred_top_p = torch.full_like(top_p, residual.top_p)
-        h, new = self.opening_fn(
-            torch.cat([last.unsqueeze(1), x], dim=1), *self._opening_rotary, self._causal
-        )
+        if self._sort:
+            residual = self.residual
+            pred_temperature = torch.where(temperature > 0, residual.temperature, 0.0)
+            pred_top_k = torch.full_like(top_k, residual.top_k)
+            pred_top_p = torch.full_like(top_p, residual.top_p)
+        h, new = self.opening_fn(last, x, *self._opening_rotary, self._causal)
         cache[..., :2, :].copy_(new)
         for p in range(1, self.q):
             if p > 1:
@@ -445,8 +448,6 @@ class CodePredictor:
                     h, weight, bias, embedding, pred_temperature, pred_top_k, pred_top_p, uniform[:, p], total
                 )
             else:
-                token, x, total = self.residual_fn(
-                    h, weight, embedding, pred_temperature, pred_top_p, uniform[:, p], total
-                )
+                token, x, total = self.residual_fn(h, weight, embedding, temperature, uniform[:, p], total)
             codes.append(token)
         return torch.stack(codes, dim=1), total
