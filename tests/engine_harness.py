@@ -128,6 +128,7 @@ class ToyPipelineRun:
         connectors: dict[int, Connector] | None = None,
         idle_wait_s: float = 1.0,
         start: bool = True,
+        schedule_by_need: bool = False,
         **pipeline_kw: Any,
     ) -> None:
         self.namespace = namespace or fresh_namespace()
@@ -164,6 +165,7 @@ class ToyPipelineRun:
                     conn,
                     processor=parts.processor,
                     transfer_config=fast_transfer_config(s),
+                    schedule_by_need=schedule_by_need,
                 )
             )
         self.outputs: queue.Queue[StageOutput] = queue.Queue()

@@ -33,6 +33,7 @@ from omnirelay.worker.spec import WorkerSpec
 from omnirelay.worker.worker_control import CommandInbox, ControlPaths
 from tests.engine_harness import TIMEOUT_S, ToyPipelineRun, fresh_namespace
 from tests.orchestrator_audit import audit_stopped, pids_alive
+from tests.test_engine_pipeline import assert_complete_and_correct
 from tests.test_orchestrator_process import FACTORY, fake_config_data, sampling
 
 
@@ -68,6 +69,8 @@ class AsyncExecutor:
         self.gate.set()
         self.launched = threading.Event()
         self.num_launches = 0
+        #: each launched batch's internal ids
+        self.batches: list[list[str]] = []
         self._log = log
         self._group = group
         read_chunk = getattr(inner, "read_chunk", None)
@@ -76,6 +79,7 @@ class AsyncExecutor:
 
     def launch(self, batch: list[BatchItem]) -> _Pending:
         self.num_launches += 1
+        self.batches.append([item.internal_id for item in batch])
         self._log.append((self._group[0].num_iterations, self.stage_id))
         self.launched.set()
         return _Pending(self.inner.step(batch), self.gate)
@@ -237,6 +241,37 @@ def test_an_abort_between_launch_and_completion_ends_the_request_cleanly(run: Gr
     reused = run.submit("gone", [7], max_tokens=3)  # the id comes back once every stage released it
     run.wait_done(["gone"])
     assert reused.tokens[0] == [8, 9, 10]
+
+
+def test_by_need_a_first_chunk_never_shares_a_step_with_streams_that_have_audio_banked() -> None:
+    """Code2Wav (the synth) chooses its steps by need: one code makes four seconds of audio
+    here, so a stream that has played its first chunk is seconds ahead for the whole test
+    and a step that decodes a first chunk holds first chunks only. Every stream still
+    gets all its audio, an abort between a launch and its completion ends cleanly, and the
+    audit finds nothing left."""
+    with GroupRun(schedule_by_need=True) as run:
+        synth = run.executors[2]
+        synth.inner.sample_rate = 1
+        counter = run.executors[0]
+        counter.gate.clear()
+        counter.launched.clear()
+        gone = run.submit("gone", [70], max_tokens=40)
+        assert counter.launched.wait(TIMEOUT_S)
+        run.abort("gone")  # while the counter's step is in flight
+        counter.gate.set()
+        tracks = [run.submit(f"s{i}", [i * 10], max_tokens=8) for i in range(3)]
+        run.pump(lambda: all(t.waveform().numel() > 0 for t in tracks))
+        late = [run.submit(f"n{i}", [100 + i * 10], max_tokens=6) for i in range(4)]
+        run.wait_done([t.request_id for t in (*tracks, *late)])
+        run.pump(lambda: gone.released_by == {0, 1, 2})
+        for t, max_tokens in [*((t, 8) for t in tracks), *((t, 6) for t in late)]:
+            assert_complete_and_correct(t, max_tokens)
+        seen: set[str] = set()
+        for batch in synth.batches:
+            firsts = [rid for rid in batch if rid not in seen]
+            assert not firsts or len(firsts) == len(batch), batch  # first chunks alone
+            seen.update(batch)
+        assert len(seen) >= 7
 
 
 # ------------------------------------------------------------------ a group of processes
