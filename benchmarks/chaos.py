@@ -2,7 +2,9 @@
 the clients saw.
 
 The script starts ``omnirelay serve`` on a pipeline with stage replicas
-(``qwen3-omni-tiny-replicas`` by default) on a free loopback port and drives it with the
+(``qwen3-omni-tiny-replicas`` by default) in reproducible mode (``reproducible: true``,
+docs/usage.md: an answer does not depend on what runs beside it, so each can be judged
+sample for sample) on a free loopback port and drives it with the
 official ``openai`` client, retries off (a retry would hide an error), for a bounded time
 (``--duration-s``) or number of requests (``--max-requests``), ``--concurrency`` clients
 at a time. The requests cycle through five kinds, each over ``--prompts`` prompts:
@@ -24,12 +26,12 @@ up again. The report (docs/protocol.md §2.9 is the rule it checks):
   (``MAX_RERUNS``) fails by design: counted apart;
 * **errors, stream playing** — a stream cut or failed after part of the answer arrived
   (the rule: failed fast, never resumed elsewhere);
-* **wrong / duplicated** — an answer that came back whole but differs from the reference
-  (text, or audio: a different length — longer is counted as duplicated — or more than a
-  tenth of the samples off by more than 1 LSB), or a cut stream whose part differs from
-  the reference's start: target 0. Two undisturbed runs of one answer of the tiny pipeline
-  under load may differ in a frame or two of audio: those are right answers, counted
-  apart (``frames_differ``);
+* **wrong / duplicated** — an answer that came back whole but is not the reference byte
+  for byte (its text, or any audio sample), or a cut stream whose part is not exactly the
+  reference's start: target 0. Duplicated: longer than the reference, or where it first
+  differs it repeats audio it had already sent. The old judge's tolerance (1 LSB, a tenth
+  of the samples) is kept as a column: ``wrong_within_old_tolerance`` counts the wrong
+  answers it would have passed;
 * **hung** — a request with no answer within ``--request-timeout-s``: target 0;
 * kills, the workers' restarts and the pipeline's reruns; and the leaks: ``/health?audit=1``
   once idle, a traceback in the server's log, and (after SIGTERM) any ``omnirelay-*``
@@ -110,8 +112,8 @@ class Tally:
     wrong: int = 0
     duplicated: int = 0
     hung: int = 0
-    #: right answers with a frame or two of audio unlike the reference's
-    frames_differ: int = 0
+    #: wrong answers the old judge (1 LSB, a tenth of the samples) would have passed
+    wrong_within_old_tolerance: int = 0
     by_kind: Counter[str] = field(default_factory=Counter)
     error_samples: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,7 +128,7 @@ class Tally:
             "wrong": self.wrong,
             "duplicated": self.duplicated,
             "hung": self.hung,
-            "frames_differ": self.frames_differ,
+            "wrong_within_old_tolerance": self.wrong_within_old_tolerance,
             "by_kind": dict(self.by_kind),
             "error_samples": self.error_samples[:10],
         }
@@ -212,44 +214,55 @@ def ask(client: openai.OpenAI, model: str, kind: str, p: int, max_tokens: int) -
     return a
 
 
-#: the most samples of a right answer that may differ from the reference's by more than 1 LSB:
-#: two undisturbed runs of one answer of the tiny pipeline under load differ in a frame or
-#: two of audio (docs/performance.md, the chaos run); another answer's audio, or a piece
-#: twice, differs in length or nearly everywhere
+#: the old judge's tolerance (before reproducible mode; a column now, not the verdict):
+#: at most this share of the samples off by more than 1 LSB
 MAX_DIFFERING_FRACTION = 0.1
+#: the audio a duplicated piece is recognised by (two codec frames of 24 kHz pcm16)
+_PIECE_BYTES = 2 * 1920 * 2
 
 
-def _off_by_more_than_1_lsb(got: bytes, want: bytes) -> np.ndarray | None:
-    """Per sample, whether two pcm16 answers differ by more than 1 LSB; None when their
-    lengths differ."""
+def _within_old_tolerance(got: bytes, want: bytes) -> bool:
+    """The old judge: the same length, at most a tenth of the samples off by > 1 LSB."""
     if len(got) != len(want):
-        return None
+        return False
     x = np.frombuffer(got, dtype="<i2").astype(np.int32)
     y = np.frombuffer(want, dtype="<i2").astype(np.int32)
-    return np.abs(x - y) > 1
+    return x.size == 0 or float((np.abs(x - y) > 1).mean()) <= MAX_DIFFERING_FRACTION
 
 
-def _same_answer_audio(got: bytes, want: bytes) -> bool:
-    """The same number of samples, nearly all of them equal to 1 LSB."""
-    off = _off_by_more_than_1_lsb(got, want)
-    return off is not None and (off.size == 0 or float(off.mean()) <= MAX_DIFFERING_FRACTION)
+def _first_difference(got: bytes, want: bytes) -> int:
+    """The first byte where ``got`` and ``want`` differ (the shorter's length if one is
+    the other's start); -1 when they are equal."""
+    if got == want:
+        return -1
+    n = min(len(got), len(want))
+    a = np.frombuffer(got[:n], dtype=np.uint8)
+    b = np.frombuffer(want[:n], dtype=np.uint8)
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else n
 
 
-def _same_pcm(got: bytes, want: bytes) -> bool:
-    """The same samples to 1 LSB (two runs of one answer agree to float rounding)."""
-    off = _off_by_more_than_1_lsb(got, want)
-    return off is not None and not off.any()
+def repeats_a_piece(got: bytes, want: bytes) -> bool:
+    """Whether ``got``, where it first departs from ``want``, plays audio it had already
+    sent: a chunk delivered twice (by a rerun, or a stream resumed)."""
+    i = _first_difference(got, want)
+    if i < 0 or i >= len(got):
+        return False
+    i -= i % 2
+    piece = got[i : i + _PIECE_BYTES]
+    # found starting before i: the search ends before the piece's own place
+    return len(piece) >= 64 and got.find(piece, 0, i + len(piece) - 1) != -1
 
 
 def _difference(got: Answer, want: Answer) -> str:
     if got.text != want.text:
         return f"text {got.text[:40]!r} vs {want.text[:40]!r}"
     if len(got.pcm) != len(want.pcm):
-        return f"{len(got.pcm)} bytes of audio vs {len(want.pcm)}"
+        return f"{len(got.pcm)} bytes of audio vs {len(want.pcm)}, first differing sample {_first_difference(got.pcm, want.pcm) // 2}"
     x = np.frombuffer(got.pcm, dtype="<i2").astype(np.int32)
     y = np.frombuffer(want.pcm, dtype="<i2").astype(np.int32)
     d = np.abs(x - y)
-    return f"{int((d > 1).sum())} of {len(d)} samples differ, by up to {int(d.max())}, first at {int(np.argmax(d > 1))}"
+    return f"{int((d > 0).sum())} of {len(d)} samples differ, by up to {int(d.max())}, first at {int(np.argmax(d > 0))}"
 
 
 def judge(tally: Tally, kind: str, got: Answer | None, want: Answer, sample: str) -> None:
@@ -275,25 +288,31 @@ def judge(tally: Tally, kind: str, got: Answer | None, want: Answer, sample: str
             # A stream already playing when its replica died: the part it got must be the
             # reference's start (never another answer's samples, never repeated).
             n = len(got.pcm) - len(got.pcm) % 2
-            if len(got.pcm) > len(want.pcm) or not _same_answer_audio(got.pcm[:n], want.pcm[:n]):
+            if len(got.pcm) > len(want.pcm) or repeats_a_piece(got.pcm[:n], want.pcm):
+                tally.duplicated += 1
+                tally.error_samples.append(f"{sample}: a cut stream's part repeats audio")
+            elif got.pcm[:n] != want.pcm[:n]:
                 tally.wrong += 1
+                tally.wrong_within_old_tolerance += _within_old_tolerance(got.pcm[:n], want.pcm[:n])
                 tally.error_samples.append(f"{sample}: a cut stream's part is not the answer's start")
             else:
                 tally.errors_playing += 1
             return
-        if len(got.pcm) > len(want.pcm):
+        if len(got.pcm) > len(want.pcm) or repeats_a_piece(got.pcm, want.pcm):
             tally.duplicated += 1
             tally.error_samples.append(
-                f"{sample}: {len(got.pcm)} bytes of audio, {len(want.pcm)} undisturbed"
+                f"{sample}: repeats audio ({len(got.pcm)} bytes of audio, {len(want.pcm)} undisturbed)"
             )
-        elif got.text != want.text or not _same_answer_audio(got.pcm, want.pcm):
+        elif got.text != want.text or got.pcm != want.pcm:
             tally.wrong += 1
+            tally.wrong_within_old_tolerance += got.text == want.text and _within_old_tolerance(
+                got.pcm, want.pcm
+            )
             tally.error_samples.append(
                 f"{sample}: differs from the undisturbed answer ({_difference(got, want)})"
             )
         else:
             tally.ok += 1
-            tally.frames_differ += not _same_pcm(got.pcm, want.pcm)
 
 
 # ---------------------------------------------------------------------------- the killer
@@ -479,7 +498,7 @@ def render_chaos(report: dict[str, Any]) -> str:
         f"  wrong answers                       {report['wrong']}",
         f"  duplicated audio                    {report['duplicated']}",
         f"  hung                                {report['hung']}",
-        f"  ok, a frame or two differ           {report['frames_differ']}",
+        f"  wrong, within the old tolerance     {report['wrong_within_old_tolerance']}",
         f"  health afterwards                   {report['health_after']}, audit "
         f"{'clean' if report['audit_clean'] else 'NOT clean'}",
     ]
@@ -523,8 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: the chaos kills far more often than a deployment's restart budget allows
-CHAOS_RESTARTS = "restart: {max_restarts: 10000, window_s: 60, backoff_s: 0.2, max_backoff_s: 1}\n"
+#: the chaos kills far more often than a deployment's restart budget allows, and judges
+#: answers byte for byte (reproducible mode, docs/usage.md)
+CHAOS_SETTINGS = (
+    "restart: {max_restarts: 10000, window_s: 60, backoff_s: 0.2, max_backoff_s: 1}\nreproducible: true\n"
+)
 
 
 def _unexpected_tracebacks(lines: list[str]) -> int:
@@ -543,9 +565,9 @@ def _unexpected_tracebacks(lines: list[str]) -> int:
     )
 
 
-def _with_restarts(pipeline: str, beside: str | None) -> str:
-    """A pipeline file of ``pipeline`` whose restart budget never runs out (its own
-    restart policy, if any, replaced); its path."""
+def chaos_pipeline(pipeline: str) -> str:
+    """A pipeline file of ``pipeline`` whose restart budget never runs out, in reproducible
+    mode (its own restart policy and reproducible key, if any, replaced); its path."""
     import omnirelay
 
     path = Path(pipeline)
@@ -554,7 +576,7 @@ def _with_restarts(pipeline: str, beside: str | None) -> str:
     lines = path.read_text().splitlines(keepends=True)
     kept, skipping = [], False
     for line in lines:
-        if line.startswith("restart:"):
+        if line.startswith(("restart:", "reproducible:")):
             skipping = True
             continue
         if skipping and (line.startswith((" ", "\t")) or not line.strip()):
@@ -562,7 +584,7 @@ def _with_restarts(pipeline: str, beside: str | None) -> str:
         skipping = False
         kept.append(line)
     out = Path(tempfile.mkdtemp(prefix="omnirelay-chaos-")) / path.name
-    out.write_text("".join(kept) + "\n" + CHAOS_RESTARTS)
+    out.write_text("".join(kept) + "\n" + CHAOS_SETTINGS)
     return str(out)
 
 
@@ -583,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_timeout_s=args.request_timeout_s,
         seed=args.seed,
     )
-    server = ServerProcess(_with_restarts(args.pipeline, args.json), max(64, 4 * args.concurrency))
+    server = ServerProcess(chaos_pipeline(args.pipeline), max(64, 4 * args.concurrency))
     server.start(args.startup_timeout_s)
     try:
         report = run_chaos(server.url, opts)
