@@ -1,7 +1,7 @@
 """The benchmarks' command line: ``omnirelay bench BENCH ...`` (or ``python -m benchmarks BENCH ...``).
 
 :func:`main` parses the arguments after ``bench`` and runs one benchmark: ``transfer``,
-``stress``, ``adapter``, ``pipeline``, ``runner``, ``tts-talker``, ``serve`` or ``speech``. Each prints its table, writes its
+``stress``, ``adapter``, ``pipeline``, ``runner``, ``tts-talker``, ``serve``, ``speech`` or ``chaos``. Each prints its table, writes its
 figures with ``--json PATH`` and returns the exit status (1 when a target is missed or
 something leaked). ``omnirelay bench`` (:mod:`omnirelay.cli.bench`) imports this module
 only when a benchmark runs.
@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark named in ``argv`` (the arguments after ``omnirelay bench``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chaos"]:  # its own parser, --help included
+        from benchmarks.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
@@ -395,6 +400,14 @@ def _register_benches(bsub: Any) -> None:
     )
     sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     sp.set_defaults(func=run_bench_speech)
+
+    # Listed here; main() hands its arguments to benchmarks/chaos.py's own parser.
+    bsub.add_parser(
+        "chaos",
+        add_help=False,
+        help="serve over a replicated pipeline while replicas are SIGKILLed: what the clients saw "
+        "(omnirelay bench chaos --help)",
+    )
 
 
 def _run_gpu_transfer(args: argparse.Namespace, payloads: list[str] | None) -> int:

@@ -21,7 +21,7 @@ import omnirelay
 __all__ = ["register", "run_bench"]
 
 #: Every benchmark of benchmarks/cli.py, for ``omnirelay --help`` (a test holds the two together).
-_BENCHES = "transfer, stress, adapter, pipeline, serve, runner, tts-talker, speech"
+_BENCHES = "transfer, stress, adapter, pipeline, serve, runner, tts-talker, speech, chaos"
 
 
 def register(sub: Any) -> None:
