@@ -170,8 +170,15 @@ def _switch(name: str) -> bool:
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """:func:`grouped_attention` as one ``scaled_dot_product_attention``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    """:func:`grouped_attention` as one ``scaled_dot_product_attention``. The key/value
+    heads are repeated per query head first (a copy a compiled pass folds into the kernel
+    that picks the cache's keys): the memory-efficient kernel, the one that takes a mask,
+    does not group query heads itself."""
+    b, hq, _, _ = q.shape
+    hk, length, d = k.shape[1], k.shape[2], k.shape[3]
+    k = k.unsqueeze(2).expand(b, hk, hq // hk, length, d).reshape(b, hq, length, d)
+    v = v.unsqueeze(2).expand(b, hk, hq // hk, length, d).reshape(b, hq, length, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class CodePredictor:
