@@ -159,3 +159,13 @@ def test_a_launched_step_never_waits_for_the_device_and_speaks_the_stepped_frame
     for rid in got:
         ex.release(rid)
     assert ex.leak_state() == {}
+    # The executor's launch (rows prepared on the Talker's stream) speaks the same frames.
+    ex = _reference_talker(True)
+    launched: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for step in range(6):
+        pending = ex.launch([item(rid, case, step, seeded) for rid in launched])
+        while not pending.is_done():
+            pass
+        for rid, result in zip(launched, pending.result()):
+            launched[rid].append(result.next_stage_output[0].tolist())
+    assert launched == stepped

@@ -183,7 +183,12 @@ class TTSTalkerExecutor:
             launched.append(_LaunchedStep(self, items, seqs, [*prefills, *decodes], frames))
             return []
 
-        guarded_step(batch, start, self.release)
+        stream = self.runner.stream()
+        if stream is None:
+            guarded_step(batch, start, self.release)
+        else:  # the rows' conditioning and slot moves on the Talker's stream, not the default
+            with torch.cuda.stream(stream):
+                guarded_step(batch, start, self.release)
         return launched[0]
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:

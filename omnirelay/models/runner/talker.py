@@ -361,18 +361,29 @@ class TalkerRunner:
         embeddings, slot moves), the codes copied non-blocking into pinned host memory
         and an event recorded after them; :meth:`LaunchedFrames.codes` reads them once
         the event completed. Nothing here waits for the device. Elsewhere the step runs now."""
-        if self.device.type != "cuda":
+        stream = self.stream()
+        if stream is None:
             return LaunchedFrames(self.step(prefills, decodes))
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(torch.cuda.default_stream(self.device))  # slot moves of releases
+        current = torch.cuda.current_stream(self.device)
+        if current != stream:
+            stream.wait_stream(current)
         with torch.cuda.stream(stream):
             pieces = self._enqueue(prefills, decodes, _to_pinned_host)
             done = torch.cuda.Event()
             done.record(stream)
         # The rows' device tensors stay referenced until the event completed.
         return LaunchedFrames(pieces, done, (prefills, decodes), self.q)
+
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream launched steps run on (made on first use); None off CUDA. The
+        caller may prepare a step's rows on it too, so they need not wait for other
+        stages' work on the default stream."""
+        if self.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
     def _enqueue(
         self,
