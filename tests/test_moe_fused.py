@@ -232,6 +232,27 @@ def test_interpreted_fused_block_matches_the_models_block(interpreted: Any) -> N
     assert float((got.view(-1, 96).float() - want).abs().max() / want.abs().max()) < 2e-3
 
 
+@needs_triton
+def test_interpreted_fused_block_with_a_shared_expert(interpreted: Any) -> None:
+    """The Qwen3-Omni Talker's block: the routed experts plus its gated shared expert."""
+    block = _block(8, 2, 64, 48, talker=True)
+    with torch.no_grad():
+        for param in (*block.shared_expert.parameters(), block.shared_expert_gate.weight):
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) / 8)
+    half = copy.deepcopy(block).half()
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(6)).half()
+    assert moe.fused_experts_enabled(torch.float16)
+    with torch.no_grad():
+        flat = x.view(-1, 64)
+        _, weights, ids = half.gate(flat)
+        shared = torch.sigmoid(block.shared_expert_gate(flat.float())) * block.shared_expert(flat.float())
+        want = block.experts(flat.float(), ids, weights.float()) + shared
+        with experts_implementation([half.experts], moe.FUSED_EXPERTS):
+            got = moe.fused_moe_block(half, x)
+    assert got is not None
+    assert float((got.view(-1, 64).float() - want).abs().max() / want.abs().max()) < 2e-3
+
+
 def test_the_path_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from omnirelay.models.runner.thinker import experts_for
 

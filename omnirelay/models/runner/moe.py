@@ -18,7 +18,7 @@ experts module of the usual layout (``gate_up_proj [E, 2I, H]``, gate rows first
 Steps 1 and 2 take the model's routing (its router's softmax, top-k and renormalization)
 as given. For a whole MoE block of a decode's few tokens, :func:`fused_moe_block` also
 takes the routing in: the router's matmul, then softmax, top-k, renormalization and
-placement in one program, so the block is six launches in all. No step reads a value back to the host and every buffer has a size fixed by the token count,
+placement in one program, so the routed part of a block is five launches in all. No step reads a value back to the host and every buffer has a size fixed by the token count,
 so the path records into a CUDA graph. Block sizes are fixed per pair count (decode's few
 rows: thin blocks that spread the weight reads over many programs; a prefill's thousands:
 square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
@@ -168,19 +168,22 @@ def fused_experts(
 
 
 def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
-    """``block(hidden)`` for a router + experts MoE block (no shared expert) of at most
-    :data:`ROUTED_TOKENS` tokens while its experts run the fused path: the router's
-    logits (one matmul), then routing and placement in one program
-    (:func:`~omnirelay.models.runner.moe_kernels.route_place`) instead of the router's
-    softmax, top-k, sum and division and the two placement launches. None where that does
+    """``block(hidden)`` for an MoE block of at most :data:`ROUTED_TOKENS` tokens while its
+    experts run the fused path: the router's logits (one matmul), then routing and
+    placement in one program (:func:`~omnirelay.models.runner.moe_kernels.route_place`)
+    instead of the router's softmax, top-k, sum and division and the two placement
+    launches. A block with a gated shared expert (the Qwen3-Omni Talker's) adds it as the
+    model does, ``routed + sigmoid(shared_gate(x)) · shared(x)``. None where that does
     not apply (the caller runs the block as is), also while a hook observes the router or
     the experts, so what they see is the model's own routing."""
     experts: Any = getattr(block, "experts", None)
     gate: Any = getattr(block, "gate", None)
+    shared: Any = getattr(block, "shared_expert", None)
+    shared_gate: Any = getattr(block, "shared_expert_gate", None)
     config = getattr(experts, "config", None)
     if config is None or getattr(config, "_experts_implementation", None) != FUSED_EXPERTS:
         return None
-    if getattr(block, "shared_expert", None) is not None or gate is None:
+    if gate is None or (shared is None) != (shared_gate is None):
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, experts)):
         return None
@@ -211,6 +214,8 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
         num_warps=8,
     )
     out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate(x)) * shared(x)
     return out.view_as(hidden)
 
 
