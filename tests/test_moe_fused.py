@@ -288,7 +288,7 @@ def _real_block() -> Any:
 
 
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 16, 64, 1920])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 512, 1920])
 def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
     """bfloat16, 128 experts, top-8, hidden 2048, intermediate 768: relative error (norm)
     against float32 under 1e-2, no worse than ``grouped_mm``'s plus 2e-3; a CUDA graph
