@@ -48,9 +48,8 @@ from omnirelay.models.qwen3_tts.prompt import default_speaker
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.predictor import ResidualSampling, use_compile_cache
-from omnirelay.models.runner.talker import LaunchedFrames
 from omnirelay.models.sampling import make_generator
-from omnirelay.models.stepping import guarded_step
+from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
 
 __all__ = ["TTSTalkerExecutor", "create_talker", "voice_of_inputs"]
 
@@ -170,26 +169,28 @@ class TTSTalkerExecutor:
 
     # ----------------------------------------------------------------- one step
 
-    def launch(self, batch: list[BatchItem]) -> _LaunchedStep:
+    def launch(self, batch: list[BatchItem]) -> GuardedLaunch:
         """The step split in two (docs/design.md §12): the rows are prepared and the
         runner's work enqueued (:meth:`TalkerRunner.launch`); the codes become results in
         ``result()``, once the step's event completed. A failure releases the batch's
         requests, as :meth:`step` does."""
-        launched: list[_LaunchedStep] = []
 
-        def start(items: list[BatchItem]) -> list[ItemResult]:
+        def start(items: list[BatchItem]) -> GuardedLaunch:
             prefills, decodes, seqs = self._rows(items)
+            rows = [*prefills, *decodes]
             frames = self.runner.launch(prefills, decodes)
-            launched.append(_LaunchedStep(self, items, seqs, [*prefills, *decodes], frames))
-            return []
+            return GuardedLaunch(
+                items,
+                self.release,
+                is_done=frames.is_done,
+                finish=lambda: self._results(items, seqs, rows, frames.codes()),
+            )
 
         stream = self.runner.stream()
         if stream is None:
-            guarded_step(batch, start, self.release)
-        else:  # the rows' conditioning and slot moves on the Talker's stream, not the default
-            with torch.cuda.stream(stream):
-                guarded_step(batch, start, self.release)
-        return launched[0]
+            return guarded_launch(batch, start, self.release)
+        with torch.cuda.stream(stream):  # the rows' conditioning and slot moves on the Talker's stream
+            return guarded_launch(batch, start, self.release)
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         prefills, decodes, seqs = self._rows(batch)
@@ -266,37 +267,6 @@ class TTSTalkerExecutor:
         except ModelError as exc:
             raise ModelError(f"request {rid!r}: {exc}") from exc
         return _Sequence(conditioning=conditioning, generator=make_generator(item.sampling.seed))
-
-
-class _LaunchedStep:
-    """A launched Talker step (:class:`~omnirelay.engine.interfaces.PendingStep`): the
-    runner's launched frames, made results in :meth:`result`."""
-
-    def __init__(
-        self,
-        executor: TTSTalkerExecutor,
-        batch: list[BatchItem],
-        seqs: list[_Sequence],
-        rows: list[TalkerRow],
-        frames: LaunchedFrames,
-    ) -> None:
-        self._executor = executor
-        self._batch = batch
-        self._seqs = seqs
-        self._rows = rows
-        self._frames = frames
-
-    def is_done(self) -> bool:
-        return self._frames.is_done()
-
-    def result(self) -> list[ItemResult]:
-        executor = self._executor
-        try:
-            return executor._results(self._batch, self._seqs, self._rows, self._frames.codes())
-        except BaseException:
-            for item in self._batch:  # as guarded_step does: a failed step fails its requests
-                executor.release(item.internal_id)
-            raise
 
 
 def create_talker(**executor_args: Any) -> TTSTalkerExecutor:
