@@ -387,6 +387,7 @@ def _run_pipeline_bench(
             timeout_s=timeout_s,
             stream=err,
         )
+        report["stage_slots"] = _stage_slots(pipe)
     finally:
         shutdown = pipe.shutdown()
     report.update(
@@ -411,6 +412,17 @@ def _run_pipeline_bench(
     )
     report["ok"] = report["ok"] and not (shutdown.num_killed or shutdown.num_objects_left)
     return report
+
+
+def _stage_slots(pipe: Any) -> dict[str, int]:
+    """Requests each stage runs at once, by its worker's scheduler (a stage whose KV
+    slots were sized from the device memory reports what fit)."""
+    slots: dict[str, int] = {}
+    for stage in pipe.health().stages:
+        limit = ((stage.engine or {}).get("scheduler") or {}).get("max_num_seqs")
+        if isinstance(limit, int):
+            slots[stage.name] = limit
+    return slots
 
 
 def _check_options(concurrency: Sequence[int], requests: int | None, warmup: int) -> None:
@@ -639,7 +651,13 @@ def _render_one(report: dict[str, Any]) -> str:
     lines = [
         f"omnirelay bench pipeline: {report['pipeline']}{gpus}{startup}\n",
         f"chunk schedule: {report.get('schedule', 'adaptive')}; audio streams at once: "
-        f"{report.get('max_audio_streams') or 'no fixed limit'}\n",
+        f"{report.get('max_audio_streams') or 'no fixed limit'}"
+        + (
+            "; requests at once per stage: " + ", ".join(f"{k} {v}" for k, v in report["stage_slots"].items())
+            if report.get("stage_slots")
+            else ""
+        )
+        + "\n",
         f"{report['num_prompt_tokens']}-token prompt, "
         f"text+audio; {report['warmup']} warm-up request(s) not counted; "
         f"{report['env']['cpus']} CPUs, load average {report['env']['loadavg_start'][0]:.2f} at start\n",
