@@ -48,12 +48,14 @@ penalty 1 and no block they leave the logits exactly as they were.
 A family whose code predictor is narrower than its Talker projects each pass's input
 first (``projection``: Qwen3-TTS 1.7B's ``small_to_mtp_projection``).
 
-Three environment switches, read when the predictor is built, let one run compare the
+Four environment switches, read when the predictor is built, let one run compare the
 tail's variants on a GPU: ``OMNIRELAY_TAIL_SORT=1`` samples the residual codebooks with
 :func:`~omnirelay.models.runner.sampler.sample` (a full sort each, the former way);
 ``OMNIRELAY_TAIL_SDPA=1`` attends with one ``scaled_dot_product_attention`` per layer
 instead of two matmuls around a softmax; ``OMNIRELAY_TAIL_AUTOTUNE=1`` compiles with
-inductor's ``max-autotune-no-cudagraphs`` mode (its own matmul kernels, longer compiles).
+the options of inductor's ``max-autotune-no-cudagraphs`` mode (its own matmul kernels,
+longer compiles); ``OMNIRELAY_TAIL_COMBO=1`` turns on inductor's combo kernels
+(independent small kernels of a graph launched as one).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from omnirelay.models.runner.sampler import sample, sample_top_k
 
 __all__ = [
     "AUTOTUNE_ENV",
+    "COMBO_ENV",
     "DEFAULT_RESIDUAL",
     "PREDICTOR_TOP_K",
     "PREDICTOR_TOP_P",
@@ -95,6 +98,8 @@ SORT_ENV = "OMNIRELAY_TAIL_SORT"
 SDPA_ENV = "OMNIRELAY_TAIL_SDPA"
 #: "1": inductor's ``max-autotune-no-cudagraphs`` mode
 AUTOTUNE_ENV = "OMNIRELAY_TAIL_AUTOTUNE"
+#: "1": inductor's combo kernels (independent small kernels launched as one)
+COMBO_ENV = "OMNIRELAY_TAIL_COMBO"
 #: Compiled graphs kept per function: one per batch bucket, with room to spare.
 _RECOMPILE_LIMIT = 64
 
@@ -252,13 +257,17 @@ class CodePredictor:
 
         dynamo_config: Any = _dynamo.config
         dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
-        mode = "max-autotune-no-cudagraphs" if backend == "inductor" and _switch(AUTOTUNE_ENV) else None
+        options: dict[str, Any] = {}
+        if backend == "inductor" and _switch(AUTOTUNE_ENV):
+            options.update(max_autotune=True, coordinate_descent_tuning=True)  # the mode's options
+        if backend == "inductor" and _switch(COMBO_ENV):
+            options["combo_kernels"] = True
         # dynamic=None: the first batch size compiles static, the next one turns the batch
         # dimension symbolic, and every later size reuses that graph (about two compiles
         # of each body for a whole set of buckets instead of one per bucket).
         for name in ("opening_fn", "pass_fn", "head_fn", "first_fn", "residual_fn"):
             body = getattr(self, name)
-            setattr(self, name, torch.compile(body, backend=backend, fullgraph=True, mode=mode))
+            setattr(self, name, torch.compile(body, backend=backend, fullgraph=True, options=options or None))
 
     def finish_compiling(self) -> None:
         """Every graph is compiled (and captured): stop inductor's pool of compile worker
