@@ -41,14 +41,18 @@ def test_a_given_count_wins_and_its_memory_is_taken_first() -> None:
     assert plan == {"thinker": 20, "talker": 24}
 
 
-def test_a_given_count_that_does_not_fit_names_its_setting() -> None:
-    needs = [_need("thinker", 0.2, given=64)]
+def test_a_given_count_is_kept_past_the_share_and_named_when_nothing_is_left() -> None:
+    # 10 GiB left; the given 64 slots take 12.8 (their allocation checks the free memory)
+    given = _need("thinker", 0.2, given=64)
+    assert plan_slots([given], free_bytes=18 * GIB, total_bytes=80 * GIB, fraction=0.9) == {"thinker": 64}
     with pytest.raises(ModelError) as err:
-        plan_slots(needs, free_bytes=18 * GIB, total_bytes=80 * GIB, fraction=0.9)
+        plan_slots([given, _need("talker", 0.05)], free_bytes=18 * GIB, total_bytes=80 * GIB, fraction=0.9)
     message = str(err.value)
     assert "\n" not in message
-    assert "thinker 64" in message and "2.80 GiB more" in message
-    assert "executor_args.max_num_seqs" in message and "gpu_memory_utilization" in message
+    assert message.startswith(
+        "not even one KV slot fits after the slots executor_args.max_num_seqs gives (thinker 64)"
+    )
+    assert "lower executor_args.max_num_seqs" in message and "gpu_memory_utilization" in message
 
 
 def test_not_even_one_slot_is_one_line_with_the_shortfall_and_the_knobs() -> None:

@@ -17,7 +17,7 @@ but what fits:
    KV, so no graph pool is counted twice or missed by the sizing).
 
 A stage whose ``executor_args.max_num_seqs`` is given keeps that count (its memory is
-taken first; it is an error when it does not fit). One startup line per stage: weights,
+taken first, whether or not it fits the share; its allocation checks the free memory). One startup line per stage: weights,
 KV slots × positions, graph pools. When not even one slot fits, one line names the
 shortfall and the settings that change it.
 
@@ -76,7 +76,8 @@ def plan_slots(
     needs: list[SlotNeed], *, free_bytes: int, total_bytes: int, fraction: float
 ) -> dict[str, int]:
     """Slots per stage (see the module docstring); raises :class:`ModelError` (one line)
-    when a given count does not fit or not even one sized slot does."""
+    when not even one sized slot fits. A given count is kept as it is (its allocation
+    checks the device's free memory, as without sizing) and leaves the rest less."""
     if not 0.0 < fraction <= 1.0:
         raise ModelError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
     in_use = total_bytes - free_bytes
@@ -88,15 +89,9 @@ def plan_slots(
     plan: dict[str, int] = {}
     left = budget
     for need in needs:
-        if need.given is not None:
+        if need.given is not None:  # kept as given (the allocation checks the free memory)
             left -= need.fixed_bytes + need.given * need.slot_bytes
             plan[need.stage] = need.given
-    if plan and left < 0:
-        given = ", ".join(f"{n.stage} {n.given}" for n in needs if n.given is not None)
-        raise ModelError(
-            f"the KV slots given by executor_args.max_num_seqs ({given}) need {-left / _GIB:.2f} GiB more "
-            f"than the device has for them ({where}); lower executor_args.max_num_seqs or {_KNOBS}"
-        )
     sized = [n for n in needs if n.given is None]
     if not sized:
         return plan
@@ -108,8 +103,11 @@ def plan_slots(
         parts = ", ".join(
             f"{n.stage} {n.slot_bytes / _GIB:.3f} GiB a slot + {n.fixed_bytes / _GIB:.2f} GiB" for n in sized
         )
+        given = ", ".join(f"{n.stage} {n.given}" for n in needs if n.given is not None)
+        after = f" after the slots executor_args.max_num_seqs gives ({given})" if given else ""
+        knobs = f"lower executor_args.max_num_seqs, {_KNOBS}" if given else _KNOBS
         raise ModelError(
-            f"not even one KV slot fits: {short / _GIB:.2f} GiB short ({parts}; {where}); {_KNOBS}"
+            f"not even one KV slot fits{after}: {short / _GIB:.2f} GiB short ({parts}; {where}); {knobs}"
         )
     for need in sized:
         plan[need.stage] = int(count)
