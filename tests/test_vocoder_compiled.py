@@ -11,7 +11,8 @@ compiles once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,13 @@ import torch
 from omnirelay.errors import ModelError
 from omnirelay.models.qwen3_omni import Checkpoint
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
-from omnirelay.models.runner.vocoder import COMPILE_ENV, StreamingVocoder, StreamRow, stream_compile_backend
+from omnirelay.models.runner.vocoder import (
+    COMPILE_ENV,
+    COMPILED_TOLERANCE,
+    StreamingVocoder,
+    StreamRow,
+    stream_compile_backend,
+)
 from tests.test_models_support import single_thread, tiny_dir
 
 Q = 16
@@ -75,6 +82,34 @@ def test_the_compiled_step_decodes_what_the_eager_step_decodes(name: str) -> Non
             whole = _whole(model, c)
             assert float((torch.cat(pieces[rid]) - whole).abs().max()) <= TOL, rid
     assert len(compiled.slots) == 0 and compiled.slots.num_free == 2
+    error = compiled.check_compiled()  # the startup probe: two streams of three frames
+    assert error is not None and error <= TOL and compiled.compile_backend == "aot_eager"
+    assert len(compiled.slots) == 0
+
+
+@torch._dynamo.register_backend(name="omnirelay_test_doubling")  # type: ignore[untyped-decorator,misc]
+def _doubling(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """A backend that computes the step, then doubles its samples (a miscompile)."""
+
+    def run(*args: Any) -> Any:
+        return [o * 2 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in graph(*args)]
+
+    return run
+
+
+@pytest.mark.slow
+def test_a_compiled_step_that_decodes_differently_goes_back_to_uncompiled() -> None:
+    torch._dynamo.reset()
+    model = _decoder("qwen3-tts")
+    voc = StreamingVocoder(model, max_streams=2, cuda_graphs=False, compile="omnirelay_test_doubling")
+    error = voc.check_compiled()
+    assert error is not None and error > COMPILED_TOLERANCE
+    assert voc.compile_backend is None and voc.compile_error == error
+    assert len(voc.slots) == 0  # the probe's streams are gone
+    codes = torch.randint(0, 2048, (Q, FRAMES), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        (got,) = voc.decode([StreamRow("x", codes)])
+    assert float((got - _whole(model, codes)).abs().max()) <= TOL
 
 
 def test_the_switch_compiles_only_graphed_steps_and_refuses_other_values(

@@ -40,6 +40,7 @@ def _vocoder(model: Any, compile: str | None) -> StreamingVocoder:
     )
     voc.capture_graphs()
     assert len(voc.graphs) == len(BATCHES) * len(FRAMES)
+    assert voc.compile_backend == compile, f"the compiled step fell back: startup error {voc.compile_error}"
     return voc
 
 
@@ -84,7 +85,10 @@ def _compare(model: Any, compiled: StreamingVocoder, step_tol: float, whole_tol:
             got = torch.cat(pieces[rid])
             assert got.shape == whole.shape, rid
             errors[rid] = _relative(got, whole)
-    print(f"compiled vs uncompiled step: largest relative error {worst:.2e}; vs whole: {errors}")
+    print(
+        f"compiled vs uncompiled step: largest relative error {worst:.2e} (startup probe "
+        f"{compiled.compile_error}); vs whole: {errors}"
+    )
     assert worst < step_tol
     assert max(errors.values()) < whole_tol
     assert compiled.graphs.num_replays > 0 and compiled.graphs.num_eager == 0

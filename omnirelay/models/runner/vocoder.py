@@ -87,6 +87,9 @@ _MAX_FRAMES = 1 << 40
 COMPILE_ENV = "OMNIRELAY_CODE2WAV_COMPILE"
 #: Compiled graphs kept for the step: a handful cover every bucket, with room to spare.
 _RECOMPILE_LIMIT = 64
+#: Largest relative error (‖compiled − uncompiled‖ / ‖uncompiled‖) the compiled step may
+#: show on the startup probe before the step goes back to uncompiled.
+COMPILED_TOLERANCE = 5e-2
 
 
 def stream_compile_backend(cuda_graphs: bool) -> str | None:
@@ -177,6 +180,8 @@ class StreamingVocoder:
         self.compile_backend = backend
         #: inductor's on-disk cache for this decoder (None: not compiling with inductor)
         self.compile_cache = None
+        #: the compiled step's relative error on the startup probe (None: not checked)
+        self.compile_error: float | None = None
         self._step_fn: Callable[..., torch.Tensor] = self._forward
         if backend is None:
             return
@@ -424,6 +429,49 @@ class StreamingVocoder:
 
             # Every graph is captured: the compile worker processes would only idle.
             async_compile.shutdown_compile_workers()
+        self.check_compiled()
+
+    def check_compiled(self) -> float | None:
+        """The compiled step against the uncompiled one on probe streams (two chunks of up
+        to two new streams, released after): their largest relative error. Above
+        :data:`COMPILED_TOLERANCE` the step goes back to uncompiled (its graphs captured
+        again), with a warning. None: the step is not compiled."""
+        if self.compile_backend is None:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        size = int(self.model.config.codebook_size)
+        codes = [
+            torch.randint(0, size, (self.q, 3), generator=gen) for _ in range(min(2, self.slots.num_free))
+        ]
+        compiled = self._probe(codes, "compiled")
+        step_fn, bypass = self._step_fn, self.graphs.bypass
+        self._step_fn, self.graphs.bypass = self._forward, True
+        try:
+            eager = self._probe(codes, "uncompiled")
+        finally:
+            self._step_fn, self.graphs.bypass = step_fn, bypass
+        error = max(float((c - e).norm() / e.norm().clamp_min(1e-12)) for c, e in zip(compiled, eager))
+        self.compile_error = error
+        if error > COMPILED_TOLERANCE:
+            print(
+                f"omnirelay: warning: the compiled Code2Wav stream step decodes differently from the "
+                f"uncompiled one (relative error {error:.2g}); it runs uncompiled",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.compile_backend, self._step_fn = None, self._forward
+            if self.graphs.enabled:
+                self.graphs = GraphSet("code2wav-stream", self.device, enabled=True)
+                self.capture_graphs()
+        return error
+
+    def _probe(self, codes: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        rows = [StreamRow(f"probe-{name}-{i}", c) for i, c in enumerate(codes)]
+        with torch.inference_mode():
+            pieces = [piece.float() for _ in range(2) for piece in self.decode(rows)]
+        for row in rows:
+            self.release(row.rid)
+        return pieces
 
     def release(self, rid: str) -> None:
         """Forget the stream's state (idempotent); its slot is free for another. The table
