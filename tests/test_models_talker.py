@@ -83,10 +83,12 @@ def talk(
     sampling: SamplingParams = GREEDY,
     *,
     complete: bool = False,
+    launched: bool = False,
 ) -> dict[str, list[Any]]:
     """Drive requests as the AR scheduler does: one committed chunk per step until the
     Thinker is exhausted, then free-running. ``complete``: the whole Thinker output as
-    one forwarded input instead. Returns each request's results."""
+    one forwarded input instead; ``launched``: each step split (``launch``, then its
+    ``result``), as in a device group. Returns each request's results."""
     results: dict[str, list[Any]] = {rid: [] for rid in streams}
     for step in range(steps):
         batch = []
@@ -102,7 +104,8 @@ def talk(
                 batch.append(item(rid, sampling=sampling, info=info, exhausted=step >= len(chunks) - 1))
         if not batch:
             break
-        for it, res in zip(batch, executor.step(batch)):
+        stepped = executor.launch(batch).result() if launched else executor.step(batch)
+        for it, res in zip(batch, stepped):
             results[it.internal_id].append(res)
     for rid in streams:
         executor.release(rid)
@@ -155,6 +158,16 @@ def test_streaming_input_equals_one_complete_input(talker: TalkerExecutor, paylo
     complete = talk(talker, payloads, 14, complete=True)
     for rid in payloads:
         assert torch.equal(frames(streamed[rid]), frames(complete[rid])), rid
+
+
+def test_a_launched_step_speaks_what_the_step_speaks(
+    talker: TalkerExecutor, payloads: dict[str, Any]
+) -> None:
+    stepped = talk(talker, payloads, 10, SAMPLED)
+    launched = talk(talker, payloads, 10, SAMPLED, launched=True)
+    for rid in payloads:
+        assert torch.equal(frames(stepped[rid]), frames(launched[rid])), rid
+    assert talker.num_live_requests() == 0
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

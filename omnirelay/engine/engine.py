@@ -128,7 +128,8 @@ def _build_scheduler(
     roles: StageRoles,
     executor: Executor,
     clock: Callable[[], float],
-    need: NeedPolicy | None = None,
+    processor: Any = None,
+    by_need: bool = False,
 ) -> BaseScheduler:
     """The stage's scheduler: the generation scheduler for a generation stage (with the
     executor's chunk reader: what a committed chunk means is the consuming model's
@@ -141,6 +142,8 @@ def _build_scheduler(
         "max_num_batched_tokens": stage.max_num_batched_tokens,
         "clock": clock,
     }
+    # A device group's stage picks each tick's requests by need (need_policy).
+    need = need_policy(stage, roles, processor) if by_need else None
     if stage.execution_type is ExecutionType.GENERATION:
         return GenerationScheduler(chunk_reader=getattr(executor, "read_chunk", None), need=need, **common)
     # An AR receiver (a Talker) needs a chunk for every step and it is usually there
@@ -187,9 +190,7 @@ class StageEngine:
         #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
         self._tracer = tracer
         self._connector = connector
-        #: a device group's stage picks each tick's requests by need (:func:`need_policy`)
-        need = need_policy(stage, self.roles, processor) if schedule_by_need else None
-        self._scheduler = _build_scheduler(stage, self.roles, executor, clock, need)
+        self._scheduler = _build_scheduler(stage, self.roles, executor, clock, processor, schedule_by_need)
         #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
         #: away: it registers once the step's outputs are on their way (see
         #: :meth:`_load_deferred`), so its first poll does not compete with them.

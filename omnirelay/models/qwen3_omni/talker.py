@@ -60,8 +60,9 @@ from omnirelay.models.qwen3_omni.talker_text import TextConditioner
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
 from omnirelay.models.runner.predictor import use_compile_cache
+from omnirelay.models.runner.talker import launch_talker_step
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
-from omnirelay.models.stepping import guarded_step
+from omnirelay.models.stepping import GuardedLaunch, guarded_step
 
 __all__ = [
     "CODE_PREDICTOR_TOP_K",
@@ -330,6 +331,23 @@ class TalkerExecutor:
         code-predictor tail for every row."""
         runner = self.runner
         assert runner is not None
+        prefills, decodes, seqs = self._static_rows(batch)
+        made = runner.step(prefills, decodes)  # one code-predictor tail for all rows
+        return self._static_results(batch, seqs, [*prefills, *decodes], made)
+
+    def launch(self, batch: list[BatchItem]) -> GuardedLaunch:
+        """The step split in two (docs/design.md §12; as the Qwen3-TTS Talker's), on the
+        static runner; the dynamic one steps at once."""
+        if self.runner is None:
+            return GuardedLaunch(batch, self.release, results=self.step(batch))
+        return launch_talker_step(self.runner, batch, self._static_rows, self._static_results, self.release)
+
+    def _static_rows(
+        self, batch: list[BatchItem]
+    ) -> tuple[list[TalkerRow], list[TalkerRow], list[_Sequence]]:
+        """The prefill rows (slots acquired), the frame rows and each item's sequence."""
+        runner = self.runner
+        assert runner is not None
         seqs: list[_Sequence] = []
         prefills: list[TalkerRow] = []
         continuing: list[tuple[BatchItem, _Sequence]] = []
@@ -351,8 +369,13 @@ class TalkerExecutor:
             TalkerRow(item.internal_id, self._next_text(seq), item.sampling, seq.generator)
             for item, seq in continuing
         ]
-        made = runner.step(prefills, decodes)  # one code-predictor tail for all rows
-        codes = dict(zip((r.rid for r in (*prefills, *decodes)), made))
+        return prefills, decodes, seqs
+
+    def _static_results(
+        self, batch: list[BatchItem], seqs: list[_Sequence], rows: list[TalkerRow], made: torch.Tensor
+    ) -> list[ItemResult]:
+        """The step's results from the runner's codes (``made`` in the order of ``rows``)."""
+        codes = dict(zip((r.rid for r in rows), made))
         frames = torch.stack([codes[item.internal_id] for item in batch])
         eos = frames[:, 0] == self.spec.codec_eos_token_id
         frames[eos, 1:] = 0  # an EOS frame carries no residual codes

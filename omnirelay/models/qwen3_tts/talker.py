@@ -48,8 +48,9 @@ from omnirelay.models.qwen3_tts.prompt import default_speaker
 from omnirelay.models.qwen3_tts.talker_model import TTSTalker
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.predictor import ResidualSampling, use_compile_cache
+from omnirelay.models.runner.talker import launch_talker_step
 from omnirelay.models.sampling import make_generator
-from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
+from omnirelay.models.stepping import GuardedLaunch, guarded_step
 
 __all__ = ["TTSTalkerExecutor", "create_talker", "voice_of_inputs"]
 
@@ -170,27 +171,10 @@ class TTSTalkerExecutor:
     # ----------------------------------------------------------------- one step
 
     def launch(self, batch: list[BatchItem]) -> GuardedLaunch:
-        """The step split in two (docs/design.md §12): the rows are prepared and the
-        runner's work enqueued (:meth:`TalkerRunner.launch`); the codes become results in
-        ``result()``, once the step's event completed. A failure releases the batch's
-        requests, as :meth:`step` does."""
-
-        def start(items: list[BatchItem]) -> GuardedLaunch:
-            prefills, decodes, seqs = self._rows(items)
-            rows = [*prefills, *decodes]
-            frames = self.runner.launch(prefills, decodes)
-            return GuardedLaunch(
-                items,
-                self.release,
-                is_done=frames.is_done,
-                finish=lambda: self._results(items, seqs, rows, frames.codes()),
-            )
-
-        stream = self.runner.stream()
-        if stream is None:
-            return guarded_launch(batch, start, self.release)
-        with torch.cuda.stream(stream):  # the rows' conditioning and slot moves on the Talker's stream
-            return guarded_launch(batch, start, self.release)
+        """The step split in two (docs/design.md §12): the rows prepared and the runner's
+        work enqueued on its stream; the codes become results once its event completed
+        (:func:`~omnirelay.models.runner.talker.launch_talker_step`)."""
+        return launch_talker_step(self.runner, batch, self._rows, self._results, self.release)
 
     def _step(self, batch: list[BatchItem]) -> list[ItemResult]:
         prefills, decodes, seqs = self._rows(batch)

@@ -41,15 +41,16 @@ from typing import Any
 
 import torch
 
-from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
 from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
+from omnirelay.models.stepping import GuardedLaunch, guarded_launch
 
-__all__ = ["LaunchedFrames", "TalkerRow", "TalkerRunner"]
+__all__ = ["LaunchedFrames", "TalkerRow", "TalkerRunner", "launch_talker_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,3 +469,40 @@ class LaunchedFrames:
             self._done.synchronize()
             self._done = self._keep = None
         return _cat(self._pieces, self._q)
+
+
+#: An executor's rows of a step: ``(prefills, decodes, its own state of the step)``.
+Rows = tuple[Sequence[TalkerRow], Sequence[TalkerRow], Any]
+#: An executor's results from the runner's codes: ``(batch, state, rows in order, codes)``.
+Results = Callable[[list[BatchItem], Any, list[TalkerRow], torch.Tensor], list[ItemResult]]
+
+
+def launch_talker_step(
+    runner: TalkerRunner,
+    batch: list[BatchItem],
+    rows: Callable[[list[BatchItem]], Rows],
+    results: Results,
+    release: Callable[[str], None],
+) -> GuardedLaunch:
+    """A Talker executor's ``launch`` (docs/design.md §12): ``rows(batch)`` prepared and
+    the runner's step launched, both on the runner's stream (a new request's conditioning
+    then waits for nothing another stage put on the default stream); ``results`` made
+    once its event completed. Off CUDA the step runs now. A failure releases the batch,
+    as a failing step does (:func:`~omnirelay.models.stepping.guarded_step`)."""
+
+    def start(items: list[BatchItem]) -> GuardedLaunch:
+        prefills, decodes, state = rows(items)
+        ordered = [*prefills, *decodes]
+        frames = runner.launch(prefills, decodes)
+        return GuardedLaunch(
+            items,
+            release,
+            is_done=frames.is_done,
+            finish=lambda: results(items, state, ordered, frames.codes()),
+        )
+
+    stream = runner.stream()
+    if stream is None:
+        return guarded_launch(batch, start, release)
+    with torch.cuda.stream(stream):
+        return guarded_launch(batch, start, release)
