@@ -16,7 +16,7 @@ engine's thresholds). What is modelled:
 * Code2Wav: one chunk per stream per step, ``5 ms + 0.0625 ms`` per frame in the step
   (the H100: 16 streams × 4 frames in 9.0 ms; 5.6 ms a step in a process of its own);
 * the device: one step at a time at full speed; two in flight share it with the 10 %
-  that stream overlap recovers on an H100 (docs/performance.md, issue's overlap probe);
+  that stream overlap recovered in an H100 probe of the two stages' graphs (9–16 %);
 * the loop: one thread; it completes what ended, launches Code2Wav, then the Talker.
 
 Layouts (``LAYOUTS``): ``synchronous`` — the Talker steps synchronously (the loop waits
