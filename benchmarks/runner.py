@@ -37,6 +37,7 @@ Thinker's greedy ids and the Talker's greedy codes must be equal.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import sys
 import time
@@ -355,13 +356,14 @@ def _stateful_code2wav(
     """The streaming steps with the step uncompiled, then compiled with ``backend``
     (None: not) inside the same graphs: each step's time, kernels per step (launched
     without the graph), and how far the compiled step's samples are from the uncompiled."""
-    from omnirelay.models.runner.vocoder import StreamingVocoder
+    from omnirelay.models.runner.vocoder import CONV_SEARCH_ENV, StreamingVocoder
 
     device = next(model.parameters()).device
     plain = StreamingVocoder(model, max_streams=64, cuda_graphs=True)
     start = time.monotonic()
     plain.capture_graphs()
     out: dict[str, Any] = {"capture_s": time.monotonic() - start, "num_graphs": len(plain.graphs)}
+    out["conv_search"] = os.environ.get(CONV_SEARCH_ENV) == "1"  # cuDNN's benchmark mode at capture
     compiled = None
     if backend is not None:
         compiled = StreamingVocoder(model, max_streams=64, cuda_graphs=True, compile=backend)

@@ -85,6 +85,9 @@ DEFAULT_STREAM_FRAMES = (1, 2, 4, 8, 16, 32)
 _MAX_FRAMES = 1 << 40
 #: ``1``: a stage's stream steps are compiled with inductor (with CUDA graphs); unset or ``0``: not.
 COMPILE_ENV = "OMNIRELAY_CODE2WAV_COMPILE"
+#: ``1``: cuDNN times its convolution algorithms for each captured step shape (its
+#: benchmark mode, on while the graphs are captured) instead of taking its heuristic's.
+CONV_SEARCH_ENV = "OMNIRELAY_CODE2WAV_CONV_SEARCH"
 #: Compiled graphs kept for the step: a handful cover every bucket, with room to spare.
 _RECOMPILE_LIMIT = 64
 #: Largest relative error (‖compiled − uncompiled‖ / ‖uncompiled‖) the compiled step may
@@ -417,10 +420,16 @@ class StreamingVocoder:
                 flush=True,
             )
         start = time.monotonic()
-        with torch.inference_mode():
-            for t in self.frames:
-                for b in self.batch_sizes:
-                    self.graphs.capture((b, t), self._step(b, t))
+        cudnn = torch.backends.cudnn
+        benchmark = cudnn.benchmark
+        cudnn.benchmark = benchmark or os.environ.get(CONV_SEARCH_ENV) == "1"
+        try:
+            with torch.inference_mode():
+                for t in self.frames:
+                    for b in self.batch_sizes:
+                        self.graphs.capture((b, t), self._step(b, t))
+        finally:
+            cudnn.benchmark = benchmark
         self.graphs.report.seconds = time.monotonic() - start
         how = f" (step compiled with {self.compile_backend})" if self.compile_backend else ""
         print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
