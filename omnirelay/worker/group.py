@@ -23,7 +23,9 @@ its death is each stage's death and its restart restarts them all.
    with work and no step in flight launches one (``StageEngine.launch_step``): an
    executor with ``launch`` enqueues its kernels on the stage's own stream and returns
    (see :class:`~omnirelay.engine.interfaces.PendingStep`); any other executor runs its
-   whole step there (the synchronous fallback: launch and completion in one);
+   whole step there (the synchronous fallback: launch and completion in one); with
+   ``OMNIRELAY_GROUP_BY_NEED=1`` a stage's scheduler puts new requests and streams behind
+   real time in a step of their own (:mod:`omnirelay.engine.need`);
 4. queries are answered (a stage's leak state once its step completed);
 5. then, with a step in flight, the loop waits on its waker at most ``poll_s`` and polls
    the steps again; with none and nothing to do, it waits on the waker up to
