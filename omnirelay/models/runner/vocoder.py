@@ -444,8 +444,8 @@ class StreamingVocoder:
         """The compiled step against the uncompiled one on probe streams (two chunks of up
         to two new streams, released after): their largest relative error. Above
         :data:`COMPILED_TOLERANCE` the step goes back to uncompiled (its graphs captured
-        again), with a warning. None: the step is not compiled."""
-        if self.compile_backend is None:
+        again), with a warning. None: the step is not compiled (or every slot is taken)."""
+        if self.compile_backend is None or self.slots.num_free == 0:
             return None
         gen = torch.Generator().manual_seed(0)
         size = int(self.model.config.codebook_size)
