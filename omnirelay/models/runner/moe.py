@@ -24,7 +24,11 @@ rows: thin blocks that spread the weight reads over many programs; a prefill's t
 square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
 
 Anything else (another layout, float32, a CPU tensor) falls back to ``transformers``'
-``grouped_mm`` / ``batched_mm``; ``OMNIRELAY_FUSED_MOE=0`` turns the path off.
+``grouped_mm`` / ``batched_mm``, said once per reason on stderr; ``OMNIRELAY_FUSED_MOE=0``
+turns the path off. Whether a module fits is judged by what it holds, so every
+``transformers`` release with this experts layout runs fused, whichever flags it sets.
+:data:`CALLS` counts the calls each path took, so a benchmark (``omnirelay bench
+runner``) can show which one ran.
 """
 
 from __future__ import annotations
@@ -32,13 +36,22 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FUSED_EXPERTS", "ROUTED_TOKENS", "fused_experts", "fused_experts_enabled", "fused_moe_block"]
+__all__ = [
+    "CALLS",
+    "FUSED_EXPERTS",
+    "ROUTED_TOKENS",
+    "fused_experts",
+    "fused_experts_enabled",
+    "fused_moe_block",
+]
 
 #: The name the path is registered under in ``transformers``' experts interface.
 FUSED_EXPERTS = "omnirelay_fused"
@@ -50,6 +63,14 @@ _CHUNK = 256
 ROUTED_TOKENS = 64
 
 _registered = False
+_noted: set[str] = set()
+
+#: Calls per path since the process started: ``block`` (a whole MoE block through
+#: :func:`fused_moe_block`), ``experts`` (an experts module's call through
+#: :func:`fused_experts`), ``fallback`` (an experts module's call handed back to
+#: ``transformers``). Counted where the Python runs: an eager call or a CUDA graph's
+#: capture, not its replays.
+CALLS: Counter[str] = Counter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,38 +115,68 @@ def fused_experts_enabled(dtype: torch.dtype) -> bool:
     return True
 
 
-def _supported(module: Any, x: torch.Tensor) -> bool:
+def _unsupported(module: Any, x: torch.Tensor) -> str | None:
+    """Why the fused path cannot run ``module`` on ``x`` (None: it can). Judged by what
+    the module holds, not by a ``transformers`` version: a flag a version does not set
+    means that version lacks the feature (``has_post_expert_norm``,
+    ``_is_expert_parallel``), and a post-expert norm or a bank holding only a shard of
+    the experts is seen on the module itself."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return False
-    layout = (
+        return "no gate_up_proj/down_proj tensors"
+    if not (
         getattr(module, "has_gate", False)
         and getattr(module, "is_concatenated", False)
-        and not getattr(module, "has_bias", True)
-        and not getattr(module, "is_transposed", True)
-        and not getattr(module, "has_post_expert_norm", True)
-        and not getattr(module, "_is_expert_parallel", True)
-    )
+        and not getattr(module, "has_bias", False)
+        and not getattr(module, "is_transposed", False)
+        and getattr(module, "gate_up_proj_bias", None) is None
+        and getattr(module, "down_proj_bias", None) is None
+    ):
+        return "not the [gate; up] layout without bias"
+    if (
+        getattr(module, "has_post_expert_norm", False)
+        or getattr(module, "post_expert_norm", None) is not None
+    ):
+        return "a norm after each expert"
+    experts = gate_up.shape[0]
+    if getattr(module, "_is_expert_parallel", False) or getattr(module, "num_experts", experts) != experts:
+        return "experts split across devices"
     act = getattr(module, "act_fn", None)
-    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return bool(
-        layout
-        and silu
-        and on_device
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and gate_up.dtype == x.dtype == down.dtype
-        and gate_up.dim() == 3
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"activation {type(act).__name__}, not SiLU"
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"a {x.device.type} tensor"
+    if not (x.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == x.dtype == down.dtype):
+        return f"dtypes {x.dtype}/{gate_up.dtype}/{down.dtype}, not one half precision"
+    if not (
+        gate_up.dim() == 3
         and gate_up.shape[1] == 2 * down.shape[2]
         and gate_up.shape[2] == down.shape[1] == x.shape[-1]
-    )
+    ):
+        return f"shapes {tuple(gate_up.shape)}/{tuple(down.shape)} for hidden {x.shape[-1]}"
+    return None
+
+
+def _fallback_note(module: Any, reason: str) -> None:
+    """Say once per module class and reason that calls fall back (on stderr)."""
+    key = f"{type(module).__name__}: {reason}"
+    if key not in _noted:
+        _noted.add(key)
+        print(
+            f"omnirelay: fused experts off for {key}; transformers' own path runs",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _experts_forward(
     module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    if not _supported(module, hidden_states):
+    reason = _unsupported(module, hidden_states)
+    if reason is not None:
+        CALLS["fallback"] += 1
+        _fallback_note(module, reason)
         from transformers.integrations.moe import (
             batched_mm_experts_forward,
             grouped_mm_experts_forward,
@@ -135,6 +186,7 @@ def _experts_forward(
         fallback = grouped_mm_experts_forward if half else batched_mm_experts_forward
         out: torch.Tensor = fallback(module, hidden_states, top_k_index, top_k_weights)
         return out
+    CALLS["experts"] += 1
     return fused_experts(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
 
 
@@ -190,8 +242,10 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
     router = getattr(gate, "weight", None)
     x = hidden.reshape(-1, hidden.shape[-1])
     n = x.shape[0]
-    if not (0 < n <= ROUTED_TOKENS) or not isinstance(router, torch.Tensor) or not _supported(experts, x):
+    if not (0 < n <= ROUTED_TOKENS) or not isinstance(router, torch.Tensor):
         return None
+    if _unsupported(experts, x) is not None:
+        return None  # the experts' own call then falls back and says why
     k, e = int(gate.top_k), int(experts.gate_up_proj.shape[0])
     logits = F.linear(x, router)
     ids = torch.empty((n, k), dtype=torch.int64, device=x.device)
@@ -214,6 +268,7 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
         num_warps=8,
     )
     out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
+    CALLS["block"] += 1
     if shared is not None:
         out = out + torch.sigmoid(shared_gate(x)) * shared(x)
     return out.view_as(hidden)
