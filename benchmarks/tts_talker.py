@@ -20,7 +20,10 @@ step's time over that floor, and its kernels per step (``torch.profiler``; on th
 its ``aten`` operators): see :mod:`benchmarks.floors`.
 
 With ``profile`` the steps at that batch also run under ``torch.profiler``: kernels per
-step and the kernels that take the most device time. The rows are the runner's own
+step, the kernels that take the most device time, and a census of the kernels by family
+(GEMM, attention, norm, sampling, inductor's, copy/index, elementwise, other:
+:mod:`benchmarks.kernels`) for the frame alone, the whole step, and the step less the
+frame (the code-predictor tail and the host). The rows are the runner's own
 (random conditioning of the model's width, the checkpoint's sampling: temperature 0.9,
 top-k 50, repetition penalty 1.05), so the figures are the model's, not a prompt's.
 """
@@ -42,6 +45,7 @@ from benchmarks.floors import (
     param_bytes,
     talker_tail_bytes,
 )
+from benchmarks.kernels import census, kernel_rows, render_census, subtract
 from benchmarks.runner import median_ms
 
 __all__ = ["DEFAULT_BATCHES", "render_tts_talker_bench", "run_tts_talker_bench"]
@@ -124,10 +128,10 @@ def run_tts_talker_bench(
         for b in batches:
             err.write(f"bench tts-talker: batch {b}\n")
             err.flush()
-            figures, step = _batch(runner, rows, text, newcomer, b, reps, sync, bandwidth)
+            figures, frame, step = _batch(runner, rows, text, newcomer, b, reps, sync, bandwidth)
             report["batches"][str(b)] = figures
             if profile == b:
-                report["profile"] = _profile(step, sync, dev, b)
+                report["profile"] = _profile(frame, step, sync, dev, b)
         for r in rows:
             runner.slots.release(r.rid)
     report["leak_state"] = executor.leak_state()
@@ -143,9 +147,9 @@ def _batch(
     reps: int,
     sync: Callable[[], None],
     bandwidth: float,
-) -> tuple[dict[str, float], Callable[[], None]]:
+) -> tuple[dict[str, float], Callable[[], None], Callable[[], None]]:
     """The figures of ``b`` continuing rows (``rows[:b]``, each rewound to ``CACHED``
-    positions) and the whole step it timed (to profile)."""
+    positions), and the frame and the whole step it timed (to profile)."""
     dev = runner.device
     lasts = torch.empty((b, runner.hidden), dtype=runner.dtype, device=dev)
 
@@ -175,7 +179,7 @@ def _batch(
     figures["tail_and_host_ms"] = figures["step_ms"] - figures["frame_ms"]
     figures.update(floor(_step_bytes(runner, b), bandwidth, figures["step_ms"]))
     figures["kernels_per_step"] = count_kernels(step, sync, dev, steps=2)
-    return figures, step
+    return figures, frame, step
 
 
 def _step_bytes(runner: Any, b: int) -> int:
@@ -188,44 +192,53 @@ def _step_bytes(runner: Any, b: int) -> int:
     return layers + kv + talker_tail_bytes(runner)
 
 
-def _profile(
-    step: Callable[[], None], sync: Callable[[], None], device: torch.device, b: int
-) -> dict[str, Any]:
-    """Kernels per step and the largest by device time, over 5 steps of ``b`` rows."""
+def _profiled(fn: Callable[[], None], sync: Callable[[], None], device: torch.device, steps: int) -> Any:
+    """``key_averages()`` of ``steps`` calls of ``fn`` under ``torch.profiler`` (after one
+    unprofiled call)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    steps = 5
-    step()
+    fn()
     sync()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step()
+            fn()
         sync()
-    events = prof.key_averages()
+    return prof.key_averages()
+
+
+def _profile(
+    frame: Callable[[], None],
+    step: Callable[[], None],
+    sync: Callable[[], None],
+    device: torch.device,
+    b: int,
+) -> dict[str, Any]:
+    """Kernels per step and the largest by device time, over 5 steps of ``b`` rows; and
+    the census by family (:mod:`benchmarks.kernels`) of the frame alone, the whole step
+    and their difference (the code-predictor tail and the host's part)."""
+    steps = 5
     on_device = device.type == "cuda"
-
-    def device_us(e: Any) -> float:
-        return float(getattr(e, "device_time_total", 0.0) if on_device else e.self_cpu_time_total)
-
-    kernels = [e for e in events if device_us(e) > 0 and (not on_device or e.device_type.name == "CUDA")]
-    total = sum(device_us(e) for e in kernels)
-    kernels.sort(key=device_us, reverse=True)
+    kernels = kernel_rows(_profiled(step, sync, device, steps), on_device)
+    frame_census = census(kernel_rows(_profiled(frame, sync, device, steps), on_device), steps)
+    step_census = census(kernels, steps)
+    kernels.sort(key=lambda k: k[2], reverse=True)
     return {
         "batch": b,
         "steps": steps,
-        "kernels_per_step": sum(e.count for e in kernels) / steps,
-        "device_ms_per_step": total / steps / 1000.0,
+        "kernels_per_step": sum(k[1] for k in kernels) / steps,
+        "device_ms_per_step": sum(k[2] for k in kernels) / steps / 1000.0,
         "top": [
-            {
-                "name": e.key[:120],
-                "count_per_step": e.count / steps,
-                "ms_per_step": device_us(e) / steps / 1000.0,
-            }
-            for e in kernels[:15]
+            {"name": name[:120], "count_per_step": count / steps, "ms_per_step": us / steps / 1000.0}
+            for name, count, us in kernels[:15]
         ],
+        "census": {
+            "frame": frame_census,
+            "tail_and_host": subtract(step_census, frame_census),
+            "step": step_census,
+        },
     }
 
 
@@ -255,6 +268,9 @@ def render_tts_talker_bench(report: dict[str, Any]) -> str:
         )
         for k in prof["top"]:
             lines.append(f"  {k['ms_per_step']:>8.3f} ms {k['count_per_step']:>6.0f}x  {k['name']}")
+        if "census" in prof:
+            lines.append("kernels per step by family (frame alone; the whole step less the frame; the step):")
+            lines.extend(render_census(prof["census"]))
     left = report.get("leak_state")
     lines.append("state left: none" if not left else f"state left: {left}")
     return "\n".join(lines)

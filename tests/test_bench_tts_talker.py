@@ -23,12 +23,20 @@ def test_a_reduced_run_times_every_part_and_leaves_no_slot() -> None:
         assert figures["ratio"] == pytest.approx(figures["step_ms"] / want_floor)
     prof = report["profile"]
     assert prof["batch"] == 2 and prof["kernels_per_step"] > 0 and prof["top"]
+    # The census: the frame alone and the step less the frame add up to the step.
+    parts = prof["census"]
+    assert parts["step"]["total"]["kernels"] == pytest.approx(prof["kernels_per_step"])
+    assert parts["frame"]["total"]["kernels"] > 0 and parts["tail_and_host"]["sampling"]["kernels"] > 0
+    assert parts["frame"]["gemm"]["kernels"] + parts["tail_and_host"]["gemm"]["kernels"] == pytest.approx(
+        parts["step"]["gemm"]["kernels"]
+    )
     assert report["leak_state"] == {}
     text = render_tts_talker_bench(report)
     assert (
         "frame ms" in text
         and "floor ms" in text
         and "profile at batch 2" in text
+        and "kernels per step by family" in text
         and "state left: none" in text
     )
 
