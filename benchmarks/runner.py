@@ -27,9 +27,11 @@ experts its batch routes to — distinct experts per layer from the routers' top
 eager pass — and each row's cached keys and values), the bandwidth a device copy
 measured at the start of the run, the floor (bytes ÷ bandwidth), the graph time over
 the floor, and the step's kernels (``torch.profiler``).
-The Thinker's report names its experts path (``experts``: the fused Triton path of
-:mod:`omnirelay.models.runner.moe`, or with ``OMNIRELAY_FUSED_MOE=0`` ``transformers``'
-``grouped_mm``, for a before/after on one machine).
+The Thinker's report names its experts implementation (``experts``: the fused Triton
+path of :mod:`omnirelay.models.runner.moe`, or with ``OMNIRELAY_FUSED_MOE=0``
+``transformers``' own, for a before/after on one machine), and each figure the paths
+that actually ran, counted per call in an eager pass (``fused_block``,
+``fused_experts``, ``fallback``, or ``transformers``' implementation by name).
 The graphs' capture time is reported per stage, and the eager/graph agreement: the
 Thinker's greedy ids and the Talker's greedy codes must be equal.
 """
@@ -41,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +116,46 @@ def _with_floor(
     return figures
 
 
+def _experts_paths(graphs: Any, fn: Callable[[], Any], model: torch.nn.Module) -> dict[str, int]:
+    """Which experts path one eager pass of ``fn`` took, as calls per path (a graph's
+    replay runs the path its capture took, which is this pass's): ``fused_block`` (a whole
+    MoE block, :func:`~omnirelay.models.runner.moe.fused_moe_block`), ``fused_experts``
+    (an experts call through the fused kernels), ``fallback`` (an experts call the fused
+    path handed back to ``transformers``), and any other implementation's calls by its
+    name (``grouped_mm``, ``batched_mm``). Counted from the calls themselves, so a path
+    that quietly stops running shows here."""
+    from benchmarks.floors import is_experts
+    from omnirelay.models.runner import moe
+
+    banks = [m for m in model.modules() if is_experts(m)]
+    other: Counter[str] = Counter()
+
+    def counted(bank: Any) -> Callable[..., Any]:
+        forward = bank.forward
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            name = str(bank.config._experts_implementation)
+            if name != moe.FUSED_EXPERTS:
+                other[name] += 1
+            return forward(*args, **kwargs)
+
+        return call
+
+    before = Counter(moe.CALLS)
+    for bank in banks:  # an attribute, not a hook: a hook turns the block path off
+        bank.forward = counted(bank)
+    graphs.bypass = True
+    try:
+        fn()
+    finally:
+        graphs.bypass = False
+        for bank in banks:
+            del bank.forward
+    fused = moe.CALLS - before
+    paths = {"fused_block": fused["block"], "fused_experts": fused["experts"], "fallback": fused["fallback"]}
+    return {name: n for name, n in {**paths, **other}.items() if n}
+
+
 def _thinker(
     checkpoint: Any, reps: int, sync: Callable[[], None], bandwidth: float, sizes: tuple[int, ...]
 ) -> dict[str, Any]:
@@ -137,7 +180,8 @@ def _thinker(
         "build_s": _build_s(model),
         "capture_s": time.monotonic() - start,
         "num_graphs": len(runner.graphs),
-        # the experts path of a many-row launch (OMNIRELAY_FUSED_MOE=0: transformers' own)
+        # the experts implementation asked for (OMNIRELAY_FUSED_MOE=0: transformers' own);
+        # each figure's ``experts`` counts the paths that ran
         "experts": experts_for(runner.device, runner.dtype, 2, 1),
     }
     gen = torch.Generator().manual_seed(0)
@@ -170,6 +214,7 @@ def _thinker(
                 sync,
                 runner.device,
             )
+            out[f"prefill_{n}x{PROMPT_TOKENS}"]["experts"] = _experts_paths(runner.graphs, fn, text)
         runner.run(rows, decode=False)
         for n in sizes:
             step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:n]]
@@ -184,6 +229,7 @@ def _thinker(
                 sync,
                 runner.device,
             )
+            out[f"decode_{n}"]["experts"] = _experts_paths(runner.graphs, fn, text)
         step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:16]]
         runner.graphs.bypass = True
         eager_ids = [o.token for o in runner.run(step, decode=True)]
@@ -569,7 +615,7 @@ def render_runner_bench(report: dict[str, Any]) -> str:
     )
     lines.append(
         f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}"
-        f"{'MB read':>10}{'floor ms':>10}{'÷ floor':>9}{'kernels':>9}{'experts':>9}\n"
+        f"{'MB read':>10}{'floor ms':>10}{'÷ floor':>9}{'kernels':>9}{'experts':>9}  paths (calls)\n"
     )
     for stage in (s for s in STAGES if s in report):
         figures = report[stage]
@@ -581,6 +627,8 @@ def render_runner_bench(report: dict[str, Any]) -> str:
                         f"{value['bytes'] / 1e6:>10.1f}{value['floor_ms']:>10.3f}{value['ratio']:>8.1f}x"
                         f"{value['kernels_per_step']:>9.0f}{value.get('experts_per_layer', 0.0):>9.1f}"
                     )
+                if isinstance(value.get("experts"), dict):  # the experts paths that ran, calls each
+                    line += "  " + (", ".join(f"{k} {n}" for k, n in value["experts"].items()) or "no MoE")
                 lines.append(line + "\n")
         extra = ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

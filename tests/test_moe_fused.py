@@ -8,11 +8,13 @@
   two products; a misrouted pair or a wrong weight is off by the order of the output).
   The pairs' placement per expert is checked exactly.
   The one-program routing picks the router's experts and weights; a whole block
-  (router included) matches the model's block.
+  (router included) matches the model's block. Each path's calls are counted (what
+  ``omnirelay bench runner`` reports per figure), and an experts module is judged by what
+  it holds, not by which flags its ``transformers`` release sets.
 * GPU: the real Thinker dims (128 experts, top-8, hidden 2048, intermediate 768) in
   bfloat16 against float32, the experts alone and the whole block, each replayed from a
-  CUDA graph, and the tiny Thinker runner's greedy ids with the fused path against
-  ``transformers``' ``grouped_mm``.
+  CUDA graph, and the tiny Thinker runner's greedy ids with the fused path (counted as
+  run, whole blocks, no fallback) against ``transformers``' ``grouped_mm``.
 
 Skipped with a reason where ``triton`` (CPU part) or CUDA (GPU part) is missing.
 """
@@ -253,6 +255,59 @@ def test_interpreted_fused_block_with_a_shared_expert(interpreted: Any) -> None:
     assert float((got.view(-1, 64).float() - want).abs().max() / want.abs().max()) < 2e-3
 
 
+@needs_triton
+def test_interpreted_each_path_is_counted_as_it_runs(interpreted: Any) -> None:
+    """``omnirelay bench runner``'s per-figure ``experts``: a decode's block runs whole
+    (``fused_block``), a prefill's many tokens through the experts' call
+    (``fused_experts``), a call the kernels cannot take falls back and is counted so,
+    and ``transformers``' own implementation by its name."""
+    from benchmarks.runner import _experts_paths
+    from omnirelay.models.runner.fused import run_mlp
+
+    class Graphs:
+        bypass = False
+
+    block = _block(16, 4, 96, 40).half()
+    assert moe.fused_experts_enabled(torch.float16)
+
+    def paths(tokens: int, name: str, dtype: torch.dtype = torch.float16) -> dict[str, int]:
+        x = torch.randn(1, tokens, 96).to(dtype)
+        with torch.no_grad(), experts_implementation([block.experts], name):
+            return _experts_paths(Graphs(), lambda: run_mlp(block.to(dtype), x), block)
+
+    assert paths(3, moe.FUSED_EXPERTS) == {"fused_block": 1}
+    assert paths(moe.ROUTED_TOKENS + 1, moe.FUSED_EXPERTS) == {"fused_experts": 1}
+    assert paths(3, moe.FUSED_EXPERTS, torch.float32) == {"fallback": 1}
+    assert paths(3, "batched_mm", torch.float32) == {"batched_mm": 1}
+    assert "forward" not in vars(block.experts)  # the counting wrapper is gone
+
+
+@needs_triton
+def test_interpreted_a_module_without_the_newer_flags_runs_fused(
+    interpreted: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Releases of ``transformers`` differ in the flags their experts modules carry
+    (``has_post_expert_norm`` and ``_is_expert_parallel`` are not set by all): a missing
+    flag is a missing feature, not a reason to fall back. A module that does hold a norm
+    after each expert falls back, once said on stderr, and is counted."""
+    block = _block(16, 4, 96, 40)
+    for flag in ("has_post_expert_norm", "_is_expert_parallel"):
+        if flag in vars(block.experts):
+            delattr(block.experts, flag)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert _compare(block, x, torch.float16, monkeypatch) < 2e-3
+    half = _block(16, 4, 96, 40).experts.half()  # every flag its release sets
+    half.post_expert_norm = torch.nn.Identity()
+    before = moe.CALLS["fallback"]
+    ids, weights = _route(block, x)
+    with torch.no_grad(), experts_implementation([half], moe.FUSED_EXPERTS):
+        for _ in range(2):
+            half(x.half(), ids, weights.half())
+    assert moe.CALLS["fallback"] == before + 2
+    assert capsys.readouterr().err.count("a norm after each expert") == 1
+
+
 def test_the_path_is_off_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     from omnirelay.models.runner.thinker import experts_for
 
@@ -345,6 +400,7 @@ def test_cuda_fused_block_at_the_thinkers_dims(tokens: int) -> None:
     with torch.no_grad(), experts_implementation([half.experts], moe.FUSED_EXPERTS):
         _, weights, ids = half.gate(x.view(-1, 2048))
         want = block.experts(x.view(-1, 2048).float(), ids, weights.float())
+        assert moe._unsupported(half.experts, x) is None
         got = moe.fused_moe_block(half, x)
         assert got is not None
         error = float((got.view(-1, 2048).float() - want).norm() / want.norm())
@@ -385,7 +441,8 @@ def test_cuda_tiny_thinker_greedy_ids_fused_vs_grouped_mm(monkeypatch: pytest.Mo
         checkpoint = Checkpoint.open(tiny_dir(), device="cuda:0", dtype="bfloat16")
         return ThinkerExecutor.from_checkpoint(checkpoint, args)
 
-    fused, base = executor(True), executor(False)
+    before = moe.CALLS.copy()
+    fused = executor(True)
     assert fused.runner is not None and fused.runner.dtype == torch.bfloat16
     tok = fused.tokenizer
     prompts = {
@@ -393,6 +450,9 @@ def test_cuda_tiny_thinker_greedy_ids_fused_vs_grouped_mm(monkeypatch: pytest.Mo
         "b": encode_chat_prompt(tok, "Tell me a story."),
         "c": encode_chat_prompt(tok, "Hi", system="Be brief."),
     }
-    got, want = run_thinker(fused, prompts, 12), run_thinker(base, prompts, 12)
+    got = run_thinker(fused, prompts, 12)
+    ran = moe.CALLS - before
+    assert ran["block"] > 0 and ran["fallback"] == 0, dict(ran)  # the fused path ran, whole blocks
+    want = run_thinker(executor(False), prompts, 12)
     for rid in prompts:
         assert got[rid].tokens == want[rid].tokens, rid
