@@ -27,6 +27,11 @@ from 0, see :class:`~omnirelay.models.runner.slots.SlotTable`) reads ``cache[:B,
 in place — no copy per layer. Any other launch (a continued prefill; a decode whose rows
 are a sparse subset of the slots) gathers its rows' slots, one copy of keys and one of
 values per layer.
+
+Compiled decode (:meth:`StaticDecoder.compile_decode`, the Talker's frame with
+``OMNIRELAY_FRAME_COMPILE=1``): the same :meth:`StaticDecoder.forward` through
+``torch.compile``, its per-layer norms, rotary, masking and residual adds fused by
+inductor around the matmuls, inside the same CUDA graph; the cache writes stay in place.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ __all__ = [
 KVStep = Callable[
     [int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]
 ]
+#: Compiled graphs kept for :meth:`StaticDecoder.compile_decode`: shapes and in-place or not.
+_RECOMPILE_LIMIT = 64
 
 
 def _rotary_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -173,6 +180,28 @@ class StaticDecoder:
         self.layers = list(model.layers)
         fuse_projections(self.layers)
         self.kv = kv
+        #: :meth:`forward` as decode steps call it: compiled after :meth:`compile_decode`
+        self.decode_forward: Callable[..., tuple[torch.Tensor, dict[int, torch.Tensor]]] = self.forward
+        #: the ``torch.compile`` backend of :attr:`decode_forward` (None: eager)
+        self.decode_backend: str | None = None
+
+    def compile_decode(self, backend: str, options: dict[str, Any] | None = None) -> None:
+        """Route :attr:`decode_forward` through ``torch.compile`` with ``backend``: the
+        layers' norms, rotary and elementwise work fused around the matmuls. The step's
+        key/value writes stay writes into the cache tensors themselves (inductor turns the
+        functionalized ``index_put`` back into an in-place store on its input: no copy of a
+        layer's cache; a test checks the generated code), so a CUDA graph that captures the
+        compiled pass keeps writing where the uncompiled one does. Compiles on the first
+        call per shape (graph capture at startup); a second batch size or attention length
+        makes those dimensions symbolic, so a set of buckets costs a few compiles. Not
+        ``fullgraph``: an MoE block whose fused experts dynamo cannot trace runs eagerly
+        between compiled pieces instead of failing the stage."""
+        from torch import _dynamo
+
+        dynamo_config: Any = _dynamo.config
+        dynamo_config.cache_size_limit = max(int(dynamo_config.cache_size_limit), _RECOMPILE_LIMIT)
+        self.decode_forward = torch.compile(self.forward, backend=backend, options=options)
+        self.decode_backend = backend
 
     def forward(
         self,

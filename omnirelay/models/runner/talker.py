@@ -33,6 +33,7 @@ code-predictor sampling and input projection (:class:`~omnirelay.models.runner.p
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,11 @@ from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
 from omnirelay.models.stepping import GuardedLaunch, guarded_launch
 
-__all__ = ["LaunchedFrames", "TalkerRow", "TalkerRunner", "launch_talker_step"]
+__all__ = ["FRAME_COMPILE_ENV", "LaunchedFrames", "TalkerRow", "TalkerRunner", "launch_talker_step"]
+
+#: "1": with a compiled tail, the frame's decoder step compiled too, with the same backend
+#: (:meth:`~omnirelay.models.runner.decoder.StaticDecoder.compile_decode`)
+FRAME_COMPILE_ENV = "OMNIRELAY_FRAME_COMPILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,8 @@ class TalkerRunner:
             residual=residual,
             projection=projection,
         )
+        if compile is not None and os.environ.get(FRAME_COMPILE_ENV, "") == "1":
+            self.decoder.compile_decode(compile)
         #: the stream launched steps run on (:meth:`launch`; made on first use)
         self._stream: torch.cuda.Stream | None = None
 
@@ -163,13 +170,18 @@ class TalkerRunner:
         how = ""
         if self.predictor.compile_backend is not None:
             self.predictor.finish_compiling()
-            how = f" (code-predictor tail compiled with {self.predictor.compile_backend})"
+            how = f" (code-predictor tail compiled with {self.predictor.compile_backend}"
+            how += ", frame's decoder step too)" if self.decoder.decode_backend is not None else ")"
         print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
 
     def _compile_plan(self) -> str:
         """What the capture is about to compile, and whether a cache already holds it."""
         sizes = ", ".join(map(str, self.buckets.batch_sizes))
         what = f"compiling the code-predictor tail with {self.predictor.compile_backend} for batches {sizes}"
+        if self.decoder.decode_backend is not None:
+            what += (
+                f", and the frame's decoder step with {self.decoder.decode_backend} ({FRAME_COMPILE_ENV}=1)"
+            )
         cache = self.predictor.compile_cache
         if cache is None:
             return f"{what} (no on-disk cache: every start compiles again)"
@@ -233,7 +245,7 @@ class TalkerRunner:
             codec = self._codec_embed[:b] if in_place else self._codec_embed.index_select(0, slots)
             embeds = (codec + self._embeds[:b, 0]).unsqueeze(1)
             with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, 1)):
-                last, _ = self.decoder.forward(
+                last, _ = self.decoder.decode_forward(
                     embeds, slots, self._starts[:b], self._counts[:b], attn_len=attn_len, in_place=in_place
                 )
             return {"last": last}

@@ -1,0 +1,143 @@
+"""The Talker frame's decoder step compiled (``OMNIRELAY_FRAME_COMPILE=1``): the same
+codes as the uncompiled step, frame after frame, while requests join and leave (the
+frame's rows in place and gathered, several batch sizes and attention lengths); and
+inductor keeps the step's key/value writes in the cache itself (tiny Qwen3-TTS, CPU)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
+from omnirelay.models.runner.talker import FRAME_COMPILE_ENV
+
+FRAMES = 10
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Any:
+    return TTSCheckpoint.open(TTSModelArgs(load_format="tiny", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def talker(checkpoint: Any) -> Any:
+    return checkpoint.load_talker()
+
+
+def _runner(talker: Any, config: Any, compile: str | None = None) -> TalkerRunner:
+    tc = config.talker_config
+    buckets = Buckets(max_num_seqs=4, max_model_len=64, batch_sizes=(1, 2, 4), prefill_tokens=(16,))
+    projection = talker.code_predictor.small_to_mtp_projection
+    return TalkerRunner(
+        talker,
+        codebook_size=tc.codebook_size,
+        codec_eos=tc.codec_eos_token_id,
+        num_code_groups=tc.num_code_groups,
+        buckets=buckets,
+        cuda_graphs=False,
+        compile=compile,
+        row_controls=True,
+        projection=None if isinstance(projection, torch.nn.Identity) else projection,
+    )
+
+
+def _row(rid: str, n: int, hidden: int, seed: int) -> TalkerRow:
+    embeds = torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
+    return TalkerRow(rid, embeds, SamplingParams(), torch.Generator(), 1.05, True)
+
+
+def _talk(runner: TalkerRunner) -> Iterator[torch.Tensor]:
+    """Greedy codes of each step: three requests, the second leaving after three frames
+    (its slot packed: the frames then gather) and a fourth joining."""
+    hidden = runner.hidden
+    live = []
+    for i in range(3):
+        runner.slots.acquire(f"r{i}")
+        live.append(f"r{i}")
+    yield runner.prefill([_row(rid, 5 + i, hidden, i) for i, rid in enumerate(live)])
+    for frame in range(FRAMES):
+        if frame == 3:
+            runner.slots.release("r1")
+            live.remove("r1")
+            runner.slots.acquire("r3")
+            yield runner.prefill([_row("r3", 7, hidden, 3)])
+            live.append("r3")
+        yield runner.decode([_row(rid, 1, hidden, 100 * frame + k) for k, rid in enumerate(live)])
+    for rid in live:
+        runner.slots.release(rid)
+
+
+def test_the_switch_compiles_the_frame_only_with_a_compiled_tail(
+    talker: Any, checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FRAME_COMPILE_ENV, "1")
+    assert _runner(talker, checkpoint.config).decoder.decode_backend is None  # no tail compile: eager
+    compiled = _runner(talker, checkpoint.config, compile="aot_eager")
+    assert compiled.decoder.decode_backend == "aot_eager"
+    assert "the frame's decoder step with aot_eager" in compiled._compile_plan()
+    monkeypatch.setenv(FRAME_COMPILE_ENV, "0")
+    assert _runner(talker, checkpoint.config, compile="aot_eager").decoder.decode_backend is None
+
+
+def test_a_compiled_frame_decodes_the_codes_of_the_uncompiled_one(talker: Any, checkpoint: Any) -> None:
+    from torch._dynamo.utils import counters
+
+    with torch.inference_mode():
+        want = list(_talk(_runner(talker, checkpoint.config)))
+        runner = _runner(talker, checkpoint.config)
+        runner.decoder.compile_decode("aot_eager")  # functionalized as inductor sees it
+        counters.clear()
+        got = list(_talk(runner))
+    assert len(got) == len(want) == FRAMES + 2
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not counters["graph_break"], dict(counters["graph_break"])  # one graph per shape
+
+
+_BUFFER = re.compile(r"empty_strided_\w+\(\(([^)]*)\)")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_writes_keys_and_values_in_the_cache_and_matches_eager(talker: Any, checkpoint: Any) -> None:
+    """Inductor itself (a C++ kernel per fused group on the CPU): the last hidden states
+    within float32 rounding (1e-4) of the uncompiled pass, the cache's own storage holding
+    the new keys and values, and no buffer in the generated code as large as one layer's
+    keys (a copy of the cache would need one)."""
+    from torch._inductor.utils import run_and_get_code
+
+    runner = _runner(talker, checkpoint.config)
+    decoder, kv = runner.decoder, runner.kv
+    b, length = 2, 16
+    gen = torch.Generator().manual_seed(0)
+    embeds = torch.randn(b, 1, runner.hidden, generator=gen, dtype=runner.dtype) * 0.5
+    slots, starts, counts = torch.tensor([0, 1]), torch.tensor([5, 9]), torch.ones(b, dtype=torch.long)
+    with torch.inference_mode():
+        kv.cache.copy_(torch.randn(kv.cache.shape, generator=gen))
+        before = kv.cache.clone()
+        want, _ = decoder.forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+        want_cache = kv.cache.clone()
+        kv.cache.copy_(before)
+        storage = kv.cache.data_ptr()
+        decoder.compile_decode("inductor")
+        (got, _), code = run_and_get_code(
+            decoder.decode_forward, embeds, slots, starts, counts, attn_len=length, in_place=True
+        )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert kv.cache.data_ptr() == storage
+    torch.testing.assert_close(kv.cache, want_cache, rtol=0, atol=1e-4)
+    assert not torch.equal(kv.cache, before)  # the pass wrote its keys and values
+    layer = kv.keys[0].numel()
+    sizes = [
+        math.prod(int(d) for d in dims.split(",") if d.strip())
+        for text in code
+        for dims in _BUFFER.findall(text)
+    ]
+    assert sizes and max(sizes) < layer
