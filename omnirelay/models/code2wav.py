@@ -52,6 +52,7 @@ layout) are an error naming the request, never decoded into another codebook's t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +61,20 @@ import torch
 
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
-from omnirelay.models.runner.code2wav import GraphedCode2Wav
-from omnirelay.models.runner.vocoder import StreamingVocoder, StreamRow
+from omnirelay.models.runner.code2wav import (
+    DEFAULT_DECODE_BATCHES,
+    DEFAULT_DECODE_FRAMES,
+    GraphedCode2Wav,
+    decoder_widths,
+    graph_budget_bytes,
+)
+from omnirelay.models.runner.memory import bucket_grid, module_bytes, peak_activation_bytes
+from omnirelay.models.runner.vocoder import (
+    DEFAULT_STREAM_BATCHES,
+    DEFAULT_STREAM_FRAMES,
+    StreamingVocoder,
+    StreamRow,
+)
 from omnirelay.payload.schema import OmniPayload
 from omnirelay.processors.codec_input import read_codec_chunk
 from omnirelay.processors.decode_window import (
@@ -84,6 +97,7 @@ __all__ = [
 #: The output rate of both shipped decoders (Qwen3-Omni's Code2Wav, Qwen3-TTS's 12 Hz
 #: tokenizer); a decoder of another rate passes its own ``sample_rate``.
 SAMPLE_RATE = 24_000
+_GIB = 2**30
 
 
 @dataclass(slots=True)
@@ -116,16 +130,11 @@ class Code2WavExecutor:
     ) -> None:
         self.model = model  # a codec decoder (see the module docstring)
         self.device = next(model.parameters()).device
-        #: the model, or its window decodes replayed from CUDA graphs (captured here)
-        self._decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs)
-        self._decoder.capture_graphs()
+        #: the model, or its window decodes replayed from CUDA graphs (captured here);
         #: streamed requests' decoder state (None: streams are decoded by windows)
-        self.vocoder: StreamingVocoder | None = None
-        if stateful:
-            self.vocoder = StreamingVocoder(
-                model, max_streams=max_streams, cuda_graphs=cuda_graphs, compile=compile
-            )
-            self.vocoder.capture_graphs()
+        self._decoder, self.vocoder = _build_decoders(
+            model, cuda_graphs=cuda_graphs, stateful=stateful, max_streams=max_streams, compile=compile
+        )
         if max_decode_batch is None:
             # The vocoder's convs are compute-bound on a CPU: stacking more than two windows
             # costs more than decoding them apart (docs/performance.md).
@@ -364,6 +373,62 @@ def _codes_tensor(value: Any) -> torch.Tensor | None:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ModelError(f"codec codes must be integers, got {t.dtype}")
     return t
+
+
+def _build_decoders(
+    model: Any, *, cuda_graphs: bool, stateful: bool, max_streams: int, compile: str | None
+) -> tuple[GraphedCode2Wav, StreamingVocoder | None]:
+    """The window decoder and the streaming one (None: not ``stateful``), their graphs
+    captured in one pool for the buckets whose step fits the activation budget
+    (:func:`~omnirelay.models.runner.code2wav.graph_budget_bytes`, docs/design.md §12),
+    and one startup line: weights, streams, graph pools."""
+    weight = next(model.parameters())
+    graphed = cuda_graphs and weight.device.type == "cuda"
+    windows = streams = pool = None
+    per_row_frame = budget = 0
+    if graphed:
+        per_row_frame = peak_activation_bytes(decoder_widths(model), weight.element_size())
+        budget = graph_budget_bytes()
+        windows = bucket_grid(
+            DEFAULT_DECODE_BATCHES,
+            DEFAULT_DECODE_FRAMES,
+            budget_bytes=budget,
+            bytes_per_row_frame=per_row_frame,
+        )
+        streams = bucket_grid(
+            DEFAULT_STREAM_BATCHES,
+            DEFAULT_STREAM_FRAMES,
+            budget_bytes=budget,
+            bytes_per_row_frame=per_row_frame,
+        )
+        pool = torch.cuda.graph_pool_handle()
+    decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs, buckets=windows, pool=pool)
+    decoder.capture_graphs()
+    vocoder = None
+    if stateful:
+        vocoder = StreamingVocoder(
+            model,
+            max_streams=max_streams,
+            cuda_graphs=cuda_graphs,
+            compile=compile,
+            buckets=streams,
+            pool=pool,
+        )
+        vocoder.capture_graphs()
+    if graphed and streams is not None:
+        reports = [decoder.graphs.report] + ([vocoder.graphs.report] if vocoder is not None else [])
+        pools = sum(r.pool_bytes or 0 for r in reports)
+        largest = max(streams, key=lambda bt: bt[0] * bt[1])
+        print(
+            f"omnirelay: code2wav on {weight.device}: weights {module_bytes(model) / _GIB:.2f} GiB, "
+            f"{max_streams if vocoder is not None else 0} streams' state, graph pools {pools / _GIB:.2f} GiB "
+            f"(steps up to {largest[0]} rows x {largest[1]} frames: "
+            f"{largest[0] * largest[1] * per_row_frame / _GIB:.2f} GiB of activations estimated, "
+            f"budget {budget / _GIB:g} GiB)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return decoder, vocoder
 
 
 def measure_receptive_field(model: Any, *, num_frames: int = 64, seed: int = 0) -> tuple[int, int]:

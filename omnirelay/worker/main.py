@@ -69,7 +69,8 @@ def _build_engine(
     except _Stop:
         raise
     except Exception as exc:
-        detail = f"{exc!r}\n{traceback.format_exc()}"
+        # A model's own error (a graph capture out of memory: what to change) is one line.
+        detail = str(exc) if isinstance(exc, ModelError) else f"{exc!r}\n{traceback.format_exc()}"
         control.send(
             StartupFailed(spec.stage_id, os.getpid(), detail),
             is_peer_alive=is_front_alive,

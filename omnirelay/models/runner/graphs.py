@@ -16,13 +16,24 @@ tensors that live in the pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["CaptureReport", "GraphSet", "Step", "to_device", "upload"]
+from omnirelay.errors import ModelError
+
+__all__ = [
+    "CaptureReport",
+    "GraphSet",
+    "Step",
+    "graph_memory_errors",
+    "reserved_bytes",
+    "to_device",
+    "upload",
+]
 
 Step = Callable[[], dict[str, torch.Tensor]]
 
@@ -46,6 +57,41 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host
 
 
+def reserved_bytes(device: torch.device) -> int:
+    """What the caching allocator holds on ``device`` once its unused cache is freed
+    (graph pools stay held): measured before and after a capture, the graphs' pools."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    is_cuda_error = accelerator_error is not None and isinstance(exc, accelerator_error)
+    return (is_cuda_error or isinstance(exc, RuntimeError)) and "out of memory" in str(exc)
+
+
+@contextmanager
+def graph_memory_errors(graphs: GraphSet, knob: str) -> Iterator[None]:
+    """A CUDA out-of-memory error inside (a set's capture) becomes one line: the set,
+    the bucket it was capturing, the device's free memory, and ``knob`` (what to change)."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        try:
+            free, total = torch.cuda.mem_get_info(graphs.device)
+            where = f"{free / 2**30:.2f} GiB of {total / 2**30:.1f} GiB free"
+        except Exception:  # the device may refuse calls after a failed capture
+            where = "device memory unknown"
+        raise ModelError(
+            f"{graphs.name}: the CUDA graph of bucket {graphs.capturing} ran out of device memory "
+            f"({graphs.report.num_graphs} captured before it; {where}): {knob}"
+        ) from None
+
+
 @dataclass
 class CaptureReport:
     """What a set's capture took (logged at startup, kept for the stage's health)."""
@@ -54,9 +100,12 @@ class CaptureReport:
     num_graphs: int = 0
     seconds: float = 0.0
     keys: list[Any] = field(default_factory=list)
+    #: device memory the capture kept (the pool's growth; None: not measured)
+    pool_bytes: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.num_graphs} CUDA graphs captured in {self.seconds:.1f} s"
+        pool = "" if self.pool_bytes is None else f", graph pool +{self.pool_bytes / 2**30:.2f} GiB"
+        return f"{self.name}: {self.num_graphs} CUDA graphs captured in {self.seconds:.1f} s{pool}"
 
 
 @dataclass(slots=True)
@@ -68,15 +117,19 @@ class _Graph:
 class GraphSet:
     """Graphs by key on one CUDA device (or none: ``enabled=False`` runs everything eagerly)."""
 
-    def __init__(self, name: str, device: torch.device, *, enabled: bool) -> None:
+    def __init__(self, name: str, device: torch.device, *, enabled: bool, pool: Any = None) -> None:
+        """``pool``: a memory pool (``torch.cuda.graph_pool_handle()``) shared with other
+        sets whose graphs replay in turn with these (None: a pool of its own)."""
         self.name = name
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self._graphs: dict[Hashable, _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.enabled else None
         self.report = CaptureReport(name)
         self.num_replays = 0
         self.num_eager = 0
+        #: the key being captured (None: none; named when a capture fails)
+        self.capturing: Hashable | None = None
         #: run every step eagerly even where a graph exists (to time or check the eager path)
         self.bypass = False
 
@@ -96,16 +149,21 @@ class GraphSet:
         if not self.enabled or key in self._graphs:
             return
         start = time.monotonic()
+        self.capturing = key
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             step()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # The warm-up's activations are cached outside the pool: free them for the capture.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the stage process (transfers) may use CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = step()
         self._graphs[key] = _Graph(graph, outputs)
+        self.capturing = None
         self.report.num_graphs += 1
         self.report.seconds += time.monotonic() - start
         self.report.keys.append(key)

@@ -28,7 +28,7 @@ device only in :meth:`DeviceBudget.finish`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,9 +42,11 @@ __all__ = [
     "SlotNeed",
     "activate",
     "active_budget",
+    "bucket_grid",
     "decoder_reserve_bytes",
     "decoder_slot_bytes",
     "module_bytes",
+    "peak_activation_bytes",
     "plan_slots",
     "provision",
 ]
@@ -243,6 +245,39 @@ def decoder_reserve_bytes(config: Any, *, max_tokens: int, max_batch: int, items
     per_token = (8 * hidden + 3 * inner) * itemsize
     logits = 3 * max_batch * int(config.vocab_size) * 4
     return (max_tokens * per_token + logits) * 5 // 4
+
+
+#: Tensors of a decoder layer's full width alive at once in a captured step (its input
+#: kept for the residual, the activation's temporaries, the history concatenated to it,
+#: the convolution's output), a margin included.
+ACTIVATION_COPIES = 10
+
+
+def peak_activation_bytes(widths: Iterable[tuple[int, int]], itemsize: int) -> int:
+    """Bytes a convolutional decoder's step holds at its peak per row and frame: its
+    widest layer (``channels × samples per frame``, from ``widths``) times
+    :data:`ACTIVATION_COPIES`, in ``itemsize`` bytes."""
+    widest = max((channels * samples for channels, samples in widths), default=1)
+    return widest * ACTIVATION_COPIES * itemsize
+
+
+def bucket_grid(
+    batches: Sequence[int], frames: Sequence[int], *, budget_bytes: int, bytes_per_row_frame: int
+) -> tuple[tuple[int, int], ...]:
+    """The (rows, frames) buckets whose step fits ``budget_bytes`` of activations
+    (``rows × frames × bytes_per_row_frame``), frames first; every frame bucket keeps
+    its one-row bucket whatever the budget (a chunk is never split across steps)."""
+    if budget_bytes < 0 or bytes_per_row_frame < 1:
+        raise ModelError(
+            f"a graph budget needs budget_bytes >= 0 and bytes_per_row_frame >= 1, "
+            f"got {budget_bytes} and {bytes_per_row_frame}"
+        )
+    return tuple(
+        (b, t)
+        for t in frames
+        for b in batches
+        if b == min(batches) or b * t * bytes_per_row_frame <= budget_bytes
+    )
 
 
 def module_bytes(module: Any) -> int:

@@ -63,7 +63,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,11 +72,19 @@ import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
-from omnirelay.models.runner.graphs import GraphSet, Step
+from omnirelay.models.runner.code2wav import GRAPH_MEMORY_KNOB
+from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes
 from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 
-__all__ = ["COMPILE_ENV", "DEFAULT_STREAM_FRAMES", "StreamRow", "StreamingVocoder", "stream_compile_backend"]
+__all__ = [
+    "COMPILE_ENV",
+    "DEFAULT_STREAM_BATCHES",
+    "DEFAULT_STREAM_FRAMES",
+    "StreamRow",
+    "StreamingVocoder",
+    "stream_compile_backend",
+]
 
 DEFAULT_STREAM_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 #: Frame buckets of a streaming step (chunks carry at most ``codec_chunk_frames``, 25).
@@ -144,7 +152,12 @@ class StreamingVocoder:
         batch_sizes: tuple[int, ...] = DEFAULT_STREAM_BATCHES,
         frames: tuple[int, ...] = DEFAULT_STREAM_FRAMES,
         compile: str | None = None,
+        buckets: Collection[tuple[int, int]] | None = None,
+        pool: Any = None,
     ) -> None:
+        """``buckets``: the (batch, frames) pairs captured as graphs (None: every pair; a
+        step never launches more rows of a frame bucket than its largest captured batch);
+        ``pool``: the graphs' memory pool, shared with the stage's window graphs."""
         self.model = model
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -175,7 +188,9 @@ class StreamingVocoder:
         self._slot_ids = torch.full((mb,), self.slots.scratch, dtype=torch.long, device=self.device)
         self._counts = torch.zeros(mb, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(mb, dtype=torch.long, device=self.device)
-        self.graphs = GraphSet("code2wav-stream", self.device, enabled=cuda_graphs)
+        self._buckets = None if buckets is None else frozenset(buckets)
+        self._pool = pool
+        self.graphs = GraphSet("code2wav-stream", self.device, enabled=cuda_graphs, pool=pool)
         self._init_compile(compile)
 
     def _init_compile(self, backend: str | None) -> None:
@@ -420,17 +435,20 @@ class StreamingVocoder:
                 flush=True,
             )
         start = time.monotonic()
+        before = reserved_bytes(self.device)
         cudnn = torch.backends.cudnn
         benchmark = cudnn.benchmark
         cudnn.benchmark = benchmark or os.environ.get(CONV_SEARCH_ENV) == "1"
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), graph_memory_errors(self.graphs, GRAPH_MEMORY_KNOB):
                 for t in self.frames:
                     for b in self.batch_sizes:
-                        self.graphs.capture((b, t), self._step(b, t))
+                        if self._buckets is None or (b, t) in self._buckets:
+                            self.graphs.capture((b, t), self._step(b, t))
         finally:
             cudnn.benchmark = benchmark
         self.graphs.report.seconds = time.monotonic() - start
+        self.graphs.report.pool_bytes = reserved_bytes(self.device) - before
         how = f" (step compiled with {self.compile_backend})" if self.compile_backend else ""
         print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
         if self.compile_backend == "inductor":
@@ -470,7 +488,7 @@ class StreamingVocoder:
             )
             self.compile_backend, self._step_fn = None, self._forward
             if self.graphs.enabled:
-                self.graphs = GraphSet("code2wav-stream", self.device, enabled=True)
+                self.graphs = GraphSet("code2wav-stream", self.device, enabled=True, pool=self._pool)
                 self.capture_graphs()
         return error
 
@@ -509,14 +527,22 @@ class StreamingVocoder:
             t = int(row.codes.shape[-1])
             by_bucket.setdefault(bucket(t, self.frames) or t, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(rows)
-        step = self.batch_sizes[-1]
-        for _, members in sorted(by_bucket.items()):
+        for t, members in sorted(by_bucket.items()):
+            step = self.max_rows(t)
             for first in range(0, len(members), step):
                 group = members[first : first + step]
                 for i, piece in zip(group, self._decode_group([rows[i] for i in group])):
                     out[i] = piece
         assert all(piece is not None for piece in out)
         return [piece for piece in out if piece is not None]
+
+    def max_rows(self, frames: int) -> int:
+        """The most rows one launch of the frame bucket takes: its largest captured batch
+        (no buckets given: the largest batch; frames past every bucket: the smallest)."""
+        if self._buckets is None:
+            return self.batch_sizes[-1]
+        fits = [b for b in self.batch_sizes if (b, frames) in self._buckets]
+        return max(fits) if fits else self.batch_sizes[0]
 
     def _decode_group(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
         n = len(rows)
