@@ -31,7 +31,7 @@ def talker(checkpoint: Any) -> Any:
     return checkpoint.load_talker()
 
 
-def _runner(talker: Any, config: Any, compile: str | None = None) -> TalkerRunner:
+def _runner(talker: Any, config: Any, compile: str | None = None, cuda_graphs: bool = False) -> TalkerRunner:
     tc = config.talker_config
     buckets = Buckets(max_num_seqs=4, max_model_len=64, batch_sizes=(1, 2, 4), prefill_tokens=(16,))
     projection = talker.code_predictor.small_to_mtp_projection
@@ -41,35 +41,35 @@ def _runner(talker: Any, config: Any, compile: str | None = None) -> TalkerRunne
         codec_eos=tc.codec_eos_token_id,
         num_code_groups=tc.num_code_groups,
         buckets=buckets,
-        cuda_graphs=False,
+        cuda_graphs=cuda_graphs,
         compile=compile,
         row_controls=True,
         projection=None if isinstance(projection, torch.nn.Identity) else projection,
     )
 
 
-def _row(rid: str, n: int, hidden: int, seed: int) -> TalkerRow:
-    embeds = torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
+def _row(runner: TalkerRunner, rid: str, n: int, seed: int) -> TalkerRow:
+    embeds = torch.randn(n, runner.hidden, generator=torch.Generator().manual_seed(seed)) * 0.5
+    embeds = embeds.to(runner.device, runner.dtype)
     return TalkerRow(rid, embeds, SamplingParams(), torch.Generator(), 1.05, True)
 
 
 def _talk(runner: TalkerRunner) -> Iterator[torch.Tensor]:
     """Greedy codes of each step: three requests, the second leaving after three frames
     (its slot packed: the frames then gather) and a fourth joining."""
-    hidden = runner.hidden
     live = []
     for i in range(3):
         runner.slots.acquire(f"r{i}")
         live.append(f"r{i}")
-    yield runner.prefill([_row(rid, 5 + i, hidden, i) for i, rid in enumerate(live)])
+    yield runner.prefill([_row(runner, rid, 5 + i, i) for i, rid in enumerate(live)])
     for frame in range(FRAMES):
         if frame == 3:
             runner.slots.release("r1")
             live.remove("r1")
             runner.slots.acquire("r3")
-            yield runner.prefill([_row("r3", 7, hidden, 3)])
+            yield runner.prefill([_row(runner, "r3", 7, 3)])
             live.append("r3")
-        yield runner.decode([_row(rid, 1, hidden, 100 * frame + k) for k, rid in enumerate(live)])
+        yield runner.decode([_row(runner, rid, 1, 100 * frame + k) for k, rid in enumerate(live)])
     for rid in live:
         runner.slots.release(rid)
 

@@ -1,0 +1,132 @@
+"""On a GPU: the Talker frame's decoder step compiled with inductor
+(``OMNIRELAY_FRAME_COMPILE=1``) and captured in the frame's CUDA graphs computes what the
+uncompiled step computes, for Qwen3-TTS and Qwen3-Omni alike.
+
+* tiny Qwen3-TTS in float32, frame graphs: the greedy codes of the uncompiled frame,
+  step for step, while requests join and leave;
+* tiny Qwen3-TTS in bfloat16: one compiled pass's normed hidden states within 0.05 of
+  the uncompiled pass's (values of order 1: a few bfloat16 steps, fused kernels round
+  elsewhere), its keys and values written in the cache (no buffer of a layer's keys'
+  size in the generated code), and a CUDA graph of it replays the same;
+* tiny Qwen3-Omni Talker, tail and frame compiled: the eager frames up to the rare tie
+  that fused float math breaks the other way (as the compiled tail's own test).
+
+Skipped without CUDA (CI has none); run them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+from omnirelay.models.runner.talker import FRAME_COMPILE_ENV
+from tests.test_runner_frame_compile import _BUFFER, _runner, _talk
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    # inductor's own warnings (a torch.jit API torch deprecates; TF32 left off for float32)
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+]
+
+
+def _tts(dtype: str) -> Any:
+    return TTSCheckpoint.open(TTSModelArgs(load_format="tiny", device="cuda:0", dtype=dtype))
+
+
+def test_tts_frame_graphs_compiled_speak_the_uncompiled_codes() -> None:
+    checkpoint = _tts("float32")
+    talker = checkpoint.load_talker()
+    results = {}
+    for compiled in (False, True):
+        runner = _runner(talker, checkpoint.config, cuda_graphs=True)
+        if compiled:
+            runner.decoder.compile_decode("inductor")
+        runner.capture_graphs()
+        assert len(runner.graphs) > 0
+        with torch.inference_mode():
+            results[compiled] = list(_talk(runner))
+        assert runner.graphs.num_replays > 0
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+
+
+def test_tts_compiled_pass_in_bf16_writes_in_place_and_replays_in_a_graph() -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    checkpoint = _tts("bfloat16")
+    runner = _runner(checkpoint.load_talker(), checkpoint.config)
+    decoder, kv, dev = runner.decoder, runner.kv, runner.device
+    b, length = 4, 32
+    gen = torch.Generator().manual_seed(0)
+    embeds = (torch.randn(b, 1, runner.hidden, generator=gen) * 0.5).to(dev, runner.dtype)
+    slots = torch.arange(b, device=dev)
+    starts = torch.tensor([3, 9, 17, 30], device=dev)
+    counts = torch.ones(b, dtype=torch.long, device=dev)
+    with torch.inference_mode():
+        kv.cache.copy_(torch.randn(kv.cache.shape, generator=gen).to(dev, runner.dtype))
+        before = kv.cache.clone()
+        want, _ = decoder.forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+        want_cache = kv.cache.clone()
+        kv.cache.copy_(before)
+        decoder.compile_decode("inductor")
+        (got, _), code = run_and_get_code(
+            decoder.decode_forward, embeds, slots, starts, counts, attn_len=length, in_place=True
+        )
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)
+        torch.testing.assert_close(kv.cache.float(), want_cache.float(), rtol=0, atol=0.05)
+        sizes = [
+            math.prod(int(d) for d in dims.split(",") if d.strip())
+            for text in code
+            for dims in _BUFFER.findall(text)
+        ]
+        assert sizes and max(sizes) < kv.keys[0].numel()
+        # captured: the graph's replay writes the cache and returns what the call did
+        kv.cache.copy_(before)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decoder.decode_forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out, _ = decoder.decode_forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+        kv.cache.copy_(before)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, got, rtol=0, atol=0)
+        torch.testing.assert_close(kv.cache.float(), want_cache.float(), rtol=0, atol=0.05)
+
+
+def test_omni_talker_with_the_frame_compiled_speaks_the_eager_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.qwen3_omni.loader import ModelArgs
+    from omnirelay.models.qwen3_omni.talker import TalkerExecutor
+    from tests.test_models_talker import frames, talk
+    from tests.test_runner_cuda import _thinker_payloads, _tiny
+
+    payloads = _thinker_payloads()
+    results = {}
+    for compiled in (True, False):
+        monkeypatch.setenv(FRAME_COMPILE_ENV, "1" if compiled else "0")
+        args = ModelArgs(
+            device="cuda:0",
+            runner="static",
+            cuda_graphs=compiled,
+            compile=compiled,
+            max_num_seqs=8,
+            max_model_len=256,
+        )
+        talker = TalkerExecutor.from_checkpoint(_tiny(), args=args)
+        assert talker.runner is not None
+        assert talker.runner.decoder.decode_backend == ("inductor" if compiled else None)
+        results[compiled] = talk(talker, payloads, 14, SamplingParams())
+    for rid in payloads:
+        got, want = frames(results[True][rid]), frames(results[False][rid])
+        assert got.shape == want.shape
+        assert torch.equal(got[0], want[0]), rid
+        assert float((got == want).float().mean()) >= 0.95, rid
