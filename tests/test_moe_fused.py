@@ -235,6 +235,34 @@ def test_interpreted_fused_block_matches_the_models_block(interpreted: Any) -> N
 
 
 @needs_triton
+def test_interpreted_prefill_routing_in_blocks_of_tokens(interpreted: Any) -> None:
+    """:func:`route` over more tokens than one program takes (37 tokens, 16 a program)
+    picks the router's experts and weights, and a prefill's whole block (70 tokens: the
+    routing in blocks, then the two placement launches) matches the model's block, same
+    tolerance as the decode's."""
+    block = _block(16, 4, 96, 40)
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        logits, want_w, want_ids = block.gate(x)
+    ids = torch.full((37, 4), -1, dtype=torch.int64)
+    weights = torch.zeros((37, 4), dtype=torch.float32)
+    interpreted.route[(3,)](logits, ids, weights, 37, 16, TOP_K=4, NORM=True, BLOCK_T=16, BLOCK_E=16)
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(weights, want_w, rtol=0, atol=1e-6)
+
+    half = copy.deepcopy(block).half()
+    x = torch.randn(2, 35, 96, generator=torch.Generator().manual_seed(9)).half()
+    assert moe.fused_experts_enabled(torch.float16)
+    with torch.no_grad():
+        _, weights, ids = half.gate(x.view(-1, 96))
+        want = block.experts(x.view(-1, 96).float(), ids, weights.float())
+        with experts_implementation([half.experts], moe.FUSED_EXPERTS):
+            got = moe.fused_moe_block(half, x)
+    assert got is not None and got.shape == x.shape
+    assert float((got.view(-1, 96).float() - want).abs().max() / want.abs().max()) < 2e-3
+
+
+@needs_triton
 def test_interpreted_fused_block_with_a_shared_expert(interpreted: Any) -> None:
     """The Qwen3-Omni Talker's block: the routed experts plus its gated shared expert."""
     block = _block(8, 2, 64, 48, talker=True)
@@ -257,10 +285,10 @@ def test_interpreted_fused_block_with_a_shared_expert(interpreted: Any) -> None:
 
 @needs_triton
 def test_interpreted_each_path_is_counted_as_it_runs(interpreted: Any) -> None:
-    """``omnirelay bench runner``'s per-figure ``experts``: a decode's block runs whole
-    (``fused_block``), a prefill's many tokens through the experts' call
-    (``fused_experts``), a call the kernels cannot take falls back and is counted so,
-    and ``transformers``' own implementation by its name."""
+    """``omnirelay bench runner``'s per-figure ``experts``: a decode's block and a
+    prefill's run whole (``fused_block``), the experts' own call where a hook watches the
+    router (``fused_experts``), a call the kernels cannot take falls back and is counted
+    so, and ``transformers``' own implementation by its name."""
     from benchmarks.runner import _experts_paths
     from omnirelay.models.runner.fused import run_mlp
 
@@ -276,7 +304,10 @@ def test_interpreted_each_path_is_counted_as_it_runs(interpreted: Any) -> None:
             return _experts_paths(Graphs(), lambda: run_mlp(block.to(dtype), x), block)
 
     assert paths(3, moe.FUSED_EXPERTS) == {"fused_block": 1}
-    assert paths(moe.ROUTED_TOKENS + 1, moe.FUSED_EXPERTS) == {"fused_experts": 1}
+    assert paths(moe.ROUTED_TOKENS + 1, moe.FUSED_EXPERTS) == {"fused_block": 1}
+    handle = block.gate.register_forward_hook(lambda *a: None)  # the model's router runs
+    assert paths(3, moe.FUSED_EXPERTS) == {"fused_experts": 1}
+    handle.remove()
     assert paths(3, moe.FUSED_EXPERTS, torch.float32) == {"fallback": 1}
     assert paths(3, "batched_mm", torch.float32) == {"batched_mm": 1}
     assert "forward" not in vars(block.experts)  # the counting wrapper is gone
@@ -386,23 +417,38 @@ def test_cuda_fused_experts_at_the_thinkers_dims(tokens: int) -> None:
         )
 
 
+def _route_lower_on_tie(gate: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's routing (its logits in ``x``'s dtype, softmax in float32, top-k,
+    renormalized) with equal probabilities taken lower expert first, as the kernels do:
+    bfloat16 logits tie often enough at the k-th place that ``torch.topk``'s unspecified
+    order among equals would decide the result for some of a prefill's tokens."""
+    probs = torch.softmax(torch.nn.functional.linear(x, gate.weight).float(), dim=-1)
+    top, ids = probs.sort(dim=-1, descending=True, stable=True)
+    top, ids = top[:, : gate.top_k], ids[:, : gate.top_k]
+    if gate.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return ids, top.to(x.dtype)
+
+
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 1920])
 def test_cuda_fused_block_at_the_thinkers_dims(tokens: int) -> None:
-    """The whole block (routing in one program) in bfloat16 against the float32 experts on
-    the model's own routing: relative error (norm) under 1e-2; replayed from a CUDA
-    graph with new inputs, equal to an eager call."""
+    """The whole block (a decode's routing in one program, a prefill's 64 x 30 tokens
+    routed in blocks) in bfloat16 against the float32 experts on the router's routing:
+    relative error (norm) under 1e-2; replayed from a CUDA graph with new inputs, equal to
+    an eager call; counted as the block path each time."""
     torch.manual_seed(0)
     block = _real_block()
     half = copy.deepcopy(block).to(torch.bfloat16)
     assert moe.fused_experts_enabled(torch.bfloat16)
     x = torch.randn(1, tokens, 2048, device="cuda:0").bfloat16()
     with torch.no_grad(), experts_implementation([half.experts], moe.FUSED_EXPERTS):
-        _, weights, ids = half.gate(x.view(-1, 2048))
+        ids, weights = _route_lower_on_tie(half.gate, x.view(-1, 2048))
         want = block.experts(x.view(-1, 2048).float(), ids, weights.float())
         assert moe._unsupported(half.experts, x) is None
+        before = moe.CALLS["block"]
         got = moe.fused_moe_block(half, x)
-        assert got is not None
+        assert got is not None and moe.CALLS["block"] == before + 1
         error = float((got.view(-1, 2048).float() - want).norm() / want.norm())
         print(f"block, tokens {tokens}: relative error {error:.2e}")
         assert error < 1e-2

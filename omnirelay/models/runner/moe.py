@@ -16,9 +16,11 @@ experts module of the usual layout (``gate_up_proj [E, 2I, H]``, gate rows first
 5. the top-k sum of each token's rows (float32 accumulation, one rounding).
 
 Steps 1 and 2 take the model's routing (its router's softmax, top-k and renormalization)
-as given. For a whole MoE block of a decode's few tokens, :func:`fused_moe_block` also
-takes the routing in: the router's matmul, then softmax, top-k, renormalization and
-placement in one program, so the routed part of a block is five launches in all. No step reads a value back to the host and every buffer has a size fixed by the token count,
+as given. For a whole MoE block, :func:`fused_moe_block` also takes the routing in: the
+router's matmul, then softmax, top-k and renormalization in Triton — for a decode's few
+tokens together with the placement in one program, so the routed part of such a block
+is five launches in all (router, routing, two GEMMs, sum), and seven for a prefill's.
+No step reads a value back to the host and every buffer has a size fixed by the token count,
 so the path records into a CUDA graph. Block sizes are fixed per pair count (decode's few
 rows: thin blocks that spread the weight reads over many programs; a prefill's thousands:
 square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
@@ -59,8 +61,11 @@ FUSED_EXPERTS = "omnirelay_fused"
 #: Pairs per program of the two placement kernels.
 _CHUNK = 256
 
-#: Most tokens :func:`fused_moe_block` routes in one program (a decode's rows).
+#: Most tokens :func:`fused_moe_block` routes and places in one program (a decode's rows).
 ROUTED_TOKENS = 64
+
+#: Tokens per program of a prefill's routing.
+_ROUTE_BLOCK = 16
 
 _registered = False
 _noted: set[str] = set()
@@ -199,35 +204,55 @@ def fused_experts(
 ) -> torch.Tensor:
     """``sum_k w[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t))`` with ``e = top_k_index[t, k]``;
     ``x [N, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``top_k_* [N, K]``."""
-    kernels = _kernels()
     n, k = x.shape[0], top_k_index.shape[-1]
-    e = gate_up.shape[0]
-    pairs = n * k
-    if pairs == 0:
+    if n * k == 0:
         return torch.zeros_like(x)
-    ids = top_k_index.reshape(-1).contiguous()
-    tiles = _tiles(pairs)
-    block_e = _pow2(e)
-    chunks = -(-pairs // _CHUNK)
-    order, meta = _placement(pairs, e, tiles, x.device)
-    partial = torch.empty((chunks, e), dtype=torch.int32, device=x.device)
-    kernels.count_pairs[(chunks,)](ids, partial, pairs, e, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8)
-    kernels.place_pairs[(chunks,)](
-        ids, partial, order, meta, pairs, e, chunks, BM=tiles.bm, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8
-    )
+    order, meta, tiles = _place(top_k_index.reshape(-1).contiguous(), n * k, gate_up.shape[0], x.device)
     weights = top_k_weights.reshape(-1).contiguous()
     return _grouped(x, gate_up, down, k, weights, order, meta, tiles)
 
 
+def _place(
+    ids: torch.Tensor, pairs: int, experts: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, _Tiles]:
+    """The pairs of ``ids [pairs]`` placed per expert (two launches): positions, meta and
+    the tiles they are padded for."""
+    kernels = _kernels()
+    tiles = _tiles(pairs)
+    block_e = _pow2(experts)
+    chunks = -(-pairs // _CHUNK)
+    order, meta = _placement(pairs, experts, tiles, device)
+    partial = torch.empty((chunks, experts), dtype=torch.int32, device=device)
+    kernels.count_pairs[(chunks,)](ids, partial, pairs, experts, CHUNK=_CHUNK, BLOCK_E=block_e, num_warps=8)
+    kernels.place_pairs[(chunks,)](
+        ids,
+        partial,
+        order,
+        meta,
+        pairs,
+        experts,
+        chunks,
+        BM=tiles.bm,
+        CHUNK=_CHUNK,
+        BLOCK_E=block_e,
+        num_warps=8,
+    )
+    return order, meta, tiles
+
+
 def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
-    """``block(hidden)`` for an MoE block of at most :data:`ROUTED_TOKENS` tokens while its
-    experts run the fused path: the router's logits (one matmul), then routing and
-    placement in one program (:func:`~omnirelay.models.runner.moe_kernels.route_place`)
-    instead of the router's softmax, top-k, sum and division and the two placement
-    launches. A block with a gated shared expert (the Qwen3-Omni Talker's) adds it as the
-    model does, ``routed + sigmoid(shared_gate(x)) · shared(x)``. None where that does
-    not apply (the caller runs the block as is), also while a hook observes the router or
-    the experts, so what they see is the model's own routing."""
+    """``block(hidden)`` for an MoE block while its experts run the fused path: the
+    router's logits (one matmul), then the router's softmax, top-k and renormalization in
+    Triton — for up to :data:`ROUTED_TOKENS` tokens (a decode) in one program with the
+    pairs' placement (:func:`~omnirelay.models.runner.moe_kernels.route_place`), for more
+    (a prefill) a block of tokens per program
+    (:func:`~omnirelay.models.runner.moe_kernels.route`) and the two placement launches —
+    instead of the router's five launches. Then the two grouped GEMMs and the top-k sum:
+    five launches for a decode's block, seven for a prefill's. A block with a gated shared
+    expert (the Qwen3-Omni Talker's) adds it as the model does, ``routed +
+    sigmoid(shared_gate(x)) · shared(x)``. None where that does not apply (the caller
+    runs the block as is), also while a hook observes the router or the experts, so what
+    they see is the model's own routing."""
     experts: Any = getattr(block, "experts", None)
     gate: Any = getattr(block, "gate", None)
     shared: Any = getattr(block, "shared_expert", None)
@@ -240,33 +265,43 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
     if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, experts)):
         return None
     router = getattr(gate, "weight", None)
+    top_k, norm = getattr(gate, "top_k", None), getattr(gate, "norm_topk_prob", None)
     x = hidden.reshape(-1, hidden.shape[-1])
     n = x.shape[0]
-    if not (0 < n <= ROUTED_TOKENS) or not isinstance(router, torch.Tensor):
+    if n == 0 or not isinstance(router, torch.Tensor) or not isinstance(top_k, int) or norm is None:
         return None
     if _unsupported(experts, x) is not None:
         return None  # the experts' own call then falls back and says why
-    k, e = int(gate.top_k), int(experts.gate_up_proj.shape[0])
+    k, e = top_k, int(experts.gate_up_proj.shape[0])
+    if router.shape != (e, x.shape[-1]):
+        return None
     logits = F.linear(x, router)
     ids = torch.empty((n, k), dtype=torch.int64, device=x.device)
     weights = torch.empty((n, k), dtype=x.dtype, device=x.device)
-    tiles = _tiles(n * k)
-    order, meta = _placement(n * k, e, tiles, x.device)
-    _kernels().route_place[(1,)](
-        logits,
-        ids,
-        weights,
-        order,
-        meta,
-        n,
-        e,
-        TOP_K=k,
-        NORM=bool(gate.norm_topk_prob),
-        BM=tiles.bm,
-        BLOCK_T=_pow2(n),
-        BLOCK_E=_pow2(e),
-        num_warps=8,
-    )
+    kernels = _kernels()
+    if n <= ROUTED_TOKENS:
+        tiles = _tiles(n * k)
+        order, meta = _placement(n * k, e, tiles, x.device)
+        kernels.route_place[(1,)](
+            logits,
+            ids,
+            weights,
+            order,
+            meta,
+            n,
+            e,
+            TOP_K=k,
+            NORM=bool(norm),
+            BM=tiles.bm,
+            BLOCK_T=_pow2(n),
+            BLOCK_E=_pow2(e),
+            num_warps=8,
+        )
+    else:
+        kernels.route[(-(-n // _ROUTE_BLOCK),)](
+            logits, ids, weights, n, e, TOP_K=k, NORM=bool(norm), BLOCK_T=_ROUTE_BLOCK, BLOCK_E=_pow2(e)
+        )
+        order, meta, tiles = _place(ids.view(-1), n * k, e, x.device)
     out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
     CALLS["block"] += 1
     if shared is not None:

@@ -8,8 +8,10 @@ interpreter). Shapes: ``S = tokens x top_k`` token-expert pairs, ``E`` experts, 
 * :func:`count_pairs` — pairs per expert of each chunk of ``CHUNK`` pairs.
 * :func:`place_pairs` — each expert's padded run (a multiple of ``BM`` rows) and each
   pair's position in it; stable (pairs keep their order inside an expert), no atomics.
-* :func:`route_place` — for a decode's few tokens, the router's softmax, top-k and
-  renormalization and both steps above, in one program.
+* :func:`route` — the router's softmax, top-k and renormalization, a block of tokens
+  per program (a prefill's many tokens, placed by the two steps above).
+* :func:`route_place` — for a decode's few tokens, :func:`route`'s work and both steps
+  above, in one program.
 * :func:`gate_up_silu` — per block of ``BM`` positions (one expert), ``silu(x W_gate^T) ·
   (x W_up^T)`` for a ``BN`` slice of ``I``.
 * :func:`down_weighted` — per block, ``h W_down^T`` times the pair's routing weight,
@@ -76,25 +78,22 @@ def place_pairs(
 
 
 @triton.jit
-def route_place(
+def _route_rows(
     logits_ptr,
     ids_ptr,
     weights_ptr,
-    sorted_ptr,
-    meta_ptr,
+    t,
     M,
     E,
     TOP_K: tl.constexpr,
     NORM: tl.constexpr,
-    BM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Routing and placement of up to ``BLOCK_T`` tokens in one program: softmax over
-    the router logits (float32), the top-k (largest first, the lower expert on a tie),
-    renormalized when ``NORM``, each token's pairs in ``ids``/``weights`` at ``t·K + j``,
-    and the pairs placed per expert as :func:`place_pairs` does."""
-    t = tl.arange(0, BLOCK_T)
+    """Softmax over the router logits of tokens ``t`` (float32), the top-k (largest
+    first, the lower expert on a tie), renormalized when ``NORM``; each token's pairs
+    stored in ``ids``/``weights`` at ``t·K + j``. Returns (chosen ``[T, E]``, pair index
+    ``[T, E]``): where token ``t`` picked expert ``e``, and as which pair."""
     e = tl.arange(0, BLOCK_E)
     tok_ok = t < M
     e_ok = e[None, :] < E
@@ -118,6 +117,48 @@ def route_place(
     pair = t[:, None] * TOP_K + slot - 1
     tl.store(ids_ptr + pair, (e[None, :] + tl.zeros_like(slot)).to(ids_ptr.dtype.element_ty), mask=chosen)
     tl.store(weights_ptr + pair, p.to(weights_ptr.dtype.element_ty), mask=chosen)
+    return chosen, pair
+
+
+@triton.jit
+def route(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    M,
+    E,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """The router's softmax, top-k and renormalization for ``BLOCK_T`` tokens per
+    program (a prefill's many tokens; :func:`count_pairs` and :func:`place_pairs` then
+    place the pairs)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_rows(logits_ptr, ids_ptr, weights_ptr, t, M, E, TOP_K, NORM, BLOCK_T, BLOCK_E)
+
+
+@triton.jit
+def route_place(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    sorted_ptr,
+    meta_ptr,
+    M,
+    E,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Routing (:func:`route`) and placement of up to ``BLOCK_T`` tokens in one
+    program, the pairs placed per expert as :func:`place_pairs` does."""
+    t = tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    chosen, pair = _route_rows(logits_ptr, ids_ptr, weights_ptr, t, M, E, TOP_K, NORM, BLOCK_T, BLOCK_E)
     picked = chosen.to(tl.int32)
     totals = tl.sum(picked, axis=0)
     padded = (totals + BM - 1) // BM * BM
