@@ -56,6 +56,11 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"  # abort (or release) from the orchestrator
     FINISHED_ERROR = "finished_error"  # transfer failure, timeout, executor error
 
+    # Members are singletons compared by identity: hashed by identity too, in C. Enum's
+    # own hash (of the name, in Python) ran several times per row and step in the sets
+    # and maps below.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in FINISHED_STATUSES

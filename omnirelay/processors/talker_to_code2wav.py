@@ -298,19 +298,22 @@ class TalkerToCode2WavProcessor:
     ) -> torch.Tensor:
         """This step's frames that carry audio, as ``[n, Q]`` int64 on the CPU (n may be 0)."""
         q = self.config.num_codebooks
-        empty = torch.empty((0, q), dtype=torch.long)
         if codes_step is None:
             if codec_frame_valid is not None:
                 _validity_mask(codec_frame_valid, 0)  # still reject an empty flag tensor
-            return empty
+            return torch.empty((0, q), dtype=torch.long)
         rows = _as_frames(codes_step, q)
         if codec_frame_valid is not None:
             return rows[_validity_mask(codec_frame_valid, rows.shape[0])]
-        if rows.numel() == 0 or not bool(rows.any()):
-            return empty  # the prefill placeholder row is all zeros
+        # One host copy of the step's few frames answers both questions below (a tensor
+        # op each cost more than the frame's other work, once per row and step).
+        values = rows.tolist()
+        if not any(map(any, values)):
+            return torch.empty((0, q), dtype=torch.long)  # the prefill placeholder row is all zeros
         # Post-EOS rows are not audio: keep the rows before the first stop token in codebook 0.
-        for i, token in enumerate(rows[:, 0].tolist()):
-            if token in state.stop_token_ids:
+        stops = state.stop_token_ids
+        for i, frame in enumerate(values):
+            if frame[0] in stops:
                 return rows[:i]
         return rows
 
@@ -320,15 +323,24 @@ def _as_frames(codes_step: object, num_codebooks: int) -> torch.Tensor:
         raise PayloadEncodeError(
             f"{_PROCESSOR}: codes.audio must be a torch.Tensor [n, {num_codebooks}], got {type(codes_step).__name__}"
         )
-    if codes_step.is_floating_point() or codes_step.is_complex() or codes_step.dtype == torch.bool:
+    # A Talker's frame is [1, Q] int64 on the CPU: that case asks the tensor as little as
+    # it can (each question is a call into torch, once per row and step).
+    is_long = codes_step.dtype is torch.long
+    if not is_long and (
+        codes_step.is_floating_point() or codes_step.is_complex() or codes_step.dtype == torch.bool
+    ):
         raise PayloadEncodeError(f"{_PROCESSOR}: codec ids must be an integer tensor, got {codes_step.dtype}")
-    t = codes_step.detach()
-    if t.dim() == 1 and t.numel() in (0, num_codebooks):
+    t = codes_step.detach() if codes_step.requires_grad else codes_step
+    shape = t.shape
+    if len(shape) == 1 and shape[0] in (0, num_codebooks):
         t = t.reshape(-1, num_codebooks)
-    if t.dim() != 2 or t.shape[1] != num_codebooks:
+        shape = t.shape
+    if len(shape) != 2 or shape[1] != num_codebooks:
         raise PayloadEncodeError(
             f"{_PROCESSOR}: codec step must be [n, Q={num_codebooks}] (or [Q]), got shape {tuple(codes_step.shape)}"
         )
+    if is_long and t.is_cpu:
+        return t  # what .to() would return
     return t.to(device="cpu", dtype=torch.long)
 
 
