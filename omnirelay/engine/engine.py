@@ -86,6 +86,7 @@ from omnirelay.transfer import (
     TransferEvents,
 )
 from omnirelay.transfer.keys import key_prefix
+from omnirelay.transfer.wakeup import Parker, wake_all
 
 __all__ = ["StageEngine"]
 
@@ -196,6 +197,8 @@ class StageEngine:
         #: :meth:`_load_deferred`), so its first poll does not compete with them.
         self._defers_loads = isinstance(self._scheduler, GenerationScheduler)
         self._deferred_loads: list[ChunkLoad] = []
+        #: while a step's results are applied: the send workers its saves will wake
+        self._save_wakes: list[Parker] | None = None
         # Inbox: commands from any thread. ``_cond`` guards it and ``_is_closed``.
         self._cond = threading.Condition()
         self._inbox: deque[_Command] = deque()
@@ -391,8 +394,16 @@ class StageEngine:
                     self._deferred_loads.extend(update.chunk_loads)
                 else:
                     self._load(update.chunk_loads)
-                for u in update.updates:
-                    self._apply_update(u, outputs)
+                # The step's chunks are admitted first, then the send workers woken once:
+                # woken per chunk, a worker took the thread (and the GIL) at every row.
+                wakes: list[Parker] = []
+                self._save_wakes = wakes
+                try:
+                    for u in update.updates:
+                        self._apply_update(u, outputs)
+                finally:
+                    self._save_wakes = None
+                    wake_all(wakes)
             self._counts["num_outputs"] += len(outputs)
             return outputs
 
@@ -592,6 +603,7 @@ class StageEngine:
             context=request.snapshot(update.new_token_ids),
             is_finished=is_terminal,
             to_replica=request.send_to_replica,
+            wakes=self._save_wakes,
         )
         if not is_terminal:
             return None  # a rejection is recorded as a failure: the next tick fails the request

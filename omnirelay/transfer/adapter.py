@@ -47,6 +47,7 @@ from omnirelay.transfer.processor import ChunkProcessor
 from omnirelay.transfer.receiver import LoadEntry, ReceiveSide
 from omnirelay.transfer.sender import SendSide
 from omnirelay.transfer.transfer_config import TransferConfig
+from omnirelay.transfer.wakeup import Parker
 
 __all__ = ["TransferAdapter"]
 
@@ -143,6 +144,7 @@ class TransferAdapter:
         num_confirmed_tokens: int | None = None,
         segment_generation: int | None = None,
         to_replica: int = 0,
+        wakes: list[Parker] | None = None,
     ) -> SaveResult:
         """Enqueue one chunk of ``external_id`` (scheduler thread; never blocks on I/O).
 
@@ -152,7 +154,10 @@ class TransferAdapter:
         (committed tokens) drops a preempted request's recomputed chunks; a
         ``segment_generation`` older than the current one is dropped. ``to_replica``: the
         next stage's replica the request is bound to (docs/design.md §11). A rejection
-        records a failure for ``internal_id`` (drained by ``poll_events``).
+        records a failure for ``internal_id`` (drained by ``poll_events``). ``wakes``: a
+        caller saving a step's chunks collects the send workers to wake there and wakes
+        them once, after the last (:func:`~omnirelay.transfer.wakeup.wake_all`), instead
+        of handing its thread to a worker per chunk.
         """
         sender = self._sender
         if sender is None or self._is_closed:
@@ -168,6 +173,7 @@ class TransferAdapter:
             num_confirmed_tokens=num_confirmed_tokens,
             segment_generation=segment_generation,
             to_replica=to_replica,
+            wakes=wakes,
         )
 
     def has_active_sender(self, external_id: str) -> bool:

@@ -130,17 +130,20 @@ class SendSide:
         num_confirmed_tokens: int | None,
         segment_generation: int | None,
         to_replica: int = 0,
+        wakes: list[Parker] | None = None,
     ) -> SaveResult:
         """docs/protocol.md §4.3 step 4, under the sender lock; queues the task on the id's lane.
         ``to_replica``: the next stage's replica the request is bound to (read when its
-        generation begins)."""
+        generation begins). ``wakes``: where a caller that admits several chunks in a
+        row collects the workers to wake, to wake them (``wake_all``) once, after the
+        last; without it, a worker is woken here."""
         if type(external_id) is not str or external_id not in self._gens:  # checked when its generation began
             problem = request_id_problem(external_id, "external request id")
             if problem is not None:
                 self._record(internal_id, str(external_id), FailureKind.SEND_FAILED, problem)
                 return SaveResult.REJECTED
         failure: _Failure | None = None
-        wakes: list[Parker] = []
+        to_wake: list[Parker] = [] if wakes is None else wakes
         with self._lock:
             g = self._gens.get(external_id)
             if g is not None:
@@ -186,11 +189,12 @@ class SendSide:
                 task = _SendTask(
                     g, internal_id, external_id, output, context, is_finished, is_segment_finished
                 )
-                self._lanes.submit(external_id, functools.partial(self._run, task), wakes=wakes)
+                self._lanes.submit(external_id, functools.partial(self._run, task), wakes=to_wake)
                 self._counts["num_admitted"] += 1
             else:
                 self._counts["num_rejected"] += 1
-        wake_all(wakes)  # outside the lock, which the woken worker's task takes first
+        if wakes is None:
+            wake_all(to_wake)  # outside the lock, which the woken worker's task takes first
         if failure is not None:
             self._record(internal_id, external_id, *failure)
             return SaveResult.REJECTED
