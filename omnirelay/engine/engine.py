@@ -550,8 +550,12 @@ class StageEngine:
     def _load(self, loads: tuple[ChunkLoad, ...] | list[ChunkLoad]) -> None:
         if loads:
             assert self._adapter is not None
-            for iid, ext in loads:
-                self._adapter.load_async(iid, ext)
+            wakes: list[Parker] = []  # the receive workers, woken once all are registered
+            try:
+                for iid, ext in loads:
+                    self._adapter.load_async(iid, ext, wakes=wakes)
+            finally:
+                wake_all(wakes)
 
     def load_deferred(self) -> None:
         """Register the chunk loads the last step deferred now (engine thread). A device

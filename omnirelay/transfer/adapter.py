@@ -199,15 +199,16 @@ class TransferAdapter:
 
     # ----------------------------------------------------------------- receive side
 
-    def load_async(self, internal_id: str, external_id: str) -> bool:
-        """Wait for the next chunk of ``internal_id`` (scheduler thread; enqueue only)."""
+    def load_async(self, internal_id: str, external_id: str, *, wakes: list[Parker] | None = None) -> bool:
+        """Wait for the next chunk of ``internal_id`` (scheduler thread; enqueue only).
+        ``wakes``: as in :meth:`save_async`, for a caller registering several loads."""
         if self._receiver is None or self._is_closed:
             return False
         self._ids.ensure(internal_id, external_id)
         entry = self._receiver.register(internal_id, external_id)
         if entry is None:
             return False
-        self._dispatch(entry)
+        self._dispatch(entry, wakes)
         return True
 
     request_chunk = load_async
@@ -230,10 +231,10 @@ class TransferAdapter:
         if ext is not None and not (self._sender is not None and self._sender.has_active_sender(ext)):
             self._ids.pop(internal_id)
 
-    def _dispatch(self, entry: LoadEntry) -> None:
+    def _dispatch(self, entry: LoadEntry, wakes: list[Parker] | None = None) -> None:
         """Queue a poll of ``entry`` on its request's lane (never runs it on the caller)."""
         assert self._recv_lanes is not None
-        self._recv_lanes.submit(entry.internal_id, functools.partial(self._poll, entry))
+        self._recv_lanes.submit(entry.internal_id, functools.partial(self._poll, entry), wakes=wakes)
 
     def _poll(self, entry: LoadEntry) -> None:
         assert self._receiver is not None
