@@ -5,13 +5,18 @@ and the device's KV sizing counting Code2Wav's pools captured before it."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from omnirelay.errors import ModelError
 from omnirelay.models.qwen3_omni import Checkpoint
+from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
 from omnirelay.models.runner.code2wav import (
     DEFAULT_DECODE_BATCHES,
     DEFAULT_DECODE_FRAMES,
@@ -97,6 +102,55 @@ def test_the_tiny_decoders_widths_end_at_its_total_upsampling() -> None:
     widths = decoder_widths(model)
     assert widths[-1][1] == int(model.total_upsample)
     assert all(c > 0 for c, _ in widths)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """A fake allocator: the bytes of the tensors the ops inside create, counted while
+    they are alive, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[int] = set()
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t._base is None:
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if key and key not in self.live:
+                    self.live.add(key)
+                    self.current += size
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(t, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self.live.discard(key)
+        self.current -= size
+
+
+@pytest.mark.parametrize("family", ["qwen3-omni", "qwen3-tts"])
+def test_the_estimate_covers_a_measured_steps_activations(family: str) -> None:
+    if family == "qwen3-omni":
+        model = Checkpoint.open(tiny_dir()).load_code2wav()
+    else:
+        model = TTSCheckpoint.open(TTSModelArgs(tiny=True)).load_codec()
+    per = peak_activation_bytes(decoder_widths(model), next(model.parameters()).element_size())
+    vocoder = StreamingVocoder(model, max_streams=4, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(0)
+    size, q = int(model.config.codebook_size), int(model.config.num_quantizers)
+    rows = [StreamRow(f"s{i}", torch.randint(0, size, (q, 8), generator=gen)) for i in range(4)]
+    with torch.inference_mode():
+        vocoder.decode(rows)  # the second chunk: every state in use
+        with _LiveBytes() as stream:
+            vocoder.decode(rows)
+        with _LiveBytes() as window:
+            model(torch.stack([r.codes for r in rows]))
+    for measured in (stream.peak, window.peak):
+        assert 0 < measured <= 4 * 8 * per
+        assert measured >= 4 * 8 * per // 4  # the estimate is a margin, not a blind guess
 
 
 def test_a_step_past_the_largest_captured_bucket_is_split_and_decodes_the_same() -> None:
