@@ -32,8 +32,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _check(model: Any, name: str) -> None:
+def _check(model: Any, name: str, capfd: pytest.CaptureFixture[str]) -> None:
     executor = Code2WavExecutor(model, cuda_graphs=True, max_streams=64)
+    startup = capfd.readouterr().err
+    print(startup)
+    assert f"code2wav on {next(model.parameters()).device}: weights" in startup and "graph pools" in startup
     vocoder = executor.vocoder
     assert vocoder is not None
     per = peak_activation_bytes(decoder_widths(model), next(model.parameters()).element_size())
@@ -58,14 +61,28 @@ def _check(model: Any, name: str) -> None:
     print(f"{name}: split step vs eager, largest relative error {worst:.2e}")
     assert worst < 2e-2
     assert vocoder.graphs.num_replays >= 24 // vocoder.max_rows(32)
+    # The window decoder: 20 windows of 25 frames, more than bucket 32's largest batch.
+    windows = torch.randint(0, size, (20, q, 25), generator=gen)
+    assert 0 < executor._decoder.max_rows(32) < 20
+    with torch.inference_mode():
+        replayed = executor.decode(windows).float().cpu()
+        direct = model(windows.to(next(model.parameters()).device)).float().cpu()
+    error = _relative(replayed, direct[..., : replayed.shape[-1]])
+    print(f"{name}: split windows vs eager, relative error {error:.2e}")
+    assert replayed.shape[0] == 20 and error < 2e-2
 
 
-def test_full_size_omni_code2wav_captures_within_the_budget() -> None:
-    _check(open_checkpoint(ModelArgs(load_format="dummy", device="cuda:0")).load_code2wav(), "qwen3-omni")
+def test_full_size_omni_code2wav_captures_within_the_budget(capfd: pytest.CaptureFixture[str]) -> None:
+    model = open_checkpoint(ModelArgs(load_format="dummy", device="cuda:0")).load_code2wav()
+    _check(model, "qwen3-omni", capfd)
 
 
-def test_full_size_tts_decoder_captures_within_the_budget() -> None:
-    _check(TTSCheckpoint.open(TTSModelArgs(load_format="dummy", device="cuda:0")).load_codec(), "qwen3-tts")
+def test_full_size_tts_decoder_captures_within_the_budget(capfd: pytest.CaptureFixture[str]) -> None:
+    _check(
+        TTSCheckpoint.open(TTSModelArgs(load_format="dummy", device="cuda:0")).load_codec(),
+        "qwen3-tts",
+        capfd,
+    )
 
 
 def test_a_capture_out_of_memory_is_one_line_naming_the_knob() -> None:
