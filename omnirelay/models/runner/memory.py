@@ -23,6 +23,11 @@ shortfall and the settings that change it.
 
 :func:`plan_slots` is pure (tested on the CPU with made-up figures); the rest touches the
 device only in :meth:`DeviceBudget.finish`.
+
+A stage that captures its graphs in its build (Code2Wav) is measured as in use by the
+sizing, so its graphs are bounded before: :func:`bucket_grid` keeps the (rows, frames)
+buckets whose step's activations (:func:`peak_activation_bytes` per row and frame) fit a
+budget (docs/design.md §12).
 """
 
 from __future__ import annotations
