@@ -30,6 +30,7 @@ top-k 50, repetition penalty 1.05), so the figures are the model's, not a prompt
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ from benchmarks.runner import median_ms
 __all__ = ["DEFAULT_BATCHES", "render_tts_talker_bench", "run_tts_talker_bench"]
 
 DEFAULT_BATCHES = (1, 8, 16, 32, 48, 64)
+#: the environment switches of the runner's compiled parts, recorded with the figures
+_SWITCHES = ("OMNIRELAY_TAIL_", "OMNIRELAY_FRAME_")
 #: positions already cached per row when a frame is timed (a conditioning plus ~2 s of speech)
 CACHED = 96
 
@@ -106,6 +109,10 @@ def run_tts_talker_bench(
         "prefill_tokens": prefill_tokens,
         "cached_positions": CACHED,
         "num_graphs": len(runner.graphs),
+        # what runs compiled: the code-predictor tail, the frame's decoder step (its switch)
+        "tail_compile": runner.predictor.compile_backend,
+        "frame_compile": runner.decoder.decode_backend,
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_SWITCHES)},
         "ready_s": time.monotonic() - start,
         "bandwidth_bytes_per_s": bandwidth,
         "batches": {},
@@ -247,7 +254,8 @@ def render_tts_talker_bench(report: dict[str, Any]) -> str:
         f"bench tts-talker: Qwen3-TTS {report['model']} ({report['load_format']}) on {report['device']}, "
         f"torch {report['torch']}, median of {report['reps']}; {report['cached_positions']} positions cached "
         f"per row, a new request prefills {report['prefill_tokens']} rows; ready in {report['ready_s']:.1f} s "
-        f"({report['num_graphs']} graphs)",
+        f"({report['num_graphs']} graphs); compiled: tail {report.get('tail_compile') or 'no'}, frame "
+        f"{report.get('frame_compile') or 'no'}",
         f"bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (a device copy, read + write); floor: the "
         "step's bytes ÷ that",
         f"{'batch':>6} {'frame ms':>9} {'tail+host ms':>13} {'step ms':>8} {'admit ms':>9} {'frames/s':>9} "

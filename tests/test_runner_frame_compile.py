@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -104,40 +106,67 @@ def test_a_compiled_frame_decodes_the_codes_of_the_uncompiled_one(talker: Any, c
 _BUFFER = re.compile(r"empty_strided_\w+\(\(([^)]*)\)")
 
 
+def buffer_sizes(code: list[str]) -> list[int]:
+    """Elements of each buffer inductor's generated ``code`` allocates with a fixed shape
+    (a symbolic one, a batch or attention length, is a step's own intermediate)."""
+    sizes = []
+    for text in code:
+        for dims in _BUFFER.findall(text):
+            parts = [d.strip() for d in dims.split(",") if d.strip()]
+            if all(p.isdigit() for p in parts):
+                sizes.append(math.prod(int(p) for p in parts))
+    return sizes
+
+
+@contextmanager
+def generated_code() -> Iterator[list[str]]:
+    """The code inductor generates while the block runs (every graph compiled in it)."""
+    from torch._inductor.graph import GraphLowering
+
+    code: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", code.append):
+        yield code
+
+
+def compiled_pass_matches(runner: TalkerRunner, shapes: list[tuple[int, int]], atol: float) -> list[str]:
+    """Compile the runner's decode pass with inductor and run it at each ``(rows,
+    attention length)`` of ``shapes`` (rows in place, in slots 0..rows-1), each against the
+    uncompiled pass from the same cache: the last hidden states and the whole cache
+    within ``atol``, the cache's own storage written. Returns the generated code."""
+    decoder, kv, dev = runner.decoder, runner.kv, runner.device
+    gen = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    decoder.compile_decode("inductor")
+    with torch.inference_mode(), generated_code() as code:
+        for b, length in shapes:
+            embeds = (torch.randn(b, 1, runner.hidden, generator=gen) * 0.5).to(dev, runner.dtype)
+            slots = torch.arange(b, device=dev)
+            starts = torch.randint(0, length - 1, (b,), generator=gen).to(dev)
+            counts = torch.ones(b, dtype=torch.long, device=dev)
+            kv.cache.copy_(torch.randn(kv.cache.shape, generator=gen).to(dev, kv.cache.dtype))
+            before = kv.cache.clone()
+            want, _ = decoder.forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+            want_cache = kv.cache.clone()
+            kv.cache.copy_(before)
+            storage = kv.cache.data_ptr()
+            got, _ = decoder.decode_forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=atol)
+            assert kv.cache.data_ptr() == storage
+            torch.testing.assert_close(kv.cache.float(), want_cache.float(), rtol=0, atol=atol)
+            assert not torch.equal(kv.cache, before)  # the pass wrote its keys and values
+    return code
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_inductor_writes_keys_and_values_in_the_cache_and_matches_eager(talker: Any, checkpoint: Any) -> None:
-    """Inductor itself (a C++ kernel per fused group on the CPU): the last hidden states
-    within float32 rounding (1e-4) of the uncompiled pass, the cache's own storage holding
-    the new keys and values, and no buffer in the generated code as large as one layer's
-    keys (a copy of the cache would need one)."""
-    from torch._inductor.utils import run_and_get_code
-
+    """Inductor itself (a C++ kernel per fused group on the CPU), a first shape compiled
+    static and a second one dynamic (batch and attention length symbolic): the last hidden
+    states and the cache within float32 rounding (1e-4) of the uncompiled pass, and no
+    buffer in the generated code as large as one layer's keys (a copy of the cache, which
+    an out-of-place write would need)."""
     runner = _runner(talker, checkpoint.config)
-    decoder, kv = runner.decoder, runner.kv
-    b, length = 2, 16
-    gen = torch.Generator().manual_seed(0)
-    embeds = torch.randn(b, 1, runner.hidden, generator=gen, dtype=runner.dtype) * 0.5
-    slots, starts, counts = torch.tensor([0, 1]), torch.tensor([5, 9]), torch.ones(b, dtype=torch.long)
-    with torch.inference_mode():
-        kv.cache.copy_(torch.randn(kv.cache.shape, generator=gen))
-        before = kv.cache.clone()
-        want, _ = decoder.forward(embeds, slots, starts, counts, attn_len=length, in_place=True)
-        want_cache = kv.cache.clone()
-        kv.cache.copy_(before)
-        storage = kv.cache.data_ptr()
-        decoder.compile_decode("inductor")
-        (got, _), code = run_and_get_code(
-            decoder.decode_forward, embeds, slots, starts, counts, attn_len=length, in_place=True
-        )
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    assert kv.cache.data_ptr() == storage
-    torch.testing.assert_close(kv.cache, want_cache, rtol=0, atol=1e-4)
-    assert not torch.equal(kv.cache, before)  # the pass wrote its keys and values
-    layer = kv.keys[0].numel()
-    sizes = [
-        math.prod(int(d) for d in dims.split(",") if d.strip())
-        for text in code
-        for dims in _BUFFER.findall(text)
-    ]
-    assert sizes and max(sizes) < layer
+    code = compiled_pass_matches(runner, [(2, 16), (3, 32), (4, 48)], atol=1e-4)
+    assert len(code) == 2  # the first shape's graph, then one for every later shape
+    sizes = buffer_sizes(code)
+    assert sizes and max(sizes) < runner.kv.keys[0].numel()
