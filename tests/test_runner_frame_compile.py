@@ -1,7 +1,8 @@
 """The Talker frame's decoder step compiled (``OMNIRELAY_FRAME_COMPILE=1``): the same
 codes as the uncompiled step, frame after frame, while requests join and leave (the
-frame's rows in place and gathered, several batch sizes and attention lengths); and
-inductor keeps the step's key/value writes in the cache itself (tiny Qwen3-TTS, CPU)."""
+frame's rows in place and gathered, several batch sizes and attention lengths), for the
+tiny Qwen3-TTS and Qwen3-Omni Talkers; and inductor keeps the step's key/value writes in
+the cache itself (CPU; tests/test_runner_frame_compile_cuda.py runs them on a GPU)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,26 @@ import pytest
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.models.qwen3_omni import Checkpoint
+from omnirelay.models.qwen3_omni.talker import TalkerExecutor, TalkerSpec
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
 from omnirelay.models.runner.talker import FRAME_COMPILE_ENV
+from tests.test_models_talker import checkpoint, frames, make_talker, payloads, talk
+
+__all__ = ["checkpoint", "payloads"]  # the Qwen3-Omni fixtures, shared with its Talker's tests
 
 FRAMES = 10
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> Any:
+def tts() -> Any:
     return TTSCheckpoint.open(TTSModelArgs(load_format="tiny", device="cpu"))
 
 
 @pytest.fixture(scope="module")
-def talker(checkpoint: Any) -> Any:
-    return checkpoint.load_talker()
+def tts_talker(tts: Any) -> Any:
+    return tts.load_talker()
 
 
 def _runner(talker: Any, config: Any, compile: str | None = None, cuda_graphs: bool = False) -> TalkerRunner:
@@ -77,23 +83,23 @@ def _talk(runner: TalkerRunner) -> Iterator[torch.Tensor]:
 
 
 def test_the_switch_compiles_the_frame_only_with_a_compiled_tail(
-    talker: Any, checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+    tts_talker: Any, tts: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FRAME_COMPILE_ENV, "1")
-    assert _runner(talker, checkpoint.config).decoder.decode_backend is None  # no tail compile: eager
-    compiled = _runner(talker, checkpoint.config, compile="aot_eager")
+    assert _runner(tts_talker, tts.config).decoder.decode_backend is None  # no tail compile: eager
+    compiled = _runner(tts_talker, tts.config, compile="aot_eager")
     assert compiled.decoder.decode_backend == "aot_eager"
     assert "the frame's decoder step with aot_eager" in compiled._compile_plan()
     monkeypatch.setenv(FRAME_COMPILE_ENV, "0")
-    assert _runner(talker, checkpoint.config, compile="aot_eager").decoder.decode_backend is None
+    assert _runner(tts_talker, tts.config, compile="aot_eager").decoder.decode_backend is None
 
 
-def test_a_compiled_frame_decodes_the_codes_of_the_uncompiled_one(talker: Any, checkpoint: Any) -> None:
+def test_a_compiled_frame_decodes_the_codes_of_the_uncompiled_one(tts_talker: Any, tts: Any) -> None:
     from torch._dynamo.utils import counters
 
     with torch.inference_mode():
-        want = list(_talk(_runner(talker, checkpoint.config)))
-        runner = _runner(talker, checkpoint.config)
+        want = list(_talk(_runner(tts_talker, tts.config)))
+        runner = _runner(tts_talker, tts.config)
         runner.decoder.compile_decode("aot_eager")  # functionalized as inductor sees it
         counters.clear()
         got = list(_talk(runner))
@@ -159,14 +165,39 @@ def compiled_pass_matches(runner: TalkerRunner, shapes: list[tuple[int, int]], a
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_inductor_writes_keys_and_values_in_the_cache_and_matches_eager(talker: Any, checkpoint: Any) -> None:
+def test_inductor_writes_keys_and_values_in_the_cache_and_matches_eager(tts_talker: Any, tts: Any) -> None:
     """Inductor itself (a C++ kernel per fused group on the CPU), a first shape compiled
     static and a second one dynamic (batch and attention length symbolic): the last hidden
     states and the cache within float32 rounding (1e-4) of the uncompiled pass, and no
     buffer in the generated code as large as one layer's keys (a copy of the cache, which
     an out-of-place write would need)."""
-    runner = _runner(talker, checkpoint.config)
+    runner = _runner(tts_talker, tts.config)
     code = compiled_pass_matches(runner, [(2, 16), (3, 32), (4, 48)], atol=1e-4)
     assert len(code) == 2  # the first shape's graph, then one for every later shape
     sizes = buffer_sizes(code)
     assert sizes and max(sizes) < runner.kv.keys[0].numel()
+
+
+def test_the_omni_talker_with_its_frame_compiled_speaks_the_same_frames(
+    checkpoint: Checkpoint, payloads: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-Omni's Talker (an MoE decoder) through the same switch: one graph per shape
+    (no break), the frames of the uncompiled static runner."""
+    from torch import _dynamo
+    from torch._dynamo.utils import counters
+
+    _dynamo.reset()
+    counters.clear()
+    monkeypatch.setenv(FRAME_COMPILE_ENV, "1")
+    spec = TalkerSpec.from_config(checkpoint.config)
+    buckets = Buckets(max_num_seqs=8, max_model_len=256)
+    compiled = TalkerExecutor(
+        checkpoint.load_talker(), spec, static=buckets, cuda_graphs=False, compile="aot_eager"
+    )
+    assert compiled.runner is not None and compiled.runner.decoder.decode_backend == "aot_eager"
+    got = talk(compiled, payloads, 14)
+    want = talk(make_talker(checkpoint, "static"), payloads, 14)
+    for rid in payloads:
+        assert torch.equal(frames(got[rid]), frames(want[rid])), rid
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _dynamo.reset()
