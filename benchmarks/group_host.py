@@ -62,6 +62,7 @@ from omnirelay.worker.messages import (
     ToFront,
     decode_to_front,
     encode_message,
+    stage_output,
     wire_request,
 )
 from omnirelay.worker.spec import WorkerSpec
@@ -278,6 +279,9 @@ class HostRun:
         self.num_done = 0
         self.num_bytes_out = 0
         self.front_s = 0.0
+        #: the front's books: samples of audio per request, the requests whose audio ended
+        self.samples: dict[str, int] = {}
+        self.done: list[str] = []
         if parts is not None:
             self._wrap(parts, processor)
         for _ in range(rows):
@@ -353,12 +357,16 @@ class HostRun:
                 for out in message.outputs:
                     if out.error is not None:
                         raise RuntimeError(f"stage {out.stage_id}: {out.request_id}: {out.error}")
+                    if out.stage_id == 1 and out.audio is not None:
+                        audio = stage_output(out).audio
+                        self.samples[out.request_id] = self.samples.get(out.request_id, 0) + audio.numel()
                     if not out.finished:
                         continue
                     if out.stage_id == 0:
                         self._submit()
                     else:
                         self.num_done += 1
+                        self.done.append(out.request_id)
                         for member in self.members:
                             member.inbox.put(Release(out.request_id))
             elif isinstance(message, Released):
@@ -457,12 +465,14 @@ def run_host_bench(
 
 def _table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| rows | loop thread µs/row/step | process µs/row/step | Code2Wav rows/step (frames) | wall ms/Talker step |",
-        "|---|---|---|---|---|",
+        "| rows | Talker rows/step | loop thread µs/row/step | process µs/row/step | Code2Wav rows/step (frames) "
+        "| wall ms/Talker step |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['rows']} | {r['loop_thread_us_per_row_step']:.1f} | {r['process_us_per_row_step']:.1f} | "
+            f"| {r['rows']} | {r['talker_rows_per_step']:.1f} | {r['loop_thread_us_per_row_step']:.1f} | "
+            f"{r['process_us_per_row_step']:.1f} | "
             f"{r['code2wav_rows_per_step']:.1f} ({r['code2wav_frames_per_step']:.1f}) | "
             f"{r['wall_ms_per_talker_step']:.1f} |"
         )
