@@ -415,10 +415,11 @@ def _build_decoders(
             pool=pool,
         )
         vocoder.capture_graphs()
-    if graphed and streams is not None:
+    if graphed:
         reports = [decoder.graphs.report] + ([vocoder.graphs.report] if vocoder is not None else [])
         pools = sum(r.pool_bytes or 0 for r in reports)
-        largest = max(streams, key=lambda bt: bt[0] * bt[1])
+        captured = [key for r in reports for key in r.keys]
+        largest = max(captured, key=lambda bt: bt[0] * bt[1], default=(0, 0))
         print(
             f"omnirelay: code2wav on {weight.device}: weights {module_bytes(model) / _GIB:.2f} GiB, "
             f"{max_streams if vocoder is not None else 0} streams' state, graph pools {pools / _GIB:.2f} GiB "
