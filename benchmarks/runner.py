@@ -141,6 +141,7 @@ def _experts_paths(graphs: Any, fn: Callable[[], Any], model: torch.nn.Module) -
         return call
 
     before = Counter(moe.CALLS)
+    own = [vars(bank).get("forward") for bank in banks]  # an instance's own forward, if any
     for bank in banks:  # an attribute, not a hook: a hook turns the block path off
         bank.forward = counted(bank)
     graphs.bypass = True
@@ -148,8 +149,10 @@ def _experts_paths(graphs: Any, fn: Callable[[], Any], model: torch.nn.Module) -
         fn()
     finally:
         graphs.bypass = False
-        for bank in banks:
+        for bank, forward in zip(banks, own, strict=True):
             del bank.forward
+            if forward is not None:
+                bank.forward = forward
     fused = moe.CALLS - before
     paths = {"fused_block": fused["block"], "fused_experts": fused["experts"], "fallback": fused["fallback"]}
     return {name: n for name, n in {**paths, **other}.items() if n}
