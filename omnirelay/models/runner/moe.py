@@ -74,7 +74,7 @@ _noted: set[str] = set()
 #: :func:`fused_moe_block`), ``experts`` (an experts module's call through
 #: :func:`fused_experts`), ``fallback`` (an experts module's call handed back to
 #: ``transformers``). Counted where the Python runs: an eager call or a CUDA graph's
-#: capture, not its replays.
+#: capture, not its replays, nor a call ``torch.compile`` traced.
 CALLS: Counter[str] = Counter()
 
 
@@ -163,6 +163,14 @@ def _unsupported(module: Any, x: torch.Tensor) -> str | None:
     return None
 
 
+def _count(path: str) -> None:
+    """One call of ``path`` in :data:`CALLS`; not while ``torch.compile`` traces (a
+    compiled step's calls are not counted: the count is a Python side effect that would
+    only cost the trace a break)."""
+    if not torch.compiler.is_compiling():
+        CALLS[path] += 1
+
+
 def _fallback_note(module: Any, reason: str) -> None:
     """Say once per module class and reason that calls fall back (on stderr)."""
     key = f"{type(module).__name__}: {reason}"
@@ -180,7 +188,7 @@ def _experts_forward(
 ) -> torch.Tensor:
     reason = _unsupported(module, hidden_states)
     if reason is not None:
-        CALLS["fallback"] += 1
+        _count("fallback")
         _fallback_note(module, reason)
         from transformers.integrations.moe import (
             batched_mm_experts_forward,
@@ -191,7 +199,7 @@ def _experts_forward(
         fallback = grouped_mm_experts_forward if half else batched_mm_experts_forward
         out: torch.Tensor = fallback(module, hidden_states, top_k_index, top_k_weights)
         return out
-    CALLS["experts"] += 1
+    _count("experts")
     return fused_experts(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
 
 
@@ -303,7 +311,7 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
         )
         order, meta, tiles = _place(ids.view(-1), n * k, e, x.device)
     out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
-    CALLS["block"] += 1
+    _count("block")
     if shared is not None:
         out = out + torch.sigmoid(shared_gate(x)) * shared(x)
     return out.view_as(hidden)
