@@ -59,13 +59,11 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.detokenizer import IncrementalDetokenizer
-from omnirelay.models.inputs import read_audio_inputs, read_image_inputs
 from omnirelay.models.kv import KVPool, cache_keyword
-from omnirelay.models.qwen3_omni.audio import QwenAudioEncoder
 from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
+from omnirelay.models.qwen3_omni.thinker_media import ThinkerMedia
 from omnirelay.models.qwen3_omni.vision import (
     ImageEmbeds,
-    QwenImageEncoder,
     VisionLayout,
     layout_of_checkpoint,
     mrope_positions,
@@ -139,15 +137,11 @@ class ThinkerExecutor:
         self._tts = self._tts_on(torch.device("cpu"))
         self._kv = KVPool()
         self._seqs: dict[str, _Sequence] = {}
-        self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
-        self._audio_encoder: QwenAudioEncoder | None = None
-        #: audio clips encoded so far (observable in tests and health)
-        self.num_audio_clips = 0
-        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
+        #: the request's audio clips and images, encoded by the Thinker's own towers
+        self.media = ThinkerMedia(model, vision)
+        self.audio_token_id = self.media.audio_token_id
+        self.image_token_id = self.media.image_token_id
         self.vision = vision
-        self._image_encoder: QwenImageEncoder | None = None
-        #: images encoded so far (observable in tests and health)
-        self.num_images = 0
         #: the static runner (None: the dynamic KVPool path)
         self.runner: ThinkerRunner | None = None
         #: where :meth:`launch` enqueues a decode (created on its first CUDA launch)
@@ -277,6 +271,16 @@ class ThinkerExecutor:
             results.update(self._decode(decodes) if self.runner is None else self._decode_static(decodes))
         return [results[item.internal_id] for item in batch]
 
+    @property
+    def num_audio_clips(self) -> int:
+        """Audio clips encoded so far (observable in tests and health)."""
+        return self.media.num_audio_clips
+
+    @property
+    def num_images(self) -> int:
+        """Images encoded so far (observable in tests and health)."""
+        return self.media.num_images
+
     def release(self, internal_id: str) -> None:
         """Free the request's KV cache and sampler (idempotent)."""
         self._kv.drop(internal_id)
@@ -325,8 +329,8 @@ class ThinkerExecutor:
             seq = _Sequence(
                 generator=make_generator(item.sampling.seed),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, item.all_token_ids),
-                audio=self._encode_audio(item),
-                images=self._encode_images(item),
+                audio=self.media.audio(item),
+                images=self.media.images(item, static=self.runner is not None),
             )
             if seq.images is not None and self.image_token_id is not None and self.vision is not None:
                 seq.mrope, seq.rope_delta = mrope_positions(
@@ -334,61 +338,6 @@ class ThinkerExecutor:
                 )
             self._seqs[rid] = seq
         return seq
-
-    def _encode_images(self, item: BatchItem) -> ImageEmbeds | None:
-        """The vision tower's rows of the request's images; None without images. The
-        prompt must reserve exactly one ``<|image_pad|>`` per row."""
-        who = f"request {item.external_id!r}"
-        images = read_image_inputs(item.inputs, who)
-        token = self.image_token_id
-        num_pads = 0 if token is None else item.all_token_ids.count(token)
-        if not images:
-            if num_pads:
-                raise ModelError(f"{who}: the prompt has {num_pads} image positions but no image input")
-            return None
-        if token is None or self.vision is None:
-            raise ModelError(f"{who}: this Thinker has no vision tower; it cannot take image input")
-        if self.runner is not None:
-            raise ModelError(
-                f"{who}: the static runner takes no image input (its captured decoder has no 3-D "
-                "positions or deepstack inputs); run the Thinker with executor_args.runner: dynamic"
-            )
-        if self._image_encoder is None:
-            visual = getattr(self.model.model, "visual", None) or self.model.visual
-            self._image_encoder = QwenImageEncoder(visual, self.vision)
-        embeds = self._image_encoder.embed(images)
-        if embeds.rows.shape[0] != num_pads:
-            raise ModelError(
-                f"{who}: the prompt has {num_pads} image positions but its {len(images)} image(s) make "
-                f"{embeds.rows.shape[0]} image tokens"
-            )
-        self.num_images += len(images)
-        return embeds
-
-    def _encode_audio(self, item: BatchItem) -> torch.Tensor | None:
-        """The audio-token rows of the request's clips; None without audio. The prompt must
-        reserve exactly one ``<|audio_pad|>`` per row."""
-        who = f"request {item.external_id!r}"
-        clips = read_audio_inputs(item.inputs, who)
-        num_pads = 0 if self.audio_token_id is None else item.all_token_ids.count(self.audio_token_id)
-        if not clips:
-            if num_pads:
-                raise ModelError(f"{who}: the prompt has {num_pads} audio positions but no audio input")
-            return None
-        if self.audio_token_id is None:
-            raise ModelError(f"{who}: this Thinker has no audio token; it cannot take audio input")
-        if self._audio_encoder is None:
-            # Where the text decoder is, the encoders are too (see __init__).
-            tower = getattr(self.model.model, "audio_tower", None) or self.model.audio_tower
-            self._audio_encoder = QwenAudioEncoder(tower)
-        rows = self._audio_encoder.embed(clips)
-        if rows.shape[0] != num_pads:
-            raise ModelError(
-                f"{who}: the prompt has {num_pads} audio positions but its {len(clips)} clip(s) make "
-                f"{rows.shape[0]} audio tokens"
-            )
-        self.num_audio_clips += len(clips)
-        return rows
 
     def _audio_rows(self, seq: _Sequence, item: BatchItem) -> tuple[list[int], torch.Tensor] | None:
         """The static runner's form of :meth:`_prompt_embeds`: the audio positions of this
