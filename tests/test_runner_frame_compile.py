@@ -26,7 +26,7 @@ from tests.test_models_talker import checkpoint, frames, make_talker, payloads, 
 
 __all__ = ["checkpoint", "payloads"]  # the Qwen3-Omni fixtures, shared with its Talker's tests
 
-FRAMES = 10
+FRAMES = 14
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,9 @@ def tts_talker(tts: Any) -> Any:
 
 def _runner(talker: Any, config: Any, compile: str | None = None, cuda_graphs: bool = False) -> TalkerRunner:
     tc = config.talker_config
-    buckets = Buckets(max_num_seqs=4, max_model_len=64, batch_sizes=(1, 2, 4), prefill_tokens=(16,))
+    buckets = Buckets(
+        max_num_seqs=4, max_model_len=64, batch_sizes=(1, 2, 4), prefill_tokens=(16,), lengths=(16, 32, 64)
+    )
     projection = talker.code_predictor.small_to_mtp_projection
     return TalkerRunner(
         talker,
@@ -63,19 +65,26 @@ def _row(runner: TalkerRunner, rid: str, n: int, seed: int) -> TalkerRow:
 
 
 def _talk(runner: TalkerRunner) -> Iterator[torch.Tensor]:
-    """Greedy codes of each step: three requests, the second leaving after three frames
-    (its slot packed: the frames then gather) and a fourth joining."""
-    live = []
-    for i in range(3):
-        runner.slots.acquire(f"r{i}")
-        live.append(f"r{i}")
-    yield runner.prefill([_row(runner, rid, 5 + i, i) for i, rid in enumerate(live)])
+    """Greedy codes of each step: one request alone, then two more (batch buckets 1, 2,
+    4); one frame of the last holder alone (its slot above the launch's rows: the frame
+    gathers its keys); the second leaving (the last holder's slot packed into its place)
+    and a fourth joining; positions past 16 (attention lengths 16 and 32)."""
+    runner.slots.acquire("r0")
+    yield runner.prefill([_row(runner, "r0", 6, 0)])
+    live = ["r0"]
     for frame in range(FRAMES):
-        if frame == 3:
+        if frame in (1, 2):
+            rid = f"r{frame}"
+            runner.slots.acquire(rid)
+            yield runner.prefill([_row(runner, rid, 4 + frame, frame)])
+            live.append(rid)
+        if frame == 4:
+            yield runner.decode([_row(runner, "r2", 1, 1000)])  # a subset: gathered
+        if frame == 6:
             runner.slots.release("r1")
             live.remove("r1")
             runner.slots.acquire("r3")
-            yield runner.prefill([_row(runner, "r3", 7, 3)])
+            yield runner.prefill([_row(runner, "r3", 9, 3)])
             live.append("r3")
         yield runner.decode([_row(runner, rid, 1, 100 * frame + k) for k, rid in enumerate(live)])
     for rid in live:
@@ -103,7 +112,7 @@ def test_a_compiled_frame_decodes_the_codes_of_the_uncompiled_one(tts_talker: An
         runner.decoder.compile_decode("aot_eager")  # functionalized as inductor sees it
         counters.clear()
         got = list(_talk(runner))
-    assert len(got) == len(want) == FRAMES + 2
+    assert len(got) == len(want) == FRAMES + 5
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert not counters["graph_break"], dict(counters["graph_break"])  # one graph per shape
