@@ -27,11 +27,12 @@ so two lifetimes of one external id in one stage never share scheduler or receiv
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
+
+import msgspec
 
 from omnirelay.engine.interfaces import SamplingParams
 
@@ -109,12 +110,13 @@ def make_internal_id(external_id: str, stage_id: int, seq: int) -> str:
     return f"{external_id}@s{stage_id}.{seq}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestSnapshot:
+class RequestSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """What a chunk processor sees of the request (``BuildRequest.context``).
 
     Taken on the engine thread at ``save_async``; immutable, so the processor (on a send
-    worker) never sees a later mutation (docs/protocol.md §4.3 step 5).
+    worker) never sees a later mutation (docs/protocol.md §4.3 step 5). A frozen struct:
+    one is made per row and step, and a frozen dataclass's ``__init__`` cost several
+    times as much.
     """
 
     internal_id: str
@@ -131,7 +133,7 @@ class RequestSnapshot:
     is_finished: bool
     finish_reason: str | None
     #: The client's per-request extras (e.g. ``voice``), as the orchestrator sent them.
-    extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    extras: Mapping[str, Any] = {}
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
