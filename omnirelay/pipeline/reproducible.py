@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
+from omnirelay.errors import ConfigError
 from omnirelay.pipeline.config import PipelineConfig
 
 __all__ = ["check_reproducible", "with_reproducible"]
@@ -30,11 +31,14 @@ def check_reproducible(cfg: PipelineConfig) -> None:
     schedule driven by timing although ``cfg`` is reproducible."""
     if not cfg.reproducible:
         return
-    from omnirelay.processors.codec_schedule import TalkerToCode2WavConfig
-
     for edge in cfg.edges():
-        if edge.processor == "talker_to_code2wav":
-            TalkerToCode2WavConfig.from_extra(edge.extra, reproducible=True)
+        # The processor reads the rest of the edge's codec options when the stage starts
+        # (``TalkerToCode2WavConfig.from_extra``); only this one can be refused here.
+        if edge.processor == "talker_to_code2wav" and edge.extra.get("codec_chunk_adaptive") is True:
+            raise ConfigError(
+                "reproducible: true needs a fixed chunk schedule, but this edge sets "
+                "codec_chunk_adaptive: true (chunks sized by timing); drop it or set it to false"
+            )
 
 
 def with_reproducible(cfg: PipelineConfig) -> PipelineConfig:
