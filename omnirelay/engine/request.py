@@ -249,7 +249,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self._status.is_finished
+        return self._status in FINISHED_STATUSES  # the status's own property, inlined (hot)
 
     @property
     def holds_slot(self) -> bool:
