@@ -382,6 +382,16 @@ class HostRun:
             if time.monotonic() > deadline:
                 raise RuntimeError("the group made no progress")
 
+    def run_until(self, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Until ``done()`` (the send lanes deliver chunks on threads of their own: a
+        Talker that costs nothing may step far ahead of them)."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the group did not get there in time")
+            self.group.run_once()
+            self._serve_front()
+
     def close(self) -> None:
         for engine in self.engines:
             engine.shutdown()
