@@ -170,6 +170,20 @@ class StageEngine:
         schedule_by_need: bool = False,
     ) -> None:
         stage = pipeline_config.stage(stage_config)
+        self._init_stage(stage, pipeline_config, executor, clock, tracer)
+        self._init_executor(executor, processor, use_launch=use_launch, schedule_by_need=schedule_by_need)
+        self._init_inbox()
+        self._init_transfer(connector, processor, transfer_config)
+        self._init_books()
+
+    def _init_stage(
+        self,
+        stage: StageConfig,
+        pipeline_config: PipelineConfig,
+        executor: Executor,
+        clock: Callable[[], float],
+        tracer: StepTracer | None,
+    ) -> None:
         self.stage_id = stage.id
         self.stage = stage
         self.pipeline = pipeline_config
@@ -179,6 +193,18 @@ class StageEngine:
                 f"{stage.label}: executor {type(executor).__name__} has execution_type "
                 f"{executor.execution_type!r} but the stage is {str(stage.execution_type)!r}"
             )
+        self._clock = clock
+        #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
+        self._tracer = tracer
+
+    def _init_executor(
+        self,
+        executor: Executor,
+        processor: ChunkProcessor | None,
+        *,
+        use_launch: bool,
+        schedule_by_need: bool,
+    ) -> None:
         self._executor = executor
         #: the executor splits a step into launch and completion (``launch``), and this
         #: engine uses it (``use_launch``: in a device group, where a loop overlaps stages)
@@ -187,11 +213,9 @@ class StageEngine:
         self._tick: Tick | None = None
         #: told whenever this engine may have work (:meth:`set_wake_listener`)
         self._wake_listener: Callable[[], None] | None = None
-        self._clock = clock
-        #: Per-step timing, off unless given (:mod:`omnirelay.engine.tracing`).
-        self._tracer = tracer
-        self._connector = connector
-        self._scheduler = _build_scheduler(stage, self.roles, executor, clock, processor, schedule_by_need)
+        self._scheduler = _build_scheduler(
+            self.stage, self.roles, executor, self._clock, processor, schedule_by_need
+        )
         #: A generation receiver's next chunk (Code2Wav: the next decode window) is far
         #: away: it registers once the step's outputs are on their way (see
         #: :meth:`_load_deferred`), so its first poll does not compete with them.
@@ -199,34 +223,47 @@ class StageEngine:
         self._deferred_loads: list[ChunkLoad] = []
         #: while a step's results are applied: the send workers its saves will wake
         self._save_wakes: list[Parker] | None = None
+
+    def _init_inbox(self) -> None:
         # Inbox: commands from any thread. ``_cond`` guards it and ``_is_closed``.
         self._cond = threading.Condition()
         self._inbox: deque[_Command] = deque()
         self._is_closed = False
         self._is_wake_pending = False
+
+    def _init_transfer(
+        self,
+        connector: Connector | None,
+        processor: ChunkProcessor | None,
+        transfer_config: TransferConfig | None,
+    ) -> None:
+        stage, tracer = self.stage, self._tracer
+        self._connector = connector
         self._adapter: TransferAdapter | None = None
         if self.roles.has_transfer:
             if connector is None:
                 raise ConfigError(
                     f"{stage.label} sends or receives chunks ({self.roles}); it needs a connector"
                 )
-            config = self.roles.transfer_config(stage, pipeline_config, transfer_config)
+            config = self.roles.transfer_config(stage, self.pipeline, transfer_config)
             self._adapter = TransferAdapter(
                 connector,
                 config,
                 processor=processor,
-                clock=clock,
+                clock=self._clock,
                 on_chunk_ready=None if tracer is None else tracer.chunk_ready,
             )
         elif transfer_config is not None:
             raise ConfigError(f"{stage.label} has no chunk edge; it takes no transfer_config")
+
+    def _init_books(self) -> None:
         # Engine-thread state (guarded by ``_step_lock`` for readers on other threads).
         self._step_lock = threading.RLock()
         self._live: dict[str, str] = {}  # external id -> internal id of its live request
         self._sending: dict[str, str] = {}  # finished, terminal admitted, generation not retired
         self._releasing: set[str] = set()  # released ids whose sender generation has not retired
         self._released: list[str] = []  # completed releases, until take_released() hands them out
-        self._outputs = OutputBuilder(stage.id)
+        self._outputs = OutputBuilder(self.stage.id)
         self._seq = 0
         self._counts: dict[str, int] = dict.fromkeys(
             ("num_steps", "num_executor_calls", "num_items", "max_batch_size", "num_executor_errors",

@@ -147,35 +147,13 @@ class SendSide:
         with self._lock:
             g = self._gens.get(external_id)
             if g is not None:
-                if g.cancelled:
-                    failure = (
-                        FailureKind.REUSE_REJECTED,
-                        f"external id {external_id!r} was reused while the previous sender generation "
-                        f"(request {g.internal_id!r}) still drains; resubmit once it is released",
-                    )
-                elif g.internal_id != internal_id:
-                    failure = (
-                        FailureKind.REUSE_REJECTED,
-                        f"external id {external_id!r} is in use by request {g.internal_id!r}",
-                    )
-                elif g.has_failed:
-                    failure = (FailureKind.SEND_FAILED, "an earlier chunk of this request failed to send")
-                elif g.is_terminal_admitted:
-                    failure = (
-                        FailureKind.SEND_FAILED,
-                        "a chunk was saved after the request's terminal chunk",
-                    )
-                elif segment_generation is not None and segment_generation < g.segment_generation:
+                refusal = self._refusal(
+                    g, internal_id, is_segment_finished, num_confirmed_tokens, segment_generation
+                )
+                if refusal is SaveResult.DROPPED:
                     self._counts["num_dropped"] += 1
                     return SaveResult.DROPPED
-                elif (
-                    not is_segment_finished
-                    and num_confirmed_tokens is not None
-                    and g.watermark is not None
-                    and num_confirmed_tokens < g.watermark
-                ):
-                    self._counts["num_dropped"] += 1  # preempted request recomputing sent tokens
-                    return SaveResult.DROPPED
+                failure = refusal if isinstance(refusal, tuple) else None
             if failure is None:
                 if g is None:
                     g = self._gens[external_id] = SenderGeneration(external_id, internal_id, to_replica)
@@ -199,6 +177,44 @@ class SendSide:
             self._record(internal_id, external_id, *failure)
             return SaveResult.REJECTED
         return SaveResult.ENQUEUED
+
+    def _refusal(
+        self,
+        g: SenderGeneration,
+        internal_id: str,
+        is_segment_finished: bool,
+        num_confirmed_tokens: int | None,
+        segment_generation: int | None,
+    ) -> _Failure | SaveResult | None:
+        """Why the id's live generation ``g`` takes no chunk of ``internal_id`` (a failure),
+        :attr:`SaveResult.DROPPED` for a chunk superseded by a later segment or a recompute,
+        or None: it takes it."""
+        external_id = g.external_id
+        if g.cancelled:
+            return (
+                FailureKind.REUSE_REJECTED,
+                f"external id {external_id!r} was reused while the previous sender generation "
+                f"(request {g.internal_id!r}) still drains; resubmit once it is released",
+            )
+        if g.internal_id != internal_id:
+            return (
+                FailureKind.REUSE_REJECTED,
+                f"external id {external_id!r} is in use by request {g.internal_id!r}",
+            )
+        if g.has_failed:
+            return (FailureKind.SEND_FAILED, "an earlier chunk of this request failed to send")
+        if g.is_terminal_admitted:
+            return (FailureKind.SEND_FAILED, "a chunk was saved after the request's terminal chunk")
+        if segment_generation is not None and segment_generation < g.segment_generation:
+            return SaveResult.DROPPED
+        if (
+            not is_segment_finished
+            and num_confirmed_tokens is not None
+            and g.watermark is not None
+            and num_confirmed_tokens < g.watermark
+        ):
+            return SaveResult.DROPPED  # preempted request recomputing sent tokens
+        return None
 
     def has_active_sender(self, external_id: str) -> bool:
         with self._lock:
