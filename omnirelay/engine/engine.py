@@ -149,7 +149,14 @@ def _build_scheduler(
         return GenerationScheduler(chunk_reader=getattr(executor, "read_chunk", None), need=need, **common)
     # An AR receiver (a Talker) needs a chunk for every step and it is usually there
     # already: fetch it while the executor computes the step before (chunk prefetch).
-    return ARScheduler(prefetch_chunks=True, need=need, **common)
+    pieces = stage.max_prefill_piece_tokens
+    if pieces is not None and not getattr(executor, "supports_prefill_pieces", False):
+        raise ConfigError(
+            f"{stage.label}: max_prefill_piece_tokens is set but executor {type(executor).__name__} "
+            "cannot take a prompt in pieces (it does not declare supports_prefill_pieces); "
+            "remove the key"
+        )
+    return ARScheduler(prefetch_chunks=True, need=need, max_prefill_piece_tokens=pieces, **common)
 
 
 class StageEngine:

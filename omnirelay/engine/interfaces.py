@@ -122,6 +122,11 @@ class ItemResult(msgspec.Struct, kw_only=True):
     #: what the next stage's processor consumes (hidden states, codec frame …); handed to
     #: ``TransferAdapter.save_async(output=...)``; None = nothing for downstream this step
     next_stage_output: Any = None
+    #: the step computed a piece of a prompt that is split across steps (a stage's
+    #: ``max_prefill_piece_tokens``, docs/design.md §12) and the prompt is not complete:
+    #: nothing is sampled, nothing is emitted (``token_ids`` empty, ``text``, ``audio`` and
+    #: ``next_stage_output`` None); the executor keeps what the later pieces need
+    is_partial_prefill: bool = False
 
 
 #: How a chunk-receiving generation stage reads one committed chunk (docs/protocol.md
@@ -155,6 +160,11 @@ class Executor(Protocol):
     # it, results copied non-blocking into pinned host buffers) and return at once; the
     # engine polls ``is_done()`` and takes ``result()`` once it is. Without it, the engine
     # calls ``step`` (the step is done when it returns).
+
+    # Optional: ``supports_prefill_pieces = True`` — the executor (AR) takes a prompt in
+    # pieces over several steps (``BatchItem.input_token_ids`` a slice starting at
+    # ``num_computed_tokens``) and answers a piece that is not the last with
+    # ``ItemResult(is_partial_prefill=True)``; a stage's ``max_prefill_piece_tokens`` needs it.
 
     # Optional: ``keep_outputs_on_device(enabled: bool)`` — called once, before the first
     # step, when the stage's edge to the next one is GPU-direct (docs/protocol.md §3.9):

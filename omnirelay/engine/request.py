@@ -163,6 +163,7 @@ class Request:
         "is_upstream_exhausted",
         "num_chunks_received",
         "num_computed_tokens",
+        "num_prefill_pieces",
         "num_steps",
         "output_seconds",
         "output_token_ids",
@@ -228,7 +229,10 @@ class Request:
         #: The next step recomputes tokens already computed before a preemption.
         self.is_recompute = False
         self.num_chunks_received = 0
+        #: Steps that completed a prefill or a decode (a piece of a split prompt is not one).
         self.num_steps = 0
+        #: Steps that computed a piece of a prompt split across steps, not its last.
+        self.num_prefill_pieces = 0
         self.error: str | None = None
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None

@@ -7,6 +7,13 @@ Per tick (see :mod:`omnirelay.engine.scheduler_base` for the queues and the tick
 * with ``supports_batching`` all items go in **one** executor call, else one call each;
   at most ``max_num_seqs`` requests hold a slot, and ``max_num_batched_tokens`` (when set)
   bounds the input tokens of one tick (always at least one item);
+* with ``max_prefill_piece_tokens`` (when set) a prompt longer than that is prefilled in
+  pieces of at most that many tokens, one per tick (``input_token_ids`` the slice,
+  ``num_computed_tokens`` its start), so that one long prompt cannot make a step long
+  (docs/design.md §12). The request keeps its slot between pieces and the other requests
+  decode in the same steps; the executor answers a piece that is not the last with
+  ``is_partial_prefill`` and nothing is sampled or emitted until the last piece. A
+  recompute after a preemption is split the same way;
 * a chunk-receiving stage (a Talker) needs one committed chunk per step until its
   upstream is exhausted (docs/protocol.md §4.9): after each step it parks in WAITING_FOR_CHUNK,
   keeping its slot, and the chunk's payload, as the upstream processor built it, becomes
@@ -20,6 +27,8 @@ are dropped. Then the executor's own ``finished`` → FINISHED_STOPPED.
 
 from __future__ import annotations
 
+from typing import Any
+
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.engine.request import Request, RequestStatus
 from omnirelay.engine.scheduler_base import BaseScheduler, RequestUpdate
@@ -29,6 +38,17 @@ __all__ = ["ARScheduler"]
 
 
 class ARScheduler(BaseScheduler):
+    def __init__(self, *, max_prefill_piece_tokens: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        assert max_prefill_piece_tokens is None or max_prefill_piece_tokens >= 1, max_prefill_piece_tokens
+        #: the most prompt tokens one request computes in one step (None: all at once)
+        self.max_prefill_piece_tokens = max_prefill_piece_tokens
+
+    def _step_tokens(self, request: Request) -> int:
+        cap = self.max_prefill_piece_tokens
+        n = max(1, request.num_uncomputed_tokens)
+        return n if cap is None else min(n, cap)
+
     def _attach(self, request: Request, chunk: ChunkInput) -> str | None:
         request.attach_ar_chunk(chunk.payload, is_finished=chunk.is_finished)
         return None  # the executor reads the payload, and says what is wrong with it
@@ -36,10 +56,11 @@ class ARScheduler(BaseScheduler):
     def _make_item(self, request: Request) -> BatchItem:
         all_ids = request.all_token_ids
         is_prefill = request.num_steps == 0 or request.is_recompute
+        start = request.num_computed_tokens
         return BatchItem(
             internal_id=request.internal_id,
             external_id=request.external_id,
-            input_token_ids=all_ids[request.num_computed_tokens :],
+            input_token_ids=all_ids[start : start + self._step_tokens(request)],
             all_token_ids=all_ids,
             num_computed_tokens=request.num_computed_tokens,
             is_prefill=is_prefill,
@@ -50,6 +71,9 @@ class ARScheduler(BaseScheduler):
         )
 
     def _apply_result(self, request: Request, item: BatchItem, result: ItemResult) -> RequestUpdate:
+        is_last_piece = item.num_computed_tokens + len(item.input_token_ids) >= len(item.all_token_ids)
+        if result.is_partial_prefill or not is_last_piece:
+            return self._apply_piece(request, item, result, is_last_piece)
         is_recompute = request.is_recompute
         request.is_recompute = False
         request.num_computed_tokens = request.num_tokens  # every input of the step is computed
@@ -82,6 +106,35 @@ class ARScheduler(BaseScheduler):
             next_stage_output=result.next_stage_output,
             is_recompute=is_recompute,
         )
+
+    def _apply_piece(
+        self, request: Request, item: BatchItem, result: ItemResult, is_last_piece: bool
+    ) -> RequestUpdate:
+        """A prefill piece that is not the last: the prompt is computed up to its end, and
+        the request continues next tick. An executor that answers otherwise (it sampled,
+        emitted, or calls the last piece partial) fails the request: it cannot take pieces."""
+        problem = None
+        if is_last_piece:
+            problem = "called the last piece of a prompt partial"
+        elif not result.is_partial_prefill:
+            problem = "did not answer a prefill piece with is_partial_prefill"
+        elif (
+            result.token_ids
+            or result.text
+            or result.audio is not None
+            or result.next_stage_output is not None
+        ):
+            problem = "sampled or emitted on a prefill piece that is not the last"
+        if problem is not None:
+            request.finish(
+                RequestStatus.FINISHED_ERROR,
+                self._clock(),
+                f"the executor {problem} (stage {self.stage_id}: max_prefill_piece_tokens needs an "
+                "executor that takes a prompt in pieces)",
+            )
+            return RequestUpdate(request)
+        request.num_computed_tokens = item.num_computed_tokens + len(item.input_token_ids)
+        return RequestUpdate(request)
 
     def preempt(self, internal_id: str) -> Request:
         """Take a RUNNING request's slot (between ticks). The engine must then call

@@ -273,7 +273,10 @@ class BaseScheduler(abc.ABC):
                     continue
                 assert not isinstance(batch_results, BaseException)
                 result = batch_results[i]
-                request.num_steps += 1
+                if result.is_partial_prefill:
+                    request.num_prefill_pieces += 1
+                else:
+                    request.num_steps += 1
                 update = self._apply_result(request, item, result)
                 updates.append(update)
                 if request.is_finished:
@@ -297,6 +300,10 @@ class BaseScheduler(abc.ABC):
     @abc.abstractmethod
     def _apply_result(self, request: Request, item: BatchItem, result: ItemResult) -> RequestUpdate:
         """Apply one result; finish the request (``request.finish``) when it is done."""
+
+    def _step_tokens(self, request: Request) -> int:
+        """The input tokens the request's item of this tick computes (its budget cost)."""
+        return max(1, request.num_uncomputed_tokens)
 
     def _is_done_without_step(self, request: Request) -> bool:
         """A request leaving new/parked with nothing left to compute and nothing more to
@@ -393,7 +400,7 @@ class BaseScheduler(abc.ABC):
                 budget = cap if budget is None else min(budget, cap)
         used = 0
         for request in candidates:
-            cost = max(1, request.num_uncomputed_tokens)
+            cost = self._step_tokens(request)
             if budget is not None and chosen and used + cost > budget:
                 continue  # next tick; always at least one item per tick
             chosen.append(request)

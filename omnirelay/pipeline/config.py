@@ -197,6 +197,9 @@ class StageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     connector_role: ConnectorRole | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
+    #: An AR stage prefills a longer prompt in pieces of at most this many tokens, one
+    #: per step (docs/design.md §12); None: in one step. Needs an executor that takes pieces.
+    max_prefill_piece_tokens: int | None = None
     async_scheduling: bool = True
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     devices: str | None = None

@@ -263,6 +263,7 @@ def _parse_stage(source: str, index: int, raw: object) -> StageConfig:
         "connector_role": lambda m, k: ctx.choice(m, k, ConnectorRole, optional=True),
         "max_num_seqs": ctx.integer,
         "max_num_batched_tokens": lambda m, k: ctx.integer(m, k, optional=True),
+        "max_prefill_piece_tokens": lambda m, k: ctx.integer(m, k, optional=True),
         "async_scheduling": ctx.strict_bool,
         "sampling": lambda m, k: _parse_sampling(ctx, m[k]),
         "devices": ctx.optional_string,  # or one per replica: read below

@@ -187,6 +187,19 @@ def _check_stage_values(cfg: PipelineConfig, stage: StageConfig) -> None:
             f"must be ≥ 1, got {stage.max_num_batched_tokens}",
             "use a positive int, or remove the key",
         )
+    if stage.max_prefill_piece_tokens is not None:
+        if stage.max_prefill_piece_tokens < 1:
+            fail(
+                "max_prefill_piece_tokens",
+                f"must be ≥ 1, got {stage.max_prefill_piece_tokens}",
+                "use a positive int, or remove the key",
+            )
+        if str(stage.execution_type) != "ar":
+            fail(
+                "max_prefill_piece_tokens",
+                "only an AR stage prefills a prompt across steps",
+                "remove the key from this stage",
+            )
     if stage.async_chunk_prewarm_prompt_len is not None and stage.async_chunk_prewarm_prompt_len <= 1:
         fail(
             "async_chunk_prewarm_prompt_len",

@@ -88,6 +88,10 @@ class _Sequence:
     mrope: torch.Tensor | None = None
     #: what positions past ``mrope`` add to their index
     rope_delta: int = 0
+    #: a prompt prefilled in pieces (docs/design.md §12): the hidden rows of its earlier
+    #: pieces, per layer, from position ``pending_from``; handed on with the last piece's
+    pending: dict[int, torch.Tensor] | None = None
+    pending_from: int = 0
 
 
 class ThinkerExecutor:
@@ -95,6 +99,8 @@ class ThinkerExecutor:
 
     execution_type = "ar"
     supports_batching = True
+    #: takes a prompt in pieces over several steps (a stage's ``max_prefill_piece_tokens``)
+    supports_prefill_pieces = True
 
     def __init__(
         self,
@@ -298,8 +304,10 @@ class ThinkerExecutor:
     # ----------------------------------------------------------------- steps
 
     def _is_decode(self, item: BatchItem) -> bool:
+        seq = self._seqs.get(item.internal_id)
         return (
-            item.internal_id in self._seqs
+            seq is not None
+            and seq.pending is None  # else the next piece of a split prompt, one token or more
             and len(item.input_token_ids) == 1
             and item.num_computed_tokens > 0
             and self._cached(item.internal_id) == item.num_computed_tokens
@@ -318,10 +326,12 @@ class ThinkerExecutor:
                 f"request {rid!r}: the engine reports {past} computed tokens but the Thinker "
                 f"holds {self._cached(rid)}; it was released or never prefilled"
             )
-        elif self.runner is None:
-            self._kv.truncate(rid, past)
         else:
-            self.runner.slots.truncate(rid, past)
+            if self.runner is None:
+                self._kv.truncate(rid, past)
+            else:
+                self.runner.slots.truncate(rid, past)
+            _trim_pending(self._seqs[rid], past)
         if not item.input_token_ids:
             raise ModelError(f"request {rid!r}: nothing to compute (empty input_token_ids)")
         seq = self._seqs.get(rid)
@@ -404,17 +414,12 @@ class ThinkerExecutor:
             output_hidden_states=self._layers,
         )
         self._kv.store(rid, cache)
+        layers = self._rows(out.hidden_states, 0)
         if past + n < len(item.all_token_ids):
-            # Part of a chunked prefill: nothing is sampled until the prompt is complete.
-            return ItemResult(
-                internal_id=rid,
-                next_stage_output=self._stage_output(
-                    self._rows(out.hidden_states, 0), list(item.all_token_ids)
-                ),
-            )
+            return _piece(item, seq, layers)
         logits = self._logits(out.last_hidden_state[:, -1])
         (token,) = sample_rows(logits, [item.sampling], [seq.generator])
-        return self._result(item, seq, token, self._rows(out.hidden_states, 0))
+        return self._result(item, seq, token, _with_pending(seq, layers))
 
     def _prefill_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
         """Every prefill of the step on the static runner (one or a few launches)."""
@@ -438,14 +443,11 @@ class ThinkerExecutor:
         outs = self.runner.run(rows, decode=False)
         results = {}
         for item, out in zip(items, outs):
-            if out.token is None:  # part of a chunked prefill: nothing sampled yet
-                results[item.internal_id] = ItemResult(
-                    internal_id=item.internal_id,
-                    next_stage_output=self._stage_output(out.hidden, list(item.all_token_ids)),
-                )
+            seq = self._seqs[item.internal_id]
+            if out.token is None:  # a piece of a prompt split across steps: nothing sampled yet
+                results[item.internal_id] = _piece(item, seq, out.hidden)
             else:
-                seq = self._seqs[item.internal_id]
-                results[item.internal_id] = self._result(item, seq, out.token, out.hidden)
+                results[item.internal_id] = self._result(item, seq, out.token, _with_pending(seq, out.hidden))
         return results
 
     def _decode_static(self, items: list[BatchItem]) -> dict[str, ItemResult]:
@@ -546,6 +548,33 @@ class ThinkerExecutor:
 
     def _stage_output(self, layers: dict[int, torch.Tensor], token_ids: list[int]) -> dict[str, Any]:
         return {"hidden_layers": dict(layers), "token_ids": token_ids, **self._tts}
+
+
+def _piece(item: BatchItem, seq: _Sequence, layers: dict[int, torch.Tensor]) -> ItemResult:
+    """A piece of a prompt that is not its last: its rows wait for the last piece's, and
+    nothing is sampled or handed on (the Talker gets the prompt's rows at once, as after
+    a prefill in one step)."""
+    if seq.pending is None:
+        seq.pending, seq.pending_from = dict(layers), item.num_computed_tokens
+    else:
+        seq.pending = {layer: torch.cat([seq.pending[layer], rows]) for layer, rows in layers.items()}
+    return ItemResult(internal_id=item.internal_id, is_partial_prefill=True)
+
+
+def _with_pending(seq: _Sequence, layers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The last piece's rows after the earlier pieces' (and the buffer emptied)."""
+    pending, seq.pending = seq.pending, None
+    if pending is None:
+        return layers
+    return {layer: torch.cat([pending[layer], rows]) for layer, rows in layers.items()}
+
+
+def _trim_pending(seq: _Sequence, past: int) -> None:
+    """A step from position ``past``: the earlier pieces' rows past it are recomputed."""
+    if seq.pending is None:
+        return
+    keep = past - seq.pending_from
+    seq.pending = {layer: rows[:keep] for layer, rows in seq.pending.items()} if keep > 0 else None
 
 
 def _static_buckets(args: ModelArgs | None) -> Buckets | None:
