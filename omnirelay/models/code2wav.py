@@ -62,12 +62,14 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.code2wav import (
+    CODE2WAV_PRIORITY,
     DEFAULT_DECODE_BATCHES,
     DEFAULT_DECODE_FRAMES,
     GraphedCode2Wav,
     decoder_widths,
     graph_budget_bytes,
 )
+from omnirelay.models.runner.graphs import own_stream
 from omnirelay.models.runner.memory import bucket_grid, module_bytes, peak_activation_bytes
 from omnirelay.models.runner.vocoder import (
     DEFAULT_STREAM_BATCHES,
@@ -167,7 +169,7 @@ class Code2WavExecutor:
         if self.device.type != "cuda":
             return _LaunchedDecode(self._results(inputs, self._decode_all(inputs, _to_host)))
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device, priority=-1)
+            self._stream = own_stream(self.device, CODE2WAV_PRIORITY)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the inputs are ready
         with torch.cuda.stream(stream):

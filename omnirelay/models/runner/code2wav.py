@@ -27,9 +27,10 @@ import torch
 
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
-from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes
+from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
 
 __all__ = [
+    "CODE2WAV_PRIORITY",
     "DEFAULT_DECODE_BATCHES",
     "DEFAULT_DECODE_FRAMES",
     "GRAPH_MEMORY_ENV",
@@ -49,6 +50,9 @@ GRAPH_MEMORY_KNOB = (
     f"default {DEFAULT_GRAPH_GIB:g}), set executor_args.cuda_graphs: false, or free device memory "
     "(gpu_memory_utilization, another device)"
 )
+#: The CUDA stream priority of Code2Wav's work, captured and launched (lower is sooner:
+#: in a device group the stage nearest the client goes first, docs/design.md §12).
+CODE2WAV_PRIORITY = -1
 #: Largest relative error (‖graph − eager‖ / ‖eager‖) a padded window may show.
 PADDING_TOLERANCE = 1e-2
 #: 4: a stream's first window; 29 (4 + 25) → 32; 50: 25 new frames + 25 of context.
@@ -104,7 +108,9 @@ class GraphedCode2Wav:
         self.upsample = int(model.total_upsample)
         self.batch_sizes = batch_sizes
         self.frames = frames
-        self.graphs = GraphSet("code2wav", self.device, enabled=cuda_graphs, pool=pool)
+        self.graphs = GraphSet(
+            "code2wav", self.device, enabled=cuda_graphs, pool=pool, priority=CODE2WAV_PRIORITY
+        )
         self._buckets = None if buckets is None else frozenset(buckets)
         q = int(model.config.num_quantizers)
         self._codes = torch.zeros((batch_sizes[-1], q, frames[-1]), dtype=torch.long, device=self.device)
@@ -174,7 +180,7 @@ class GraphedCode2Wav:
             return wav
         block = torch.zeros((b, q, frames), dtype=torch.long)
         block[:n, :, :t] = codes
-        self._codes[:b, :, :frames].copy_(block)
+        upload(self._codes[:b, :, :frames], block)  # a pageable copy would wait for the stream
         out = self.graphs.run((b, frames), self._step(b, frames))["wav"]
         holdback = frames * self.upsample - out.shape[-1]
         return out[:n, :, : t * self.upsample - holdback]

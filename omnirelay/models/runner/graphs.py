@@ -11,6 +11,15 @@ graph may reuse the memory of an earlier one's intermediates).
 Inputs and outputs: the step reads only the tensors it is given (views of buffers the
 runner allocated once, so replays see the values copied into them) and returns a dict of
 tensors that live in the pool.
+
+Streams (docs/design.md §12). Each set warms up and captures on a stream of its own
+(:func:`own_stream`), never on torch's one default capture stream: PyTorch keeps a cuBLAS
+workspace per (handle, stream), and a graph replays with the workspace its capture stream
+had — so graphs of several sets captured on one stream share one workspace, which two
+stages of a device group, replaying on two streams at once, would both write. Warmed up
+on its capture stream, a set's workspace is allocated there, outside the graph pool.
+A graph's kernels also keep the capture stream's priority (torch instantiates graphs
+with per-node priorities), so a set captures at the priority it replays at.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ __all__ = [
     "CaptureReport",
     "GraphSet",
     "Step",
+    "StreamOwners",
     "graph_memory_errors",
+    "own_stream",
     "reserved_bytes",
     "to_device",
     "upload",
@@ -55,6 +66,43 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
+
+
+class StreamOwners:
+    """Streams handed to one owner each. torch hands its streams out of a small pool in
+    turn (32 per priority), so two callers of ``torch.cuda.Stream()`` may get the same
+    stream; :meth:`take` asks again until the stream is one nobody holds."""
+
+    def __init__(self, max_tries: int = 64) -> None:
+        self.max_tries = max_tries
+        self._held: set[tuple[int, int]] = set()
+
+    def take(self, make: Callable[[], Any]) -> Any:
+        """A stream from ``make()`` (a ``torch.cuda.Stream`` factory) that no earlier
+        :meth:`take` returned; :class:`ModelError` when the pool has none left."""
+        for _ in range(self.max_tries):
+            stream = make()
+            key = (int(stream.device_index), int(stream.cuda_stream))
+            if key not in self._held:
+                self._held.add(key)
+                return stream
+        raise ModelError(
+            f"no CUDA stream is left that another stage of this process does not already hold "
+            f"({len(self._held)} held)"
+        )
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_OWNERS = StreamOwners()
+
+
+def own_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """A CUDA stream on ``device`` that no other caller holds: a graph set's capture
+    stream, a stage's launch stream (see the module docstring)."""
+    stream: torch.cuda.Stream = _OWNERS.take(lambda: torch.cuda.Stream(device=device, priority=priority))
+    return stream
 
 
 def reserved_bytes(device: torch.device) -> int:
@@ -117,9 +165,13 @@ class _Graph:
 class GraphSet:
     """Graphs by key on one CUDA device (or none: ``enabled=False`` runs everything eagerly)."""
 
-    def __init__(self, name: str, device: torch.device, *, enabled: bool, pool: Any = None) -> None:
+    def __init__(
+        self, name: str, device: torch.device, *, enabled: bool, pool: Any = None, priority: int = 0
+    ) -> None:
         """``pool``: a memory pool (``torch.cuda.graph_pool_handle()``) shared with other
-        sets whose graphs replay in turn with these (None: a pool of its own)."""
+        sets whose graphs replay in turn with these (None: a pool of its own);
+        ``priority``: the priority of the stream the graphs are captured on (that of the
+        stream they replay on)."""
         self.name = name
         self.device = device
         self.enabled = enabled and device.type == "cuda"
@@ -132,6 +184,9 @@ class GraphSet:
         self.capturing: Hashable | None = None
         #: run every step eagerly even where a graph exists (to time or check the eager path)
         self.bypass = False
+        self.priority = priority
+        #: the stream this set warms up and captures on (:func:`own_stream`; made at the first capture)
+        self.stream: torch.cuda.Stream | None = None
 
     def __contains__(self, key: object) -> bool:
         return key in self._graphs
@@ -150,17 +205,19 @@ class GraphSet:
             return
         start = time.monotonic()
         self.capturing = key
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.stream is None:
+            self.stream = own_stream(self.device, self.priority)
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            step()  # on the capture stream: its cuBLAS workspace is allocated now, outside the pool
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         # The warm-up's activations are cached outside the pool: free them for the capture.
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the stage process (transfers) may use CUDA meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             outputs = step()
         self._graphs[key] = _Graph(graph, outputs)
         self.capturing = None

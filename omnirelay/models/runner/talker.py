@@ -45,7 +45,7 @@ import torch
 from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
-from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
+from omnirelay.models.runner.graphs import GraphSet, Step, own_stream, to_device, upload
 from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
@@ -395,7 +395,7 @@ class TalkerRunner:
         if self.device.type != "cuda":
             return None
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = own_stream(self.device)  # not another stage's, nor a capture stream
         return self._stream
 
     def _enqueue(

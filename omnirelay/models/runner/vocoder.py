@@ -72,8 +72,8 @@ import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
-from omnirelay.models.runner.code2wav import GRAPH_MEMORY_KNOB
-from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes
+from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNOB
+from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
 from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 
@@ -190,7 +190,9 @@ class StreamingVocoder:
         self._positions = torch.zeros(mb, dtype=torch.long, device=self.device)
         self._buckets = None if buckets is None else frozenset(buckets)
         self._pool = pool
-        self.graphs = GraphSet("code2wav-stream", self.device, enabled=cuda_graphs, pool=pool)
+        self.graphs = GraphSet(
+            "code2wav-stream", self.device, enabled=cuda_graphs, pool=pool, priority=CODE2WAV_PRIORITY
+        )
         self._init_compile(compile)
 
     def _init_compile(self, backend: str | None) -> None:
@@ -488,7 +490,9 @@ class StreamingVocoder:
             )
             self.compile_backend, self._step_fn = None, self._forward
             if self.graphs.enabled:
-                self.graphs = GraphSet("code2wav-stream", self.device, enabled=True, pool=self._pool)
+                self.graphs = GraphSet(
+                    "code2wav-stream", self.device, enabled=True, pool=self._pool, priority=CODE2WAV_PRIORITY
+                )
                 self.capture_graphs()
         return error
 
@@ -562,15 +566,16 @@ class StreamingVocoder:
         slot_ids = torch.tensor(slots + [self.slots.scratch] * pad, dtype=torch.long)
         frame_counts = torch.tensor(counts + [0] * pad, dtype=torch.long)
         starts = torch.tensor(positions + [1] * pad, dtype=torch.long)
+        # Host tensors copied without blocking (from pinned memory): a pageable copy waits
+        # for the stream, and the loop of a device group never waits for the device.
         if graphed:
-            self._codes[:b, :, :t].copy_(block)
-            self._slot_ids[:b].copy_(slot_ids)
-            self._counts[:b].copy_(frame_counts)
-            self._positions[:b].copy_(starts)
+            upload(self._codes[:b, :, :t], block)
+            upload(self._slot_ids[:b], slot_ids)
+            upload(self._counts[:b], frame_counts)
+            upload(self._positions[:b], starts)
             wav = self.graphs.run((b, t), self._step(b, t))["wav"]
         else:  # no bucket: the same computation without a graph, on tensors of its own
-            dev = self.device
-            wav = self._step_fn(block.to(dev), slot_ids.to(dev), frame_counts.to(dev), starts.to(dev))
+            wav = self._step_fn(*(_on(x, self.device) for x in (block, slot_ids, frame_counts, starts)))
         pieces = []
         for i, row in enumerate(rows):
             start = self.holdback if positions[i] == 0 else 0
@@ -578,3 +583,10 @@ class StreamingVocoder:
             pieces.append(wav[i, 0, start : counts[i] * self.upsample].clone())
             self.slots.set_length(row.rid, positions[i] + counts[i])
         return pieces
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, copied as :func:`~omnirelay.models.runner.graphs.upload` does."""
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    upload(out, host)
+    return out
