@@ -279,6 +279,27 @@ def test_an_executor_that_cannot_take_pieces_is_refused_when_the_engine_is_built
     engine.shutdown()
 
 
+@pytest.mark.parametrize("command", ["abort", "release"])
+def test_an_abort_or_release_between_pieces_through_the_engine_leaves_nothing(command: str) -> None:
+    lm = PieceLM()
+    engine = StageEngine(0, _pipeline(max_prefill_piece_tokens=4), lm, None)
+    engine.add_request(
+        StageRequest(request_id="r", prompt_token_ids=list(range(10)), sampling=SamplingParams(max_tokens=2))
+    )
+    assert engine.step() == [] and lm.live == {lm.items[-1].internal_id}  # the first piece: no output
+    getattr(engine, command)("r")
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert [o.token_ids for o in outputs if o.token_ids] == []
+    if command == "abort":
+        assert [o.finish_reason for o in outputs] == ["abort"]
+    assert engine.take_released() == (["r"] if command == "release" else [])
+    assert len(lm.items) == 1 and lm.live == set()  # no later piece ran; its state is freed
+    assert engine.leak_state() == {}
+    engine.shutdown()
+
+
 # ----------------------------------------------------------------- the tiny Thinker
 
 
