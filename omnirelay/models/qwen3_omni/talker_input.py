@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from omnirelay.errors import ModelError
+from omnirelay.models.runner.graphs import used_here
 from omnirelay.payload.schema import OmniPayload
 
 __all__ = ["ThinkerChunk", "assistant_start", "parse_payload", "user_positions"]
@@ -63,7 +64,9 @@ def _rows(value: Any, what: str, request: str) -> torch.Tensor:
         raise ModelError(
             f"request {request!r}: payload {what} must be [rows, H], got shape {tuple(value.shape)}"
         )
-    return value
+    # In a device group the Thinker's rows come by reference, made on its stream and read
+    # here on the Talker's: their memory waits for this stream's reads when they are freed.
+    return used_here(value)
 
 
 def _ids(value: Any, what: str, request: str) -> tuple[int, ...]:

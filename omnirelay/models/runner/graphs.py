@@ -44,6 +44,7 @@ __all__ = [
     "reserved_bytes",
     "to_device",
     "upload",
+    "used_here",
 ]
 
 Step = Callable[[], dict[str, torch.Tensor]]
@@ -58,6 +59,16 @@ def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def used_here(x: torch.Tensor) -> torch.Tensor:
+    """``x``, marked as read by the current CUDA stream when it lives on a CUDA device
+    (``record_stream``): a tensor another stream made (another stage's output, handed by
+    reference) keeps its memory until this stream's work on it ran, whenever its last
+    reference goes. Elsewhere ``x`` as it is."""
+    if x.is_cuda:
+        x.record_stream(torch.cuda.current_stream(x.device))
+    return x
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
