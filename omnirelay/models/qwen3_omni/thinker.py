@@ -69,6 +69,7 @@ from omnirelay.models.qwen3_omni.vision import (
     mrope_positions,
 )
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
+from omnirelay.models.runner.graphs import own_stream
 from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
@@ -238,7 +239,7 @@ class ThinkerExecutor:
         ):
             return GuardedLaunch(batch, self.release, results=self.step(batch))
         if self.device.type == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = own_stream(self.device)  # not another stage's, nor a graph set's capture stream
 
         def launch(items: list[BatchItem]) -> GuardedLaunch:
             assert runner is not None
