@@ -4,10 +4,12 @@ torch hands its CUDA streams out of a pool in turn, so two stages of a device gr
 graph set's capture stream and a stage's launch stream) could be given the same stream —
 and PyTorch keeps one cuBLAS workspace per stream, which graphs captured on it replay
 with. A fake pool that hands its streams out in turn, as torch's does, shows that every
-owner gets a stream of its own and that an exhausted pool is a clear error."""
+owner gets a stream of its own, that a stream its owner dropped is free again, and that
+an exhausted pool is a clear error."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from omnirelay.errors import ModelError
 from omnirelay.models.runner.graphs import StreamOwners
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Stream:
     device_index: int
     cuda_stream: int
@@ -49,15 +51,20 @@ def test_every_owner_gets_a_stream_no_other_owner_holds() -> None:
     assert made[-2] == first.cuda_stream  # the pool offered the held stream first
     assert second != first and len(owners) == 2
     third, fourth = owners.take(make), owners.take(make)
-    assert len({first, second, third, fourth}) == 4
+    assert len({s.cuda_stream for s in (first, second, third, fourth)}) == 4
     with pytest.raises(ModelError, match=r"no CUDA stream is left .*\(4 held\)"):
         owners.take(make)
+    handle = third.cuda_stream
+    del third  # its owner (a graph set with its graphs, an executor) is gone
+    gc.collect()
+    assert len(owners) == 3 and owners.take(make).cuda_stream == handle
 
 
 def test_streams_of_two_devices_are_apart() -> None:
     owners = StreamOwners()
     _, on_0 = _pool(1, device=0)
     _, on_1 = _pool(1, device=1)
-    assert owners.take(on_0) != owners.take(on_1)  # the same handle on two devices
+    held = [owners.take(on_0), owners.take(on_1)]  # the same handle on two devices
+    assert [s.device_index for s in held] == [0, 1]
     with pytest.raises(ModelError):
         owners.take(on_0)

@@ -25,6 +25,7 @@ with per-node priorities), so a set captures at the priority it replays at.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -82,20 +83,26 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class StreamOwners:
     """Streams handed to one owner each. torch hands its streams out of a small pool in
     turn (32 per priority), so two callers of ``torch.cuda.Stream()`` may get the same
-    stream; :meth:`take` asks again until the stream is one nobody holds."""
+    stream; :meth:`take` asks again until the stream is one nobody holds. A stream is
+    held while the object :meth:`take` returned lives (its owner keeps it: a graph set
+    with its graphs, a stage's executor)."""
 
     def __init__(self, max_tries: int = 64) -> None:
         self.max_tries = max_tries
         self._held: set[tuple[int, int]] = set()
 
     def take(self, make: Callable[[], Any]) -> Any:
-        """A stream from ``make()`` (a ``torch.cuda.Stream`` factory) that no earlier
-        :meth:`take` returned; :class:`ModelError` when the pool has none left."""
+        """A stream from ``make()`` (a ``torch.cuda.Stream`` factory) that no live
+        :meth:`take` result is; :class:`ModelError` when the pool has none left."""
         for _ in range(self.max_tries):
             stream = make()
             key = (int(stream.device_index), int(stream.cuda_stream))
             if key not in self._held:
                 self._held.add(key)
+                try:
+                    weakref.finalize(stream, self._held.discard, key)
+                except TypeError:  # a stream type without weak references: held for good
+                    pass
                 return stream
         raise ModelError(
             f"no CUDA stream is left that another stage of this process does not already hold "
