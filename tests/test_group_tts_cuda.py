@@ -222,4 +222,12 @@ def test_a_launched_talker_and_code2wav_answer_what_their_stepped_runs_answer() 
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{rid}: audio chunk {k} differs")
     assert talker.leak_state() == {} and code2wav.leak_state() == {}
     assert sum(len(r.audio) for r in launched.requests.values()) > NUM_REQUESTS
+    # Each graph set captured on a stream of its own, none of them a launch stream: a
+    # cuBLAS workspace is one per stream, and a graph replays with its capture stream's.
+    vocoder = code2wav.vocoder
+    assert vocoder is not None
+    sets = [talker.runner.graphs, code2wav._decoder.graphs, vocoder.graphs]
+    streams = [g.stream for g in sets if len(g)] + [talker.runner.stream(), code2wav._stream]
+    assert all(s is not None for s in streams) and len(streams) == 5
+    assert len({s.cuda_stream for s in streams if s is not None}) == 5
     print(f"slot moves {moves}; {overlapped} Code2Wav launches while the Talker's step ran")
