@@ -217,7 +217,8 @@ class Code2WavExecutor:
             self.vocoder.release(internal_id)
             return
         # Another stream's state may move into the freed slot: on the decode stream, after
-        # the steps launched there and before the next.
+        # the steps launched there (and whatever the current stream holds) and before the next.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             self.vocoder.release(internal_id)
 

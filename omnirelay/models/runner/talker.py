@@ -191,7 +191,11 @@ class TalkerRunner:
 
     def _move_slot(self, src: int, dst: int, length: int) -> None:
         """A holder moves from slot ``src`` to ``dst`` (the slot table packs its holders):
-        its cached positions, its last frame's codec input and its first-code history."""
+        its cached positions, its last frame's codec input and its first-code history.
+        The copies go on the current stream, after every step launched on this runner's
+        (by stream order, not only because the caller saw the step's event)."""
+        if self._stream is not None and torch.cuda.current_stream(self.device) != self._stream:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.kv.move(src, dst, length)
         self._codec_embed[dst].copy_(self._codec_embed[src])
         self._seen[dst].copy_(self._seen[src])
