@@ -58,7 +58,7 @@ from omnirelay.models.qwen3_omni.talker_input import (
 )
 from omnirelay.models.qwen3_omni.talker_text import TextConditioner
 from omnirelay.models.runner import Buckets, TalkerRow, TalkerRunner
-from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
+from omnirelay.models.runner.memory import provision_decoder
 from omnirelay.models.runner.predictor import use_compile_cache
 from omnirelay.models.runner.talker import launch_talker_step
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
@@ -197,22 +197,17 @@ class TalkerExecutor:
 
         config = self._decoder.config
         itemsize = self.dtype.itemsize
-        # per slot: its KV, its last frame's codec embedding, its first codes seen so far
-        slot = decoder_slot_bytes(config, static.max_model_len, itemsize)
-        slot += int(config.hidden_size) * itemsize + int(config.vocab_size)
-        provision(
+        provision_decoder(
             device=self.device,
-            max_len=static.max_model_len,
-            given=None if sized else static.max_num_seqs,
-            default=static.max_num_seqs,
-            slot_bytes=slot,
-            fixed_bytes=slot
-            + decoder_reserve_bytes(
-                config, max_tokens=static.max_prefill_tokens, max_batch=static.max_batch, itemsize=itemsize
-            ),
-            weights_bytes=module_bytes(self.model),
+            static=static,
+            sized=sized,
+            config=config,
+            itemsize=itemsize,
+            model=self.model,
             build=build,
             capture=capture,
+            # per slot besides its KV: its last frame's codec embedding, its first codes seen so far
+            extra_slot_bytes=int(config.hidden_size) * itemsize + int(config.vocab_size),
         )
 
     @classmethod

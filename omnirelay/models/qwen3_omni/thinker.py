@@ -70,7 +70,7 @@ from omnirelay.models.qwen3_omni.vision import (
 )
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.runner.graphs import own_stream
-from omnirelay.models.runner.memory import decoder_reserve_bytes, decoder_slot_bytes, module_bytes, provision
+from omnirelay.models.runner.memory import provision_decoder
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
 
@@ -176,19 +176,13 @@ class ThinkerExecutor:
             assert self.runner is not None
             self.runner.capture_graphs()
 
-        config, itemsize = self._text.config, self._lm_head.weight.element_size()
-        slot = decoder_slot_bytes(config, static.max_model_len, itemsize)
-        provision(
+        provision_decoder(
             device=self.device,
-            max_len=static.max_model_len,
-            given=None if sized else static.max_num_seqs,
-            default=static.max_num_seqs,
-            slot_bytes=slot,
-            fixed_bytes=slot
-            + decoder_reserve_bytes(
-                config, max_tokens=static.max_prefill_tokens, max_batch=static.max_batch, itemsize=itemsize
-            ),
-            weights_bytes=module_bytes(self.model),
+            static=static,
+            sized=sized,
+            config=self._text.config,
+            itemsize=self._lm_head.weight.element_size(),
+            model=self.model,
             build=build,
             capture=capture,
         )

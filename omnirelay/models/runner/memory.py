@@ -337,3 +337,37 @@ def provision(
     name, cap = budget.stage
     need = SlotNeed(name, slot_bytes, fixed_bytes, cap=cap, given=given)
     budget.defer(_Deferred(need, device, max_len, weights_bytes, build, capture))
+
+
+def provision_decoder(
+    *,
+    device: Any,
+    static: Any,
+    sized: bool,
+    config: Any,
+    itemsize: int,
+    model: Any,
+    build: Callable[[int], None],
+    capture: Callable[[], None],
+    extra_slot_bytes: int = 0,
+) -> None:
+    """:func:`provision` for a static decoder runner of ``config`` with ``static``'s
+    buckets (:class:`~omnirelay.models.runner.Buckets`): a slot is its KV for
+    ``max_model_len`` positions plus ``extra_slot_bytes`` (per-slot state of the
+    executor's own), the fixed share one slot and the step's activations; ``sized``: the
+    slot count comes from the device's budget, else ``static.max_num_seqs``."""
+    slot = decoder_slot_bytes(config, static.max_model_len, itemsize) + extra_slot_bytes
+    reserve = decoder_reserve_bytes(
+        config, max_tokens=static.max_prefill_tokens, max_batch=static.max_batch, itemsize=itemsize
+    )
+    provision(
+        device=device,
+        max_len=static.max_model_len,
+        given=None if sized else static.max_num_seqs,
+        default=static.max_num_seqs,
+        slot_bytes=slot,
+        fixed_bytes=slot + reserve,
+        weights_bytes=module_bytes(model),
+        build=build,
+        capture=capture,
+    )
