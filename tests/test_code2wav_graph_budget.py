@@ -39,9 +39,9 @@ from omnirelay.models.runner.vocoder import (
     StreamingVocoder,
     StreamRow,
 )
+from tests.memory_fakes import GIB, FakeMemory
 from tests.test_models_support import single_thread, tiny_dir
 
-GIB = 2**30
 #: The shipped Qwen3-Omni Code2Wav's up-sampling outputs (hidden 1024, decoder 1536,
 #: ratios 2 x 2, rates 8, 5, 4, 3) as ``decoder_widths`` lists them.
 SHIPPED_WIDTHS = [(1024, 2), (1024, 4), (1536, 4), (768, 32), (384, 160), (192, 640), (96, 1920)]
@@ -195,27 +195,10 @@ def test_a_capture_out_of_memory_is_one_line_naming_the_bucket_and_the_knob() ->
         raise ValueError("other")
 
 
-class _FakeMemory:
-    """A device of 80 GiB whose allocations the fake builds and captures record."""
-
-    def __init__(self, in_use_gib: float) -> None:
-        self.allocated_bytes = int(in_use_gib * GIB)
-        self.pools = 0
-
-    def free_and_total(self) -> tuple[int, int]:
-        return 80 * GIB - self.allocated_bytes - self.pools, 80 * GIB
-
-    def allocated(self) -> int:
-        return self.allocated_bytes
-
-    def reserved(self) -> int:
-        return self.allocated_bytes + self.pools
-
-
 def _sized_group(code2wav_pool_gib: float) -> dict[str, int]:
     """The Thinker and the Talker deferred to the budget, then Code2Wav built and its
     graphs captured at once (as a group builds its stages in order), then the sizing."""
-    memory = _FakeMemory(in_use_gib=65)  # the group's weights
+    memory = FakeMemory(in_use_gib=65)  # the group's weights
     budget = DeviceBudget("cuda:0", 0.95, memory=memory)
     with activate(budget):
         for name, slot_gib in (("thinker", 0.1875), ("talker", 0.0625)):

@@ -11,8 +11,7 @@ from omnirelay.errors import ConfigError, ModelError
 from omnirelay.models.runner.memory import DeviceBudget, SlotNeed, activate, plan_slots, provision
 from omnirelay.pipeline import load_pipeline
 from omnirelay.pipeline.groups import sizing_device
-
-GIB = 2**30
+from tests.memory_fakes import GIB, FakeMemory
 
 
 def _need(
@@ -77,24 +76,7 @@ def test_the_share_must_be_a_fraction() -> None:
         plan_slots([_need("talker", 0.05)], free_bytes=40 * GIB, total_bytes=80 * GIB, fraction=1.5)
 
 
-class _FakeMemory:
-    """A device of 80 GiB whose allocations the fake builds and captures record."""
-
-    def __init__(self, in_use_gib: float) -> None:
-        self.allocated_bytes = int(in_use_gib * GIB)
-        self.pools = 0
-
-    def free_and_total(self) -> tuple[int, int]:
-        return 80 * GIB - self.allocated_bytes - self.pools, 80 * GIB
-
-    def allocated(self) -> int:
-        return self.allocated_bytes
-
-    def reserved(self) -> int:
-        return self.allocated_bytes + self.pools
-
-
-def _provision(memory: _FakeMemory, events: list[str], name: str, slot_gib: float, given: int | None) -> None:
+def _provision(memory: FakeMemory, events: list[str], name: str, slot_gib: float, given: int | None) -> None:
     def build(n: int) -> None:
         events.append(f"build {name} {n}")
         memory.allocated_bytes += int(n * slot_gib * GIB)
@@ -117,7 +99,7 @@ def _provision(memory: _FakeMemory, events: list[str], name: str, slot_gib: floa
 
 
 def test_the_budget_builds_every_kv_before_any_graph_and_says_one_line_per_stage() -> None:
-    memory, events, lines = _FakeMemory(in_use_gib=62), list[str](), list[str]()
+    memory, events, lines = FakeMemory(in_use_gib=62), list[str](), list[str]()
     budget = DeviceBudget("cuda:0", 0.9, memory=memory)
     with activate(budget):
         budget.stage = ("thinker", 64)
@@ -139,7 +121,7 @@ def test_the_budget_builds_every_kv_before_any_graph_and_says_one_line_per_stage
 
 
 def test_without_a_budget_of_its_device_a_runner_is_built_at_once() -> None:
-    memory, events = _FakeMemory(in_use_gib=0), list[str]()
+    memory, events = FakeMemory(in_use_gib=0), list[str]()
     _provision(memory, events, "thinker", 0.2, None)
     _provision(memory, events, "talker", 0.2, 8)
     with activate(DeviceBudget("cuda:1", 0.9, memory=memory)) as other:
@@ -153,7 +135,7 @@ def test_without_a_budget_of_its_device_a_runner_is_built_at_once() -> None:
 
 
 def test_a_failed_sizing_builds_nothing() -> None:
-    memory, events = _FakeMemory(in_use_gib=71.9), list[str]()
+    memory, events = FakeMemory(in_use_gib=71.9), list[str]()
     budget = DeviceBudget("cuda:0", 0.9, memory=memory)
     with activate(budget):
         _provision(memory, events, "thinker", 0.2, None)
@@ -165,7 +147,7 @@ def test_a_failed_sizing_builds_nothing() -> None:
 def test_the_tiny_executors_defer_their_runners_to_the_budget() -> None:
     from omnirelay.models.qwen3_omni import create_talker, create_thinker
 
-    class _Cpu(_FakeMemory):
+    class _Cpu(FakeMemory):
         def free_and_total(self) -> tuple[int, int]:
             return 8 * GIB, 80 * GIB  # 72 in use: the 0.95 share leaves 4 GiB
 
@@ -268,7 +250,7 @@ class _Control:
 def _group(in_use_gib: float) -> tuple[list[_Spec], list[_Engine], list[_Control], DeviceBudget]:
     stages = [_Stage("thinker", 64), _Stage("talker", 64), _Stage("code2wav", 64)]
     specs = [_Spec(i, stages) for i in range(3)]
-    memory, events = _FakeMemory(in_use_gib), list[str]()
+    memory, events = FakeMemory(in_use_gib), list[str]()
     budget = DeviceBudget("cuda:0", 0.9, memory=memory)
     with activate(budget):
         for name in ("thinker", "talker"):
