@@ -221,9 +221,8 @@ def _register_benches(bsub: Any) -> None:
         "--device-groups",
         choices=("auto", "on", "off"),
         default=None,
-        help="which stages share a worker process: off (a process per stage), auto (experimental: the "
-        "stages on one CUDA device), on (experimental: also the CPU stages); default: the pipeline "
-        "file's device_groups, else off",
+        help="which stages share a worker process: auto (the stages on one CUDA device), off (a process "
+        "per stage), on (also the CPU stages); default: the pipeline file's device_groups, else auto",
     )
     q.add_argument(
         "--schedule",
@@ -393,9 +392,8 @@ def _register_benches(bsub: Any) -> None:
         choices=("auto", "on", "off"),
         default=None,
         help=(
-            "which stages share a worker process: off (a process per stage), auto (experimental: the "
-            "stages on one CUDA device), on (experimental: also the CPU stages); default: the pipeline "
-            "file's device_groups, else off"
+            "which stages share a worker process: auto (the stages on one CUDA device), off (a process "
+            "per stage), on (also the CPU stages); default: the pipeline file's device_groups, else auto"
         ),
     )
     sp.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")

@@ -65,12 +65,13 @@ def _two(devices: tuple[str | None, str | None], **kw: object) -> dict:
 def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     cfg = load_pipeline("qwen3-omni")
     paths = [edge_path(cfg, e) for e in cfg.edges()]
-    # A process per stage by default: both edges cross processes on the device.
-    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
+    # One process per device by default: the Talker and Code2Wav share cuda:1, their edge
+    # stays in that process; the Thinker's edge crosses to it by a peer copy.
+    assert [p for p, _ in paths] == [EdgePath.GPU_PEER, EdgePath.IN_PROCESS]
     assert "cuda:0 -> cuda:1" in paths[0][1] and "peer copy" in paths[0][1]
-    # Opted into device groups, the Talker and Code2Wav share cuda:1: one process, their edge in it.
-    grouped = cfg.with_device_groups("auto")
-    assert [edge_path(grouped, e)[0] for e in grouped.edges()] == [EdgePath.GPU_PEER, EdgePath.IN_PROCESS]
+    # A process per stage when asked: both edges cross processes on the device.
+    apart = cfg.with_device_groups("off")
+    assert [edge_path(apart, e)[0] for e in apart.edges()] == [EdgePath.GPU_PEER, EdgePath.GPU_SAME]
 
 
 @pytest.mark.parametrize(
@@ -85,12 +86,12 @@ def test_the_shipped_layout_is_gpu_direct_on_both_edges() -> None:
     ],
 )
 def test_gpu_direct_needs_both_stages_on_cuda(devices: tuple[str | None, str | None], path: EdgePath) -> None:
-    assert _paths(_two(devices)) == [path]  # a process per stage by default
-    assert _paths(_two(devices, device_groups="off")) == [path]
+    assert _paths(_two(devices, device_groups="off")) == [path]  # a process per stage
 
 
-def test_stages_on_one_device_share_a_process_only_when_grouped() -> None:
-    assert _paths(_two(("cuda:0", "cuda"), device_groups="auto")) == [EdgePath.IN_PROCESS]
+def test_stages_on_one_device_share_a_process_unless_told_apart() -> None:
+    assert _paths(_two(("cuda:0", "cuda"))) == [EdgePath.IN_PROCESS]  # auto by default
+    assert _paths(_two(("cuda:0", "cuda"), device_groups="off")) == [EdgePath.GPU_SAME]
     alone = _two(("cuda:0", "cuda:0"), device_groups="auto")
     alone["stages"][1]["own_process"] = True
     assert _paths(alone) == [EdgePath.GPU_SAME]

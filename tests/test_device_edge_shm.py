@@ -271,10 +271,8 @@ def test_the_pipeline_sets_the_gpu_direct_options_of_each_stage() -> None:
         {"gpu_direct_to": (2,), "gpu_direct_in": True, "device": "cuda:1"},
         {"gpu_direct_to": (), "gpu_direct_in": True, "device": "cuda:1"},
     ]
-    assert [gpu_direct_options(cfg, s) for s in cfg.stages] == options  # the default: off
-    # Grouped, the Talker and Code2Wav share cuda:1, so a process: their edge is in it.
-    grouped = cfg.with_device_groups("auto")
-    assert [gpu_direct_options(grouped, s) for s in grouped.stages] == [
+    # Grouped (the default), the Talker and Code2Wav share cuda:1, so a process: their edge is in it.
+    assert [gpu_direct_options(cfg, s) for s in cfg.stages] == [
         options[0],
         {"gpu_direct_to": (), "gpu_direct_in": True, "device": "cuda:1"},
         {},

@@ -808,12 +808,13 @@ def test_qwen3_omni_deploy_defaults() -> None:
     assert code2wav.execution_type is ExecutionType.GENERATION
     assert code2wav.max_num_batched_tokens == 65536 and code2wav.async_scheduling is False
     e01, e12 = cfg.edges()
-    # A process per stage by default: both edges through shared memory.
-    assert e01.connector == e12.connector and (e01.backend, e12.backend) == ("shm", "shm")
-    assert cfg.device_groups is DeviceGroups.OFF
-    # Opted into device groups, the Talker and Code2Wav share cuda:1: an in-process edge.
-    grouped = cfg.with_device_groups("auto")
-    assert [e.backend for e in grouped.edges()] == ["shm", "inproc"]
+    # One process per device by default: the Talker and Code2Wav share cuda:1 (an
+    # in-process edge), the Thinker on cuda:0 is reached through shared memory.
+    assert cfg.device_groups is DeviceGroups.AUTO
+    assert e01.connector == e12.connector and (e01.backend, e12.backend) == ("shm", "inproc")
+    # A process per stage when asked: both edges through shared memory.
+    apart = cfg.with_device_groups("off")
+    assert [e.backend for e in apart.edges()] == ["shm", "shm"]
     assert e12.extra == {"codec_chunk_frames": 25, "codec_left_context_frames": 0}
     assert (e01.contract, e12.contract) == (EdgeContract.CHUNKS, EdgeContract.CHUNKS)
     assert (e01.processor, e12.processor) == ("thinker_to_talker", "talker_to_code2wav")

@@ -283,8 +283,8 @@ def test_the_groups_of_a_pipeline() -> None:
     assert process_groups(parse_pipeline({**data, "device_groups": "on"})) == ((0, 1, 2),)
     for stage in data["stages"]:
         stage["devices"] = "cuda:0"
-    assert process_groups(parse_pipeline(data)) == ((0,), (1,), (2,))  # off by default
-    data["device_groups"] = "auto"
+    assert process_groups(parse_pipeline(data)) == ((0, 1, 2),)  # one device: one process by default
+    assert process_groups(parse_pipeline({**data, "device_groups": "off"})) == ((0,), (1,), (2,))
     data["stages"][0]["own_process"] = True
     data["stages"][2]["env"] = {"X": "1"}  # its own process environment: alone
     assert process_groups(parse_pipeline(data)) == ((0,), (1,), (2,))

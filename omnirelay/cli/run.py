@@ -96,9 +96,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--device-groups",
         choices=("auto", "on", "off"),
         default=None,
-        help="which stages share a worker process: off (a process per stage), auto (experimental: "
-        "the stages on one CUDA device, one loop driving them), on (experimental: also the CPU "
-        "stages); default: the pipeline file's device_groups, else off",
+        help="which stages share a worker process: auto (the stages on one CUDA device, one loop "
+        "driving them; every CPU stage alone), off (a process per stage), on (also the CPU stages "
+        "in one process); default: the pipeline file's device_groups, else auto",
     )
     p.add_argument(
         "--reproducible",

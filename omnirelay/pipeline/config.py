@@ -121,9 +121,9 @@ _MPS_PRIORITY_VALUES = {GpuPriority.NORMAL: "0", GpuPriority.LOW: "1"}
 class DeviceGroups(enum.StrEnum):
     """Which stages share one worker process (``device_groups:``, docs/design.md §12)."""
 
-    AUTO = "auto"  # experimental: the stages placed on one CUDA device share a process
-    ON = "on"  # experimental: also the stages on no CUDA device share one (CPU pipelines, tests)
-    OFF = "off"  # the default: every stage in a process of its own
+    AUTO = "auto"  # the default: the stages placed on one CUDA device share a process
+    ON = "on"  # also the stages on no CUDA device share one (CPU pipelines, tests)
+    OFF = "off"  # every stage in a process of its own
 
 
 class FlagOrigin(enum.StrEnum):
@@ -338,7 +338,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     #: on their own, and a codec edge cuts its chunks on a fixed frame schedule (docs/usage.md).
     reproducible: bool = False
     #: Which stages share a worker process (``device_groups:``; :mod:`omnirelay.pipeline.groups`).
-    device_groups: DeviceGroups = DeviceGroups.OFF
+    device_groups: DeviceGroups = DeviceGroups.AUTO
     #: The share of each CUDA device's memory the stages of one process may use
     #: (``gpu_memory_utilization:``): KV slots not given by ``executor_args.max_num_seqs``
     #: are sized from what it leaves after the weights (docs/design.md §12).

@@ -3,13 +3,14 @@
 A *device group* is one worker process that hosts several stage engines, driven by one
 loop (:mod:`omnirelay.worker.group`). By ``device_groups:`` of the pipeline file:
 
-* ``off`` (the default): one process per stage;
-* ``auto`` (experimental, docs/performance.md "Device groups"): the stages placed on the same CUDA device (``devices`` or
-  ``executor_args.device``: ``cuda:0``; ``cuda`` is ``cuda:0``) share one process — one
+* ``auto`` (the default; docs/performance.md "Device groups"): the stages placed on the
+  same CUDA device (``devices`` or ``executor_args.device``: ``cuda:0``; ``cuda`` is
+  ``cuda:0``) share one process — one
   CUDA context, one caching allocator, no time slices between processes; every other
   stage (the CPU, where the cores are the parallelism) keeps a process of its own;
 * ``on``: also the stages on no CUDA device share one process (a CPU pipeline as a group:
-  tests, or a machine with one core; experimental as ``auto``).
+  tests, or a machine with one core);
+* ``off``: one process per stage (to compare, or under ``--mps``).
 
 Whatever the setting, a stage stays alone when it says ``own_process: true``, runs
 replicas (a request is bound to one replica; each has its own process), sets process

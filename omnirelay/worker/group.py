@@ -1,9 +1,8 @@
 """A device group: several stage engines in one worker process, driven by one loop.
 
-The stages of a pipeline that share a CUDA device run in one process when the pipeline
-opts in (``device_groups: auto``, experimental; :mod:`omnirelay.pipeline.groups` says
-which; docs/design.md §12): one CUDA context, one
-caching allocator, no time slices between processes, and one loop that decides whose
+The stages of a pipeline that share a CUDA device run in one process (``device_groups:
+auto``, the default; :mod:`omnirelay.pipeline.groups` says which; docs/design.md §12):
+one CUDA context, one caching allocator, no time slices between processes, and one loop that decides whose
 step goes next. To the front each stage is still a worker of its own — its own control
 sockets, hello, outputs, releases, health and leak-state answers (a
 :class:`~omnirelay.worker.loop.WorkerLoop` per stage) — and they share one process, so
