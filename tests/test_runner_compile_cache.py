@@ -43,3 +43,23 @@ def test_a_folder_the_environment_names_is_kept(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(predictor, "_OWN_CACHE", None)
     assert use_compile_cache(tmp_path) == tmp_path / "mine"
     assert keyed_compile_cache(_Config(2), torch.device("cpu"), torch.float32) == tmp_path / "mine"
+
+
+def test_torchs_default_folder_written_by_another_stage_is_not_a_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stage built first in the same process asked inductor for its folder: torch wrote
+    # its default into the environment. The Talker built next still keys its own.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(predictor, "_OWN_CACHE", None)
+    default = cache_dir()  # what torch does on first use
+    assert predictor.os.environ["TORCHINDUCTOR_CACHE_DIR"] == default
+    assert keyed_compile_cache(_Config(2), torch.device("cpu"), torch.float32) is None
+    root = use_compile_cache(tmp_path)
+    assert root == tmp_path / "inductor"
+    a = keyed_compile_cache(_Config(2), torch.device("cpu"), torch.float32)
+    assert a is not None and a.parent == root
+    # A second Talker stage of the process finds the folder already chosen by omnirelay.
+    assert use_compile_cache(tmp_path / "elsewhere") == root

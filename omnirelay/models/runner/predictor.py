@@ -123,11 +123,26 @@ DEFAULT_RESIDUAL = ResidualSampling()
 _OWN_CACHE: Path | None = None
 
 
+def _chosen_cache() -> str | None:
+    """The inductor cache folder the environment chose, if any. Torch writes its default
+    folder into ``TORCHINDUCTOR_CACHE_DIR`` the first time anything in the process asks
+    inductor for it (another stage of a device group, built first, may have): that one
+    was chosen by nobody."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(chosen) == os.path.abspath(default_cache_dir()) else chosen
+
+
 def use_compile_cache(root: Path) -> Path:
     """Point inductor's on-disk cache at ``root / "inductor"`` unless the environment
     already chose one; returns the directory in use."""
     global _OWN_CACHE
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if _OWN_CACHE is not None:
+        return _OWN_CACHE
+    chosen = _chosen_cache()
     if chosen:
         return Path(chosen)
     path = root / "inductor"
@@ -149,7 +164,7 @@ def keyed_compile_cache(config: Any, device: torch.device, dtype: torch.dtype) -
     torch: ``<the folder use_compile_cache chose>/<hash of all four>`` (made the cache in
     use); the environment's own folder, untouched, when it named one; None: no cache set."""
     if _OWN_CACHE is None:
-        chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        chosen = _chosen_cache()
         return Path(chosen) if chosen else None
     card = "cpu"
     if device.type == "cuda":
