@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +29,19 @@ def namespace() -> str:
     ns = f"t{os.getpid()}x{next(_COUNTER)}"
     yield ns
     assert_no_shm_leaks(ns)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_objects_end_with_their_test() -> Iterator[None]:
+    """On a GPU, what a test built (CUDA graphs, their pools, streams, pinned buffers) is
+    freed when it ends, while torch and the driver are whole: left to the collection at
+    interpreter exit, their destructors ran after CUDA's teardown and the process faulted
+    after every test had passed. Nothing to do where CUDA was never started."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.synchronize()
 
 
 def pytest_configure(config: pytest.Config) -> None:
