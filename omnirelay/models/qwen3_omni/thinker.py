@@ -60,6 +60,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult
 from omnirelay.errors import ModelError
 from omnirelay.models.detokenizer import IncrementalDetokenizer
 from omnirelay.models.kv import KVPool, cache_keyword
+from omnirelay.models.prepared import cache_root
 from omnirelay.models.qwen3_omni.loader import Checkpoint, ModelArgs, open_checkpoint
 from omnirelay.models.qwen3_omni.thinker_media import ThinkerMedia
 from omnirelay.models.qwen3_omni.vision import (
@@ -71,6 +72,8 @@ from omnirelay.models.qwen3_omni.vision import (
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner
 from omnirelay.models.runner.graphs import own_stream
 from omnirelay.models.runner.memory import provision_decoder
+from omnirelay.models.runner.predictor import use_compile_cache
+from omnirelay.models.runner.thinker import decode_compile_backend
 from omnirelay.models.sampling import make_generator, sample_rows, suppress
 from omnirelay.models.stepping import GuardedLaunch, guarded_launch, guarded_step
 
@@ -160,6 +163,9 @@ class ThinkerExecutor:
         """The static runner for ``static``'s slots, or (``sized``, in a process that sizes
         KV from memory: :mod:`omnirelay.models.runner.memory`) for the slots that fit,
         built once every stage of the process has its weights."""
+        compile = decode_compile_backend(self.device, cuda_graphs)  # OMNIRELAY_THINKER_COMPILE
+        if compile == "inductor":
+            use_compile_cache(cache_root())
 
         def build(num_slots: int) -> None:
             self.runner = ThinkerRunner(
@@ -169,6 +175,7 @@ class ThinkerExecutor:
                 num_text_ids=self._num_text_ids,
                 buckets=dataclasses.replace(static, max_num_seqs=num_slots),
                 cuda_graphs=cuda_graphs,
+                compile=compile,
             )
             self.runner.keep_hidden_on_device = self._out_device is not None
 

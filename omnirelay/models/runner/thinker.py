@@ -11,6 +11,14 @@ launch brings back the greedy ids and those hidden rows; rows that sample (tempe
 (:func:`omnirelay.models.sampling.sample_rows`), so a request draws the same tokens in
 any batch.
 
+Compiled decode (``OMNIRELAY_THINKER_COMPILE=1``, :data:`THINKER_COMPILE_ENV`; off by
+default): on CUDA the decode launches (one token per row over cached positions) run
+:meth:`StaticDecoder.compile_decode <omnirelay.models.runner.decoder.StaticDecoder.compile_decode>`'s
+pass with inductor, compiled while the graphs are captured, so each decode graph replays
+the fused kernels; prefill launches stay uncompiled. The kernels are cached on disk per
+model config, torch, card and dtype
+(:func:`~omnirelay.models.runner.predictor.keyed_compile_cache`), so a restart reuses them.
+
 Experts implementation: in half precision where ``triton`` is, the fused Triton path
 (:mod:`~omnirelay.models.runner.moe`); otherwise per phase ``batched_mm`` for a decode of
 one row, ``grouped_mm`` for everything else (``batched_mm`` copies every selected
@@ -20,23 +28,52 @@ expert's weights per token); the timings that chose it are in docs/performance.m
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnirelay.engine.interfaces import SamplingParams
+from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
 from omnirelay.models.runner.moe import FUSED_EXPERTS, fused_experts_enabled
+from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
-__all__ = ["LaunchedRun", "RowOutput", "ThinkerRunner", "experts_for"]
+__all__ = [
+    "THINKER_COMPILE_ENV",
+    "LaunchedRun",
+    "RowOutput",
+    "ThinkerRunner",
+    "decode_compile_backend",
+    "experts_for",
+]
+
+#: ``1``: the Thinker's decode launches compiled with inductor (on CUDA); unset or ``0``: not.
+THINKER_COMPILE_ENV = "OMNIRELAY_THINKER_COMPILE"
+
+
+def decode_compile_backend(device: torch.device, cuda_graphs: bool) -> str | None:
+    """The ``torch.compile`` backend of the Thinker's decode launches as
+    :data:`THINKER_COMPILE_ENV` says: ``"inductor"`` when it is ``1`` on a CUDA device
+    whose steps are captured as graphs (every shape then compiles at startup, none while
+    serving), else None (uncompiled: the default until the compiled step is measured on
+    the cards the stages run on, docs/performance.md)."""
+    value = os.environ.get(THINKER_COMPILE_ENV, "").strip()
+    if value in ("", "0"):
+        return None
+    if value == "1":
+        return "inductor" if device.type == "cuda" and cuda_graphs else None
+    raise ModelError(f"{THINKER_COMPILE_ENV} must be 0 or 1 (or unset), got {value!r}")
 
 
 def experts_for(device: torch.device, dtype: torch.dtype, batch: int, tokens: int) -> str | None:
@@ -83,7 +120,9 @@ _Overrides = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class ThinkerRunner:
     """See the module docstring. ``capture_layers``: hidden-state indices to return
-    (0 = the embeddings; ``i`` = the input of layer ``i``)."""
+    (0 = the embeddings; ``i`` = the input of layer ``i``). ``compile``: the
+    ``torch.compile`` backend of the decode launches (None: uncompiled; a stage passes
+    :func:`decode_compile_backend`)."""
 
     def __init__(
         self,
@@ -94,6 +133,7 @@ class ThinkerRunner:
         num_text_ids: int,
         buckets: Buckets,
         cuda_graphs: bool,
+        compile: str | None = None,
     ) -> None:
         self.text = text_model
         self.lm_head = lm_head
@@ -125,6 +165,16 @@ class ThinkerRunner:
         self._slot_ids = torch.full((mb,), self.kv.scratch, dtype=torch.long, device=self.device)
         self._starts = torch.zeros(mb, dtype=torch.long, device=self.device)
         self._counts = torch.ones(mb, dtype=torch.long, device=self.device)
+        self._init_compile(compile)
+
+    def _init_compile(self, backend: str | None) -> None:
+        #: inductor's on-disk cache of the compiled decode (None: not compiling with inductor)
+        self.compile_cache: Path | None = None
+        if backend is None:
+            return
+        self.decoder.compile_decode(backend)
+        if backend == "inductor":
+            self.compile_cache = keyed_compile_cache(self.text.config, self.device, self.dtype)
 
     # ----------------------------------------------------------------- startup
 
@@ -132,15 +182,54 @@ class ThinkerRunner:
         """Capture every prefill and decode bucket (startup; a no-op without CUDA graphs)."""
         if not self.graphs.enabled:
             return
+        backend = self.decoder.decode_backend
+        if backend is not None:
+            print(f"omnirelay: thinker: {self._compile_plan()}", file=sys.stderr, flush=True)
         start = time.monotonic()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._compiling():
             for b, t in self.buckets.prefill_shapes():
                 self.graphs.capture((b, t, None), self._step(b, t, None))
             for b, length in self.buckets.decode_shapes():
                 self.graphs.capture((b, 1, length), self._step(b, 1, length))
                 self.graphs.capture((b, 1, length, "in_place"), self._step(b, 1, length, in_place=True))
         self.graphs.report.seconds = time.monotonic() - start
-        print(f"omnirelay: {self.graphs.report}", file=sys.stderr, flush=True)
+        how = f" (decode compiled with {backend})" if backend is not None else ""
+        print(f"omnirelay: {self.graphs.report}{how}", file=sys.stderr, flush=True)
+
+    def _compile_plan(self) -> str:
+        """What the capture is about to compile, and whether a cache already holds it."""
+        sizes = ", ".join(map(str, self.buckets.batch_sizes))
+        what = (
+            f"compiling the decode step with {self.decoder.decode_backend} for batches {sizes} "
+            f"({THINKER_COMPILE_ENV}=1)"
+        )
+        cache = self.compile_cache
+        if cache is None:
+            return f"{what} (no on-disk cache: every start compiles again)"
+        if any(cache.iterdir()):
+            return f"{what}, reusing the kernels cached in {cache}"
+        return f"{what}; first start on this machine: this takes minutes, later starts reuse {cache}"
+
+    @contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """Inductor reads and writes this runner's cache folder while the graphs capture
+        (and compile) the decode, whichever stage of the process chose the folder last;
+        its compile workers stop afterwards instead of idling beside the stage."""
+        if self.compile_cache is None:
+            yield
+            return
+        saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.compile_cache)
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+            from torch._inductor import async_compile
+
+            async_compile.shutdown_compile_workers()
 
     # ----------------------------------------------------------------- steps
 
@@ -153,13 +242,18 @@ class ThinkerRunner:
         *,
         in_place: bool = False,
     ) -> Step:
+        # A decode launch (one token a row over cached positions) runs the compiled pass
+        # when there is one; a prefill, or one with embeddings from outside, never does.
+        decode = t == 1 and attn_len is not None and overrides is None
+        forward = self.decoder.decode_forward if decode else self.decoder.forward
+
         def step() -> dict[str, torch.Tensor]:
             with experts_implementation(self._experts, experts_for(self.device, self.dtype, b, t)):
                 embeds = self.text.embed_tokens(self._ids[:b, :t])
                 if overrides is not None:
                     batch_idx, token_idx, rows = overrides
                     embeds = embeds.index_put((batch_idx, token_idx), rows.to(embeds.dtype))
-                last, captured = self.decoder.forward(
+                last, captured = forward(
                     embeds,
                     self._slot_ids[:b],
                     self._starts[:b],
