@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["FAMILIES", "count_step", "family", "main"]
@@ -106,6 +108,26 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Fused(TorchFunctionMode):
+    """Counts what ``F.rms_norm`` decomposes into on the CPU: on CUDA it is one fused
+    kernel (``_fused_rms_norm``), so a CUDA step launches that many fewer."""
+
+    def __init__(self, ops: _Count) -> None:
+        super().__init__()
+        self.counter = ops
+        self.calls = 0
+        self.decomposed = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is not F.rms_norm:
+            return func(*args, **(kwargs or {}))
+        before = sum(self.counter.ops.values())
+        out = func(*args, **(kwargs or {}))
+        self.calls += 1
+        self.decomposed += sum(self.counter.ops.values()) - before
+        return out
+
+
 def _decoder(name: str) -> Any:
     if name == "tts":
         from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
@@ -118,14 +140,16 @@ def _decoder(name: str) -> Any:
     raise ValueError(f"unknown decoder {name!r}; choose tts or omni")
 
 
-def count_step(vocoder: Any, streams: int, frames: int, *, fake: bool = True) -> Counter[str]:
+def count_step(vocoder: Any, streams: int, frames: int, *, fake: bool = True) -> tuple[Counter[str], int]:
     """The aten operations of one stream step of ``streams`` rows of ``frames`` new frames
-    (every row a continuing stream), by name: what the step's graph would launch."""
+    (every row a continuing stream), by name: what the step's graph would launch; and how
+    many fewer a CUDA device launches (each ``F.rms_norm`` one kernel there)."""
     codes = torch.zeros((streams, vocoder.q, frames), dtype=torch.long)
     slots = torch.arange(streams, dtype=torch.long)
     counts = torch.full((streams,), frames, dtype=torch.long)
     positions = torch.full((streams,), 8, dtype=torch.long)
     mode = _Count()
+    fused = _Fused(mode)
     # no_grad, not inference_mode: under inference_mode a dispatch mode also sees the
     # composite operations (linear, conv1d, to) before they decompose into kernels.
     with torch.no_grad():
@@ -134,12 +158,12 @@ def count_step(vocoder: Any, streams: int, frames: int, *, fake: bool = True) ->
 
             with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
                 inputs = [fake_mode.from_tensor(x) for x in (codes, slots, counts, positions)]
-                with mode:
+                with fused, mode:
                     vocoder._forward(*inputs)
         else:
-            with mode:
+            with fused, mode:
                 vocoder._forward(codes, slots, counts, positions)
-    return mode.ops
+    return mode.ops, fused.decomposed - fused.calls
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -163,13 +187,14 @@ def report(decoder: str, shapes: Sequence[tuple[int, int]], *, fake: bool = True
     vocoder = StreamingVocoder(model, max_streams=max(b for b, _ in shapes), cuda_graphs=False)
     out: dict[str, Any] = {"decoder": decoder, "torch": torch.__version__, "shapes": {}}
     for b, t in shapes:
-        ops = count_step(vocoder, b, t, fake=fake)
+        ops, fewer_on_cuda = count_step(vocoder, b, t, fake=fake)
         families: Counter[str] = Counter()
         for name, n in ops.items():
             families[family(name)] += n
         kernels = sum(n for name, n in ops.items() if family(name) != "view")
         out["shapes"][f"{b}x{t}"] = {
             "kernels": kernels,
+            "cuda_kernels": kernels - fewer_on_cuda,
             "views": families.pop("view", 0),
             "families": dict(families.most_common()),
             "ops": dict(ops.most_common()),
@@ -190,6 +215,7 @@ def render(result: dict[str, Any], top: int = 15) -> str:
     for fam in fams:
         lines.append(f"{fam:<18}" + "".join(f"{shapes[n]['families'].get(fam, 0):>{width}}" for n in names))
     lines.append(f"{'kernels':<18}" + "".join(f"{shapes[n]['kernels']:>{width}}" for n in names))
+    lines.append(f"{'  on CUDA':<18}" + "".join(f"{shapes[n]['cuda_kernels']:>{width}}" for n in names))
     lines.append(f"{'(views)':<18}" + "".join(f"{shapes[n]['views']:>{width}}" for n in names))
     first = shapes[names[0]]["ops"]
     lines.append(f"top operations ({names[0]}):")

@@ -25,6 +25,8 @@ whose up-sampling convolutions look one sample ahead, nothing is held back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,9 +131,12 @@ class _Codebook(nn.Module):
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
 
+    def table(self) -> torch.Tensor:
+        """The normalized entries ``[size, dim]``."""
+        return self.embedding_sum / self.cluster_usage.clamp(min=_CODEBOOK_EPS).unsqueeze(1)
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        table = self.embedding_sum / self.cluster_usage.clamp(min=_CODEBOOK_EPS).unsqueeze(1)
-        return F.embedding(codes, table)
+        return F.embedding(codes, self.table())
 
 
 class _Quantization(nn.Module):
@@ -179,6 +184,28 @@ class SplitQuantizer(nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
+
+    def frozen(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`decode` with every codebook's normalized table made once (the weights
+        loaded) and stacked: one lookup for all the codebooks instead of a table and a
+        lookup per codebook, then the same sums in the same order (the same values)."""
+        layers = [*self.rvq_first.vq.layers, *self.rvq_rest.vq.layers]
+        with torch.no_grad():
+            tables = [layer._codebook.table() for layer in layers]
+            table = torch.cat(tables)
+        n, size = len(tables), tables[0].shape[0]
+        offsets = (torch.arange(n, device=table.device) * size).view(1, n, 1)
+        first, rest = self.rvq_first.output_proj, self.rvq_rest.output_proj
+
+        def decode(codes: torch.Tensor) -> torch.Tensor:
+            parts = F.embedding(codes + offsets, table)  # [B, Q, T, dim]
+            total = parts[:, 1]
+            for i in range(2, n):
+                total = total + parts[:, i]
+            out: torch.Tensor = first(parts[:, 0].transpose(1, 2)) + rest(total.transpose(1, 2))
+            return out
+
+        return decode
 
 
 class CodecTransformer(nn.Module):
@@ -250,6 +277,10 @@ class TTSCodec(nn.Module):
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes [B, Q, T]`` → the quantizer's latent ``[B, codebook_dim, T]``."""
         return self.quantizer.decode(codes)
+
+    def stream_front(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`embed_codes` in fewer launches, its tables made now (``SplitQuantizer.frozen``)."""
+        return self.quantizer.frozen()
 
     @property
     def frame_convs(self) -> list[CausalConvNet]:

@@ -22,10 +22,14 @@ Batches mix streams at any point: each row carries its own slot, frame count and
 position, right-padded to the batch's frame bucket; the first chunk of a stream has an
 invalid prefix after each look-ahead layer (the block that would need a sample before
 the stream began), which is zeroed before every later state-bearing layer so it reads
-as the zero history it stands for. All of it — state gathers and writes by slot, masks
-from positions — runs on the device without host synchronization, so a step is captured
-as one CUDA graph per (batch, frames) bucket, like the window decodes of
-:class:`~omnirelay.models.runner.code2wav.GraphedCode2Wav`.
+as the zero history it stands for. A first chunk reads its history from a row of the state
+kept at zero (its slot holds what the stream before it left). All of it — state gathers
+and writes by slot, masks from positions — runs on the device without host
+synchronization, so a step is captured as one CUDA graph per (batch, frames) bucket, like
+the window decodes of :class:`~omnirelay.models.runner.code2wav.GraphedCode2Wav`.
+A replayed step costs about one launch per operation whatever its batch, so what its
+layers share is made once per step and its element-wise chains run fused
+(:mod:`~omnirelay.models.runner.vocoder_ops`).
 
 The same walk serves Qwen3-TTS's 12 Hz decoder, which differs in three places: its
 front is a quantizer (the model's ``embed_codes(codes) -> [B, C, T]``, stateless per
@@ -43,7 +47,7 @@ samples.
 With ``compile="inductor"`` the step goes through ``torch.compile`` before its graphs are
 captured: eagerly a step is hundreds of small kernels — each SnakeBeta alone is a handful
 of element-wise passes over the layer's whole activation, each state-bearing convolution
-a gather of its history, a masked fill, a concatenation and a scatter of the new state —
+a gather of its history, a concatenation and a scatter of the new state —
 and inductor fuses the element-wise work around each convolution (activation, prefix
 mask, history concatenation, residual add) into one kernel that writes the convolution's
 input, and the transformer's norms, rotary and mask arithmetic likewise; the
@@ -71,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirelay.errors import ModelError
+from omnirelay.models.runner import vocoder_ops as ops
 from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNOB
 from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
@@ -133,11 +138,18 @@ class _Conv:
     index: int
 
 
-def _rotary_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+@dataclass(slots=True)
+class _Walk:
+    """What a step's layers share, made once per step: the slots the state is written to
+    and read from (a first chunk reads the zero row), the carried state's gather indices
+    by up-sampling factor, the invalid-prefix masks by prefix."""
 
-    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = modeling.apply_rotary_pos_emb
-    return fn
+    slots: torch.Tensor
+    read: torch.Tensor
+    is_start: torch.Tensor
+    counts: torch.Tensor
+    ends: dict[int, torch.Tensor]
+    masks: dict[int, torch.Tensor]
 
 
 class StreamingVocoder:
@@ -168,21 +180,21 @@ class StreamingVocoder:
         self.slots.on_move = self._move  # a leaving stream's slot takes the top holder's state
         self.batch_sizes = tuple(b for b in batch_sizes if b <= max_streams) or (1,)
         self.frames = frames
-        self._rotate = _rotary_fn()
         transformer = model.pre_transformer
         self.window = int(config.sliding_window)
         layer0 = transformer.layers[0].self_attn
         head_dim = int(layer0.head_dim)
         heads = int(layer0.k_proj.out_features) // head_dim
-        rows = max_streams + 1  # + the scratch row padding writes to
-        cache = (len(transformer.layers), rows, heads, self.window - 1, head_dim)
-        self._keys = torch.zeros(cache, dtype=self.dtype, device=self.device)
-        self._values = torch.zeros(cache, dtype=self.dtype, device=self.device)
-        self._convs: dict[int, _Conv] = {}
+        # + the scratch row padding writes to, + a row of zeros a first chunk reads its history from
+        rows = max_streams + 2
+        self._zero_row = max_streams + 1
+        cache = (len(transformer.layers), rows, 2, heads, self.window - 1, head_dim)
+        self._kv = torch.zeros(cache, dtype=self.dtype, device=self.device)  # keys and values side by side
         self._states: list[torch.Tensor] = []
         self._lookahead: list[int] = []  # the up-sampling factor of each look-ahead layer
         self._plan = self._walk(rows)
         self.holdback = self._holdback()
+        self._init_fused(head_dim)
         mb, mt = self.batch_sizes[-1], frames[-1]
         self._codes = torch.zeros((mb, self.q, mt), dtype=torch.long, device=self.device)
         self._slot_ids = torch.full((mb,), self.slots.scratch, dtype=torch.long, device=self.device)
@@ -194,6 +206,15 @@ class StreamingVocoder:
             "code2wav-stream", self.device, enabled=cuda_graphs, pool=pool, priority=CODE2WAV_PRIORITY
         )
         self._init_compile(compile)
+
+    def _init_fused(self, head_dim: int) -> None:
+        """The values the step's fused pieces read (:mod:`~omnirelay.models.runner.vocoder_ops`)."""
+        front = getattr(self.model, "stream_front", None)
+        self._embed: Callable[[torch.Tensor], torch.Tensor] | None = front() if front is not None else None
+        self._sign = ops.rotary_sign(head_dim).to(self.device, self.dtype)
+        # the offsets of a carried state's samples from its end, and of the cached frames
+        widest = max([self.window - 1, *(int(state.shape[-1]) for state in self._states)])
+        self._steps = torch.arange(widest, device=self.device).view(1, 1, widest)
 
     def _init_compile(self, backend: str | None) -> None:
         #: the ``torch.compile`` backend of the step (None: eager)
@@ -233,6 +254,7 @@ class StreamingVocoder:
         plan: list[tuple[str, Any, Any]] = []
         for conv in getattr(model, "frame_convs", ()):
             plan.append(("conv", conv, self._conv(conv, rows)))
+        # the activations as one fused function each, their parameters' exponentials made now
         plan.append(("transformer", model.pre_transformer, None))
         for up, convnext in model.upsample:
             if up.conv.kernel_size[0] != up.conv.stride[0]:
@@ -242,20 +264,21 @@ class StreamingVocoder:
         blocks = list(model.decoder)
         plan.append(("conv", blocks[0], self._conv(blocks[0], rows)))
         for block in blocks[1:-2]:
-            snake, trans, *units = block.block
+            activation, trans, *units = block.block
             r = int(trans.conv.stride[0])
             trim = (int(trans.left_pad), int(trans.right_pad))
             if trans.conv.kernel_size[0] != 2 * r or trim not in ((r, r), (0, r)):
                 raise ModelError("streaming Code2Wav: a decoder block's transposed convolution is not 2r/r")
-            plan.append(("act", snake, None))
+            plan.append(("act", ops.snake(activation), None))
             index = self._state(rows, int(trans.conv.in_channels), 1)
             looks_ahead = trim == (r, r)
             if looks_ahead:
                 self._lookahead.append(r)
             plan.append(("transposed", trans, (r, looks_ahead, index)))
             for unit in units:
-                plan.append(("unit", unit, (self._conv(unit.conv1, rows), self._conv(unit.conv2, rows))))
-        plan.append(("act", blocks[-2], None))
+                convs = (self._conv(unit.conv1, rows), self._conv(unit.conv2, rows))
+                plan.append(("unit", unit, (*convs, ops.snake(unit.act1), ops.snake(unit.act2))))
+        plan.append(("act", ops.snake(blocks[-2]), None))
         plan.append(("conv", blocks[-1], self._conv(blocks[-1], rows)))
         return plan
 
@@ -287,15 +310,17 @@ class StreamingVocoder:
         ``[holdback if positions[i] == 0 else 0, counts[i] · U)``."""
         model = self.model
         is_start = positions == 0
-        embed = getattr(model, "embed_codes", None)
-        if embed is None:  # Qwen3-Omni: one embedding table, the codebooks averaged
+        walk = _Walk(slots, torch.where(is_start, self._zero_row, slots), is_start, counts, {}, {})
+        if self._embed is not None:
+            x = self._embed(codes)
+        elif hasattr(model, "embed_codes"):
+            x = model.embed_codes(codes)
+        else:  # Qwen3-Omni: one embedding table, the codebooks averaged
             x = model.code_embedding(codes + model.code_offset).mean(1).permute(0, 2, 1)
-        else:
-            x = embed(codes)
         factor, prefix = 1, 0  # samples per frame so far; a first chunk's invalid prefix length
         for kind, module, state in self._plan:
             if kind == "transformer":
-                x = self._transformer(x.permute(0, 2, 1), slots, counts, positions).permute(0, 2, 1)
+                x = self._transformer(x.permute(0, 2, 1), walk, positions).permute(0, 2, 1)
             elif kind == "upsample":
                 x = module(x)
                 factor *= state
@@ -303,86 +328,65 @@ class StreamingVocoder:
             elif kind == "act":
                 x = module(x)
             elif kind == "convnext":
-                y = self._causal(state, x, slots, counts * factor, is_start, prefix)
+                y = self._causal(state, x, walk, factor, prefix)
                 y = y.permute(0, 2, 1)
                 y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
-                x = x + (module.gamma * y).permute(0, 2, 1)
+                x = torch.addcmul(x, module.gamma.view(1, -1, 1), y.permute(0, 2, 1))
             elif kind == "conv":
-                x = self._causal(state, x, slots, counts * factor, is_start, prefix)
+                x = self._causal(state, x, walk, factor, prefix)
             elif kind == "unit":
-                conv1, conv2 = state
-                y = self._causal(conv1, module.act1(x), slots, counts * factor, is_start, prefix)
-                y = self._causal(conv2, module.act2(y), slots, counts * factor, is_start, prefix)
-                x = x + y
+                conv1, conv2, act1, act2 = state
+                y = self._causal(conv1, act1(x), walk, factor, prefix)
+                x = x + self._causal(conv2, act2(y), walk, factor, prefix)
             else:  # transposed
                 r, looks_ahead, index = state
-                x = self._transposed(module, r, index, x, slots, counts * factor, is_start, prefix)
+                x = self._transposed(module, r, index, x, walk, factor, prefix)
                 factor *= r
                 prefix = (prefix + 1) * r if looks_ahead else prefix * r
         return x.clamp(min=-1, max=1)
 
-    def _masked(self, x: torch.Tensor, is_start: torch.Tensor, prefix: int) -> torch.Tensor:
-        """A first chunk's invalid prefix zeroed (it stands for the zero history)."""
+    def _masked(self, x: torch.Tensor, walk: _Walk, prefix: int) -> torch.Tensor:
+        """A first chunk's invalid prefix zeroed (it stands for the zero history). One
+        prefix length belongs to one stretch of equal lengths between two look-ahead
+        layers, so its mask is made once per step."""
         if prefix == 0:
             return x
-        invalid = (torch.arange(x.shape[-1], device=x.device) < prefix).unsqueeze(0) & is_start.unsqueeze(1)
-        return x.masked_fill(invalid.unsqueeze(1), 0)
+        invalid = walk.masks.get(prefix)
+        if invalid is None:
+            before = torch.arange(x.shape[-1], device=x.device) < prefix
+            invalid = walk.masks[prefix] = (before.unsqueeze(0) & walk.is_start.unsqueeze(1)).unsqueeze(1)
+        return x.masked_fill(invalid, 0)
 
-    def _carry(self, index: int, xin: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store each row's last ``width`` samples ending at its real end (``ends``, in
-        ``xin``'s coordinates, whose first ``width`` samples are the old state)."""
+    def _history(self, index: int, x: torch.Tensor, walk: _Walk, factor: int, prefix: int) -> torch.Tensor:
+        """``[state, x]`` (``x`` masked), each row's last ``width`` samples of it ending at
+        its real end (``counts · factor`` in its coordinates) stored as the new state; the
+        gather index is made once per factor for the widest state and cut."""
         state = self._states[index]
+        xin = torch.cat([state.index_select(0, walk.read), self._masked(x, walk, prefix)], dim=-1)
         b, c, width = xin.shape[0], xin.shape[1], state.shape[-1]
-        idx = (ends.view(b, 1, 1) + torch.arange(width, device=xin.device).view(1, 1, width)).expand(
-            b, c, width
-        )
-        state.index_copy_(0, slots, xin.gather(2, idx))
+        ends = walk.ends.get(factor)
+        if ends is None:
+            ends = walk.ends[factor] = torch.add(self._steps, walk.counts.view(b, 1, 1), alpha=factor)
+        state.index_copy_(0, walk.slots, xin.gather(2, ends[..., :width].expand(b, c, width)))
+        return xin
 
-    def _history(self, index: int, slots: torch.Tensor, is_start: torch.Tensor) -> torch.Tensor:
-        state = self._states[index].index_select(0, slots)
-        return state.masked_fill(is_start.view(-1, 1, 1), 0)
-
-    def _causal(
-        self,
-        conv: _Conv,
-        x: torch.Tensor,
-        slots: torch.Tensor,
-        ends: torch.Tensor,
-        is_start: torch.Tensor,
-        prefix: int,
-    ) -> torch.Tensor:
-        x = self._masked(x, is_start, prefix)
-        if conv.width == 0:
-            out: torch.Tensor = conv.module.conv(x)
-            return out
-        xin = torch.cat([self._history(conv.index, slots, is_start), x], dim=-1)
-        self._carry(conv.index, xin, ends, slots)
-        out = conv.module.conv(xin)
+    def _causal(self, conv: _Conv, x: torch.Tensor, walk: _Walk, factor: int, prefix: int) -> torch.Tensor:
+        # a pointwise convolution keeps the invalid prefix where it is: no mask, no state
+        xin = x if conv.width == 0 else self._history(conv.index, x, walk, factor, prefix)
+        out: torch.Tensor = conv.module.conv(xin)
         return out
 
     def _transposed(
-        self,
-        module: Any,
-        r: int,
-        index: int,
-        x: torch.Tensor,
-        slots: torch.Tensor,
-        ends: torch.Tensor,
-        is_start: torch.Tensor,
-        prefix: int,
+        self, module: Any, r: int, index: int, x: torch.Tensor, walk: _Walk, factor: int, prefix: int
     ) -> torch.Tensor:
         """``[last input, x]`` through the layer: block ``j`` pairs input ``j − 1`` (the
         state for ``j = 0``) with input ``j``, so ``T`` inputs give ``T · r`` outputs (the
         untrimmed convolution's blocks ``1 .. T``, whichever end the layer trims)."""
-        x = self._masked(x, is_start, prefix)
-        xin = torch.cat([self._history(index, slots, is_start), x], dim=-1)
-        self._carry(index, xin, ends, slots)
+        xin = self._history(index, x, walk, factor, prefix)
         out: torch.Tensor = module.conv(xin)[..., r : (x.shape[-1] + 1) * r]
         return out
 
-    def _transformer(
-        self, hidden: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def _transformer(self, hidden: torch.Tensor, walk: _Walk, positions: torch.Tensor) -> torch.Tensor:
         """The sliding-window transformer over the new frames, with the cached keys and
         values of each stream's last ``W − 1`` frames (right-aligned)."""
         transformer = self.model.pre_transformer
@@ -391,6 +395,7 @@ class StreamingVocoder:
         past = self.window - 1
         steps = torch.arange(t, device=device)
         cos, sin = transformer.rotary_emb(hidden, positions.view(b, 1) + steps.view(1, t))
+        cos, sin = cos.unsqueeze(1), ops.signed_sin(sin, self._sign)
         query = steps.view(1, t, 1)
         key = torch.arange(past + t, device=device).view(1, 1, past + t)
         in_cache = key < past
@@ -398,28 +403,29 @@ class StreamingVocoder:
         new = key - past
         mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < self.window))
         mask = mask.unsqueeze(1)  # [B, 1, T, past + T]
-        ends = (counts.view(b, 1) + torch.arange(past, device=device).view(1, past)).view(b, 1, past, 1)
+        ends = (walk.counts.view(b, 1) + self._steps[0, :, :past]).view(b, 1, 1, past, 1)
         project_in = getattr(transformer, "input_proj", None)
         h = hidden if project_in is None else project_in(hidden)
         for li, layer in enumerate(transformer.layers):
             attn = layer.self_attn
             d = attn.head_dim
-            y = layer.input_layernorm(h)
-            q = attn.q_proj(y).view(b, t, -1, d).transpose(1, 2)
-            k = attn.k_proj(y).view(b, t, -1, d).transpose(1, 2)
+            y = ops.rms_norm(layer.input_layernorm, h)
+            q = ops.rotary(attn.q_proj(y).view(b, t, -1, d).transpose(1, 2), cos, sin)
+            k = ops.rotary(attn.k_proj(y).view(b, t, -1, d).transpose(1, 2), cos, sin)
             v = attn.v_proj(y).view(b, t, -1, d).transpose(1, 2)
-            q, k = self._rotate(q, k, cos, sin)
-            keys = torch.cat([self._keys[li].index_select(0, slots), k], dim=2)
-            values = torch.cat([self._values[li].index_select(0, slots), v], dim=2)
+            # [B, 2, kv heads, past + T, D]: the cached frames, then the new ones
+            kv = torch.cat([self._kv[li].index_select(0, walk.slots), torch.stack((k, v), 1)], dim=3)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True
+                q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )
-            h = h + layer.self_attn_layer_scale(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
-            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
-            idx = ends.expand(b, keys.shape[1], past, d)
-            self._keys[li].index_copy_(0, slots, keys.gather(2, idx))
-            self._values[li].index_copy_(0, slots, values.gather(2, idx))
-        out_h: torch.Tensor = transformer.norm(h)
+            h = ops.scaled_residual(
+                h, layer.self_attn_layer_scale, attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            )
+            h = ops.scaled_residual(
+                h, layer.mlp_layer_scale, layer.mlp(ops.rms_norm(layer.post_attention_layernorm, h))
+            )
+            self._kv[li].index_copy_(0, walk.slots, kv.gather(3, ends.expand(b, 2, kv.shape[2], past, d)))
+        out_h = ops.rms_norm(transformer.norm, h)
         project_out = getattr(transformer, "output_proj", None)
         return out_h if project_out is None else project_out(out_h)
 
@@ -513,8 +519,7 @@ class StreamingVocoder:
 
     def _move(self, src: int, dst: int, length: int) -> None:
         del length  # the state is a fixed window whatever the stream's length
-        for buffer in (self._keys, self._values):
-            buffer[:, dst].copy_(buffer[:, src])
+        self._kv[:, dst].copy_(self._kv[:, src])
         for state in self._states:
             state[dst].copy_(state[src])
 

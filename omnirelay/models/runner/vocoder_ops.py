@@ -1,0 +1,104 @@
+"""The stream step's element-wise pieces in few launches (:mod:`omnirelay.models.runner.vocoder`).
+
+A replayed stream step costs about one kernel launch per operation, whatever its batch
+(docs/performance.md), so what the decoder's modules compute in chains of small
+operations is computed here in fewer, from values fixed at startup:
+
+* :func:`snake` — a SnakeBeta activation ``x + sin²(x·e^α) / (e^β + ε)`` as four
+  launches instead of eight: ``e^α`` and ``e^β + ε`` (or its inverse, as the module
+  writes it) are the parameters' and computed once;
+* :func:`rotary` — rotary position embedding as three launches per tensor instead of
+  five: ``rotate_half(x) · sin`` is ``roll(x, D/2) · (sin with its first half negated)``,
+  the signed ``sin`` made once per step;
+* :func:`rms_norm` — the transformer's RMS norms through ``F.rms_norm``: one fused
+  kernel on CUDA instead of six (on the CPU it decomposes into the same six);
+* :func:`scaled_residual` — ``h + scale · y`` (the codec transformer's layer scales,
+  the ConvNeXt's ``gamma``) as one ``addcmul``.
+
+In float32 each equals its module's computation up to the rounding of a fused
+multiply-add or a reordered reduction (about 1e-7 relative; :func:`snake` of Qwen3-TTS's
+own SnakeBeta divides as the module does and is exact). In bfloat16 a fused operation
+rounds its result once where the module rounds each of its steps to bfloat16, so the
+two differ by about one bfloat16 rounding (3e-3 relative) per fused piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["rms_norm", "rotary", "rotary_sign", "scaled_residual", "signed_sin", "snake"]
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def snake(module: torch.nn.Module) -> Activation:
+    """``module``'s SnakeBeta with its parameters' exponentials made once (the weights
+    must be loaded before); any other activation is returned as it is."""
+    alpha = getattr(module, "alpha", None)
+    beta = getattr(module, "beta", None)
+    if not isinstance(alpha, torch.Tensor) or not isinstance(beta, torch.Tensor):
+        return module
+    from omnirelay.models.qwen3_tts.codec import _SNAKE_EPS, SnakeBeta
+
+    with torch.no_grad():
+        freq = alpha.detach().exp().view(1, -1, 1)
+        if isinstance(module, SnakeBeta):  # x + sin² / (e^β + ε), divided as the module does
+            denom = beta.detach().exp().view(1, -1, 1) + _SNAKE_EPS
+
+            def divided(x: torch.Tensor) -> torch.Tensor:
+                return torch.addcdiv(x, torch.sin(x * freq).pow(2), denom)
+
+            return divided
+        eps = getattr(module, "no_div_by_zero", None)
+        if not isinstance(eps, float):
+            return module
+        inverse = 1.0 / (beta.detach().exp().view(1, -1, 1) + eps)  # the transformers module's form
+
+    def multiplied(x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(x, inverse, torch.sin(x * freq).pow(2))
+
+    return multiplied
+
+
+def rotary_sign(head_dim: int) -> torch.Tensor:
+    """``head_dim`` signs for :func:`signed_sin`: −1 for the first half, +1 for the second."""
+    half = head_dim // 2
+    return torch.cat([torch.full((half,), -1.0), torch.ones(head_dim - half)])
+
+
+def signed_sin(sin: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """``sin [B, T, D]`` with its first half negated (``sign``: :func:`rotary_sign`),
+    broadcast over heads: ``[B, 1, T, D]``."""
+    return (sin * sign).unsqueeze(1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` rotated: ``x · cos + rotate_half(x) · sin`` with ``cos [B, 1, T, D]``
+    and ``sin`` from :func:`signed_sin`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
+def scaled_residual(h: torch.Tensor, scale: torch.nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """``h + scale(y)`` where ``scale`` multiplies by its ``scale`` vector (else applied as it is)."""
+    vector = getattr(scale, "scale", None)
+    if isinstance(vector, torch.Tensor):
+        return torch.addcmul(h, vector, y)
+    out: torch.Tensor = h + scale(y)
+    return out
+
+
+def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an RMS norm (a ``*RMSNorm`` with a ``weight`` and an ``eps`` or
+    ``variance_epsilon``) as one fused ``F.rms_norm``; any other module is applied as it is."""
+    if "RMSNorm" not in type(module).__name__:
+        out: torch.Tensor = module(x)
+        return out
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    if not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        out = module(x)
+        return out
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
