@@ -34,16 +34,25 @@ that actually ran, counted per call in an eager pass (``fused_block``,
 ``fused_experts``, ``fallback``, or ``transformers``' implementation by name).
 The graphs' capture time is reported per stage, and the eager/graph agreement: the
 Thinker's greedy ids and the Talker's greedy codes must be equal.
+With ``OMNIRELAY_THINKER_COMPILE=1`` the Thinker's decode launches run compiled
+(inductor) in its graphs: its report names the backend (``decode_compile``), its capture
+time includes the compile, and ``compiled_ids_agreement`` is the share of a 16-row
+decode's greedy ids the compiled graphs pick as the uncompiled pass does; the floors'
+routing and the experts paths are taken from the uncompiled pass (the same weights, and
+its calls are counted). The report's ``switches`` are the runner's environment switches
+the run saw, so runs with a switch on and off compare.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,6 +71,14 @@ __all__ = ["median_ms", "render_runner_bench", "run_runner_bench"]
 
 PROMPT_TOKENS = 30
 TALKER_ROWS = 40
+#: the environment switches of the runner's compiled and fused parts, recorded with the figures
+SWITCHES = (
+    "OMNIRELAY_THINKER_",
+    "OMNIRELAY_FRAME_",
+    "OMNIRELAY_TAIL_",
+    "OMNIRELAY_FUSED_MOE",
+    "OMNIRELAY_CODE2WAV_",
+)
 
 
 def median_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
@@ -158,33 +175,62 @@ def _experts_paths(graphs: Any, fn: Callable[[], Any], model: torch.nn.Module) -
     return {name: n for name, n in {**paths, **other}.items() if n}
 
 
-def _thinker(
-    checkpoint: Any, reps: int, sync: Callable[[], None], bandwidth: float, sizes: tuple[int, ...]
-) -> dict[str, Any]:
-    from omnirelay.engine.interfaces import SamplingParams
-    from omnirelay.models.runner import Buckets, Row, ThinkerRunner
-    from omnirelay.models.runner.thinker import experts_for
+@contextmanager
+def _uncompiled(decoder: Any) -> Iterator[None]:
+    """``decoder``'s decode launches run its uncompiled pass for the duration."""
+    compiled = decoder.decode_forward
+    decoder.decode_forward = decoder.forward
+    try:
+        yield
+    finally:
+        decoder.decode_forward = compiled
 
-    model = checkpoint.load_thinker()
+
+def _thinker_runner(checkpoint: Any, model: Any) -> Any:
+    """The Thinker's static runner as the bench times it; its decode compiled as
+    ``OMNIRELAY_THINKER_COMPILE`` says, with the stage's on-disk kernel cache."""
+    from omnirelay.models.prepared import cache_root
+    from omnirelay.models.runner import Buckets, ThinkerRunner
+    from omnirelay.models.runner.predictor import use_compile_cache
+    from omnirelay.models.runner.thinker import decode_compile_backend
+
     text = getattr(model.model, "language_model", model.model)
+    compile = decode_compile_backend(text.embed_tokens.weight.device, True)
+    if compile == "inductor":
+        use_compile_cache(cache_root())
     buckets = Buckets(max_num_seqs=64, max_model_len=1024, batch_sizes=(1, 16, 64), prefill_tokens=(64,))
-    runner = ThinkerRunner(
+    return ThinkerRunner(
         text,
         model.lm_head,
         capture_layers=(0, int(checkpoint.config.talker_config.accept_hidden_layer)),
         num_text_ids=256,
         buckets=buckets,
         cuda_graphs=True,
+        compile=compile,
     )
+
+
+def _thinker(
+    checkpoint: Any, reps: int, sync: Callable[[], None], bandwidth: float, sizes: tuple[int, ...]
+) -> dict[str, Any]:
+    from omnirelay.engine.interfaces import SamplingParams
+    from omnirelay.models.runner import Row
+    from omnirelay.models.runner.thinker import experts_for
+
+    model = checkpoint.load_thinker()
+    text = getattr(model.model, "language_model", model.model)
+    runner = _thinker_runner(checkpoint, model)
     start = time.monotonic()
     runner.capture_graphs()
     out: dict[str, Any] = {
         "build_s": _build_s(model),
-        "capture_s": time.monotonic() - start,
+        "capture_s": time.monotonic() - start,  # with the decode's compile when it is on
         "num_graphs": len(runner.graphs),
         # the experts implementation asked for (OMNIRELAY_FUSED_MOE=0: transformers' own);
         # each figure's ``experts`` counts the paths that ran
         "experts": experts_for(runner.device, runner.dtype, 2, 1),
+        # the decode launches' torch.compile backend (OMNIRELAY_THINKER_COMPILE=1: inductor)
+        "decode_compile": runner.decoder.decode_backend,
     }
     gen = torch.Generator().manual_seed(0)
     greedy = SamplingParams()
@@ -221,23 +267,30 @@ def _thinker(
         for n in sizes:
             step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:n]]
             fn = functools.partial(runner.run, step, decode=True)
-            out[f"decode_{n}"] = _with_floor(
-                _pair(runner.graphs, fn, reps, sync),
-                runner.graphs,
-                fn,
-                text,
-                dense + n * (hidden + (PROMPT_TOKENS + 1) * per_position),
-                bandwidth,
-                sync,
-                runner.device,
-            )
-            out[f"decode_{n}"]["experts"] = _experts_paths(runner.graphs, fn, text)
+            figures = _pair(runner.graphs, fn, reps, sync)
+            with _uncompiled(runner.decoder):  # the eager passes: the model's routing, counted
+                out[f"decode_{n}"] = _with_floor(
+                    figures,
+                    runner.graphs,
+                    fn,
+                    text,
+                    dense + n * (hidden + (PROMPT_TOKENS + 1) * per_position),
+                    bandwidth,
+                    sync,
+                    runner.device,
+                )
+                out[f"decode_{n}"]["experts"] = _experts_paths(runner.graphs, fn, text)
         step = [Row(r.rid, PROMPT_TOKENS, [5], greedy, r.generator) for r in rows[:16]]
         runner.graphs.bypass = True
         eager_ids = [o.token for o in runner.run(step, decode=True)]
+        with _uncompiled(runner.decoder):
+            plain_ids = [o.token for o in runner.run(step, decode=True)]
         runner.graphs.bypass = False
         graph_ids = [o.token for o in runner.run(step, decode=True)]
         out["greedy_ids_equal"] = eager_ids == graph_ids
+        if runner.decoder.decode_backend is not None:
+            same = sum(a == b for a, b in zip(plain_ids, graph_ids, strict=True))
+            out["compiled_ids_agreement"] = same / len(graph_ids)
     return out
 
 
@@ -433,6 +486,7 @@ def run_runner_bench(
         "torch": torch.__version__,
         "reps": reps,
         "bandwidth_bytes_per_s": bandwidth,
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith(SWITCHES)},
     }
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
@@ -461,6 +515,8 @@ def render_runner_bench(report: dict[str, Any]) -> str:
         f"bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s (a device copy, read + write); floor: the "
         "step's bytes ÷ that\n"
     )
+    switches = report.get("switches") or {}
+    lines.append(f"switches: {', '.join(f'{k}={v}' for k, v in switches.items()) or 'none set'}\n")
     lines.append(
         f"{'stage':<10}{'step':<18}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}"
         f"{'MB read':>10}{'floor ms':>10}{'÷ floor':>9}{'kernels':>9}{'experts':>9}  paths (calls)\n"

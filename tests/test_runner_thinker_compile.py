@@ -22,7 +22,7 @@ from omnirelay.models.runner import Buckets, Row, ThinkerRunner, predictor
 from omnirelay.models.runner.predictor import use_compile_cache
 from omnirelay.models.runner.thinker import THINKER_COMPILE_ENV, decode_compile_backend
 
-STEPS = 10
+STEPS = 7
 
 
 @pytest.fixture(scope="module")
@@ -52,46 +52,61 @@ def make_runner(model: Any, compile: str | None = None, cuda_graphs: bool = Fals
 
 
 def _prompt(i: int) -> list[int]:
-    return torch.randint(3, 200, (5 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+    return torch.randint(3, 200, (8 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
 
 
-def decode_ids(runner: ThinkerRunner) -> dict[str, list[int]]:
-    """Each request's greedy ids: three requests admitted one by one (decode batches 1,
-    2 and 3 → bucket 4), one step that leaves out the holder of slot 0 (the others'
-    slots are scattered: attention gathers them), the second leaving early (the top
-    holder's cache packed into its slot) and a fourth joining; positions past 16 and
-    32 (attention lengths 16, 32, 64)."""
-    ids: dict[str, list[int]] = {}
+def lockstep(runners: list[ThinkerRunner]) -> tuple[list[dict[str, list[int]]], list[torch.Tensor]]:
+    """The same requests on each of ``runners``, fed the ids the first one picks: three
+    admitted one by one (decode batches 1, 2 and 3 → bucket 4), one step that leaves out
+    the holder of slot 0 (the others' slots are scattered: attention gathers them), the
+    second leaving early (the top holder's cache packed into its slot) and a fourth
+    joining; positions past 16 and 32 (attention lengths 16, 32, 64). Returns each
+    runner's greedy ids per request, and per runner its decode steps' logits ``[rows, V]``
+    stacked (float32)."""
+    ids: list[dict[str, list[int]]] = [{} for _ in runners]
+    logits: list[list[torch.Tensor]] = [[] for _ in runners]
     live: list[str] = []
+    lead = runners[0]
+
+    def step(rows: list[str], tokens: dict[str, list[int]], decode: bool) -> None:
+        for n, runner in enumerate(runners):
+            batch = [
+                Row(r, runner.slots.length(r), tokens[r], SamplingParams(), torch.Generator()) for r in rows
+            ]
+            outs = runner.run(batch, decode=decode, keep_logits=decode)
+            for r, out in zip(rows, outs, strict=True):
+                ids[n].setdefault(r, []).append(int(out.token))  # type: ignore[arg-type]
+            if decode:
+                logits[n].append(torch.stack([out.logits for out in outs]).float().cpu())  # type: ignore[misc]
 
     def admit(i: int) -> None:
         rid = f"r{i}"
-        runner.slots.acquire(rid)
-        (out,) = runner.run([Row(rid, 0, _prompt(i), SamplingParams(), torch.Generator())], decode=False)
-        ids[rid] = [int(out.token)]  # type: ignore[arg-type]
+        for runner in runners:
+            runner.slots.acquire(rid)
+        step([rid], {rid: _prompt(i)}, decode=False)
         live.append(rid)
 
+    def leave(rid: str) -> None:
+        for runner in runners:
+            runner.slots.release(rid)
+        live.remove(rid)
+
     admit(0)
-    for step in range(3 * STEPS):
-        if step in (1, 2):
-            admit(step)
-        if step == 6:
-            runner.slots.release("r1")
-            live.remove("r1")
+    for n in range(3 * STEPS):
+        if n in (1, 2):
+            admit(n)
+        if n == 6:
+            leave("r1")
             admit(3)
         if not live:
             break
-        rows = [r for r in live if not (step == 4 and runner.slots.slot(r) == 0)]
-        step_rows = [
-            Row(r, runner.slots.length(r), [ids[r][-1]], SamplingParams(), torch.Generator()) for r in rows
-        ]
-        for r, out in zip(rows, runner.run(step_rows, decode=True), strict=True):
-            ids[r].append(int(out.token))  # type: ignore[arg-type]
-        for r in [r for r in live if len(ids[r]) == 2 * STEPS]:
-            runner.slots.release(r)
-            live.remove(r)
-    assert runner.slots.holders() == []
-    return ids
+        rows = [r for r in live if not (n == 4 and lead.slots.slot(r) == 0)]
+        step(rows, {r: [ids[0][r][-1]] for r in rows}, decode=True)
+        for r in [r for r in live if len(ids[0][r]) == 2 * STEPS]:
+            leave(r)
+    for runner in runners:
+        assert runner.slots.holders() == []
+    return ids, [torch.cat([x.flatten() for x in per]) for per in logits]
 
 
 def test_the_switch_is_off_unless_it_says_1_on_cuda_with_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +146,7 @@ def test_a_compiled_decode_gives_the_uncompiled_greedy_ids(thinker: Any) -> None
     from torch._dynamo.utils import counters
 
     with torch.inference_mode():
-        want = decode_ids(make_runner(thinker))
+        plain = make_runner(thinker)
         runner = make_runner(thinker, compile="aot_eager")
         compiled = runner.decoder.decode_forward
         shapes: list[tuple[int, int, int, bool]] = []
@@ -143,9 +158,10 @@ def test_a_compiled_decode_gives_the_uncompiled_greedy_ids(thinker: Any) -> None
         runner.decoder.decode_forward = spy
         _dynamo.reset()
         counters.clear()
-        got = decode_ids(runner)
+        (want, got), (want_logits, got_logits) = lockstep([plain, runner])
     assert got == want
     assert [len(got[r]) for r in ("r0", "r2", "r3")] == [2 * STEPS] * 3 and len(got["r1"]) < 2 * STEPS
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-5)
     assert {t for _, t, _, _ in shapes} == {1}  # decode launches only: prefills stay uncompiled
     assert {b for b, _, _, _ in shapes} == {1, 2, 4} and {n for _, _, n, _ in shapes} == {16, 32, 64}
     assert {p for _, _, _, p in shapes} == {True, False}  # in place, and gathered from scattered slots
@@ -177,3 +193,24 @@ def test_the_compiled_decode_keeps_its_kernels_in_a_folder_of_its_own(
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "another-stage")
     (folder / "kernel").write_text("")
     assert runner._compile_plan().endswith(f"reusing the kernels cached in {folder}")
+
+
+def test_the_runner_bench_records_the_switch_and_compares_compiled_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``bench runner`` with the switch on: the switch in the report, the backend named,
+    the compiled decode's greedy ids against the uncompiled pass's (``aot_eager`` stands
+    for inductor on the CPU), and the experts paths still counted from the uncompiled pass."""
+    from benchmarks.runner import render_runner_bench, run_runner_bench
+    from omnirelay.models.runner import thinker as thinker_runner
+
+    monkeypatch.setenv(THINKER_COMPILE_ENV, "1")
+    monkeypatch.setattr(thinker_runner, "decode_compile_backend", lambda device, graphs: "aot_eager")
+    report = run_runner_bench(device="cpu", reps=1, stages=("thinker",), tiny=True, sizes=(2,))
+    assert report["switches"] == {THINKER_COMPILE_ENV: "1"}
+    figures = report["thinker"]
+    assert figures["decode_compile"] == "aot_eager"
+    assert figures["compiled_ids_agreement"] == 1.0 and figures["greedy_ids_equal"]
+    assert figures["decode_2"]["experts_per_layer"] >= 1 and figures["decode_2"]["graph_ms"] > 0
+    text = render_runner_bench(report)
+    assert f"switches: {THINKER_COMPILE_ENV}=1" in text and "decode_compile aot_eager" in text
