@@ -212,6 +212,10 @@ class StreamingVocoder:
         front = getattr(self.model, "stream_front", None)
         self._embed: Callable[[torch.Tensor], torch.Tensor] | None = front() if front is not None else None
         self._sign = ops.rotary_sign(head_dim).to(self.device, self.dtype)
+        layers = self.model.pre_transformer.layers
+        self._qkv = [ops.fused_qkv(layer.self_attn) for layer in layers]  # a copy of those weights
+        attn = layers[0].self_attn
+        self._heads = (attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim)
         # the offsets of a carried state's samples from its end, and of the cached frames
         widest = max([self.window - 1, *(int(state.shape[-1]) for state in self._states)])
         self._steps = torch.arange(widest, device=self.device).view(1, 1, widest)
@@ -395,28 +399,24 @@ class StreamingVocoder:
         past = self.window - 1
         steps = torch.arange(t, device=device)
         cos, sin = transformer.rotary_emb(hidden, positions.view(b, 1) + steps.view(1, t))
-        cos, sin = cos.unsqueeze(1), ops.signed_sin(sin, self._sign)
-        query = steps.view(1, t, 1)
-        key = torch.arange(past + t, device=device).view(1, 1, past + t)
-        in_cache = key < past
-        seen = key >= past - positions.view(b, 1, 1)  # cache rows before the stream began are empty
-        new = key - past
-        mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < self.window))
-        mask = mask.unsqueeze(1)  # [B, 1, T, past + T]
+        heads, kv_heads = self._heads
+        cos, sin = ops.head_tables(cos, sin, self._sign, heads + kv_heads, kv_heads)
+        bias = ops.window_bias(steps, positions, past, self.window, cos.dtype)  # [B, 1, T, past + T]
         ends = (walk.counts.view(b, 1) + self._steps[0, :, :past]).view(b, 1, 1, past, 1)
         project_in = getattr(transformer, "input_proj", None)
         h = hidden if project_in is None else project_in(hidden)
         for li, layer in enumerate(transformer.layers):
             attn = layer.self_attn
             d = attn.head_dim
+            weight, qkv_bias = self._qkv[li]
             y = ops.rms_norm(layer.input_layernorm, h)
-            q = ops.rotary(attn.q_proj(y).view(b, t, -1, d).transpose(1, 2), cos, sin)
-            k = ops.rotary(attn.k_proj(y).view(b, t, -1, d).transpose(1, 2), cos, sin)
-            v = attn.v_proj(y).view(b, t, -1, d).transpose(1, 2)
+            # queries, keys and values in one product, rotated at once (the values' tables: 1, 0)
+            qkv = ops.rotary(F.linear(y, weight, qkv_bias).view(b, t, -1, d).transpose(1, 2), cos, sin)
+            new = qkv[:, heads:].view(b, 2, kv_heads, t, d)
             # [B, 2, kv heads, past + T, D]: the cached frames, then the new ones
-            kv = torch.cat([self._kv[li].index_select(0, walk.slots), torch.stack((k, v), 1)], dim=3)
+            kv = torch.cat([self._kv[li].index_select(0, walk.slots), new], dim=3)
             out = F.scaled_dot_product_attention(
-                q, kv[:, 0], kv[:, 1], attn_mask=mask, scale=attn.scaling, enable_gqa=True
+                qkv[:, :heads], kv[:, 0], kv[:, 1], attn_mask=bias, scale=attn.scaling, enable_gqa=True
             )
             h = ops.scaled_residual(
                 h, layer.self_attn_layer_scale, attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -424,7 +424,7 @@ class StreamingVocoder:
             h = ops.scaled_residual(
                 h, layer.mlp_layer_scale, layer.mlp(ops.rms_norm(layer.post_attention_layernorm, h))
             )
-            self._kv[li].index_copy_(0, walk.slots, kv.gather(3, ends.expand(b, 2, kv.shape[2], past, d)))
+            self._kv[li].index_copy_(0, walk.slots, kv.gather(3, ends.expand(b, 2, kv_heads, past, d)))
         out_h = ops.rms_norm(transformer.norm, h)
         project_out = getattr(transformer, "output_proj", None)
         return out_h if project_out is None else project_out(out_h)

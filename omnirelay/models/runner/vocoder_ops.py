@@ -7,9 +7,15 @@ operations is computed here in fewer, from values fixed at startup:
 * :func:`snake` — a SnakeBeta activation ``x + sin²(x·e^α) / (e^β + ε)`` as four
   launches instead of eight: ``e^α`` and ``e^β + ε`` (or its inverse, as the module
   writes it) are the parameters' and computed once;
-* :func:`rotary` — rotary position embedding as three launches per tensor instead of
-  five: ``rotate_half(x) · sin`` is ``roll(x, D/2) · (sin with its first half negated)``,
-  the signed ``sin`` made once per step;
+* :func:`fused_qkv` — an attention's query, key and value projections as one matrix
+  (a copy of their weights, made at startup): one product instead of three;
+* :func:`rotary` — rotary position embedding as three launches for the queries, keys and
+  values at once instead of five for each of the queries and the keys:
+  ``rotate_half(x) · sin`` is ``roll(x, D/2) · (sin with its first half negated)``, and
+  the values' heads rotate by ``cos = 1, sin = 0`` (exactly themselves), the tables made
+  once per step (:func:`head_tables`);
+* :func:`window_bias` — the sliding window's attention mask made additive once per step,
+  so that no attention call converts it again;
 * :func:`rms_norm` — the transformer's RMS norms through ``F.rms_norm``: one fused
   kernel on CUDA instead of six (on the CPU it decomposes into the same six);
 * :func:`scaled_residual` — ``h + scale · y`` (the codec transformer's layer scales,
@@ -29,7 +35,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "rotary", "rotary_sign", "scaled_residual", "signed_sin", "snake"]
+__all__ = [
+    "fused_qkv",
+    "head_tables",
+    "rms_norm",
+    "rotary",
+    "rotary_sign",
+    "scaled_residual",
+    "snake",
+    "window_bias",
+]
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,20 +79,27 @@ def snake(module: torch.nn.Module) -> Activation:
 
 
 def rotary_sign(head_dim: int) -> torch.Tensor:
-    """``head_dim`` signs for :func:`signed_sin`: −1 for the first half, +1 for the second."""
+    """``head_dim`` signs for :func:`head_tables`: −1 for the first half, +1 for the second."""
     half = head_dim // 2
     return torch.cat([torch.full((half,), -1.0), torch.ones(head_dim - half)])
 
 
-def signed_sin(sin: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """``sin [B, T, D]`` with its first half negated (``sign``: :func:`rotary_sign`),
-    broadcast over heads: ``[B, 1, T, D]``."""
-    return (sin * sign).unsqueeze(1)
+def head_tables(
+    cos: torch.Tensor, sin: torch.Tensor, sign: torch.Tensor, rotated: int, plain: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [B, T, D]`` as tables ``[B, rotated + plain, T, D]`` for :func:`rotary`:
+    the first ``rotated`` heads with ``sin``'s first half negated (``sign``:
+    :func:`rotary_sign`), the other ``plain`` heads left as they are (1 and 0)."""
+    b, t, d = cos.shape
+    ones, zeros = cos.new_ones((1, 1, 1, 1)), cos.new_zeros((1, 1, 1, 1))
+    cos = torch.cat([cos.unsqueeze(1).expand(b, rotated, t, d), ones.expand(b, plain, t, d)], dim=1)
+    sin = torch.cat([(sin * sign).unsqueeze(1).expand(b, rotated, t, d), zeros.expand(b, plain, t, d)], dim=1)
+    return cos, sin
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]`` rotated: ``x · cos + rotate_half(x) · sin`` with ``cos [B, 1, T, D]``
-    and ``sin`` from :func:`signed_sin`."""
+    """``x [B, H, T, D]`` rotated: ``x · cos + rotate_half(x) · sin`` with the tables of
+    :func:`head_tables`."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
@@ -102,3 +124,32 @@ def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = module(x)
         return out
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def fused_qkv(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) of ``attn``'s ``q_proj``, ``k_proj`` and ``v_proj`` stacked:
+    ``F.linear`` with them gives ``[queries, keys, values]`` along the last dimension."""
+    projections = [getattr(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+    with torch.no_grad():
+        weight = torch.cat([p.weight.detach() for p in projections])
+        biases = [p.bias for p in projections]
+        bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+    return weight, bias
+
+
+def window_bias(
+    steps: torch.Tensor, positions: torch.Tensor, past: int, window: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask ``[B, 1, T, past + T]`` (0 or −inf) of ``T`` new frames (``steps``:
+    ``0 .. T−1``) of streams at ``positions`` over their ``past`` cached frames and
+    themselves: a cached frame is seen if the stream had it, a new one if it is not later
+    than the query, each within ``window`` frames of it."""
+    b, t = positions.shape[0], steps.shape[0]
+    query = steps.view(1, t, 1)
+    key = torch.arange(past + t, device=steps.device).view(1, 1, past + t)
+    in_cache = key < past
+    seen = key >= past - positions.view(b, 1, 1)  # cache rows before the stream began are empty
+    new = key - past
+    mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < window))
+    bias = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask, 0).unsqueeze(1)
