@@ -27,9 +27,9 @@ kept at zero (its slot holds what the stream before it left). All of it — stat
 and writes by slot, masks from positions — runs on the device without host
 synchronization, so a step is captured as one CUDA graph per (batch, frames) bucket, like
 the window decodes of :class:`~omnirelay.models.runner.code2wav.GraphedCode2Wav`.
-A replayed step costs about one launch per operation whatever its batch, so what its
-layers share is made once per step and its element-wise chains run fused
-(:mod:`~omnirelay.models.runner.vocoder_ops`).
+A replayed step costs about one launch per operation whatever its batch: its rows' state is
+read in one gather (:mod:`~omnirelay.models.runner.vocoder_state`), what its layers share is
+made once, its element-wise chains run fused (:mod:`~omnirelay.models.runner.vocoder_ops`).
 
 The same walk serves Qwen3-TTS's 12 Hz decoder, which differs in three places: its
 front is a quantizer (the model's ``embed_codes(codes) -> [B, C, T]``, stateless per
@@ -81,6 +81,7 @@ from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNO
 from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
 from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
+from omnirelay.models.runner.vocoder_state import StreamState
 
 __all__ = [
     "COMPILE_ENV",
@@ -141,13 +142,15 @@ class _Conv:
 @dataclass(slots=True)
 class _Walk:
     """What a step's layers share, made once per step: the slots the state is written to
-    and read from (a first chunk reads the zero row), the carried state's gather indices
-    by up-sampling factor, the invalid-prefix masks by prefix."""
+    and read from (a first chunk reads the zero row) and the state read from them, the
+    carried state's gather indices by up-sampling factor, the invalid-prefix masks by prefix."""
 
     slots: torch.Tensor
     read: torch.Tensor
     is_start: torch.Tensor
     counts: torch.Tensor
+    state: torch.Tensor  # the rows' state, read at the start
+    carried: dict[int, torch.Tensor]  # each history's new state, written at the end
     ends: dict[int, torch.Tensor]
     masks: dict[int, torch.Tensor]
 
@@ -188,12 +191,12 @@ class StreamingVocoder:
         # + the scratch row padding writes to, + a row of zeros a first chunk reads its history from
         rows = max_streams + 2
         self._zero_row = max_streams + 1
-        cache = (len(transformer.layers), rows, 2, heads, self.window - 1, head_dim)
-        self._kv = torch.zeros(cache, dtype=self.dtype, device=self.device)  # keys and values side by side
-        self._states: list[torch.Tensor] = []
+        self._shapes: list[tuple[int, int]] = []  # each convolution history's (channels, width)
         self._lookahead: list[int] = []  # the up-sampling factor of each look-ahead layer
-        self._plan = self._walk(rows)
+        self._plan = self._walk()
         self.holdback = self._holdback()
+        kv = (len(transformer.layers), 2, heads, self.window - 1, head_dim)
+        self._state = StreamState(rows, self._shapes, kv, dtype=self.dtype, device=self.device)
         self._init_fused(head_dim)
         mb, mt = self.batch_sizes[-1], frames[-1]
         self._codes = torch.zeros((mb, self.q, mt), dtype=torch.long, device=self.device)
@@ -217,7 +220,7 @@ class StreamingVocoder:
         attn = layers[0].self_attn
         self._heads = (attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim)
         # the offsets of a carried state's samples from its end, and of the cached frames
-        widest = max([self.window - 1, *(int(state.shape[-1]) for state in self._states)])
+        widest = max([self.window - 1, *(w for _, w in self._shapes)])
         self._steps = torch.arange(widest, device=self.device).view(1, 1, widest)
 
     def _init_compile(self, backend: str | None) -> None:
@@ -240,33 +243,33 @@ class StreamingVocoder:
 
     # ----------------------------------------------------------------- layout
 
-    def _state(self, rows: int, channels: int, width: int) -> int:
-        self._states.append(torch.zeros((rows, channels, width), dtype=self.dtype, device=self.device))
-        return len(self._states) - 1
+    def _history_index(self, channels: int, width: int) -> int:
+        self._shapes.append((channels, width))
+        return len(self._shapes) - 1
 
-    def _conv(self, module: Any, rows: int) -> _Conv:
+    def _conv(self, module: Any) -> _Conv:
         name = type(module).__name__
         if not name.endswith("CausalConvNet") or module.stride != 1:
             raise ModelError(f"streaming Code2Wav: expected a stride-1 causal convolution, got {name}")
         width = int(module.padding)
-        index = self._state(rows, int(module.conv.in_channels), width) if width else -1
+        index = self._history_index(int(module.conv.in_channels), width) if width else -1
         return _Conv(module, width, index)
 
-    def _walk(self, rows: int) -> list[tuple[str, Any, Any]]:
+    def _walk(self) -> list[tuple[str, Any, Any]]:
         """The decoder after its stateless front as a list of (kind, module, state)."""
         model = self.model
         plan: list[tuple[str, Any, Any]] = []
         for conv in getattr(model, "frame_convs", ()):
-            plan.append(("conv", conv, self._conv(conv, rows)))
+            plan.append(("conv", conv, self._conv(conv)))
         # the activations as one fused function each, their parameters' exponentials made now
         plan.append(("transformer", model.pre_transformer, None))
         for up, convnext in model.upsample:
             if up.conv.kernel_size[0] != up.conv.stride[0]:
                 raise ModelError("streaming Code2Wav: the first up-sampling layers must not overlap")
             plan.append(("upsample", up, int(up.conv.stride[0])))
-            plan.append(("convnext", convnext, self._conv(convnext.dwconv, rows)))
+            plan.append(("convnext", convnext, self._conv(convnext.dwconv)))
         blocks = list(model.decoder)
-        plan.append(("conv", blocks[0], self._conv(blocks[0], rows)))
+        plan.append(("conv", blocks[0], self._conv(blocks[0])))
         for block in blocks[1:-2]:
             activation, trans, *units = block.block
             r = int(trans.conv.stride[0])
@@ -274,16 +277,16 @@ class StreamingVocoder:
             if trans.conv.kernel_size[0] != 2 * r or trim not in ((r, r), (0, r)):
                 raise ModelError("streaming Code2Wav: a decoder block's transposed convolution is not 2r/r")
             plan.append(("act", ops.snake(activation), None))
-            index = self._state(rows, int(trans.conv.in_channels), 1)
+            index = self._history_index(int(trans.conv.in_channels), 1)
             looks_ahead = trim == (r, r)
             if looks_ahead:
                 self._lookahead.append(r)
             plan.append(("transposed", trans, (r, looks_ahead, index)))
             for unit in units:
-                convs = (self._conv(unit.conv1, rows), self._conv(unit.conv2, rows))
+                convs = (self._conv(unit.conv1), self._conv(unit.conv2))
                 plan.append(("unit", unit, (*convs, ops.snake(unit.act1), ops.snake(unit.act2))))
         plan.append(("act", ops.snake(blocks[-2]), None))
-        plan.append(("conv", blocks[-1], self._conv(blocks[-1], rows)))
+        plan.append(("conv", blocks[-1], self._conv(blocks[-1])))
         return plan
 
     def _holdback(self) -> int:
@@ -314,7 +317,8 @@ class StreamingVocoder:
         ``[holdback if positions[i] == 0 else 0, counts[i] · U)``."""
         model = self.model
         is_start = positions == 0
-        walk = _Walk(slots, torch.where(is_start, self._zero_row, slots), is_start, counts, {}, {})
+        read = torch.where(is_start, self._zero_row, slots)
+        walk = _Walk(slots, read, is_start, counts, self._state.read(read), {}, {}, {})
         if self._embed is not None:
             x = self._embed(codes)
         elif hasattr(model, "embed_codes"):
@@ -347,6 +351,8 @@ class StreamingVocoder:
                 x = self._transposed(module, r, index, x, walk, factor, prefix)
                 factor *= r
                 prefix = (prefix + 1) * r if looks_ahead else prefix * r
+        if walk.carried:
+            self._state.write_histories(slots, [walk.carried[i] for i in range(len(walk.carried))])
         return x.clamp(min=-1, max=1)
 
     def _masked(self, x: torch.Tensor, walk: _Walk, prefix: int) -> torch.Tensor:
@@ -362,16 +368,15 @@ class StreamingVocoder:
         return x.masked_fill(invalid, 0)
 
     def _history(self, index: int, x: torch.Tensor, walk: _Walk, factor: int, prefix: int) -> torch.Tensor:
-        """``[state, x]`` (``x`` masked), each row's last ``width`` samples of it ending at
-        its real end (``counts · factor`` in its coordinates) stored as the new state; the
-        gather index is made once per factor for the widest state and cut."""
-        state = self._states[index]
-        xin = torch.cat([state.index_select(0, walk.read), self._masked(x, walk, prefix)], dim=-1)
-        b, c, width = xin.shape[0], xin.shape[1], state.shape[-1]
+        """``[state, x]`` (``x`` masked); each row's last ``width`` samples of it ending at its
+        real end (``counts · factor`` in its coordinates) are its new state, written with the
+        others at the step's end. The gather index is made once per factor, then cut."""
+        xin = torch.cat([self._state.history(walk.state, index), self._masked(x, walk, prefix)], dim=-1)
+        (b, c, _), width = xin.shape, self._state.shapes[index][1]
         ends = walk.ends.get(factor)
         if ends is None:
             ends = walk.ends[factor] = torch.add(self._steps, walk.counts.view(b, 1, 1), alpha=factor)
-        state.index_copy_(0, walk.slots, xin.gather(2, ends[..., :width].expand(b, c, width)))
+        walk.carried[index] = xin.gather(2, ends[..., :width].expand(b, c, width))
         return xin
 
     def _causal(self, conv: _Conv, x: torch.Tensor, walk: _Walk, factor: int, prefix: int) -> torch.Tensor:
@@ -414,7 +419,7 @@ class StreamingVocoder:
             qkv = ops.rotary(F.linear(y, weight, qkv_bias).view(b, t, -1, d).transpose(1, 2), cos, sin)
             new = qkv[:, heads:].view(b, 2, kv_heads, t, d)
             # [B, 2, kv heads, past + T, D]: the cached frames, then the new ones
-            kv = torch.cat([self._kv[li].index_select(0, walk.slots), new], dim=3)
+            kv = torch.cat([self._state.kv(walk.state, li), new], dim=3)
             out = F.scaled_dot_product_attention(
                 qkv[:, :heads], kv[:, 0], kv[:, 1], attn_mask=bias, scale=attn.scaling, enable_gqa=True
             )
@@ -424,7 +429,7 @@ class StreamingVocoder:
             h = ops.scaled_residual(
                 h, layer.mlp_layer_scale, layer.mlp(ops.rms_norm(layer.post_attention_layernorm, h))
             )
-            self._kv[li].index_copy_(0, walk.slots, kv.gather(3, ends.expand(b, 2, kv_heads, past, d)))
+            self._state.write_kv(li, walk.slots, kv.gather(3, ends.expand(b, 2, kv_heads, past, d)))
         out_h = ops.rms_norm(transformer.norm, h)
         project_out = getattr(transformer, "output_proj", None)
         return out_h if project_out is None else project_out(out_h)
@@ -519,9 +524,7 @@ class StreamingVocoder:
 
     def _move(self, src: int, dst: int, length: int) -> None:
         del length  # the state is a fixed window whatever the stream's length
-        self._kv[:, dst].copy_(self._kv[:, src])
-        for state in self._states:
-            state[dst].copy_(state[src])
+        self._state.move(src, dst)
 
     def decode(self, rows: Sequence[StreamRow]) -> list[torch.Tensor]:
         """One step: each row's new frames decoded with its stream's state → its new
