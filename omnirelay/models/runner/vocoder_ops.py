@@ -151,5 +151,8 @@ def window_bias(
     seen = key >= past - positions.view(b, 1, 1)  # cache rows before the stream began are empty
     new = key - past
     mask = (in_cache & seen & (key >= query)) | (~in_cache & (new <= query) & (query - new < window))
-    bias = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device)
+    # Rows padded to a multiple of 16: CUDA's memory-efficient attention takes an aligned
+    # bias as it is, and would pad (copy) an unaligned one in every layer's call.
+    padded = -(-(past + t) // 16) * 16
+    bias = torch.full((b, t, padded), float("-inf"), dtype=dtype, device=mask.device)[..., : past + t]
     return bias.masked_fill_(mask, 0).unsqueeze(1)
