@@ -21,6 +21,9 @@ from omnirelay.models.qwen3_omni.thinker import ThinkerExecutor
 from omnirelay.models.runner import Buckets, Row, ThinkerRunner, predictor
 from omnirelay.models.runner.predictor import use_compile_cache
 from omnirelay.models.runner.thinker import THINKER_COMPILE_ENV, decode_compile_backend
+from tests.test_moe_fused import interpreted, needs_triton
+
+__all__ = ["interpreted"]  # the Triton interpreter's fixture, shared with the fused experts' tests
 
 STEPS = 7
 
@@ -214,3 +217,49 @@ def test_the_runner_bench_records_the_switch_and_compares_compiled_ids(
     assert figures["decode_2"]["experts_per_layer"] >= 1 and figures["decode_2"]["graph_ms"] > 0
     text = render_runner_bench(report)
     assert f"switches: {THINKER_COMPILE_ENV}=1" in text and "decode_compile aot_eager" in text
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_fused_moe_runs_inside_the_compiled_decode_as_one_operator(
+    interpreted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused Triton MoE path (interpreted on the CPU, bfloat16) inside the compiled
+    decode: one opaque operator per block, so the pass compiles with no graph break (a
+    break would split it per layer, a compile per layer index); the ids and logits of the
+    uncompiled runner, rows in place and gathered; its blocks counted where they ran."""
+    from torch import _dynamo
+    from torch._dynamo.utils import counters
+
+    from omnirelay.models.runner import moe
+    from omnirelay.models.runner import thinker as thinker_runner
+
+    model = open_checkpoint(ModelArgs(tiny=True, device="cpu", dtype="bfloat16")).load_thinker()
+    assert moe.fused_experts_enabled(torch.bfloat16)
+    monkeypatch.setattr(thinker_runner, "experts_for", lambda device, dtype, b, t: moe.FUSED_EXPERTS)
+    text = getattr(model.model, "language_model", model.model)
+    blocks = sum(hasattr(layer.mlp, "experts") for layer in text.layers)
+    runners = [make_runner(model), make_runner(model, compile="aot_eager")]
+    ids: list[list[int]] = [[], []]
+    logits: list[list[torch.Tensor]] = [[], []]
+    _dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        for n, runner in enumerate(runners):
+            for i, rid in enumerate(("a", "b")):
+                runner.slots.acquire(rid)
+                runner.run([Row(rid, 0, _prompt(i), SamplingParams(), torch.Generator())], decode=False)
+            before = moe.CALLS["block"]
+            for rows in (("a", "b"), ("a", "b"), ("b",)):  # the last: slot 1 alone, gathered
+                batch = [
+                    Row(r, runner.slots.length(r), [7], SamplingParams(), torch.Generator()) for r in rows
+                ]
+                outs = runner.run(batch, decode=True, keep_logits=True)
+                ids[n] += [int(out.token) for out in outs]  # type: ignore[arg-type]
+                logits[n] += [out.logits for out in outs]  # type: ignore[misc]
+            assert moe.CALLS["block"] - before == 3 * blocks  # three decode launches, every block fused
+    assert ids[1] == ids[0]
+    torch.testing.assert_close(torch.stack(logits[1]), torch.stack(logits[0]), rtol=0, atol=1e-2)
+    assert counters["stats"]["unique_graphs"] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _dynamo.reset()

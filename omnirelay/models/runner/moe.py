@@ -21,7 +21,10 @@ router's matmul, then softmax, top-k and renormalization in Triton — for a dec
 tokens together with the placement in one program, so the routed part of such a block
 is five launches in all (router, routing, two GEMMs, sum), and seven for a prefill's.
 No step reads a value back to the host and every buffer has a size fixed by the token count,
-so the path records into a CUDA graph. Block sizes are fixed per pair count (decode's few
+so the path records into a CUDA graph. Under ``torch.compile`` (a compiled decode or
+frame) each path is one opaque operator (``omnirelay::fused_moe_routed``,
+``omnirelay::fused_experts``): dynamo traces no Triton launch, so the compiled pass has
+no graph break at an MoE block. Block sizes are fixed per pair count (decode's few
 rows: thin blocks that spread the weight reads over many programs; a prefill's thousands:
 square tiles for the tensor cores), not autotuned, so nothing is measured at startup.
 
@@ -200,7 +203,9 @@ def _experts_forward(
         out: torch.Tensor = fallback(module, hidden_states, top_k_index, top_k_weights)
         return out
     _count("experts")
-    return fused_experts(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
+    run = _experts_op if torch.compiler.is_compiling() else fused_experts
+    out = run(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
+    return out
 
 
 def fused_experts(
@@ -283,6 +288,18 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
     k, e = top_k, int(experts.gate_up_proj.shape[0])
     if router.shape != (e, x.shape[-1]):
         return None
+    routed = _routed_op if torch.compiler.is_compiling() else _routed
+    out = routed(x, router, experts.gate_up_proj, experts.down_proj, k, bool(norm))
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate(x)) * shared(x)
+    return out.view_as(hidden)
+
+
+def _routed(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int, norm: bool
+) -> torch.Tensor:
+    """The routed part of :func:`fused_moe_block` for ``x [N, H]``: ``[N, H]``."""
+    n, e = x.shape[0], gate_up.shape[0]
     logits = F.linear(x, router)
     ids = torch.empty((n, k), dtype=torch.int64, device=x.device)
     weights = torch.empty((n, k), dtype=x.dtype, device=x.device)
@@ -299,7 +316,7 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
             n,
             e,
             TOP_K=k,
-            NORM=bool(norm),
+            NORM=norm,
             BM=tiles.bm,
             BLOCK_T=_pow2(n),
             BLOCK_E=_pow2(e),
@@ -307,14 +324,54 @@ def fused_moe_block(block: Any, hidden: torch.Tensor) -> torch.Tensor | None:
         )
     else:
         kernels.route[(-(-n // _ROUTE_BLOCK),)](
-            logits, ids, weights, n, e, TOP_K=k, NORM=bool(norm), BLOCK_T=_ROUTE_BLOCK, BLOCK_E=_pow2(e)
+            logits, ids, weights, n, e, TOP_K=k, NORM=norm, BLOCK_T=_ROUTE_BLOCK, BLOCK_E=_pow2(e)
         )
         order, meta, tiles = _place(ids.view(-1), n * k, e, x.device)
-    out = _grouped(x, experts.gate_up_proj, experts.down_proj, k, weights.view(-1), order, meta, tiles)
+    out = _grouped(x, gate_up, down, k, weights.view(-1), order, meta, tiles)
     _count("block")
-    if shared is not None:
-        out = out + torch.sigmoid(shared_gate(x)) * shared(x)
-    return out.view_as(hidden)
+    return out
+
+
+# Under ``torch.compile`` the fused path is one opaque operator each (its Triton launches
+# run as they do eagerly, inside a compiled graph and its CUDA graph): dynamo traces no
+# Triton launch and the pass keeps one graph instead of breaking at every MoE block, and
+# the calls are counted where they run.
+
+
+@torch.library.custom_op("omnirelay::fused_moe_routed", mutates_args=())
+def _routed_op(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int, norm: bool
+) -> torch.Tensor:
+    return _routed(x, router, gate_up, down, k, norm)
+
+
+@_routed_op.register_fake
+def _routed_shape(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int, norm: bool
+) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("omnirelay::fused_experts", mutates_args=())
+def _experts_op(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    return fused_experts(x, gate_up, down, top_k_index, top_k_weights)
+
+
+@_experts_op.register_fake
+def _experts_shape(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)
 
 
 def _pow2(n: int) -> int:
