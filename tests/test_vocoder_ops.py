@@ -66,7 +66,7 @@ def test_one_projection_and_one_rotation_give_the_attentions_queries_keys_and_va
         want_q, want_k = apply_rotary(q, k, cos, sin)
         weight, bias = ops.fused_qkv(attn)
         tables = ops.head_tables(cos, sin, ops.rotary_sign(d).to(dtype), heads + kv_heads, kv_heads)
-        got = ops.rotary(F.linear(x, weight, bias).view(b, t, -1, d).transpose(1, 2), *tables)
+        got = ops.rotary(F.linear(x, weight, bias).view(b, t, -1, d), *tables).transpose(1, 2)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else BF16
     torch.testing.assert_close(got[:, :heads], want_q, **tol)
     torch.testing.assert_close(got[:, heads : heads + kv_heads], want_k, **tol)

@@ -416,7 +416,7 @@ class StreamingVocoder:
             weight, qkv_bias = self._qkv[li]
             y = ops.rms_norm(layer.input_layernorm, h)
             # queries, keys and values in one product, rotated at once (the values' tables: 1, 0)
-            qkv = ops.rotary(F.linear(y, weight, qkv_bias).view(b, t, -1, d).transpose(1, 2), cos, sin)
+            qkv = ops.rotary(F.linear(y, weight, qkv_bias).view(b, t, -1, d), cos, sin).transpose(1, 2)
             new = qkv[:, heads:].view(b, 2, kv_heads, t, d)
             # [B, 2, kv heads, past + T, D]: the cached frames, then the new ones
             kv = torch.cat([self._state.kv(walk.state, li), new], dim=3)

@@ -87,19 +87,20 @@ def rotary_sign(head_dim: int) -> torch.Tensor:
 def head_tables(
     cos: torch.Tensor, sin: torch.Tensor, sign: torch.Tensor, rotated: int, plain: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [B, T, D]`` as tables ``[B, rotated + plain, T, D]`` for :func:`rotary`:
+    """``cos, sin [B, T, D]`` as tables ``[B, T, rotated + plain, D]`` for :func:`rotary`:
     the first ``rotated`` heads with ``sin``'s first half negated (``sign``:
     :func:`rotary_sign`), the other ``plain`` heads left as they are (1 and 0)."""
     b, t, d = cos.shape
     ones, zeros = cos.new_ones((1, 1, 1, 1)), cos.new_zeros((1, 1, 1, 1))
-    cos = torch.cat([cos.unsqueeze(1).expand(b, rotated, t, d), ones.expand(b, plain, t, d)], dim=1)
-    sin = torch.cat([(sin * sign).unsqueeze(1).expand(b, rotated, t, d), zeros.expand(b, plain, t, d)], dim=1)
+    cos = torch.cat([cos.unsqueeze(2).expand(b, t, rotated, d), ones.expand(b, t, plain, d)], dim=2)
+    sin = torch.cat([(sin * sign).unsqueeze(2).expand(b, t, rotated, d), zeros.expand(b, t, plain, d)], dim=2)
     return cos, sin
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]`` rotated: ``x · cos + rotate_half(x) · sin`` with the tables of
-    :func:`head_tables`."""
+    """``x [B, T, H, D]`` rotated: ``x · cos + rotate_half(x) · sin`` with the tables of
+    :func:`head_tables`. ``x`` as a projection's output is laid out so (on CUDA ``roll``
+    copies a non-contiguous input first)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
