@@ -218,17 +218,13 @@ class ThinkerRunner:
         if self.compile_cache is None:
             yield
             return
-        saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.compile_cache)
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
-            from torch._inductor import async_compile
+        from torch._inductor import async_compile
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+        try:
+            with temporary_cache_dir(str(self.compile_cache)):  # and inductor's in-memory caches reset
+                yield
+        finally:
             async_compile.shutdown_compile_workers()
 
     # ----------------------------------------------------------------- steps
