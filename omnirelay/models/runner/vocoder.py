@@ -261,14 +261,13 @@ class StreamingVocoder:
         plan: list[tuple[str, Any, Any]] = []
         for conv in getattr(model, "frame_convs", ()):
             plan.append(("conv", conv, self._conv(conv)))
-        # the activations as one fused function each, their parameters' exponentials made now
         plan.append(("transformer", model.pre_transformer, None))
         for up, convnext in model.upsample:
             if up.conv.kernel_size[0] != up.conv.stride[0]:
                 raise ModelError("streaming Code2Wav: the first up-sampling layers must not overlap")
             plan.append(("upsample", up, int(up.conv.stride[0])))
             plan.append(("convnext", convnext, self._conv(convnext.dwconv)))
-        blocks = list(model.decoder)
+        blocks = list(model.decoder)  # its activations fused, their parameters' exponentials made now
         plan.append(("conv", blocks[0], self._conv(blocks[0])))
         for block in blocks[1:-2]:
             activation, trans, *units = block.block
