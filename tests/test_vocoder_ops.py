@@ -1,6 +1,6 @@
 """The stream step's fused pieces compute what the decoders' own modules compute (float32:
 exact or within 1e-6; bfloat16: within a bfloat16 rounding, 1e-2 relative), and the step
-launches a fixed set of operations: its rows' state read in one gather, none per row."""
+launches a fixed set of operations: its rows' histories read in one gather, none per row."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_the_tts_front_with_its_tables_made_once_is_the_quantizers_decode() -> N
 
 
 @pytest.mark.parametrize("decoder", ["omni", "tts"])
-def test_a_step_launches_the_same_operations_for_any_batch_and_reads_its_state_at_once(
+def test_a_step_launches_the_same_operations_for_any_batch_and_reads_its_histories_at_once(
     decoder: str,
 ) -> None:
     if decoder == "omni":
@@ -120,10 +120,10 @@ def test_a_step_launches_the_same_operations_for_any_batch_and_reads_its_state_a
     for name in ("convolution", "cat", "index_select", "gather", "index_copy_", "addcmul", "sin"):
         assert counts[0][name] == counts[1][name], name
     ops_ = counts[0]
-    # the rows' state read in one gather; the histories written in one scatter, the keys
-    # and values one per layer; each history's new state gathered from its input once
+    # the rows' histories read in one gather and written in one scatter, each layer's keys
+    # and values in one of each; each new state gathered from its input once
     layers = len(model.pre_transformer.layers)
-    assert ops_["index_select"] == 1 and ops_["index_copy_"] == 1 + layers
+    assert ops_["index_select"] == ops_["index_copy_"] == 1 + layers
     assert ops_["gather"] == len(voc._state.shapes) + layers
     if decoder == "tts":
         assert ops_["masked_fill"] == 0  # a first chunk reads the zero row; nothing to mask

@@ -149,7 +149,7 @@ class _Walk:
     read: torch.Tensor
     is_start: torch.Tensor
     counts: torch.Tensor
-    state: torch.Tensor  # the rows' state, read at the start
+    state: torch.Tensor  # the rows' histories, read at the start
     carried: dict[int, torch.Tensor]  # each history's new state, written at the end
     ends: dict[int, torch.Tensor]
     masks: dict[int, torch.Tensor]
@@ -418,7 +418,7 @@ class StreamingVocoder:
             qkv = ops.rotary(F.linear(y, weight, qkv_bias).view(b, t, -1, d), cos, sin).transpose(1, 2)
             new = qkv[:, heads:].view(b, 2, kv_heads, t, d)
             # [B, 2, kv heads, past + T, D]: the cached frames, then the new ones
-            kv = torch.cat([self._state.kv(walk.state, li), new], dim=3)
+            kv = torch.cat([self._state.read_kv(li, walk.read), new], dim=3)
             out = F.scaled_dot_product_attention(
                 qkv[:, :heads], kv[:, 0], kv[:, 1], attn_mask=bias, scale=attn.scaling, enable_gqa=True
             )

@@ -3,10 +3,12 @@
 One row per slot holds all of a stream's state: each causal convolution's history
 (``channels × width`` samples), then each transformer layer's cached keys and values side
 by side (``2 × kv heads × (W − 1) × head_dim``). A step costs launches, not bytes
-(docs/performance.md), so the row layout lets a step read its rows' whole state in one
-gather (:meth:`StreamState.read`) and write every history back in one scatter
-(:meth:`StreamState.write_histories`); the keys and values — most of the bytes — are
-written layer by layer as each layer makes them (:meth:`StreamState.write_kv`). A stream
+(docs/performance.md), so the row layout lets a step read its rows' histories in one
+gather (:meth:`StreamState.read`) and write them back in one scatter
+(:meth:`StreamState.write_histories`). The keys and values are most of the bytes (a row's
+histories are a tenth of them): they are read and written layer by layer
+(:meth:`StreamState.read_kv`, :meth:`StreamState.write_kv`), so that a step holds one
+layer's copy at a time, as its activation budget assumes (docs/design.md §12). A stream
 moving to another slot is one row copied (:meth:`StreamState.move`).
 """
 
@@ -46,19 +48,18 @@ class StreamState:
         self.buffer = torch.zeros((rows, offset + kv[0] * per_layer), dtype=dtype, device=device)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """The state of ``rows`` (slot indices), one gather: ``[B, row size]``."""
-        return self.buffer.index_select(0, rows)
+        """The histories of ``rows`` (slot indices), one gather: ``[B, histories' size]``."""
+        return self.buffer[:, : self.history_size].index_select(0, rows)
+
+    def read_kv(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s keys and values of ``rows``: ``[B, *kv shape]``."""
+        return self._kv_view(layer).index_select(0, rows)
 
     def history(self, state: torch.Tensor, index: int) -> torch.Tensor:
         """History ``index`` of a :meth:`read` result: ``[B, channels, width]`` (a view)."""
         c, w = self.shapes[index]
         offset = self.offsets[index]
         return state[:, offset : offset + c * w].view(state.shape[0], c, w)
-
-    def kv(self, state: torch.Tensor, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys and values of a :meth:`read` result (a view)."""
-        start, end = self.spans[layer]
-        return state[:, start:end].view(state.shape[0], *self.kv_shape)
 
     def write_histories(self, slots: torch.Tensor, histories: Sequence[torch.Tensor]) -> None:
         """Every history's new state (in index order, each ``[B, channels, width]``) into
@@ -69,8 +70,11 @@ class StreamState:
 
     def write_kv(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Layer ``layer``'s new keys and values (``[B, *kv shape]``) into the rows ``slots``."""
+        self._kv_view(layer).index_copy_(0, slots, kv)
+
+    def _kv_view(self, layer: int) -> torch.Tensor:
         start, end = self.spans[layer]
-        self.buffer[:, start:end].view(self.buffer.shape[0], *self.kv_shape).index_copy_(0, slots, kv)
+        return self.buffer[:, start:end].view(self.buffer.shape[0], *self.kv_shape)
 
     def move(self, src: int, dst: int) -> None:
         self.buffer[dst].copy_(self.buffer[src])
