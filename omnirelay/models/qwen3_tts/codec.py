@@ -78,11 +78,12 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.eps = _SNAKE_EPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.alpha.exp().view(1, -1, 1)
         beta = self.beta.exp().view(1, -1, 1)
-        return x + torch.sin(x * alpha).pow(2) / (beta + _SNAKE_EPS)
+        return x + torch.sin(x * alpha).pow(2) / (beta + self.eps)
 
 
 class ConvNeXtBlock(nn.Module):

@@ -51,26 +51,26 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 def snake(module: torch.nn.Module) -> Activation:
     """``module``'s SnakeBeta with its parameters' exponentials made once (the weights
-    must be loaded before); any other activation is returned as it is."""
+    must be loaded before): the transformers module's (``no_div_by_zero``: it multiplies by
+    ``1 / (e^β + ε)``) or Qwen3-TTS's (``eps``: it divides by ``e^β + ε``), each computed
+    as its module does; any other activation is returned as it is."""
     alpha = getattr(module, "alpha", None)
     beta = getattr(module, "beta", None)
+    multiplies, divides = getattr(module, "no_div_by_zero", None), getattr(module, "eps", None)
     if not isinstance(alpha, torch.Tensor) or not isinstance(beta, torch.Tensor):
         return module
-    from omnirelay.models.qwen3_tts.codec import _SNAKE_EPS, SnakeBeta
-
     with torch.no_grad():
         freq = alpha.detach().exp().view(1, -1, 1)
-        if isinstance(module, SnakeBeta):  # x + sin² / (e^β + ε), divided as the module does
-            denom = beta.detach().exp().view(1, -1, 1) + _SNAKE_EPS
+        if not isinstance(multiplies, float) and isinstance(divides, float):
+            denom = beta.detach().exp().view(1, -1, 1) + divides
 
             def divided(x: torch.Tensor) -> torch.Tensor:
                 return torch.addcdiv(x, torch.sin(x * freq).pow(2), denom)
 
             return divided
-        eps = getattr(module, "no_div_by_zero", None)
-        if not isinstance(eps, float):
+        if not isinstance(multiplies, float):
             return module
-        inverse = 1.0 / (beta.detach().exp().view(1, -1, 1) + eps)  # the transformers module's form
+        inverse = 1.0 / (beta.detach().exp().view(1, -1, 1) + multiplies)
 
     def multiplied(x: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(x, inverse, torch.sin(x * freq).pow(2))
