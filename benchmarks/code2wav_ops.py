@@ -9,12 +9,15 @@ computes (views launch nothing). This builds the shipped full-size decoder (Qwen
 ``streams x frames`` shape of :class:`~omnirelay.models.runner.vocoder.StreamingVocoder`
 — the function its graphs capture — under a dispatch mode that counts the aten
 operations by kind, and prints them by family (copies, element-wise, convolutions …)
-and the most frequent. The count is the device's launch count up to the backend's
-choices (a CPU and a GPU pick different attention kernels, a matrix product with a bias
-is one ``addmm`` on both).
+and the most frequent. The count is the device's launch count up to the backends'
+choices: the CPU picks ``mm``, ``addmm`` or a copy and ``bmm`` for a matrix product by
+shape, and decomposes ``F.rms_norm`` into six operations where CUDA runs one fused
+kernel (the "on CUDA" line counts it as one); on CUDA a convolution may add its bias
+in a launch of its own, which neither line counts.
 
-The tensors never leave the CPU; with ``--fake`` (the default) they carry shapes only
-(``FakeTensorMode``), so even 64 streams count in seconds.
+By default the tensors carry shapes only (``FakeTensorMode``), so even 64 streams count
+in seconds; ``--real`` computes on CPU tensors. ``--json PATH`` also writes the counts
+(``-``: the JSON alone, on stdout).
 """
 
 from __future__ import annotations
