@@ -584,10 +584,10 @@ class StreamingVocoder:
         else:  # no bucket: the same computation without a graph, on tensors of its own
             wav = self._step_fn(*(_on(x, self.device) for x in (block, slot_ids, frame_counts, starts)))
         pieces = []
+        wav = wav[:n].clone()  # one copy for every row: the graph's output memory is the next replay's
         for i, row in enumerate(rows):
             start = self.holdback if positions[i] == 0 else 0
-            # A copy: the graph's output memory is the next replay's.
-            pieces.append(wav[i, 0, start : counts[i] * self.upsample].clone())
+            pieces.append(wav[i, 0, start : counts[i] * self.upsample])
             self.slots.set_length(row.rid, positions[i] + counts[i])
         return pieces
 
