@@ -198,8 +198,12 @@ class Code2WavExecutor:
             if self.vocoder is not None:
                 streams = [(i, x) for i, x in enumerate(inputs) if x.left_context is not None]
                 inputs_left = [x if x.left_context is None else None for x in inputs]
-                for i, piece in self._decode_stateful(streams):
-                    audio[i] = to_host(piece)
+                decoded = self._decode_stateful(streams)
+                if decoded:  # one copy to the host for every stream's samples, split there
+                    sizes = [int(piece.numel()) for _, piece in decoded]
+                    host = to_host(torch.cat([piece.reshape(-1) for _, piece in decoded]))
+                    for (i, _), piece in zip(decoded, host.split(sizes)):
+                        audio[i] = piece
             else:
                 inputs_left = list(inputs)
             for group in self._groups(inputs_left):
