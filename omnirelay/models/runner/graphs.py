@@ -100,8 +100,7 @@ class StreamOwners:
             if key not in self._held:
                 self._held.add(key)
                 try:
-                    # Not at interpreter exit: nothing is left to hand out then, and a
-                    # finalizer that runs while torch tears CUDA down can fault.
+                    # Not at interpreter exit: nothing is left to hand out then.
                     weakref.finalize(stream, self._held.discard, key).atexit = False
                 except TypeError:  # a stream type without weak references: held for good
                     pass
