@@ -85,6 +85,7 @@ __all__ = [
     "SORT_ENV",
     "CodePredictor",
     "ResidualSampling",
+    "compile_plan",
     "keyed_compile_cache",
     "use_compile_cache",
 ]
@@ -174,6 +175,16 @@ def keyed_compile_cache(config: Any, device: torch.device, dtype: torch.dtype) -
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
+
+
+def compile_plan(what: str, cache: Path | None) -> str:
+    """A startup line's account of a compile: ``what`` it compiles, and whether the
+    on-disk ``cache`` (None: none) already holds kernels for it."""
+    if cache is None:
+        return f"{what} (no on-disk cache: every start compiles again)"
+    if any(cache.iterdir()):
+        return f"{what}, reusing the kernels cached in {cache}"
+    return f"{what}; first start on this machine: this takes minutes, later starts reuse {cache}"
 
 
 def _rotary() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -46,7 +46,7 @@ from omnirelay.engine.interfaces import BatchItem, ItemResult, SamplingParams
 from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_prefill
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step, own_stream, to_device, upload
-from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling
+from omnirelay.models.runner.predictor import DEFAULT_RESIDUAL, CodePredictor, ResidualSampling, compile_plan
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.thinker import experts_for
 from omnirelay.models.stepping import GuardedLaunch, guarded_launch
@@ -182,12 +182,7 @@ class TalkerRunner:
             what += (
                 f", and the frame's decoder step with {self.decoder.decode_backend} ({FRAME_COMPILE_ENV}=1)"
             )
-        cache = self.predictor.compile_cache
-        if cache is None:
-            return f"{what} (no on-disk cache: every start compiles again)"
-        if any(cache.iterdir()):
-            return f"{what}, reusing the kernels cached in {cache}"
-        return f"{what}; first start on this machine: this takes minutes, later starts reuse {cache}"
+        return compile_plan(what, self.predictor.compile_cache)
 
     def _move_slot(self, src: int, dst: int, length: int) -> None:
         """A holder moves from slot ``src`` to ``dst`` (the slot table packs its holders):

@@ -45,7 +45,7 @@ from omnirelay.models.runner.buckets import Buckets, Launch, plan_decode, plan_p
 from omnirelay.models.runner.decoder import SlotKV, StaticDecoder, experts_implementation
 from omnirelay.models.runner.graphs import GraphSet, Step, to_device, upload
 from omnirelay.models.runner.moe import FUSED_EXPERTS, fused_experts_enabled
-from omnirelay.models.runner.predictor import keyed_compile_cache
+from omnirelay.models.runner.predictor import compile_plan, keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.sampling import sample_rows
 
@@ -203,12 +203,7 @@ class ThinkerRunner:
             f"compiling the decode step with {self.decoder.decode_backend} for batches {sizes} "
             f"({THINKER_COMPILE_ENV}=1)"
         )
-        cache = self.compile_cache
-        if cache is None:
-            return f"{what} (no on-disk cache: every start compiles again)"
-        if any(cache.iterdir()):
-            return f"{what}, reusing the kernels cached in {cache}"
-        return f"{what}; first start on this machine: this takes minutes, later starts reuse {cache}"
+        return compile_plan(what, self.compile_cache)
 
     @contextmanager
     def _compiling(self) -> Iterator[None]:
