@@ -143,14 +143,16 @@ def test_the_switch_off_leaves_the_stages_decode_uncompiled(
 
 
 def test_a_compiled_decode_gives_the_uncompiled_greedy_ids(thinker: Any) -> None:
-    """``aot_eager``: the functionalized graph inductor would get, run by eager kernels
-    (same sums, so the same ids exactly); one graph per shape, no break in the MoE."""
+    """Dynamo's ``eager`` backend: the pass traced as inductor would get it, whole, and run
+    by the same kernels (so the same ids exactly); one graph per shape, no break in the MoE.
+    That the functionalized pass still writes the cache in place is the shared
+    ``compile_decode``'s, checked with inductor in tests/test_runner_frame_compile.py."""
     from torch import _dynamo
     from torch._dynamo.utils import counters
 
     with torch.inference_mode():
         plain = make_runner(thinker)
-        runner = make_runner(thinker, compile="aot_eager")
+        runner = make_runner(thinker, compile="eager")
         compiled = runner.decoder.decode_forward
         shapes: list[tuple[int, int, int, bool]] = []
 
