@@ -95,33 +95,12 @@ def test_tts_compiled_pass_in_bf16_writes_in_place_and_replays_in_a_graph() -> N
 
 
 def test_omni_talker_with_the_frame_compiled_speaks_the_eager_frames(monkeypatch: pytest.MonkeyPatch) -> None:
-    from omnirelay.engine.interfaces import SamplingParams
-    from omnirelay.models.qwen3_omni.loader import ModelArgs
-    from omnirelay.models.qwen3_omni.talker import TalkerExecutor
-    from tests.test_models_talker import frames, talk
-    from tests.test_runner_cuda import _thinker_payloads, _tiny
+    from tests.test_runner_cuda import compiled_talker_speaks_the_eager_frames
 
-    payloads = _thinker_payloads()
-    results = {}
-    for compiled in (True, False):
-        monkeypatch.setenv(FRAME_COMPILE_ENV, "1" if compiled else "0")
-        args = ModelArgs(
-            device="cuda:0",
-            runner="static",
-            cuda_graphs=compiled,
-            compile=compiled,
-            max_num_seqs=8,
-            max_model_len=256,
-        )
-        talker = TalkerExecutor.from_checkpoint(_tiny(), args=args)
-        assert talker.runner is not None
-        assert talker.runner.decoder.decode_backend == ("inductor" if compiled else None)
-        results[compiled] = talk(talker, payloads, 14, SamplingParams())
-    for rid in payloads:
-        got, want = frames(results[True][rid]), frames(results[False][rid])
-        assert got.shape == want.shape
-        assert torch.equal(got[0], want[0]), rid
-        assert float((got == want).float().mean()) >= 0.95, rid
+    compiled_talker_speaks_the_eager_frames(
+        lambda talker: talker.runner.decoder.decode_backend,
+        lambda compiled: monkeypatch.setenv(FRAME_COMPILE_ENV, "1" if compiled else "0"),
+    )
 
 
 def _thinker_bf16() -> Any:
