@@ -5,9 +5,10 @@
 variant, each in a process of its own whose environment adds the variant's ``NAME=VALUE``
 pairs (comma-separated; ``base=`` adds none), and prints one table of them all: per batch
 the step, the frame and the kernels (``bench tts-talker``), per stage and shape the graph
-step (``bench runner``), per rate first playable audio and gap-free streams (``bench
-speech``). The environment switches are read when a stage is built, so variants cannot
-share a process; compiled kernels are cached on disk across them (docs/design.md §12),
+step (``bench runner``), per rate or concurrency first playable audio and gap-free
+streams (``bench speech``, ``bench pipeline``). The environment switches are read when a
+stage is built, so variants cannot share a process; compiled kernels are cached on disk
+across them (docs/design.md §12),
 so a variant that compiles what an earlier one compiled starts faster.
 
 Each variant writes ``DIR/<name>.json`` (the bench's ``--json``) and ``DIR/<name>.log``;
@@ -113,11 +114,27 @@ def _rows_speech(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _rows_pipeline(report: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for level in report.get("levels", []):
+        playable = level.get("first_playable_s", {})
+        rows.append(
+            {
+                "shape": f"c={level.get('concurrency')}",
+                "step_ms": None if "p50" not in playable else round(1000 * playable["p50"], 1),
+                "part_ms": None if "p99" not in playable else round(1000 * playable["p99"], 1),
+                "kernels": level.get("gap_free_share"),
+            }
+        )
+    return rows
+
+
 #: how each bench's JSON becomes rows, and what the table's three columns then mean
 _READERS = {
     "tts-talker": (_rows_tts_talker, ("step ms", "frame ms", "kernels")),
     "runner": (_rows_runner, ("graph step ms", "floor ms", "kernels")),
     "speech": (_rows_speech, ("first playable p50 ms", "p95 ms", "gap-free share")),
+    "pipeline": (_rows_pipeline, ("first playable p50 ms", "p99 ms", "gap-free share")),
 }
 
 

@@ -49,6 +49,12 @@ def test_the_table_reads_each_bench_and_names_a_run_without_figures(tmp_path: Pa
     (tmp_path / "base.json").write_text(json.dumps(runner))
     _, table = summarize("runner", runs[:1], tmp_path)
     assert table == [["base", "thinker decode_1", 7.5, 2.1, 1440]]
+    pipeline = {
+        "levels": [{"concurrency": 16, "first_playable_s": {"p50": 0.11, "p99": 1.2}, "gap_free_share": 1.0}]
+    }
+    (tmp_path / "base.json").write_text(json.dumps(pipeline))
+    columns, table = summarize("pipeline", runs[:1], tmp_path)
+    assert columns[3] == "p99 ms" and table == [["base", "c=16", 110.0, 1200.0, 1.0]]
 
 
 def test_the_command_line_refuses_what_it_cannot_run(
