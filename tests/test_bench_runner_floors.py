@@ -73,3 +73,22 @@ def test_a_reduced_runner_bench_reports_each_steps_floor() -> None:
     assert thinker["decode_2"]["bytes"] >= 2 * 31 * kv_bytes_per_position(text, torch.float32)
     text_out = render_runner_bench(report)
     assert "floor ms" in text_out and "decode_2" in text_out
+
+
+def test_a_bench_that_started_cuda_ends_with_its_status_and_one_that_did_not_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import sys
+    import types
+
+    from benchmarks import cli
+
+    ended: list[int] = []
+    monkeypatch.setattr(os, "_exit", ended.append)
+    cli.end_if_cuda(3)  # CUDA never started on this machine: nothing happens
+    assert ended == []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    cli.end_if_cuda(3)
+    assert ended == [3]
