@@ -17,14 +17,17 @@ from torch.utils._pytree import tree_flatten
 from omnirelay.errors import ModelError
 from omnirelay.models.qwen3_omni import Checkpoint
 from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+from omnirelay.models.runner import code2wav as code2wav_module
+from omnirelay.models.runner import vocoder as vocoder_module
 from omnirelay.models.runner.code2wav import (
     DEFAULT_DECODE_BATCHES,
     DEFAULT_DECODE_FRAMES,
     GRAPH_MEMORY_ENV,
+    GraphedCode2Wav,
     decoder_widths,
     graph_budget_bytes,
 )
-from omnirelay.models.runner.graphs import GraphSet, graph_memory_errors
+from omnirelay.models.runner.graphs import GraphSet, graph_memory_errors, largest_first
 from omnirelay.models.runner.memory import (
     ACTIVATION_COPIES,
     DeviceBudget,
@@ -226,3 +229,30 @@ def test_code2wavs_pools_captured_before_the_sizing_leave_the_kv_less() -> None:
     assert _sized_group(1.0) == {"thinker": 36, "talker": 36}
     with pytest.raises(ModelError, match="not even one KV slot fits"):
         _sized_group(14.0)  # the grid before the budget
+
+
+def test_the_graphs_are_captured_largest_step_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The graphs of a set share one pool: captured largest first, each smaller step fits
+    # in the blocks the larger captures freed instead of adding segments of its own.
+    assert largest_first([(1, 1), (4, 1), (1, 4), (2, 2), (8, 1), (1, 16)]) == [
+        (1, 16),
+        (8, 1),
+        (1, 4),  # equal steps: the longer chunk first
+        (2, 2),
+        (4, 1),
+        (1, 1),
+    ]
+    model = Checkpoint.open(tiny_dir()).load_code2wav()
+    grid = bucket_grid((1, 2, 4), (1, 2, 4), budget_bytes=4, bytes_per_row_frame=1)
+    monkeypatch.setattr(vocoder_module, "reserved_bytes", lambda device: 0)
+    monkeypatch.setattr(code2wav_module, "reserved_bytes", lambda device: 0)
+    stream = StreamingVocoder(model, max_streams=4, cuda_graphs=False, frames=(1, 2, 4), buckets=grid)
+    window = GraphedCode2Wav(model, cuda_graphs=False, batch_sizes=(1, 2, 4), frames=(1, 2, 4), buckets=grid)
+    monkeypatch.setattr(window, "_check_padding", lambda: None)
+    for graphs, capture in ((stream.graphs, stream.capture_graphs), (window.graphs, window.capture_graphs)):
+        captured: list[tuple[int, int]] = []
+        graphs.enabled = True
+        monkeypatch.setattr(graphs, "capture", lambda key, step, seen=captured: seen.append(key))
+        capture()
+        assert captured == largest_first(grid)
+        assert captured[0] == (1, 4) and captured[-1] == (1, 1)

@@ -27,7 +27,14 @@ import torch
 
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
-from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
+from omnirelay.models.runner.graphs import (
+    GraphSet,
+    Step,
+    graph_memory_errors,
+    largest_first,
+    reserved_bytes,
+    upload,
+)
 
 __all__ = [
     "CODE2WAV_PRIORITY",
@@ -123,10 +130,9 @@ class GraphedCode2Wav:
         start = time.monotonic()
         before = reserved_bytes(self.device)
         with torch.inference_mode(), graph_memory_errors(self.graphs, GRAPH_MEMORY_KNOB):
-            for t in self.frames:
-                for b in self.batch_sizes:
-                    if self._buckets is None or (b, t) in self._buckets:
-                        self.graphs.capture((b, t), self._step(b, t))
+            grid = ((b, t) for t in self.frames for b in self.batch_sizes)
+            for b, t in largest_first(k for k in grid if self._buckets is None or k in self._buckets):
+                self.graphs.capture((b, t), self._step(b, t))
             self._check_padding()
         self.graphs.report.seconds = time.monotonic() - start
         self.graphs.report.pool_bytes = reserved_bytes(self.device) - before

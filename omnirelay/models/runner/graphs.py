@@ -41,10 +41,12 @@ __all__ = [
     "Step",
     "StreamOwners",
     "graph_memory_errors",
+    "largest_first",
     "own_stream",
     "reserved_bytes",
     "to_device",
     "upload",
+    "uploaded",
     "used_here",
 ]
 
@@ -60,6 +62,13 @@ def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def uploaded(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new tensor on ``device`` holding ``host``, copied as :func:`upload` does."""
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    upload(out, host)
+    return out
 
 
 def used_here(x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +124,16 @@ class StreamOwners:
 
 
 _OWNERS = StreamOwners()
+
+
+def largest_first(buckets: Iterator[tuple[int, int]] | list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(rows, frames)`` buckets in capture order: the largest step (rows × frames) first.
+    The graphs of a set share one pool, and the caching allocator gives a capture a block
+    freed by an earlier capture only when the block is large enough: captured smallest
+    first, each larger step takes new segments and the smaller ones stay, so the pool
+    grows to about the sum of the steps' peaks; captured largest first, the smaller steps
+    fit in the blocks the largest freed."""
+    return sorted(buckets, key=lambda bucket: (-bucket[0] * bucket[1], -bucket[1], -bucket[0]))
 
 
 def own_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:

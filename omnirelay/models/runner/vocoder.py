@@ -78,7 +78,15 @@ from omnirelay.errors import ModelError
 from omnirelay.models.runner import vocoder_ops as ops
 from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNOB
-from omnirelay.models.runner.graphs import GraphSet, Step, graph_memory_errors, reserved_bytes, upload
+from omnirelay.models.runner.graphs import (
+    GraphSet,
+    Step,
+    graph_memory_errors,
+    largest_first,
+    reserved_bytes,
+    upload,
+    uploaded,
+)
 from omnirelay.models.runner.predictor import keyed_compile_cache
 from omnirelay.models.runner.slots import SlotTable
 from omnirelay.models.runner.vocoder_state import StreamState
@@ -453,10 +461,9 @@ class StreamingVocoder:
         cudnn.benchmark = benchmark or os.environ.get(CONV_SEARCH_ENV) == "1"
         try:
             with torch.inference_mode(), graph_memory_errors(self.graphs, GRAPH_MEMORY_KNOB):
-                for t in self.frames:
-                    for b in self.batch_sizes:
-                        if self._buckets is None or (b, t) in self._buckets:
-                            self.graphs.capture((b, t), self._step(b, t))
+                grid = ((b, t) for t in self.frames for b in self.batch_sizes)
+                for b, t in largest_first(k for k in grid if self._buckets is None or k in self._buckets):
+                    self.graphs.capture((b, t), self._step(b, t))
         finally:
             cudnn.benchmark = benchmark
         self.graphs.report.seconds = time.monotonic() - start
@@ -582,7 +589,7 @@ class StreamingVocoder:
             upload(self._positions[:b], starts)
             wav = self.graphs.run((b, t), self._step(b, t))["wav"]
         else:  # no bucket: the same computation without a graph, on tensors of its own
-            wav = self._step_fn(*(_on(x, self.device) for x in (block, slot_ids, frame_counts, starts)))
+            wav = self._step_fn(*(uploaded(x, self.device) for x in (block, slot_ids, frame_counts, starts)))
         pieces = []
         wav = wav[:n].clone()  # one copy for every row: the graph's output memory is the next replay's
         for i, row in enumerate(rows):
@@ -590,10 +597,3 @@ class StreamingVocoder:
             pieces.append(wav[i, 0, start : counts[i] * self.upsample])
             self.slots.set_length(row.rid, positions[i] + counts[i])
         return pieces
-
-
-def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``, copied as :func:`~omnirelay.models.runner.graphs.upload` does."""
-    out = torch.empty(host.shape, dtype=host.dtype, device=device)
-    upload(out, host)
-    return out
