@@ -283,6 +283,12 @@ def _register_benches(bsub: Any) -> None:
         help="comma-separated stages to time (default all: thinker,talker,code2wav)",
     )
     r.add_argument("--reps", type=int, default=20, help="timed runs per figure (default 20)")
+    r.add_argument(
+        "--no-compiled-code2wav",
+        dest="code2wav_compiled",
+        action="store_false",
+        help="time Code2Wav's stream steps uncompiled only (inductor's compile of a full-size step can take minutes)",
+    )
     r.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     r.set_defaults(func=run_bench_runner)
 
@@ -607,7 +613,9 @@ def run_bench_runner(args: argparse.Namespace) -> int:
 
     try:
         stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-        report = run_runner_bench(device=args.device, reps=args.reps, stages=stages)
+        report = run_runner_bench(
+            device=args.device, reps=args.reps, stages=stages, code2wav_compiled=args.code2wav_compiled
+        )
     except ValueError as exc:
         raise SystemExit(f"omnirelay bench runner: {exc}") from exc
     print(render_runner_bench(report))

@@ -429,7 +429,7 @@ def _compiled_frames(
     return out
 
 
-def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
+def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None], compiled: bool) -> dict[str, Any]:
     from omnirelay.models.runner.code2wav import GraphedCode2Wav
 
     model = checkpoint.load_code2wav()
@@ -445,7 +445,7 @@ def _code2wav(checkpoint: Any, reps: int, sync: Callable[[], None]) -> dict[str,
             out[f"window_{b}x{t}"] = _pair(graphed.graphs, functools.partial(graphed, codes), reps, sync)
     from benchmarks.runner_code2wav import stateful_code2wav, stream_backend
 
-    out["stateful"] = stateful_code2wav(model, reps, sync, stream_backend(model))
+    out["stateful"] = stateful_code2wav(model, reps, sync, stream_backend(model, compiled))
     return out
 
 
@@ -460,11 +460,13 @@ def run_runner_bench(
     stages: tuple[str, ...] = STAGES,
     tiny: bool = False,
     sizes: tuple[int, ...] = (1, 16, 64),
+    code2wav_compiled: bool = True,
 ) -> dict[str, Any]:
     """Time ``stages`` (see the module docstring) on ``device``; the figures as a dict.
     ``sizes``: the rows of the Thinker's and Talker's steps (at most 64).
     ``tiny``: the tiny model instead of the full-size one (the only choice off CUDA,
-    where it checks the bench's figures, not a card's)."""
+    where it checks the bench's figures, not a card's). ``code2wav_compiled``: time
+    Code2Wav's stream steps compiled too (on CUDA)."""
     from omnirelay.models.qwen3_omni.loader import ModelArgs, open_checkpoint
 
     err = stream if stream is not None else sys.stderr
@@ -499,11 +501,11 @@ def run_runner_bench(
         elif name == "talker":
             report[name] = _talker(checkpoint, reps, sync, bandwidth, sizes)
         elif name == "code2wav":
-            report[name] = _code2wav(checkpoint, reps, sync)
+            report[name] = _code2wav(checkpoint, reps, sync, code2wav_compiled)
         else:
             from benchmarks.runner_code2wav import tts_code2wav
 
-            report[name] = tts_code2wav(device, tiny, reps, sync)
+            report[name] = tts_code2wav(device, tiny, reps, sync, code2wav_compiled)
     return report
 
 

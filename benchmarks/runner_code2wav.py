@@ -124,20 +124,24 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def tts_code2wav(device: str, tiny: bool, reps: int, sync: Callable[[], None]) -> dict[str, Any]:
-    """Qwen3-TTS's 12 Hz decoder (the shipped size, random weights): its stateful steps."""
+def tts_code2wav(
+    device: str, tiny: bool, reps: int, sync: Callable[[], None], compiled: bool = True
+) -> dict[str, Any]:
+    """Qwen3-TTS's 12 Hz decoder (the shipped size, random weights): its stateful steps
+    (``compiled``: also through inductor, where :func:`stream_backend` compiles)."""
     from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
 
     args = (
         TTSModelArgs(tiny=True, device=device) if tiny else TTSModelArgs(load_format="dummy", device=device)
     )
     codec = TTSCheckpoint.open(args).load_codec()
-    return {"stateful": stateful_code2wav(codec, reps, sync, stream_backend(codec))}
+    return {"stateful": stateful_code2wav(codec, reps, sync, stream_backend(codec, compiled))}
 
 
-def stream_backend(model: Any) -> str | None:
-    """Inductor on a GPU; nothing on the CPU (minutes of compiling for the tiny model)."""
-    return "inductor" if next(model.parameters()).device.type == "cuda" else None
+def stream_backend(model: Any, compiled: bool = True) -> str | None:
+    """Inductor on a GPU; nothing on the CPU (minutes of compiling for the tiny model)
+    or when ``compiled`` is off (the full-size step's compile can take minutes on a card)."""
+    return "inductor" if compiled and next(model.parameters()).device.type == "cuda" else None
 
 
 def render_stateful(stage: str, stateful: dict[str, Any]) -> str:

@@ -92,3 +92,18 @@ def test_a_bench_that_started_cuda_ends_with_its_status_and_one_that_did_not_ret
     monkeypatch.setitem(sys.modules, "torch", fake)
     cli.end_if_cuda(3)
     assert ended == [3]
+
+
+def test_the_runner_bench_can_leave_code2wavs_compiled_steps_out() -> None:
+    from benchmarks.cli import build_parser
+    from benchmarks.runner_code2wav import stream_backend
+
+    assert build_parser().parse_args(["runner"]).code2wav_compiled is True
+    assert build_parser().parse_args(["runner", "--no-compiled-code2wav"]).code2wav_compiled is False
+    import types
+
+    cuda_param = types.SimpleNamespace(device=torch.device("cuda", 0))
+    on_cuda = types.SimpleNamespace(parameters=lambda: iter([cuda_param]))
+    assert stream_backend(on_cuda) == "inductor"
+    assert stream_backend(on_cuda, compiled=False) is None
+    assert stream_backend(torch.nn.Linear(1, 1)) is None  # the CPU: never compiled
