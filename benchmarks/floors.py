@@ -32,8 +32,10 @@ __all__ = [
     "count_kernels",
     "floor",
     "is_experts",
+    "kernel_census",
     "kv_bytes_per_position",
     "param_bytes",
+    "profiled",
     "talker_tail_bytes",
 ]
 
@@ -175,6 +177,32 @@ def count_kernels(
                 and not any(c.name.startswith("aten::") for c in event.cpu_children)
             )
     return count / steps
+
+
+def profiled(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device, steps: int) -> Any:
+    """``key_averages()`` of ``steps`` calls of ``fn`` under ``torch.profiler`` (after one
+    unprofiled call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    fn()
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    return prof.key_averages()
+
+
+def kernel_census(
+    fn: Callable[[], Any], sync: Callable[[], None], device: torch.device, steps: int = 3
+) -> dict[str, dict[str, float]]:
+    """Kernels and device ms per call of ``fn`` by family (:func:`benchmarks.kernels.census`)."""
+    from benchmarks.kernels import census, kernel_rows
+
+    return census(kernel_rows(profiled(fn, sync, device, steps), device.type == "cuda"), steps)
 
 
 def talker_tail_bytes(runner: Any) -> int:

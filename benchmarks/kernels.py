@@ -4,10 +4,12 @@
 the launches' counterpart there) into one of :data:`FAMILIES`, by the names the
 libraries give their kernels: cuBLAS's and CUTLASS's GEMMs (``nvjet``, ``gemm``,
 ``xmma``, ``cutlass``), attention (flash and memory-efficient kernels, softmax), norms,
-sampling (top-k, sorts, radix selects), kernels inductor generated (``triton_…``),
+sampling (top-k, sorts, radix selects), convolutions (cuDNN's ``fprop``, ``winograd``
+and ``conv…`` kernels, ``aten::convolution`` on the CPU), kernels inductor generated (``triton_…``),
 copies and indexing (``copy``, ``index_put``, ``gather``, ``cat``, memcpy/memset), the
 remaining elementwise and reduction kernels, and anything else. The first rule that
-matches wins, in that order after inductor's (``gatherTopK`` is sampling, not a gather).
+matches wins, in that order after inductor's (``gatherTopK`` is sampling, not a gather;
+``…xmma_fprop_implicit_gemm…`` a convolution, not a GEMM).
 
 :func:`census` sums a profile's kernels per family (launches and device time per step);
 :func:`subtract` takes one census from another — the bench profiles the Talker's frame
@@ -23,13 +25,15 @@ from typing import Any
 __all__ = ["FAMILIES", "census", "family", "kernel_rows", "render_census", "subtract"]
 
 #: The families, in the order a census lists them.
-FAMILIES = ("gemm", "attention", "norm", "sampling", "triton", "copy/index", "elementwise", "other")
+FAMILIES = ("gemm", "conv", "attention", "norm", "sampling", "triton", "copy/index", "elementwise", "other")
 
 # (family, pattern) in the order they are tried, on the lower-cased name; inductor's own
 # kernels first (its names carry the ops they fused: "triton_per_fused_index_put_…").
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("triton", re.compile(r"^triton_|^triton::")),
     ("sampling", re.compile(r"topk|sort|radix|bitonic|multinomial|argmax|exponential_|sampl")),
+    # before the GEMMs: cuDNN's implicit-GEMM convolutions carry "gemm" and "xmma" too
+    ("conv", re.compile(r"conv(?!ert)|fprop|winograd|dgrad|wgrad|nchwtonhwc|nhwctonchw")),
     (
         "gemm",
         re.compile(

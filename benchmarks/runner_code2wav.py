@@ -15,11 +15,21 @@ import torch
 
 from benchmarks.runner import _pair
 
-__all__ = ["STREAM_STEPS", "render_stateful", "stateful_code2wav", "stream_backend", "tts_code2wav"]
+__all__ = [
+    "CENSUS_STEP",
+    "STREAM_STEPS",
+    "render_stateful",
+    "stateful_code2wav",
+    "stream_backend",
+    "tts_code2wav",
+]
 
 
 #: Stateful steps timed: (streams, new frames each).
 STREAM_STEPS = ((1, 1), (16, 1), (64, 1), (16, 4), (64, 4), (16, 25))
+#: The step whose kernels are also summed by family (device time per family, launched
+#: without its graph): where a step of the target's shape spends its time.
+CENSUS_STEP = (16, 4)
 
 
 def stateful_code2wav(
@@ -64,22 +74,23 @@ def stateful_code2wav(
 
 def _stream_step(
     plain: Any, compiled: Any, codes: list[torch.Tensor], reps: int, sync: Callable[[], None]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One step shape on both decoders: the same streams stepped again and again (each
     call one more chunk of every stream), released after; then two chunks of fresh
     streams on each decoder, compared."""
-    from benchmarks.floors import count_kernels
+    from benchmarks.floors import count_kernels, kernel_census
     from omnirelay.models.runner.vocoder import StreamRow
 
     def rows(prefix: str) -> list[StreamRow]:
         return [StreamRow(f"{prefix}{i}", c) for i, c in enumerate(codes)]
 
-    def timed(voc: Any) -> dict[str, float]:
-        figures = _pair(voc.graphs, functools.partial(voc.decode, rows("s")), reps, sync)
+    def timed(voc: Any) -> dict[str, Any]:
+        figures: dict[str, Any] = _pair(voc.graphs, functools.partial(voc.decode, rows("s")), reps, sync)
         voc.graphs.bypass = True  # kernels as launched: a profiler sees a replay as one launch
-        figures["kernels_per_step"] = count_kernels(
-            functools.partial(voc.decode, rows("s")), sync, voc.device
-        )
+        step = functools.partial(voc.decode, rows("s"))
+        figures["kernels_per_step"] = count_kernels(step, sync, voc.device)
+        if (len(codes), int(codes[0].shape[-1])) == CENSUS_STEP:
+            figures["census"] = kernel_census(step, sync, voc.device)
         voc.graphs.bypass = False
         for row in rows("s"):
             voc.release(row.rid)
@@ -177,4 +188,11 @@ def render_stateful(stage: str, stateful: dict[str, Any]) -> str:
         f"{stage:<14}capture {stateful['capture_s']:.1f} s, {stateful['num_graphs']} graphs; a 120-frame "
         f"stream chunk by chunk vs whole: relative error {stateful['stream_relative_error']:.2e}{compiled}\n"
     )
+    b, t = CENSUS_STEP
+    census = stateful.get(f"step_{b}x{t}", {}).get("census")
+    if census:
+        from benchmarks.kernels import render_census
+
+        lines.append(f"{stage}, the {b} x {t} step's kernels by family (launched without its graph):\n")
+        lines.extend(line + "\n" for line in render_census({"uncompiled": census}))
     return "".join(lines)

@@ -44,6 +44,7 @@ from benchmarks.floors import (
     floor,
     kv_bytes_per_position,
     param_bytes,
+    profiled,
     talker_tail_bytes,
 )
 from benchmarks.kernels import census, kernel_rows, render_census, subtract
@@ -199,23 +200,6 @@ def _step_bytes(runner: Any, b: int) -> int:
     return layers + kv + talker_tail_bytes(runner)
 
 
-def _profiled(fn: Callable[[], None], sync: Callable[[], None], device: torch.device, steps: int) -> Any:
-    """``key_averages()`` of ``steps`` calls of ``fn`` under ``torch.profiler`` (after one
-    unprofiled call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    fn()
-    sync()
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            fn()
-        sync()
-    return prof.key_averages()
-
-
 def _profile(
     frame: Callable[[], None],
     step: Callable[[], None],
@@ -228,8 +212,8 @@ def _profile(
     and their difference (the code-predictor tail and the host's part)."""
     steps = 5
     on_device = device.type == "cuda"
-    kernels = kernel_rows(_profiled(step, sync, device, steps), on_device)
-    frame_census = census(kernel_rows(_profiled(frame, sync, device, steps), on_device), steps)
+    kernels = kernel_rows(profiled(step, sync, device, steps), on_device)
+    frame_census = census(kernel_rows(profiled(frame, sync, device, steps), on_device), steps)
     step_census = census(kernels, steps)
     kernels.sort(key=lambda k: k[2], reverse=True)
     return {

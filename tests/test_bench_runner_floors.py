@@ -107,3 +107,28 @@ def test_the_runner_bench_can_leave_code2wavs_compiled_steps_out() -> None:
     assert stream_backend(on_cuda) == "inductor"
     assert stream_backend(on_cuda, compiled=False) is None
     assert stream_backend(torch.nn.Linear(1, 1)) is None  # the CPU: never compiled
+
+
+def test_the_code2wav_target_step_sums_its_kernels_by_family() -> None:
+    from benchmarks.runner_code2wav import CENSUS_STEP, _stream_step, render_stateful
+    from omnirelay.models.qwen3_tts.loader import TTSCheckpoint, TTSModelArgs
+    from omnirelay.models.runner.vocoder import StreamingVocoder
+
+    codec = TTSCheckpoint.open(TTSModelArgs(tiny=True)).load_codec()
+    vocoder = StreamingVocoder(codec, max_streams=16, cuda_graphs=False)
+    q, size = int(codec.config.num_quantizers), int(codec.config.codebook_size)
+    b, t = CENSUS_STEP
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        figures = _stream_step(
+            vocoder, None, [torch.randint(0, size, (q, t), generator=gen)] * b, 1, lambda: None
+        )
+        one = _stream_step(vocoder, None, [torch.randint(0, size, (q, 1), generator=gen)], 1, lambda: None)
+    census = figures["census"]
+    assert census["conv"]["kernels"] > 0  # the decoder's convolutions have a family of their own
+    assert census["total"]["kernels"] == pytest.approx(
+        sum(census[f]["kernels"] for f in census if f != "total")
+    )
+    assert "census" not in one  # one shape is summed, the others only counted
+    stateful = {"capture_s": 0.0, "num_graphs": 0, "stream_relative_error": 0.0, f"step_{b}x{t}": figures}
+    assert f"the {b} x {t} step's kernels by family" in render_stateful("tts-code2wav", stateful)
