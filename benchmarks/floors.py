@@ -157,18 +157,9 @@ def count_kernels(
 ) -> float:
     """Kernels per call of ``fn`` (the mean of ``steps`` profiled calls after one
     unprofiled): CUDA kernels on a GPU, ``aten`` operators on the CPU."""
-    from torch.profiler import ProfilerActivity, profile
-
     on_device = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
-    fn()
-    sync()
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            fn()
-        sync()
     count = 0
-    for event in prof.events():
+    for event in _profile(fn, sync, device, steps).events():
         if on_device:
             count += int(event.device_type.name == "CUDA")
         else:  # an operator that calls no other (``aten::linear`` is its ``addmm``)
@@ -182,18 +173,22 @@ def count_kernels(
 def profiled(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device, steps: int) -> Any:
     """``key_averages()`` of ``steps`` calls of ``fn`` under ``torch.profiler`` (after one
     unprofiled call)."""
+    return _profile(fn, sync, device, steps).key_averages()
+
+
+def _profile(fn: Callable[[], Any], sync: Callable[[], None], device: torch.device, steps: int) -> Any:
+    """The profiler that saw ``steps`` calls of ``fn`` (after one unprofiled call): the
+    host's operators, and on a GPU its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     fn()
     sync()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             fn()
         sync()
-    return prof.key_averages()
+    return prof
 
 
 def kernel_census(

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -99,34 +100,29 @@ def _rows_runner(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _rows_speech(report: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows_playable(levels: list[dict[str, Any]], shape: str, tail: str) -> list[dict[str, Any]]:
+    """First playable audio's p50 and ``tail`` percentile (ms) and the gap-free share of
+    each of ``levels``, named by ``shape`` (a format of the level's fields)."""
     rows = []
-    for rate in report.get("rates", []):
-        playable = rate.get("first_playable_s", {})
-        rows.append(
-            {
-                "shape": f"{rate.get('rate_per_s')}/s",
-                "step_ms": None if "p50" not in playable else round(1000 * playable["p50"], 1),
-                "part_ms": None if "p95" not in playable else round(1000 * playable["p95"], 1),
-                "kernels": rate.get("gap_free_share"),
-            }
-        )
-    return rows
-
-
-def _rows_pipeline(report: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for level in report.get("levels", []):
+    for level in levels:
         playable = level.get("first_playable_s", {})
         rows.append(
             {
-                "shape": f"c={level.get('concurrency')}",
+                "shape": shape.format_map(defaultdict(lambda: None, level)),
                 "step_ms": None if "p50" not in playable else round(1000 * playable["p50"], 1),
-                "part_ms": None if "p99" not in playable else round(1000 * playable["p99"], 1),
+                "part_ms": None if tail not in playable else round(1000 * playable[tail], 1),
                 "kernels": level.get("gap_free_share"),
             }
         )
     return rows
+
+
+def _rows_speech(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return _rows_playable(report.get("rates", []), "{rate_per_s}/s", "p95")
+
+
+def _rows_pipeline(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return _rows_playable(report.get("levels", []), "c={concurrency}", "p99")
 
 
 #: how each bench's JSON becomes rows, and what the table's three columns then mean
