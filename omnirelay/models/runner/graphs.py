@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +126,7 @@ class StreamOwners:
 _OWNERS = StreamOwners()
 
 
-def largest_first(buckets: Iterator[tuple[int, int]] | list[tuple[int, int]]) -> list[tuple[int, int]]:
+def largest_first(buckets: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(rows, frames)`` buckets in capture order: the largest step (rows × frames) first.
     The graphs of a set share one pool, and the caching allocator gives a capture a block
     freed by an earlier capture only when the block is large enough: captured smallest
