@@ -88,10 +88,10 @@ def grouped_attention(
 
 
 def _attend(
-    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
+    attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int, rotate: Any
 ) -> torch.Tensor:
     b, t, _ = x.shape
-    q, k, v = attention_inputs(attn, x, cos, sin, _rotary_fn())
+    q, k, v = attention_inputs(attn, x, cos, sin, rotate)
     keys, values, mask, causal = kv_step(li, k, v)
     if mask is None:
         out = F.scaled_dot_product_attention(
@@ -103,10 +103,18 @@ def _attend(
 
 
 def decoder_layer(
-    layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step: KVStep, li: int
+    layer: Any,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_step: KVStep,
+    li: int,
+    rotate: Any = None,
 ) -> torch.Tensor:
-    """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE)."""
-    h = h + _attend(layer.self_attn, run_norm(layer.input_layernorm, h), cos, sin, kv_step, li)
+    """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE).
+    ``rotate``: the family's ``apply_rotary_pos_emb`` for a layer whose queries and keys
+    are not fused (:func:`~omnirelay.models.runner.fused.attention_inputs`)."""
+    h = h + _attend(layer.self_attn, run_norm(layer.input_layernorm, h), cos, sin, kv_step, li, rotate)
     out: torch.Tensor = h + run_mlp(layer.mlp, run_norm(layer.post_attention_layernorm, h))
     return out
 
@@ -179,6 +187,10 @@ class StaticDecoder:
         self.model = model
         self.layers = list(model.layers)
         fuse_projections(self.layers)
+        # Resolved here, not per layer inside the pass: an import traced by torch.compile
+        # can break its graph. Only a layer left unfused rotates through it.
+        unfused = any(getattr(layer.self_attn, "omnirelay_qk_norm", None) is None for layer in self.layers)
+        self._rotate = _rotary_fn() if unfused else None
         self.kv = kv
         #: :meth:`forward` as decode steps call it: compiled after :meth:`compile_decode`
         self.decode_forward: Callable[..., tuple[torch.Tensor, dict[int, torch.Tensor]]] = self.forward
@@ -256,7 +268,7 @@ class StaticDecoder:
         for li, layer in enumerate(self.layers):
             if li in capture:
                 captured[li] = h
-            h = decoder_layer(layer, h, cos, sin, kv_step, li)
+            h = decoder_layer(layer, h, cos, sin, kv_step, li, self._rotate)
         h = run_norm(self.model.norm, h)
         if len(self.layers) in capture:
             captured[len(self.layers)] = h
