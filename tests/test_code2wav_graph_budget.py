@@ -27,7 +27,7 @@ from omnirelay.models.runner.code2wav import (
     decoder_widths,
     graph_budget_bytes,
 )
-from omnirelay.models.runner.graphs import GraphSet, graph_memory_errors, largest_first
+from omnirelay.models.runner.graphs import GraphSet, capture_order, graph_memory_errors
 from omnirelay.models.runner.memory import (
     ACTIVATION_COPIES,
     DeviceBudget,
@@ -234,7 +234,8 @@ def test_code2wavs_pools_captured_before_the_sizing_leave_the_kv_less() -> None:
 def test_the_graphs_are_captured_largest_step_first(monkeypatch: pytest.MonkeyPatch) -> None:
     # The graphs of a set share one pool: captured largest first, each smaller step fits
     # in the blocks the larger captures freed instead of adding segments of its own.
-    assert largest_first([(1, 1), (4, 1), (1, 4), (2, 2), (8, 1), (1, 16)]) == [
+    only = {(1, 1), (4, 1), (1, 4), (2, 2), (8, 1), (1, 16)}
+    assert capture_order((1, 2, 4, 8), (1, 2, 4, 16), only) == [
         (1, 16),
         (8, 1),
         (1, 4),  # equal steps: the longer chunk first
@@ -254,5 +255,5 @@ def test_the_graphs_are_captured_largest_step_first(monkeypatch: pytest.MonkeyPa
         graphs.enabled = True
         monkeypatch.setattr(graphs, "capture", lambda key, step, seen=captured: seen.append(key))
         capture()
-        assert captured == largest_first(grid)
+        assert captured == capture_order((1, 2, 4), (1, 2, 4), set(grid))
         assert captured[0] == (1, 4) and captured[-1] == (1, 1)

@@ -30,8 +30,8 @@ from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.graphs import (
     GraphSet,
     Step,
+    capture_order,
     graph_memory_errors,
-    largest_first,
     reserved_bytes,
     upload,
 )
@@ -130,8 +130,7 @@ class GraphedCode2Wav:
         start = time.monotonic()
         before = reserved_bytes(self.device)
         with torch.inference_mode(), graph_memory_errors(self.graphs, GRAPH_MEMORY_KNOB):
-            grid = ((b, t) for t in self.frames for b in self.batch_sizes)
-            for b, t in largest_first(k for k in grid if self._buckets is None or k in self._buckets):
+            for b, t in capture_order(self.batch_sizes, self.frames, self._buckets):
                 self.graphs.capture((b, t), self._step(b, t))
             self._check_padding()
         self.graphs.report.seconds = time.monotonic() - start

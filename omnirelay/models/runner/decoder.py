@@ -109,7 +109,7 @@ def decoder_layer(
     sin: torch.Tensor,
     kv_step: KVStep,
     li: int,
-    rotate: Any = None,
+    rotate: Any,
 ) -> torch.Tensor:
     """One pre-norm decoder layer of a Qwen3(-Omni) stack (attention + MLP or MoE).
     ``rotate``: the family's ``apply_rotary_pos_emb`` for a layer whose queries and keys

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +40,8 @@ __all__ = [
     "GraphSet",
     "Step",
     "StreamOwners",
+    "capture_order",
     "graph_memory_errors",
-    "largest_first",
     "own_stream",
     "reserved_bytes",
     "to_device",
@@ -126,14 +126,18 @@ class StreamOwners:
 _OWNERS = StreamOwners()
 
 
-def largest_first(buckets: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(rows, frames)`` buckets in capture order: the largest step (rows × frames) first.
-    The graphs of a set share one pool, and the caching allocator gives a capture a block
-    freed by an earlier capture only when the block is large enough: captured smallest
-    first, each larger step takes new segments and the smaller ones stay, so the pool
-    grows to about the sum of the steps' peaks; captured largest first, the smaller steps
-    fit in the blocks the largest freed."""
-    return sorted(buckets, key=lambda bucket: (-bucket[0] * bucket[1], -bucket[1], -bucket[0]))
+def capture_order(
+    batch_sizes: Iterable[int], frames: Iterable[int], only: Collection[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
+    """The ``(rows, frames)`` buckets of ``batch_sizes × frames`` (those in ``only``, when
+    given) in capture order: the largest step (rows × frames) first. The graphs of a set
+    share one pool, and the caching allocator gives a capture a block freed by an earlier
+    capture only when the block is large enough: captured smallest first, each larger
+    step takes new segments and the smaller ones stay, so the pool grows to about the sum
+    of the steps' peaks; captured largest first, the smaller steps fit in the blocks the
+    largest freed."""
+    grid = [(b, t) for t in frames for b in batch_sizes if only is None or (b, t) in only]
+    return sorted(grid, key=lambda bucket: (-bucket[0] * bucket[1], -bucket[1], -bucket[0]))
 
 
 def own_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:

@@ -81,8 +81,8 @@ from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNO
 from omnirelay.models.runner.graphs import (
     GraphSet,
     Step,
+    capture_order,
     graph_memory_errors,
-    largest_first,
     reserved_bytes,
     upload,
     uploaded,
@@ -461,8 +461,7 @@ class StreamingVocoder:
         cudnn.benchmark = benchmark or os.environ.get(CONV_SEARCH_ENV) == "1"
         try:
             with torch.inference_mode(), graph_memory_errors(self.graphs, GRAPH_MEMORY_KNOB):
-                grid = ((b, t) for t in self.frames for b in self.batch_sizes)
-                for b, t in largest_first(k for k in grid if self._buckets is None or k in self._buckets):
+                for b, t in capture_order(self.batch_sizes, self.frames, self._buckets):
                     self.graphs.capture((b, t), self._step(b, t))
         finally:
             cudnn.benchmark = benchmark
