@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from omnirelay.models.runner.graphs import GraphSet, own_stream
+from omnirelay.models.runner.graphs import GraphPool, GraphSet, own_stream, reserved_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REPLAYS = 100
@@ -80,3 +80,36 @@ def test_two_graph_sets_replayed_at_once_on_two_streams_keep_their_results() -> 
 
     wrong = _replay_at_once([old(0), old(1)], wants)
     print(f"graphs captured on one stream, replayed at once: {wrong} of {2 * REPLAYS} outputs wrong")
+
+
+def test_sets_sharing_a_pool_capture_on_one_stream_and_reuse_its_blocks() -> None:
+    """Two sets of one stage in one :class:`GraphPool` capture on its one stream, so the
+    second set's capture of a step as large as the first's takes no new memory: the
+    blocks the first freed were freed on that stream. Two sets with pools of their own
+    (the control) each take the step's peak."""
+    device = torch.device("cuda:0")
+    x = torch.randn((4096, 4096), device=device)
+
+    def step() -> dict[str, torch.Tensor]:
+        h = torch.relu(x @ x) + 1  # intermediates freed inside the capture
+        return {"y": (h * h).sum(0)}
+
+    def grown(sets: Sequence[GraphSet]) -> list[int]:
+        growth = []
+        for graphs in sets:
+            before = reserved_bytes(device)
+            graphs.capture("step", step)
+            growth.append(reserved_bytes(device) - before)
+        return growth
+
+    pool = GraphPool()
+    shared = [GraphSet(name, device, enabled=True, pool=pool) for name in ("window", "stream")]
+    own = [GraphSet(name, device, enabled=True) for name in ("window", "stream")]
+    shared_growth, own_growth = grown(shared), grown(own)
+    assert shared[0].stream is shared[1].stream and own[0].stream is not own[1].stream
+    peak = x.numel() * x.element_size()
+    print(f"pool growth per set: shared {shared_growth}, own pools {own_growth} (a step's tensor {peak} B)")
+    assert shared_growth[0] >= 2 * peak and own_growth[1] >= 2 * peak
+    assert shared_growth[1] < peak
+    for graphs in (*shared, *own):
+        assert torch.equal(graphs.run("step", step)["y"], step()["y"])

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
-import importlib.util
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,52 +31,19 @@ import torch
 
 from omnirelay.models.runner import moe
 from omnirelay.models.runner.decoder import experts_implementation
+from tests.triton_support import HAS_TRITON, interpreted_import, needs_triton
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON, reason="needs triton (not a dependency: the GPU install has it)"
-)
 needs_cuda = pytest.mark.skipif(
     not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU and triton"
 )
 KERNELS = "omnirelay.models.runner.moe_kernels"
 
 
-def _triton_modules() -> dict[str, Any]:
-    """``triton``'s Python modules loaded now (its compiled extension stays loaded)."""
-    return {
-        name: module
-        for name, module in sys.modules.items()
-        if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
-    }
-
-
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The kernels module built for the Triton interpreter. ``triton`` decides at import
-    whether its own library functions (``tl.sum``…) are interpreted, and another test may
-    have imported it already (``torch`` does, for ``inductor``): then its modules are
-    set aside, imported afresh for the interpreter, and put back afterwards (at exit
-    ``nanobind`` may then list the set-aside copies as leaked: harmless). With a GPU the
-    tests below run the same kernels compiled instead."""
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here: the GPU tests run these kernels compiled")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """The kernels module built for the Triton interpreter (:mod:`tests.triton_support`)."""
     monkeypatch.delenv("OMNIRELAY_FUSED_MOE", raising=False)
-    saved = _triton_modules()
-    saved_kernels = sys.modules.pop(KERNELS, None)
-    for name in saved:
-        del sys.modules[name]
-    try:
-        yield importlib.import_module(KERNELS)
-    finally:
-        sys.modules.pop(KERNELS, None)
-        if saved:
-            for name in _triton_modules():
-                del sys.modules[name]
-            sys.modules.update(saved)
-        if saved_kernels is not None:
-            sys.modules[KERNELS] = saved_kernels
+    yield from interpreted_import(KERNELS, monkeypatch)
 
 
 def _block(experts: int, top_k: int, hidden: int, inter: int, *, talker: bool = False, seed: int = 0) -> Any:

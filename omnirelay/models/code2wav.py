@@ -69,7 +69,7 @@ from omnirelay.models.runner.code2wav import (
     decoder_widths,
     graph_budget_bytes,
 )
-from omnirelay.models.runner.graphs import own_stream
+from omnirelay.models.runner.graphs import GraphPool, own_stream
 from omnirelay.models.runner.memory import bucket_grid, module_bytes, peak_activation_bytes
 from omnirelay.models.runner.vocoder import (
     DEFAULT_STREAM_BATCHES,
@@ -408,7 +408,7 @@ def _build_decoders(
             budget_bytes=budget,
             bytes_per_row_frame=per_row_frame,
         )
-        pool = torch.cuda.graph_pool_handle()
+        pool = GraphPool()  # one pool and capture stream for both sets
     decoder = GraphedCode2Wav(model, cuda_graphs=cuda_graphs, buckets=windows, pool=pool)
     decoder.capture_graphs()
     vocoder = None

@@ -28,6 +28,7 @@ import torch
 from omnirelay.errors import ModelError
 from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.graphs import (
+    GraphPool,
     GraphSet,
     Step,
     capture_order,
@@ -105,7 +106,7 @@ class GraphedCode2Wav:
         batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCHES,
         frames: tuple[int, ...] = DEFAULT_DECODE_FRAMES,
         buckets: Collection[tuple[int, int]] | None = None,
-        pool: Any = None,
+        pool: GraphPool | None = None,
     ) -> None:
         """``buckets``: the (batch, frames) pairs to capture (None: all); ``pool``: the
         graphs' memory pool, shared with the stage's other graphs (None: their own)."""

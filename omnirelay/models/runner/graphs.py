@@ -20,6 +20,12 @@ stages of a device group, replaying on two streams at once, would both write. Wa
 on its capture stream, a set's workspace is allocated there, outside the graph pool.
 A graph's kernels also keep the capture stream's priority (torch instantiates graphs
 with per-node priorities), so a set captures at the priority it replays at.
+
+Sets of one stage that replay in turn on its one stream may share a pool
+(:class:`GraphPool`), and then share its capture stream too: the caching allocator gives
+an allocation only a block freed on the allocation's own stream, so a set capturing on a
+stream of its own would find none of the blocks the other set's captures freed, and the
+pool would grow to the sum of the sets' peaks instead of the larger.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from omnirelay.errors import ModelError
 
 __all__ = [
     "CaptureReport",
+    "GraphPool",
     "GraphSet",
     "Step",
     "StreamOwners",
@@ -204,21 +211,45 @@ class _Graph:
     outputs: dict[str, torch.Tensor]
 
 
+class GraphPool:
+    """One memory pool and the one stream its sets capture on (see the module docstring):
+    for the graph sets of one stage, replayed in turn on one stream."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._stream: torch.cuda.Stream | None = None
+
+    def stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
+        """The pool's capture stream (:func:`own_stream`, made by the first set to capture)."""
+        if self._stream is None:
+            self._stream = own_stream(device, priority)
+        return self._stream
+
+
 class GraphSet:
     """Graphs by key on one CUDA device (or none: ``enabled=False`` runs everything eagerly)."""
 
     def __init__(
-        self, name: str, device: torch.device, *, enabled: bool, pool: Any = None, priority: int = 0
+        self,
+        name: str,
+        device: torch.device,
+        *,
+        enabled: bool,
+        pool: GraphPool | None = None,
+        priority: int = 0,
     ) -> None:
-        """``pool``: a memory pool (``torch.cuda.graph_pool_handle()``) shared with other
-        sets whose graphs replay in turn with these (None: a pool of its own);
+        """``pool``: a memory pool and capture stream shared with other sets whose graphs
+        replay in turn with these, at the same priority (None: a pool and stream of its own);
         ``priority``: the priority of the stream the graphs are captured on (that of the
         stream they replay on)."""
         self.name = name
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self._graphs: dict[Hashable, _Graph] = {}
-        self._pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.enabled else None
+        self._shared = pool
+        self._pool = None
+        if self.enabled:
+            self._pool = pool.handle if pool is not None else torch.cuda.graph_pool_handle()
         self.report = CaptureReport(name)
         self.num_replays = 0
         self.num_eager = 0
@@ -248,7 +279,10 @@ class GraphSet:
         start = time.monotonic()
         self.capturing = key
         if self.stream is None:
-            self.stream = own_stream(self.device, self.priority)
+            shared, device = self._shared, self.device
+            self.stream = (
+                own_stream(device, self.priority) if shared is None else shared.stream(device, self.priority)
+            )
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

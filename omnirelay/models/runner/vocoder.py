@@ -64,6 +64,7 @@ bound the difference), not bit for bit. A stage compiles its stream steps when
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -79,6 +80,7 @@ from omnirelay.models.runner import vocoder_ops as ops
 from omnirelay.models.runner.buckets import bucket
 from omnirelay.models.runner.code2wav import CODE2WAV_PRIORITY, GRAPH_MEMORY_KNOB
 from omnirelay.models.runner.graphs import (
+    GraphPool,
     GraphSet,
     Step,
     capture_order,
@@ -176,7 +178,7 @@ class StreamingVocoder:
         frames: tuple[int, ...] = DEFAULT_STREAM_FRAMES,
         compile: str | None = None,
         buckets: Collection[tuple[int, int]] | None = None,
-        pool: Any = None,
+        pool: GraphPool | None = None,
     ) -> None:
         """``buckets``: the (batch, frames) pairs captured as graphs (None: every pair; a
         step never launches more rows of a frame bucket than its largest captured batch);
@@ -201,6 +203,7 @@ class StreamingVocoder:
         self._zero_row = max_streams + 1
         self._shapes: list[tuple[int, int]] = []  # each convolution history's (channels, width)
         self._lookahead: list[int] = []  # the up-sampling factor of each look-ahead layer
+        self._snake_kernel = compile is None and ops.snake_kernel_enabled(self.device)  # one launch each
         self._plan = self._walk()
         self.holdback = self._holdback()
         kv = (len(transformer.layers), 2, heads, self.window - 1, head_dim)
@@ -276,6 +279,7 @@ class StreamingVocoder:
             plan.append(("upsample", up, int(up.conv.stride[0])))
             plan.append(("convnext", convnext, self._conv(convnext.dwconv)))
         blocks = list(model.decoder)  # its activations fused, their parameters' exponentials made now
+        snake = functools.partial(ops.snake, kernel=self._snake_kernel)
         plan.append(("conv", blocks[0], self._conv(blocks[0])))
         for block in blocks[1:-2]:
             activation, trans, *units = block.block
@@ -283,7 +287,7 @@ class StreamingVocoder:
             trim = (int(trans.left_pad), int(trans.right_pad))
             if trans.conv.kernel_size[0] != 2 * r or trim not in ((r, r), (0, r)):
                 raise ModelError("streaming Code2Wav: a decoder block's transposed convolution is not 2r/r")
-            plan.append(("act", ops.snake(activation), None))
+            plan.append(("act", snake(activation), None))
             index = self._history_index(int(trans.conv.in_channels), 1)
             looks_ahead = trim == (r, r)
             if looks_ahead:
@@ -291,8 +295,8 @@ class StreamingVocoder:
             plan.append(("transposed", trans, (r, looks_ahead, index)))
             for unit in units:
                 convs = (self._conv(unit.conv1), self._conv(unit.conv2))
-                plan.append(("unit", unit, (*convs, ops.snake(unit.act1), ops.snake(unit.act2))))
-        plan.append(("act", ops.snake(blocks[-2]), None))
+                plan.append(("unit", unit, (*convs, snake(unit.act1), snake(unit.act2))))
+        plan.append(("act", snake(blocks[-2]), None))
         plan.append(("conv", blocks[-1], self._conv(blocks[-1])))
         return plan
 

@@ -6,7 +6,9 @@ operations is computed here in fewer, from values fixed at startup:
 
 * :func:`snake` — a SnakeBeta activation ``x + sin²(x·e^α) / (e^β + ε)`` as four
   launches instead of eight: ``e^α`` and ``e^β + ε`` (or its inverse, as the module
-  writes it) are the parameters' and computed once;
+  writes it) are the parameters' and computed once; on CUDA with ``triton``, one
+  launch (:mod:`~omnirelay.models.runner.vocoder_kernels`; ``OMNIRELAY_FUSED_SNAKE=0``
+  keeps the four);
 * :func:`fused_qkv` — an attention's query, key and value projections as one matrix
   (a copy of their weights, made at startup): one product instead of three;
 * :func:`rotary` — rotary position embedding as three launches for the queries, keys and
@@ -30,6 +32,9 @@ two differ by about one bfloat16 rounding (3e-3 relative) per fused piece.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -43,39 +48,68 @@ __all__ = [
     "rotary_sign",
     "scaled_residual",
     "snake",
+    "snake_kernel_enabled",
     "window_bias",
 ]
+
+#: ``0`` runs the SnakeBeta activations as ``torch`` operations, not one Triton kernel each
+FUSED_SNAKE_ENV = "OMNIRELAY_FUSED_SNAKE"
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
-def snake(module: torch.nn.Module) -> Activation:
+def snake_kernel_enabled(device: torch.device) -> bool:
+    """Whether :func:`snake` on ``device`` launches the one Triton kernel: CUDA,
+    ``triton`` importable, ``OMNIRELAY_FUSED_SNAKE`` not ``0``."""
+    if os.environ.get(FUSED_SNAKE_ENV) == "0":
+        return False
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def snake(module: torch.nn.Module, *, kernel: bool = False) -> Activation:
     """``module``'s SnakeBeta with its parameters' exponentials made once (the weights
     must be loaded before): the transformers module's (``no_div_by_zero``: it multiplies by
     ``1 / (e^β + ε)``) or Qwen3-TTS's (``eps``: it divides by ``e^β + ε``), each computed
-    as its module does; any other activation is returned as it is."""
+    as its module does; any other activation is returned as it is. ``kernel``: as one
+    Triton launch in float32 (:func:`snake_kernel_enabled` says where it can run)."""
     alpha = getattr(module, "alpha", None)
     beta = getattr(module, "beta", None)
     multiplies, divides = getattr(module, "no_div_by_zero", None), getattr(module, "eps", None)
     if not isinstance(alpha, torch.Tensor) or not isinstance(beta, torch.Tensor):
         return module
+    if isinstance(multiplies, float):
+        divide, offset = False, multiplies
+    elif isinstance(divides, float):
+        divide, offset = True, divides
+    else:
+        return module
     with torch.no_grad():
         freq = alpha.detach().exp().view(1, -1, 1)
-        if not isinstance(multiplies, float) and isinstance(divides, float):
-            denom = beta.detach().exp().view(1, -1, 1) + divides
+        denom = beta.detach().exp().view(1, -1, 1) + offset
+        scale = denom if divide else 1.0 / denom
+    if kernel:
+        return _snake_kernel(freq.float().flatten(), scale.float().flatten(), divide)
+    if divide:
 
-            def divided(x: torch.Tensor) -> torch.Tensor:
-                return torch.addcdiv(x, torch.sin(x * freq).pow(2), denom)
+        def divided(x: torch.Tensor) -> torch.Tensor:
+            return torch.addcdiv(x, torch.sin(x * freq).pow(2), scale)
 
-            return divided
-        if not isinstance(multiplies, float):
-            return module
-        inverse = 1.0 / (beta.detach().exp().view(1, -1, 1) + multiplies)
+        return divided
 
     def multiplied(x: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(x, inverse, torch.sin(x * freq).pow(2))
+        return torch.addcmul(x, scale, torch.sin(x * freq).pow(2))
 
     return multiplied
+
+
+def _snake_kernel(freq: torch.Tensor, scale: torch.Tensor, divide: bool) -> Activation:
+    kernels = importlib.import_module("omnirelay.models.runner.vocoder_kernels")
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = kernels.snake(x, freq, scale, divide=divide)
+        return out
+
+    return fused
 
 
 def rotary_sign(head_dim: int) -> torch.Tensor:
