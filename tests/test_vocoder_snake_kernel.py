@@ -5,15 +5,16 @@ computes what the decoders' own modules compute.
   float32, for Qwen3-TTS's SnakeBeta (divides) and ``transformers``' (multiplies by the
   inverse), rows shorter than a block and longer than one, a non-contiguous input: within
   1e-6 of the module.
-* GPU: the same compiled, in float32 (within 1e-5: the device's ``sin``) and bfloat16
-  (within a bfloat16 rounding), and replayed from a CUDA graph; the streaming vocoder
-  picks it on CUDA unless ``OMNIRELAY_FUSED_SNAKE=0``.
+* GPU: the same compiled against the module in float32, for float32 (within 1e-5: the
+  device's ``sin``) and bfloat16 input (within one bfloat16 rounding), and replayed from
+  a CUDA graph. The streaming vocoder picks it on CUDA unless ``OMNIRELAY_FUSED_SNAKE=0``.
 
 Skipped with a reason where ``triton`` (CPU part) or CUDA (GPU part) is missing.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,17 +74,24 @@ def test_the_kernel_is_chosen_on_cuda_only_and_can_be_switched_off(monkeypatch: 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_kernel_is_the_modules_activation_in_a_graph(dtype: torch.dtype) -> None:
+    """Against the module in float32: the kernel within 1e-5 (float32: the device's
+    ``sin``) or one bfloat16 rounding of its output (bfloat16: it computes in float32 and
+    rounds once, where the module in bfloat16 rounds each of its steps)."""
     x = torch.randn(4, 96, 7680, device="cuda:0", dtype=dtype) * 3
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    tolerance = 1e-5 if dtype == torch.float32 else 4e-3
     for module in _modules(96, "cuda:0", dtype):
         fused = ops.snake(module, kernel=True)
+        exact = copy.deepcopy(module).float()
         with torch.no_grad():
-            want = module(x)
-            assert _worst(fused(x), want) < tolerance
-            fused(x)  # compiled and warmed up before the capture
+            got = fused(x)
+            print(
+                f"{type(module).__name__} {dtype}: kernel {_worst(got, exact(x.float())):.1e}, "
+                f"module {_worst(module(x), exact(x.float())):.1e} from float32"
+            )
+            assert _worst(got, exact(x.float())) < tolerance
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = fused(x)
             x.mul_(0.5)
             graph.replay()
-            assert _worst(out, module(x)) < tolerance
+            assert _worst(out, exact(x.float())) < tolerance

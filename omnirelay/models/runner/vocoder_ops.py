@@ -83,12 +83,13 @@ def snake(module: torch.nn.Module, *, kernel: bool = False) -> Activation:
         divide, offset = True, divides
     else:
         return module
-    with torch.no_grad():
-        freq = alpha.detach().exp().view(1, -1, 1)
-        denom = beta.detach().exp().view(1, -1, 1) + offset
+    with torch.no_grad():  # the kernel computes in float32, its tables too
+        a, b = (alpha.detach().float(), beta.detach().float()) if kernel else (alpha.detach(), beta.detach())
+        freq = a.exp().view(1, -1, 1)
+        denom = b.exp().view(1, -1, 1) + offset
         scale = denom if divide else 1.0 / denom
     if kernel:
-        return _snake_kernel(freq.float().flatten(), scale.float().flatten(), divide)
+        return _snake_kernel(freq.flatten(), scale.flatten(), divide)
     if divide:
 
         def divided(x: torch.Tensor) -> torch.Tensor:
