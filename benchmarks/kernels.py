@@ -27,10 +27,14 @@ __all__ = ["FAMILIES", "census", "family", "kernel_rows", "render_census", "subt
 #: The families, in the order a census lists them.
 FAMILIES = ("gemm", "conv", "attention", "norm", "sampling", "triton", "copy/index", "elementwise", "other")
 
+# omnirelay's own Triton kernels (models/runner/moe_kernels.py, vocoder_kernels.py): the
+# profiler names them by their function alone.
+_OWN_TRITON = r"^(count_pairs|place_pairs|route|route_place|gate_up_silu|down_weighted|_snake_rows)$"
+
 # (family, pattern) in the order they are tried, on the lower-cased name; inductor's own
 # kernels first (its names carry the ops they fused: "triton_per_fused_index_put_…").
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("triton", re.compile(r"^triton_|^triton::")),
+    ("triton", re.compile(rf"^triton_|^triton::|{_OWN_TRITON}")),
     ("sampling", re.compile(r"topk|sort|radix|bitonic|multinomial|argmax|exponential_|sampl")),
     # before the GEMMs: cuDNN's implicit-GEMM convolutions carry "gemm" and "xmma" too
     ("conv", re.compile(r"conv(?!ert)|fprop|winograd|dgrad|wgrad|nchwtonhwc|nhwctonchw")),

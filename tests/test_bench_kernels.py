@@ -33,6 +33,8 @@ from benchmarks.kernels import FAMILIES, census, family, kernel_rows, render_cen
         ("aten::topk", "sampling"),
         ("triton_per_fused_index_put_mul_rsqrt_0", "triton"),
         ("triton_tem_fused_mm_1", "triton"),
+        ("_snake_rows", "triton"),
+        ("gate_up_silu", "triton"),
         ("void at::native::index_put_kernel_impl<at::native::OpaqueType<2>>", "copy/index"),
         ("void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy/index"),
         ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<long, unsigned int, 1>", "copy/index"),

@@ -5,7 +5,9 @@ uncompiled step computes, for Qwen3-TTS and Qwen3-Omni alike.
 * tiny Qwen3-TTS in float32, frame graphs: the greedy codes of the uncompiled frame
   while requests join and leave (the first frame exactly, ≥ 95 % of all codes: fused
   sums may break a rare tie the other way);
-* tiny Qwen3-TTS in bfloat16, three shapes (a static graph, then a dynamic one): the
+* tiny Qwen3-TTS in bfloat16, three shapes (a static graph, then a dynamic one; torch
+  2.11 on CUDA keeps the attention length, an ``int``, fixed in the dynamic graph, so
+  the third shape may compile a third): the
   compiled pass's normed hidden states within 0.05 of
   the uncompiled pass's (values of order 1: a few bfloat16 steps, fused kernels round
   elsewhere), its keys and values written in the cache (no buffer of a layer's keys'
@@ -70,7 +72,7 @@ def test_tts_compiled_pass_in_bf16_writes_in_place_and_replays_in_a_graph() -> N
     runner = _runner(checkpoint.load_talker(), checkpoint.config)
     kv, dev = runner.kv, runner.device
     code = compiled_pass_matches(runner, [(4, 32), (2, 16), (3, 48)], atol=0.05)
-    assert len(code) == 2
+    assert len(code) in (2, 3)  # the second graph's attention length: symbolic, or fixed (torch 2.11)
     sizes = buffer_sizes(code)
     assert sizes and max(sizes) < kv.keys[0].numel()
     # captured in a CUDA graph: a replay writes the cache and returns what the call did
