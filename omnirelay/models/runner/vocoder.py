@@ -44,14 +44,12 @@ sample of look-ahead; 0: causal).
 released with the request); ``decode(rows)`` runs one step and returns each row's new
 samples.
 
+On CUDA each SnakeBeta is one Triton kernel (:mod:`~omnirelay.models.runner.vocoder_kernels`).
 With ``compile="inductor"`` the step goes through ``torch.compile`` before its graphs are
-captured: eagerly a step is hundreds of small kernels — each SnakeBeta alone is a handful
-of element-wise passes over the layer's whole activation, each state-bearing convolution
-a gather of its history, a concatenation and a scatter of the new state —
-and inductor fuses the element-wise work around each convolution (activation, prefix
-mask, history concatenation, residual add) into one kernel that writes the convolution's
-input, and the transformer's norms, rotary and mask arithmetic likewise; the
-convolutions and matrix products stay library calls. The compiled step is one function
+captured, the activations as torch operations: inductor fuses the element-wise work around
+each convolution (activation, prefix mask, history concatenation, residual add) into one
+kernel that writes the convolution's input, and the transformer's norms, rotary and mask
+arithmetic likewise; the convolutions and matrix products stay library calls. The compiled step is one function
 of the step's tensors (codes, slots, counts, positions; the state buffers are updated in
 place inside it), so one compiled graph serves every bucket with a batch and a frame
 count above one (the batch and frames dimensions turn symbolic on the second size seen);
