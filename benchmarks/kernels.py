@@ -5,8 +5,8 @@ the launches' counterpart there) into one of :data:`FAMILIES`, by the names the
 libraries give their kernels: cuBLAS's and CUTLASS's GEMMs (``nvjet``, ``gemm``,
 ``xmma``, ``cutlass``), attention (flash and memory-efficient kernels, softmax), norms,
 sampling (top-k, sorts, radix selects), convolutions (cuDNN's ``fprop``, ``winograd``
-and ``conv…`` kernels, ``aten::convolution`` on the CPU), kernels inductor generated (``triton_…``),
-copies and indexing (``copy``, ``index_put``, ``gather``, ``cat``, memcpy/memset), the
+and ``conv…`` kernels, ``aten::convolution`` on the CPU), Triton kernels (inductor's
+``triton_…`` and omnirelay's own, named by their functions), copies and indexing (``copy``, ``index_put``, ``gather``, ``cat``, memcpy/memset), the
 remaining elementwise and reduction kernels, and anything else. The first rule that
 matches wins, in that order after inductor's (``gatherTopK`` is sampling, not a gather;
 ``…xmma_fprop_implicit_gemm…`` a convolution, not a GEMM).

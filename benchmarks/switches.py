@@ -8,8 +8,8 @@ the step, the frame and the kernels (``bench tts-talker``), per stage and shape 
 step (``bench runner``), per rate or concurrency first playable audio and gap-free
 streams (``bench speech``, ``bench pipeline``). The environment switches are read when a
 stage is built, so variants cannot share a process; compiled kernels are cached on disk
-across them (docs/design.md §12),
-so a variant that compiles what an earlier one compiled starts faster.
+across them (docs/design.md §12), so a variant that compiles what an earlier one compiled
+starts faster.
 
 Each variant writes ``DIR/<name>.json`` (the bench's ``--json``) and ``DIR/<name>.log``;
 ``DIR/summary.json`` holds the table, the commit (``OMNIRELAY_BENCH_COMMIT``) and each

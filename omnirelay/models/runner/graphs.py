@@ -246,10 +246,8 @@ class GraphSet:
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self._graphs: dict[Hashable, _Graph] = {}
-        self._shared = pool
-        self._pool = None
-        if self.enabled:
-            self._pool = pool.handle if pool is not None else torch.cuda.graph_pool_handle()
+        #: the pool and capture stream (a shared one, or the set's own; None when disabled)
+        self._pool = (pool if pool is not None else GraphPool()) if self.enabled else None
         self.report = CaptureReport(name)
         self.num_replays = 0
         self.num_eager = 0
@@ -274,15 +272,13 @@ class GraphSet:
 
     def capture(self, key: Hashable, step: Step) -> None:
         """Warm ``step`` up once, then record it under ``key`` (no-op when disabled)."""
-        if not self.enabled or key in self._graphs:
+        pool = self._pool
+        if not self.enabled or pool is None or key in self._graphs:
             return
         start = time.monotonic()
         self.capturing = key
         if self.stream is None:
-            shared, device = self._shared, self.device
-            self.stream = (
-                own_stream(device, self.priority) if shared is None else shared.stream(device, self.priority)
-            )
+            self.stream = pool.stream(self.device, self.priority)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -293,7 +289,7 @@ class GraphSet:
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the stage process (transfers) may use CUDA meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool.handle, stream=stream, capture_error_mode="thread_local"):
             outputs = step()
         self._graphs[key] = _Graph(graph, outputs)
         self.capturing = None

@@ -49,11 +49,11 @@ With ``compile="inductor"`` the step goes through ``torch.compile`` before its g
 captured, the activations as torch operations: inductor fuses the element-wise work around
 each convolution (activation, prefix mask, history concatenation, residual add) into one
 kernel that writes the convolution's input, and the transformer's norms, rotary and mask
-arithmetic likewise; the convolutions and matrix products stay library calls. The compiled step is one function
-of the step's tensors (codes, slots, counts, positions; the state buffers are updated in
-place inside it), so one compiled graph serves every bucket with a batch and a frame
-count above one (the batch and frames dimensions turn symbolic on the second size seen);
-its kernels are cached on disk like the code predictor's
+arithmetic likewise; the convolutions and matrix products stay library calls. The
+compiled step is one function of the step's tensors (codes, slots, counts, positions; the
+state buffers are updated in place inside it), so one compiled graph serves every bucket
+with a batch and a frame count above one (the batch and frames dimensions turn symbolic
+on the second size seen); its kernels are cached on disk like the code predictor's
 (:func:`~omnirelay.models.runner.predictor.keyed_compile_cache`). Fused kernels round
 differently: the compiled step equals the eager one within float rounding (the tests
 bound the difference), not bit for bit. A stage compiles its stream steps when
@@ -201,8 +201,7 @@ class StreamingVocoder:
         self._zero_row = max_streams + 1
         self._shapes: list[tuple[int, int]] = []  # each convolution history's (channels, width)
         self._lookahead: list[int] = []  # the up-sampling factor of each look-ahead layer
-        self._snake_kernel = compile is None and ops.snake_kernel_enabled(self.device)  # one launch each
-        self._plan = self._walk()
+        self._plan = self._walk(snake_kernel=compile is None and ops.snake_kernel_enabled(self.device))
         self.holdback = self._holdback()
         kv = (len(transformer.layers), 2, heads, self.window - 1, head_dim)
         self._state = StreamState(rows, self._shapes, kv, dtype=self.dtype, device=self.device)
@@ -264,8 +263,9 @@ class StreamingVocoder:
         index = self._history_index(int(module.conv.in_channels), width) if width else -1
         return _Conv(module, width, index)
 
-    def _walk(self) -> list[tuple[str, Any, Any]]:
-        """The decoder after its stateless front as a list of (kind, module, state)."""
+    def _walk(self, snake_kernel: bool) -> list[tuple[str, Any, Any]]:
+        """The decoder after its stateless front as a list of (kind, module, state);
+        ``snake_kernel``: its SnakeBeta activations as one Triton launch each."""
         model = self.model
         plan: list[tuple[str, Any, Any]] = []
         for conv in getattr(model, "frame_convs", ()):
@@ -277,7 +277,7 @@ class StreamingVocoder:
             plan.append(("upsample", up, int(up.conv.stride[0])))
             plan.append(("convnext", convnext, self._conv(convnext.dwconv)))
         blocks = list(model.decoder)  # its activations fused, their parameters' exponentials made now
-        snake = functools.partial(ops.snake, kernel=self._snake_kernel)
+        snake = functools.partial(ops.snake, kernel=snake_kernel)
         plan.append(("conv", blocks[0], self._conv(blocks[0])))
         for block in blocks[1:-2]:
             activation, trans, *units = block.block
